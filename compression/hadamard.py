@@ -1,0 +1,111 @@
+"""Randomized Hadamard transform (THC paper §5.1), numpy and torch.
+
+RHT(x) = H·D·x with H the normalized Walsh–Hadamard matrix (orthogonal and
+symmetric, so H⁻¹ = H) and D a diagonal of ±1 signs; RHT⁻¹(y) = D·H·y.
+
+The fast transform uses the Kronecker structure H_n = H_{m1} ⊗ H_{m2} ⊗ …:
+viewing a vector of n = 2^k coordinates as a (m1, m2, …) tensor, H_n applies a
+small dense H_m along every axis.  Each factor is one batched matrix product
+(BLAS), so the whole transform is a few passes over memory — O(n·Σm) flops
+instead of log2(n) strided butterfly passes — and the same code runs on numpy
+arrays and torch tensors.
+
+Signs D are drawn from a seed every worker derives identically from
+(job seed, round, block) so the PS never needs them and no worker sends them.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+_MAX_FACTOR_BITS = 6
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=16)
+def hadamard_matrix(m: int) -> np.ndarray:
+    """Normalized Sylvester Hadamard matrix of order m (a power of two), float32."""
+    if not is_pow2(m):
+        raise ValueError(f"Hadamard order must be a power of two, got {m}")
+    h = np.ones((1, 1), dtype=np.float64)
+    while h.shape[0] < m:
+        h = np.block([[h, h], [h, -h]])
+    out = (h / math.sqrt(m)).astype(np.float32)
+    out.flags.writeable = False
+    return out
+
+
+def _factor_bits(k: int) -> list[int]:
+    parts = max(1, -(-k // _MAX_FACTOR_BITS))
+    base, extra = divmod(k, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def _matrix_like(m: int, like):
+    h = hadamard_matrix(m)
+    if isinstance(like, np.ndarray):
+        return h
+    import torch
+    return torch.from_numpy(np.array(h)).to(like.dtype)
+
+
+def fwht(x):
+    """Normalized fast Walsh–Hadamard transform along the last axis (length a power of two).
+
+    Accepts a numpy array or a torch tensor and returns a new one of the same kind
+    (float32 for numpy input).  Leading axes are independent rows.
+    """
+    n = x.shape[-1]
+    if not is_pow2(n):
+        raise ValueError(f"FWHT length must be a power of two, got {n}")
+    if isinstance(x, np.ndarray):
+        x = x.astype(np.float32, copy=False)
+    lead = x.shape[:-1]
+    rows = int(np.prod(lead)) if lead else 1
+    if n == 1:
+        return x.reshape(lead + (1,)) * 1
+    bits = _factor_bits(n.bit_length() - 1)
+    y = x.reshape(rows, n)
+    inner = n
+    for b in bits:           # axis with m = 2^b entries; q = product of the axes after it
+        m = 1 << b
+        inner //= m
+        h = _matrix_like(m, y)
+        if inner == 1:
+            y = (y.reshape(-1, m) @ h).reshape(rows, n)
+        else:
+            y = (h @ y.reshape(-1, m, inner)).reshape(rows, n)
+    return y.reshape(lead + (n,))
+
+
+def rademacher_signs(job_seed: int, round_no: int, block: int, n: int) -> np.ndarray:
+    """±1 float32 diagonal for (job seed, round, block): identical in every process."""
+    rng = np.random.default_rng(np.random.SeedSequence([job_seed & 0xFFFFFFFF, round_no & 0xFFFFFFFF, block]))
+    bits = np.unpackbits(np.frombuffer(rng.bytes((n + 7) // 8), dtype=np.uint8))[:n]
+    return (1.0 - 2.0 * bits).astype(np.float32)
+
+
+def rht(x, signs):
+    """H·D·x along the last axis."""
+    return fwht(x * _like(signs, x))
+
+
+def irht(y, signs):
+    """D·H·y along the last axis (inverse of :func:`rht`)."""
+    return fwht(y) * _like(signs, y)
+
+
+def _like(arr: np.ndarray, ref):
+    if isinstance(ref, np.ndarray):
+        return arr
+    import torch
+    return torch.from_numpy(arr).to(ref.dtype)

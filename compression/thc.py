@@ -1,0 +1,299 @@
+"""Tensor Homomorphic Compression: the math of one round, as pure functions.
+
+Worker side (paper Alg. 3, §5.1–5.4):
+  1. x = ∇ + e                       error feedback
+  2. ℓ_j = max over workers of ‖x_j‖  per RHT block j (preliminary stage, §5.2(1))
+  3. R_j = H·D_j·x_j                  randomized Hadamard transform (§5.1)
+  4. M_j = t_p·ℓ_j/√d_j, m_j = −M_j   clamp R_j to [m_j, M_j]
+  5. y = (x' − m)·g/(M − m) ∈ [0, g]  grid coordinates (Alg. 2 line 9)
+  6. Z = T⁻¹ by unbiased stochastic rounding of y to its two neighbouring table
+     values (App. B: optimal for a fixed table); b-bit indices go on the wire.
+  7. e ← x − RHT⁻¹(X)                 carries rounding *and* clamping error
+PS side (Alg. 2 line 13): Y = Σ_i T[Z_i] in integers.
+Worker decode (Alg. 3 lines 19–21): x̂ = RHT⁻¹(m + (Y/k)·(M − m)/g) with k the
+number of contributors (k < n under partial aggregation).
+
+Uniform THC (Alg. 1) is the same pipeline with the identity table (g = 2^b − 1),
+no transform, and [m, M] the global min/max from the preliminary stage.
+
+Random draws are passed in (``uniforms``), so every function here is
+deterministic; numpy arrays and torch tensors are both accepted.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import numpy as np
+
+from compression.hadamard import fwht, next_pow2, rademacher_signs
+from proto.packing import check_lane_capacity
+from proto.tables import Table, identity_table, lower_interval_index, parse_p, solve_table
+
+#: The authors cap one transform at 2^23 coordinates (prior-art §1.2).
+DEFAULT_BLOCK_LOG2 = 23
+
+
+@dataclass(frozen=True)
+class ThcConfig:
+    """What every worker and the PS of one job agree on."""
+
+    bits: int = 4
+    granularity: int = 30
+    p: Fraction = Fraction(1, 32)
+    lane_bits: int = 8
+    block_log2: int = DEFAULT_BLOCK_LOG2
+    seed: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "p", parse_p(self.p))
+        if not 0 <= self.block_log2 <= 30:
+            raise ValueError(f"block_log2 must be in 0..30, got {self.block_log2}")
+        self.table  # validates (b, g)
+
+    @property
+    def table(self) -> Table:
+        return solve_table(self.bits, self.granularity, self.p)
+
+    def check_workers(self, workers: int) -> None:
+        """Refuse n·g overflowing the sum lane, before any traffic."""
+        check_lane_capacity(workers, self.granularity, self.lane_bits)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a flat vector of d coordinates is cut into power-of-two RHT blocks."""
+
+    dim: int
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+    padded: tuple[int, ...]
+
+    @property
+    def padded_dim(self) -> int:
+        return sum(self.padded)
+
+    def padded_offsets(self) -> list[int]:
+        out, acc = [], 0
+        for p in self.padded:
+            out.append(acc)
+            acc += p
+        return out
+
+
+def make_layout(dim: int, block_log2: int = DEFAULT_BLOCK_LOG2) -> Layout:
+    """Blocks of 2^block_log2 coordinates; the last one padded to its next power of two."""
+    if dim <= 0:
+        raise ValueError(f"dimension must be positive, got {dim}")
+    cap = 1 << block_log2
+    starts, lengths, padded = [], [], []
+    for s in range(0, dim, cap):
+        n = min(cap, dim - s)
+        starts.append(s)
+        lengths.append(n)
+        padded.append(next_pow2(n))
+    return Layout(dim, tuple(starts), tuple(lengths), tuple(padded))
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _is_torch(x) -> bool:
+    return not isinstance(x, np.ndarray)
+
+
+def _asarray(values: np.ndarray, like):
+    if isinstance(like, np.ndarray):
+        return values
+    import torch
+    return torch.from_numpy(np.ascontiguousarray(values))
+
+
+def _zeros(n: int, like):
+    if isinstance(like, np.ndarray):
+        return np.zeros(n, dtype=np.float32)
+    import torch
+    return torch.zeros(n, dtype=torch.float32)
+
+
+def _block_padded(x, layout: Layout, j: int):
+    s, n, p = layout.starts[j], layout.lengths[j], layout.padded[j]
+    if n == p:
+        return x[s:s + n]
+    out = _zeros(p, x)
+    out[:n] = x[s:s + n]
+    return out
+
+
+def stochastic_round(y, table: np.ndarray, interval_of: np.ndarray, uniforms):
+    """Unbiased rounding of grid values y ∈ [0, g] to table indices (T⁻¹ of Alg. 2).
+
+    y lies in [T[j], T[j+1]]; it becomes j+1 with probability (y − T[j])/(T[j+1] − T[j])
+    and j otherwise, so E[T[Z]] = y.
+    """
+    if _is_torch(y):
+        import torch
+        tab = torch.from_numpy(table.astype(np.float32))
+        iv = torch.from_numpy(interval_of)
+        j = iv[torch.floor(y).long()]
+        lo, hi = tab[j], tab[j + 1]
+        up = (uniforms < (y - lo) / (hi - lo)).long()
+        return (j + up).to(torch.uint8)
+    tab = table.astype(np.float32)
+    j = interval_of[y.astype(np.int64)]
+    lo, hi = tab[j], tab[j + 1]
+    return (j + (uniforms < (y - lo) / (hi - lo))).astype(np.uint8)
+
+
+def _clip(x, lo, hi):
+    if _is_torch(x):
+        import torch
+        return torch.clamp(x, lo, hi)
+    return np.clip(x, lo, hi)
+
+
+# ----------------------------------------------------------------------------- THC
+
+def block_norms(x, layout: Layout) -> np.ndarray:
+    """‖x_j‖ per RHT block, float64 (the preliminary-stage message)."""
+    out = np.empty(len(layout.starts))
+    for j, (s, n) in enumerate(zip(layout.starts, layout.lengths)):
+        seg = x[s:s + n]
+        out[j] = float((seg.double() ** 2).sum().sqrt()) if _is_torch(seg) else float(
+            np.sqrt(np.dot(seg.astype(np.float64), seg.astype(np.float64))))
+    return out
+
+
+def _scale(max_norm: float, padded: int, tp: float) -> float:
+    """M = t_p·ℓ/√d (Alg. 3 line 11); 0 for an all-zero round."""
+    return tp * max_norm / math.sqrt(padded) if max_norm > 0 else 0.0
+
+
+def encode(x, max_norms, cfg: ThcConfig, layout: Layout, round_no: int, uniforms):
+    """Table indices Z (uint8, one per padded coordinate) of x for this round.
+
+    `uniforms` holds layout.padded_dim draws from U[0, 1) (the worker's own RNG).
+    """
+    table = cfg.table
+    tab = table.as_array()
+    iv = lower_interval_index(tab)
+    g, tp = cfg.granularity, table.t_p
+    parts = []
+    for j, off in enumerate(layout.padded_offsets()):
+        p = layout.padded[j]
+        signs = rademacher_signs(cfg.seed, round_no, j, p)
+        r = fwht(_block_padded(x, layout, j) * _asarray(signs, x))
+        big_m = _scale(float(max_norms[j]), p, tp)
+        if big_m > 0:
+            y = (_clip(r, -big_m, big_m) + big_m) * (g / (2.0 * big_m))
+            y = _clip(y, 0.0, float(g))
+        else:
+            y = r * 0 + g / 2.0
+        parts.append(stochastic_round(y, tab, iv, uniforms[off:off + p]))
+    if _is_torch(x):
+        import torch
+        return torch.cat(parts)
+    return np.concatenate(parts)
+
+
+def lookup_sum(indices, table) -> np.ndarray:
+    """PS arithmetic (Alg. 2 line 13): Y = Σ_i T[Z_i] over the given workers, int64."""
+    tab = np.asarray(table, dtype=np.int64)
+    total = None
+    for z in indices:
+        v = tab[np.asarray(z, dtype=np.intp)]
+        total = v if total is None else total + v
+    if total is None:
+        raise ValueError("lookup_sum needs at least one worker's indices")
+    return total
+
+
+def decode(sums, contributors: int, max_norms, cfg: ThcConfig, layout: Layout, round_no: int):
+    """x̂ = RHT⁻¹(m + (Y/k)·(M − m)/g) (Alg. 3 lines 19–21), length layout.dim, float32."""
+    if contributors <= 0:
+        raise ValueError(f"contributors must be positive, got {contributors}")
+    g, tp = cfg.granularity, cfg.table.t_p
+    like = sums if _is_torch(sums) else np.zeros(0, np.float32)
+    out = _zeros(layout.dim, like)
+    for j, off in enumerate(layout.padded_offsets()):
+        p, s, n = layout.padded[j], layout.starts[j], layout.lengths[j]
+        big_m = _scale(float(max_norms[j]), p, tp)
+        yj = sums[off:off + p]
+        yj = yj.float() if _is_torch(yj) else yj.astype(np.float32)
+        a = yj * (2.0 * big_m / (g * contributors)) - big_m
+        signs = rademacher_signs(cfg.seed, round_no, j, p)
+        out[s:s + n] = (fwht(a) * _asarray(signs, a))[:n]
+    return out
+
+
+@dataclass
+class ThcRound:
+    """One worker's product of a round: what goes on the wire and the new error."""
+
+    indices: object
+    error: object
+
+
+def compress_with_feedback(grad, error, max_norms, cfg, layout, round_no, uniforms) -> ThcRound:
+    """Encode x = ∇ + e and return the indices and the new error e' = x − RHT⁻¹(X) (Alg. 3 l.22).
+
+    RHT⁻¹(X) is the worker's own decode with k = 1, so clamping error is carried too.
+    """
+    x = grad + error if error is not None else grad
+    z = encode(x, max_norms, cfg, layout, round_no, uniforms)
+    own = lookup_sum([z.numpy() if _is_torch(z) else z], cfg.table.values)
+    own = _asarray(own, x)
+    return ThcRound(z, x - decode(own, 1, max_norms, cfg, layout, round_no))
+
+
+# ----------------------------------------------------------------------------- uniform THC
+
+@dataclass(frozen=True)
+class UhcConfig:
+    """Uniform THC (Alg. 1): identity table, g = 2^b − 1."""
+
+    bits: int = 4
+    lane_bits: int = 8
+
+    @property
+    def table(self) -> Table:
+        return identity_table(self.bits)
+
+    @property
+    def granularity(self) -> int:
+        return (1 << self.bits) - 1
+
+    def check_workers(self, workers: int) -> None:
+        check_lane_capacity(workers, self.granularity, self.lane_bits)
+
+
+def uhc_encode(x: np.ndarray, lo: float, hi: float, cfg: UhcConfig, uniforms: np.ndarray) -> np.ndarray:
+    """Homomorphic USQ with the global [m, M] (Alg. 1 line 15)."""
+    g = cfg.granularity
+    tab = cfg.table.as_array()
+    if hi > lo:
+        y = np.clip((x.astype(np.float32) - lo) * (g / (hi - lo)), 0.0, float(g))
+    else:
+        y = np.zeros(x.shape, np.float32)
+    return stochastic_round(y, tab, lower_interval_index(tab), uniforms)
+
+
+def uhc_decode(sums: np.ndarray, contributors: int, lo: float, hi: float, cfg: UhcConfig) -> np.ndarray:
+    """m + (X/k)·(M − m)/(2^b − 1) (Alg. 1 line 21)."""
+    return (lo + sums.astype(np.float64) / contributors * ((hi - lo) / cfg.granularity)).astype(np.float32)
+
+
+@dataclass
+class ErrorFeedback:
+    """Per-tensor error-feedback memory, keyed by a stable tensor/bucket name."""
+
+    errors: dict = field(default_factory=dict)
+
+    def get(self, key, like):
+        e = self.errors.get(key)
+        if e is None or e.shape != like.shape:
+            return None
+        return e
+
+    def put(self, key, value):
+        self.errors[key] = value

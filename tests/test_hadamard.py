@@ -1,0 +1,54 @@
+"""Fast Walsh–Hadamard and randomized Hadamard transforms."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from compression.hadamard import fwht, hadamard_matrix, irht, rademacher_signs, rht
+
+
+def dense(n):
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 64, 128, 1 << 13])
+def test_fwht_matches_dense_matrix(n):
+    x = np.random.default_rng(n).standard_normal((3, n)).astype(np.float32)
+    assert np.allclose(fwht(x), x @ dense(n).T, atol=1e-5)
+
+
+def test_fwht_rejects_non_power_of_two():
+    with pytest.raises(ValueError):
+        fwht(np.zeros(12, np.float32))
+
+
+@pytest.mark.parametrize("n", [256, 1 << 15])
+def test_rht_round_trip_and_orthogonality(n):
+    x = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    s = rademacher_signs(7, 3, 0, n)
+    y = rht(x, s)
+    assert np.linalg.norm(y) == pytest.approx(np.linalg.norm(x), rel=1e-5)
+    assert np.allclose(irht(y, s), x, atol=1e-4)
+    m = hadamard_matrix(64).astype(np.float64)
+    assert np.allclose(m @ m.T, np.eye(64), atol=1e-6)
+
+
+def test_torch_equals_numpy():
+    x = np.random.default_rng(2).standard_normal(1 << 14).astype(np.float32)
+    s = rademacher_signs(1, 2, 3, x.size)
+    assert np.allclose(rht(torch.from_numpy(x), s).numpy(), rht(x, s), atol=1e-5)
+
+
+def test_signs_shared_across_processes():
+    code = ("from compression.hadamard import rademacher_signs as r;"
+            "import hashlib;print(hashlib.sha256(r(11, 5, 2, 4096).tobytes()).hexdigest())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    import hashlib
+    assert out.stdout.strip() == hashlib.sha256(rademacher_signs(11, 5, 2, 4096).tobytes()).hexdigest()
+    assert not np.array_equal(rademacher_signs(11, 5, 2, 4096), rademacher_signs(11, 6, 2, 4096))
+    assert set(np.unique(rademacher_signs(0, 0, 0, 1000))) == {-1.0, 1.0}

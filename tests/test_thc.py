@@ -1,0 +1,137 @@
+"""THC math: homomorphism, unbiasedness, error feedback, torch/numpy agreement, NMSE trends."""
+import numpy as np
+import pytest
+import torch
+
+from compression import nmse, thc
+from proto.packing import LaneOverflowError
+from proto.tables import lower_interval_index
+
+
+def _round(grads, cfg, rng, round_no=0):
+    layout = thc.make_layout(grads[0].size, cfg.block_log2)
+    norms = np.max([thc.block_norms(g, layout) for g in grads], axis=0)
+    zs = [thc.encode(g, norms, cfg, layout, round_no, rng.random(layout.padded_dim, dtype=np.float32))
+          for g in grads]
+    return layout, norms, zs
+
+
+@pytest.mark.parametrize("dim,block_log2", [(1000, 23), (5000, 10)])
+def test_homomorphism(dim, block_log2):
+    cfg = thc.ThcConfig(block_log2=block_log2, seed=3)
+    rng = np.random.default_rng(0)
+    grads = [rng.standard_normal(dim).astype(np.float32) for _ in range(4)]
+    layout, norms, zs = _round(grads, cfg, rng)
+    tab = cfg.table.values
+    per_worker = [thc.decode(thc.lookup_sum([z], tab), 1, norms, cfg, layout, 0) for z in zs]
+    joint = thc.decode(thc.lookup_sum(zs, tab), 4, norms, cfg, layout, 0)
+    assert np.allclose(np.mean(per_worker, axis=0), joint, atol=1e-5)
+    assert len(layout.starts) == (1 if block_log2 == 23 else 5)
+
+
+def test_lookup_sum_exact_integers():
+    tab = (0, 3, 5, 7, 9, 11, 13, 14, 16, 17, 19, 21, 23, 25, 27, 30)
+    zs = [np.array([0, 15, 7], np.uint8), np.array([15, 15, 1], np.uint8)]
+    assert thc.lookup_sum(zs, tab).tolist() == [30, 60, 17]
+
+
+def test_stochastic_round_unbiased():
+    table = np.array([0, 3, 5, 7, 9, 11, 13, 14, 16, 17, 19, 21, 23, 25, 27, 30])
+    rng = np.random.default_rng(5)
+    y = np.repeat(np.array([0.0, 0.4, 2.9, 13.5, 29.99, 30.0], np.float32), 200000)
+    z = thc.stochastic_round(y, table, lower_interval_index(table), rng.random(y.size, dtype=np.float32))
+    means = table[z].reshape(6, -1).mean(axis=1)
+    assert np.allclose(means, [0.0, 0.4, 2.9, 13.5, 29.99, 30.0], atol=0.02)
+
+
+def test_encode_decode_unbiased_without_clamping():
+    # p tiny: t_p ≈ 4.9 so no coordinate is clamped and the estimate is unbiased.
+    cfg = thc.ThcConfig(p="1/1000000", granularity=30)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal(256).astype(np.float32)
+    layout = thc.make_layout(x.size)
+    norms = thc.block_norms(x, layout)
+    trials = 3000
+    acc = np.zeros((trials, x.size))
+    for t in range(trials):
+        z = thc.encode(x, norms, cfg, layout, 0, rng.random(layout.padded_dim, dtype=np.float32))
+        acc[t] = thc.decode(thc.lookup_sum([z], cfg.table.values), 1, norms, cfg, layout, 0)
+    mean, se = acc.mean(axis=0), acc.std(axis=0) / np.sqrt(trials)
+    assert np.all(np.abs(mean - x) < 5 * se + 1e-6)
+    assert np.abs(mean - x).max() > 0  # a real estimate, not the input
+
+
+def test_error_feedback_telescopes():
+    cfg = thc.ThcConfig(seed=1)
+    rng = np.random.default_rng(2)
+    layout = thc.make_layout(3000)
+    err = np.zeros(3000, np.float32)
+    sent, total = np.zeros(3000), np.zeros(3000)
+    for r in range(5):
+        g = rng.lognormal(0, 1, 3000).astype(np.float32)
+        total += g
+        x = g + err
+        norms = thc.block_norms(x, layout)
+        out = thc.compress_with_feedback(g, err, norms, cfg, layout, r, rng.random(layout.padded_dim, dtype=np.float32))
+        sent += thc.decode(thc.lookup_sum([out.indices], cfg.table.values), 1, norms, cfg, layout, r)
+        err = out.error
+    # Σ decoded + final error == Σ gradients: nothing is lost, clamping included.
+    assert np.allclose(sent + err, total, atol=1e-3)
+    assert np.abs(err).max() > 0
+
+
+def test_torch_path_equals_numpy():
+    cfg = thc.ThcConfig(seed=4)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(3000).astype(np.float32)
+    layout = thc.make_layout(x.size)
+    norms = thc.block_norms(x, layout)
+    u = rng.random(layout.padded_dim, dtype=np.float32)
+    z_np = thc.encode(x, norms, cfg, layout, 2, u)
+    z_t = thc.encode(torch.from_numpy(x), norms, cfg, layout, 2, torch.from_numpy(u))
+    assert (z_t.numpy() != z_np).mean() < 1e-3   # float rounding may flip a rare boundary draw
+    y = thc.lookup_sum([z_np], cfg.table.values)
+    d_np = thc.decode(y, 1, norms, cfg, layout, 2)
+    d_t = thc.decode(torch.from_numpy(y), 1, norms, cfg, layout, 2)
+    assert np.allclose(d_t.numpy(), d_np, atol=1e-5)
+
+
+def test_zero_gradient_round():
+    cfg = thc.ThcConfig()
+    x = np.zeros(100, np.float32)
+    layout = thc.make_layout(100)
+    norms = thc.block_norms(x, layout)
+    z = thc.encode(x, norms, cfg, layout, 0, np.random.default_rng(0).random(128, dtype=np.float32))
+    assert np.all(thc.decode(thc.lookup_sum([z], cfg.table.values), 1, norms, cfg, layout, 0) == 0)
+
+
+def test_overflow_config_refused():
+    with pytest.raises(LaneOverflowError):
+        thc.ThcConfig(granularity=30, lane_bits=8).check_workers(9)
+    with pytest.raises(LaneOverflowError):
+        nmse.one_round("thc", [np.ones(8, np.float32)] * 9, np.random.default_rng(0), lane_bits=8)
+
+
+def test_uhc_homomorphic():
+    cfg = thc.UhcConfig(bits=4)
+    rng = np.random.default_rng(0)
+    grads = [rng.standard_normal(500).astype(np.float32) for _ in range(3)]
+    lo, hi = min(g.min() for g in grads), max(g.max() for g in grads)
+    zs = [thc.uhc_encode(g, lo, hi, cfg, rng.random(500, dtype=np.float32)) for g in grads]
+    each = [thc.uhc_decode(z.astype(np.int64), 1, lo, hi, cfg) for z in zs]
+    joint = thc.uhc_decode(thc.lookup_sum(zs, cfg.table.values), 3, lo, hi, cfg)
+    assert np.allclose(np.mean(each, axis=0), joint, atol=1e-5)
+
+
+def test_nmse_trends():
+    common = dict(workers=4, dim=1 << 14, trials=4, seed=1)
+    b2 = nmse.run("thc", bits=2, granularity=36, **common)["nmse"]
+    b3 = nmse.run("thc", bits=3, granularity=36, **common)["nmse"]
+    b4 = nmse.run("thc", bits=4, granularity=38, **common)["nmse"]
+    assert b2 > 2 * b3 > 4 * b4
+    two = nmse.run("thc", workers=2, dim=1 << 14, trials=4, seed=1)["nmse"]
+    eight = nmse.run("thc", workers=8, dim=1 << 14, trials=4, seed=1)["nmse"]
+    assert eight < two  # copies with independent rounding: error shrinks with n
+    tern = nmse.run("terngrad", workers=2, dim=1 << 16, trials=2, seed=1)["nmse"]
+    topk = nmse.run("topk", workers=2, dim=1 << 16, trials=2, seed=1)["nmse"]
+    assert tern > 20 * topk > 20 * two
