@@ -1,0 +1,100 @@
+"""The codec interface every compressor implements (GRACE/DDP-hook shape, prior-art §3).
+
+A codec is pure apart from the RNG and the explicit state objects passed in:
+
+  worker:  stats = codec.preliminary(x, state)            optional, combined by max at the PS
+           payload = codec.encode(x, state, rng, ctx)     bytes, worker → PS
+  PS:      down = codec.aggregate(payloads, ps_state, ctx) bytes, PS → workers; decodes to the MEAN
+                                                           of the contributors' inputs
+  worker:  x̂ = codec.decode(down, ctx)                    float32, length ctx.dim
+
+Homomorphic codecs (THC, uniform THC, TernGrad with a shared max) aggregate by
+lookup-and-sum on the compressed data; all others aggregate by decoding every
+payload, averaging and re-encoding — the bidirectional baseline of THC §2.2.
+
+Corrupt or truncated payloads raise :class:`CodecError` (a ValueError) and never
+anything else, so the PS can count and drop them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+class CodecError(ValueError):
+    """A payload that cannot be decoded (truncated, corrupt, wrong sizes)."""
+
+
+@dataclass(frozen=True)
+class Context:
+    """What both ends know about one tensor in one round.
+
+    key:  stable name of the tensor or bucket (error-feedback state is keyed by it)
+    dim:  number of coordinates
+    round_no: the round number (shared seeds derive from it)
+    shared: result of the preliminary stage (max over workers of `preliminary`), or None
+    contributors: k, the number of workers whose payloads were aggregated
+    """
+
+    key: str
+    dim: int
+    round_no: int = 0
+    shared: Any = None
+    contributors: int = 1
+
+
+class Codec:
+    """Base class; subclasses set `name`, `homomorphic` and implement the methods."""
+
+    name = "abstract"
+    homomorphic = False
+
+    def new_state(self) -> dict:
+        """Fresh per-tensor worker state (error feedback lives here)."""
+        return {}
+
+    def new_ps_state(self) -> dict:
+        """Fresh per-tensor PS state (e.g. 3LC's shared pull context)."""
+        return {}
+
+    def preliminary(self, x: np.ndarray, state: dict) -> np.ndarray | None:
+        """Local statistics exchanged before encoding (combined elementwise by max)."""
+        return None
+
+    def encode(self, x: np.ndarray, state: dict, rng: np.random.Generator, ctx: Context) -> bytes:
+        raise NotImplementedError
+
+    def aggregate(self, payloads: list[bytes], ps_state: dict, ctx: Context) -> bytes:
+        raise NotImplementedError
+
+    def decode(self, payload: bytes, ctx: Context) -> np.ndarray:
+        raise NotImplementedError
+
+    def bits_per_coordinate(self, payload: bytes, dim: int) -> float:
+        return 8.0 * len(payload) / dim
+
+
+def combine_preliminary(stats: list) -> Any:
+    """The PS's combine rule for preliminary statistics: elementwise max."""
+    stats = [s for s in stats if s is not None]
+    if not stats:
+        return None
+    return np.max(np.stack([np.asarray(s, dtype=np.float64) for s in stats]), axis=0)
+
+
+def run_round(codec: Codec, grads: list[np.ndarray], rng: np.random.Generator, *, key: str = "t",
+              round_no: int = 0, states: list | None = None, ps_state: dict | None = None):
+    """One in-process round (no network): returns (mean estimate, up payloads, down payload).
+
+    The reference every networked path is checked against.
+    """
+    n, dim = len(grads), grads[0].size
+    states = states if states is not None else [codec.new_state() for _ in range(n)]
+    ps_state = ps_state if ps_state is not None else codec.new_ps_state()
+    shared = combine_preliminary([codec.preliminary(g, s) for g, s in zip(grads, states)])
+    ctx = Context(key, dim, round_no, shared, n)
+    ups = [codec.encode(g, s, rng, ctx) for g, s in zip(grads, states)]
+    down = codec.aggregate(ups, ps_state, ctx)
+    return codec.decode(down, ctx), ups, down

@@ -1,0 +1,33 @@
+"""Codec registry: `--codec NAME` everywhere resolves here.
+
+Entries are import paths, so a codec module is imported only when used.
+"""
+from __future__ import annotations
+
+import importlib
+
+_REGISTRY = {
+    "thc": "compression.codecs_builtin:ThcCodec",
+    "uhc": "compression.codecs_builtin:UhcCodec",
+    "topk": "compression.codecs_builtin:TopKCodec",
+    "terngrad": "compression.codecs_builtin:TernGradCodec",
+    "none": "compression.codecs_builtin:NoneCodec",
+    "3lc": "compression.threelc:ThreeLCCodec",
+    "skcompress": "compression.skcompress:SKCompressCodec",
+    "fastsgd": "compression.fastsgd:FastSGDCodec",
+    "casq": "compression.casq:CASQCodec",
+}
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get(name: str, **params):
+    """Instantiate codec `name` with keyword parameters (unknown names raise ValueError)."""
+    try:
+        path = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown codec {name!r}; choose from {', '.join(_REGISTRY)}") from None
+    module, cls = path.split(":")
+    return getattr(importlib.import_module(module), cls)(**params)
