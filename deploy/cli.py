@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--seed", type=int, default=0, help="RNG seed (default 0)")
     n.set_defaults(func=commands.cmd_nmse)
 
+    _add_cluster_commands(sub)
+
     d = sub.add_parser("demo-nmse", help="print the NMSE comparison of all codecs (quick look)")
     d.add_argument("--workers", type=_positive, default=4)
     d.add_argument("--dim", type=_positive, default=1 << 18)
@@ -67,12 +69,98 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _probability(value: str) -> float:
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a probability, got {value!r}") from None
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), got {value!r}")
+    return v
+
+
+def _quorum(value: str) -> float:
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction of workers, got {value!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"quorum must lie in (0, 1], got {value!r}")
+    return v
+
+
+def _addr(value: str):
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return host, int(port)
+
+
+def _job_args(p, workers_required=False):
+    p.add_argument("--workers", type=_positive, default=None if workers_required else 4,
+                   required=workers_required, help="number of workers n")
+    p.add_argument("--codec", choices=("thc", "none"), default="thc",
+                   help="thc (lookup-and-sum) or none (float32 sums, the baseline)")
+    p.add_argument("--bits", type=_positive, default=4, help="index bits b (default 4)")
+    p.add_argument("--granularity", type=_positive, default=30, help="granularity g (default 30)")
+    p.add_argument("--p", type=_p_arg, default="1/32", help="support fraction p (default 1/32)")
+    p.add_argument("--lane-bits", type=int, choices=(8, 16, 32), default=8,
+                   help="bits per aggregated value; n*g must fit (default 8)")
+    p.add_argument("--quorum", type=_quorum, default=1.0,
+                   help="fraction of workers after which a slot is multicast (default 1.0)")
+    p.add_argument("--slots", type=_positive, default=512, help="aggregator slots (default 512)")
+    p.add_argument("--seed", type=int, default=0, help="job seed (RHT signs, gradients)")
+
+
+def _add_cluster_commands(sub):
+    ps = sub.add_parser("ps", help="run one software PS process (per host)",
+                        description="Software PS: UDP data plane (C engine) on ADDR:PORT, ZeroMQ "
+                                    "control plane on PORT+1 (or --control-port).")
+    ps.add_argument("--bind", type=_addr, default=("127.0.0.1", 9000), help="ADDR:PORT (default 127.0.0.1:9000)")
+    ps.add_argument("--control-port", type=int, default=None, help="control port (default PORT+1)")
+    ps.add_argument("--engine", choices=("c", "python"), default="c", help="aggregation engine (default c)")
+    ps.add_argument("--stats-every", type=float, default=10.0, help="seconds between stats lines (0: off)")
+    _job_args(ps, workers_required=True)
+    ps.set_defaults(func=commands.cmd_ps)
+
+    w = sub.add_parser("worker", help="run one worker process: R rounds of test gradients through a PS",
+                       description="Connects to a running `thc ps`, registers as --rank, runs rounds.")
+    w.add_argument("--ps", type=_addr, required=True, help="the PS data address HOST:PORT")
+    w.add_argument("--rank", type=int, default=None, help="worker id (default: $RANK from torchrun, else 0)")
+    w.add_argument("--rounds", type=_positive, default=10)
+    w.add_argument("--dim", type=_positive, default=1 << 16)
+    w.add_argument("--loss", type=_probability, default=0.0, help="injected loss each way")
+    w.add_argument("--loss-policy", choices=("retransmit", "zero"), default="retransmit")
+    w.add_argument("--straggler-delay-ms", type=float, default=0.0)
+    w.add_argument("--seed", type=int, default=0)
+    w.set_defaults(func=commands.cmd_worker)
+
+    la = sub.add_parser("launch", help="start a PS and N workers here, run rounds, check every one",
+                        description="Local cluster with an exactness check of every chunk of every "
+                                    "round against an in-process reference.")
+    _job_args(la)
+    la.add_argument("--rounds", type=_positive, default=10, help="rounds (default 10)")
+    la.add_argument("--dim", type=_positive, default=1 << 16, help="coordinates per round (default 2^16)")
+    la.add_argument("--loss", type=_probability, default=0.0, help="injected loss each way (default 0)")
+    la.add_argument("--duplicate", type=_probability, default=0.0, help="injected duplicates")
+    la.add_argument("--reorder", type=_probability, default=0.0, help="injected reordering")
+    la.add_argument("--straggler-delay-ms", type=float, default=0.0, help="delay of the straggler per round")
+    la.add_argument("--straggler-rank", type=int, default=None, help="which worker straggles (default: all)")
+    la.add_argument("--loss-policy", choices=("retransmit", "zero"), default="retransmit")
+    la.add_argument("--timeout-ms", type=float, default=50.0, help="first retransmission timeout")
+    la.add_argument("--engine", choices=("c", "python"), default="c")
+    la.add_argument("--ps", type=str, default=None, help="use a running PS at HOST:PORT instead of starting one")
+    la.add_argument("--json", action="store_true", help="print one JSON summary line")
+    la.add_argument("--verbose", action="store_true", help="per-round progress from every worker")
+    la.set_defaults(func=commands.cmd_launch)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         result = args.func(args)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, RuntimeError) as exc:
         print(f"thc {args.command}: error: {exc}", file=sys.stderr)
         return 2
     if isinstance(result, dict):

@@ -36,3 +36,79 @@ def cmd_demo_nmse(args) -> None:
         r = nmse.run(codec, workers=args.workers, dim=args.dim, trials=args.trials)
         print(f"{codec:<10}{r['nmse']:>12.4g}{r['bits_up']:>10.2f}{r['bits_down']:>11.2f}", flush=True)
     sys.stdout.flush()
+
+
+def _job(args):
+    from proto.job import JobConfig
+    return JobConfig(num_workers=args.workers, codec=args.codec, bits=args.bits,
+                     granularity=args.granularity, p=args.p, lane_bits=args.lane_bits,
+                     quorum=args.quorum, slots=args.slots, seed=args.seed)
+
+
+def cmd_ps(args) -> None:
+    import json
+    import time
+
+    from ps_server.server import PSServer
+    job = _job(args)   # validated here: e.g. n*g overflowing the lane is refused before binding
+    host, port = args.bind
+    servers = []
+    for s in range(1):
+        servers.append(PSServer(job, (host, port), control_port=args.control_port, engine=args.engine,
+                                log=lambda m: print(m, flush=True)).start())
+        print(f"PS shard {s}: data udp://{host}:{port}, control tcp://{host}:"
+              f"{servers[-1].control_port}, n={job.num_workers}, codec={job.codec}, "
+              f"b={job.bits}, g={job.granularity}, lanes={job.lane_bits} bits, quorum={job.quorum}",
+              flush=True)
+    try:
+        last = time.monotonic()
+        while not all(s.wait(0.5) for s in servers):
+            if args.stats_every and time.monotonic() - last >= args.stats_every:
+                last = time.monotonic()
+                for i, s in enumerate(servers):
+                    print(f"stats shard {i}: {json.dumps(s.stats())}", flush=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for i, s in enumerate(servers):
+            print(f"final stats shard {i}: {json.dumps(s.stats())}", flush=True)
+            s.stop()
+
+
+def cmd_worker(args) -> dict:
+    import os
+
+    from deploy.launch import worker_loop
+    from worker.transport import Faults
+    rank = args.rank if args.rank is not None else int(os.environ.get("RANK", "0"))
+    host, port = args.ps
+    out, counters = worker_loop(host, port, port + 1, rank, args.rounds, args.dim, args.seed,
+                                args.loss_policy, Faults(drop_out=args.loss, drop_in=args.loss, seed=args.seed),
+                                args.straggler_delay_ms, 1.0, 50.0, 64, None, False)
+    return {"rank": rank, "rounds": len(out), "lost_chunks": sum(r["lost"] for r in out),
+            "mean_round_ms": 1e3 * sum(r["seconds"] for r in out) / len(out), "transport": counters}
+
+
+def cmd_launch(args):
+    from deploy.launch import run_launch
+    _job(args)   # refuse a bad configuration before anything starts
+    if args.straggler_rank is not None and not 0 <= args.straggler_rank < args.workers:
+        raise ValueError(f"--straggler-rank must be in 0..{args.workers - 1}")
+    if not args.json:
+        print(f"launching PS + {args.workers} workers: {args.rounds} rounds of d={args.dim}, "
+              f"codec={args.codec}, loss={args.loss}, policy={args.loss_policy}, quorum={args.quorum}",
+              flush=True)
+    doc = run_launch(workers=args.workers, rounds=args.rounds, dim=args.dim, codec=args.codec,
+                     bits=args.bits, granularity=args.granularity, p=args.p, quorum=args.quorum,
+                     loss=args.loss, duplicate=args.duplicate, reorder=args.reorder,
+                     straggler_delay_ms=args.straggler_delay_ms, straggler_rank=args.straggler_rank,
+                     policy=args.loss_policy, seed=args.seed, ps=args.ps, engine=args.engine,
+                     timeout_ms=args.timeout_ms, slots=args.slots, lane_bits=args.lane_bits,
+                     verbose=args.verbose)
+    if args.json:
+        return doc
+    print(f"rounds {doc['rounds']}, exact {doc['exact_rounds']}, mismatched chunks "
+          f"{doc['mismatched_chunks']}, lost chunks {doc['lost_chunks']}, retransmissions "
+          f"{doc['retransmissions']}, mean round {doc['mean_round_ms']:.1f} ms")
+    print(f"PS counters: {doc['ps']}")
+    return None

@@ -1,0 +1,217 @@
+"""`thc ps`, `thc worker` and `thc launch`: processes per host and a checked local cluster.
+
+`thc launch` starts a PS (unless --ps is given) and N worker processes on this
+host, runs R rounds of deterministic random gradients, and checks every chunk
+of every round against an in-process reference: the exact integer sum
+Σ_{i ∈ bitmap} T[Z_i] recomputed from the same seeds (THC), or the float32 sum
+(codec none).  Under the `zero` policy a lost chunk is reported as lost, not as
+a mismatch; every delivered chunk must still be exact.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import sys
+import time
+import zlib
+
+import numpy as np
+
+from compression import thc
+from proto.job import JobConfig
+from proto.packing import pack_indices
+
+
+def gradient(seed: int, round_no: int, worker: int, dim: int) -> np.ndarray:
+    """The deterministic test gradient of (seed, round, worker).
+
+    Values are multiples of 2^-10 below 2^7 in magnitude, so float32 sums of up to 32 of
+    them are exact in any order: the uncompressed baseline can be checked bit for bit too.
+    """
+    rng = np.random.default_rng(np.random.SeedSequence([seed, round_no, worker, 0x6AD]))
+    x = rng.standard_normal(dim) * rng.lognormal(0, 1)
+    return (np.round(np.clip(x, -127, 127) * 1024) / 1024).astype(np.float32)
+
+
+def worker_loop(ps_host, data_port, control_port, worker_id, rounds, dim, seed, policy, faults,
+                straggler_delay_ms, straggler_prob, timeout_ms, window, report=None, quiet=True):
+    """Run `rounds` allreduces of test gradients; returns (per-round reports, transport counters)."""
+    from worker.client import Worker
+    from worker.transport import Transport
+    t = Transport(ps_host, data_port, worker_id, control_port=control_port, policy=policy,
+                  faults=faults, timeout_ms=timeout_ms, window=window)
+    w = Worker(t, error_feedback=False, seed=seed, straggler_delay_ms=straggler_delay_ms,
+               straggler_prob=straggler_prob)
+    out = []
+    try:
+        t.call({"type": "barrier", "name": "start", "worker_id": worker_id})
+        for r in range(rounds):
+            norms_box = {}
+            if w.job.codec == "thc":
+                orig = w._exchange_norms
+
+                def spy(norms, _orig=orig):
+                    got = _orig(norms)
+                    norms_box["norms"] = got.tolist()
+                    return got
+                w._exchange_norms = spy
+            w.allreduce(gradient(seed, r, worker_id, dim))
+            rep = w.last
+            out.append({"round": r, "lost": rep.lost, "k": rep.contributors, "bitmap": rep.bitmaps,
+                        "digest": rep.digests, "norms": norms_box.get("norms"),
+                        "seconds": rep.seconds, "bytes_up": rep.bytes_up, "bytes_down": rep.bytes_down})
+            if not quiet:
+                print(f"worker {worker_id} round {r + 1}/{rounds} {rep.seconds * 1e3:.1f} ms "
+                      f"lost={rep.lost}", file=sys.stderr, flush=True)
+        t.call({"type": "barrier", "name": "end", "worker_id": worker_id})
+        counters = dict(t.stats.counters)
+    finally:
+        t.close()
+    if report is not None:
+        report.put((worker_id, out, counters))
+    return out, counters
+
+
+def _worker_entry(*args):
+    try:
+        worker_loop(*args)
+    except Exception as exc:  # reported to the parent, which fails the launch
+        args[-2].put((args[3], f"{type(exc).__name__}: {exc}", None))
+
+
+def reference_digests(job: JobConfig, seed: int, round_no: int, dim: int, reports: dict) -> list:
+    """Per-chunk crc32 of the exact aggregate each worker should have received (None = skip)."""
+    n = job.num_workers
+    grads = [gradient(seed, round_no, i, dim) for i in range(n)]
+    per = job.elems_per_packet
+    if job.codec == "none":
+        payloads = None
+        total = None
+    else:
+        cfg = thc.ThcConfig(bits=job.bits, granularity=job.granularity, p=job.p,
+                            lane_bits=job.lane_bits, block_log2=job.block_log2, seed=job.seed)
+        layout = thc.make_layout(dim, cfg.block_log2)
+        tab = np.asarray(job.table, dtype=np.int64)
+        values = []
+        for i in range(n):
+            norms = np.asarray(reports[i]["norms"])
+            rng = reports[i]["rng"]
+            z = thc.encode(grads[i], norms, cfg, layout, round_no, rng.random(layout.padded_dim, dtype=np.float32))
+            values.append(tab[z])
+        payloads = values
+    results = []
+    total_len = payloads[0].size if payloads is not None else dim
+    for c, off in enumerate(range(0, total_len, per)):
+        count = min(per, total_len - off)
+        by_bitmap = {}
+        for i in range(n):
+            bm = reports[i]["bitmap"][c]
+            if bm == 0 or bm in by_bitmap:
+                continue
+            members = [w for w in range(n) if bm >> w & 1]
+            if payloads is None:
+                s = np.zeros(count, np.float32)
+                for w in members:
+                    s = s + grads[w][off:off + count]
+                by_bitmap[bm] = zlib.crc32(s.astype(">f4").tobytes())
+            else:
+                s = sum(payloads[w][off:off + count] for w in members)
+                by_bitmap[bm] = zlib.crc32(s.astype({8: ">u1", 16: ">u2", 32: ">u4"}[job.lane_bits]).tobytes())
+        results.append(by_bitmap)
+    return results
+
+
+def check_rounds(job: JobConfig, seed: int, dim: int, per_worker: dict) -> dict:
+    """Compare every worker's every chunk with the reference; returns exact/lost/mismatch counts."""
+    n = job.num_workers
+    rngs = {i: np.random.default_rng(np.random.SeedSequence([seed, i])) for i in range(n)}
+    rounds = len(per_worker[0])
+    exact_rounds, mismatched, lost = 0, 0, 0
+    for r in range(rounds):
+        reports = {i: dict(per_worker[i][r], rng=rngs[i]) for i in range(n)}
+        ref = reference_digests(job, seed, r, dim, reports)
+        ok = True
+        for i in range(n):
+            for c, digest in enumerate(reports[i]["digest"]):
+                bm = reports[i]["bitmap"][c]
+                if bm == 0:
+                    lost += 1
+                    continue
+                if ref[c].get(bm) != digest:
+                    mismatched += 1
+                    ok = False
+        exact_rounds += ok
+    return {"rounds": rounds, "exact_rounds": exact_rounds, "mismatched_chunks": mismatched,
+            "lost_chunks": lost}
+
+
+def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granularity=30, p="1/32",
+               quorum=1.0, loss=0.0, duplicate=0.0, reorder=0.0, straggler_delay_ms=0.0,
+               straggler_rank=None, straggler_prob=1.0, policy="retransmit", seed=0, ps=None,
+               engine="c", timeout_ms=50.0, window=64, slots=512, lane_bits=8, verbose=False) -> dict:
+    """Start a PS (unless `ps` = "host:port") and N worker processes; returns the JSON summary."""
+    from worker.transport import Faults
+    job = JobConfig(num_workers=workers, codec=codec, bits=bits, granularity=granularity, p=p,
+                    quorum=quorum, seed=seed, slots=slots, lane_bits=lane_bits)
+    server = None
+    if ps is None:
+        from ps_server.server import PSServer
+        server = PSServer(job, ("127.0.0.1", 0), control_port=0, engine=engine).start()
+        host, data_port, control_port = "127.0.0.1", server.data_addr[1], server.control_port
+    else:
+        host, _, port = ps.rpartition(":")
+        data_port, control_port = int(port), int(port) + 1
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = []
+    t0 = time.perf_counter()
+    for i in range(workers):
+        faults = Faults(drop_out=loss, drop_in=loss, duplicate=duplicate, reorder=reorder, seed=seed)
+        delay = straggler_delay_ms if (straggler_rank is None or straggler_rank == i) else 0.0
+        args = (host, data_port, control_port, i, rounds, dim, seed, policy, faults, delay,
+                straggler_prob, timeout_ms, window, q, not verbose)
+        proc = ctx.Process(target=_worker_entry, args=args, daemon=True)
+        proc.start()
+        procs.append(proc)
+    per_worker, counters, errors = {}, {}, []
+    deadline = time.monotonic() + 600
+    try:
+        while len(per_worker) + len(errors) < workers and time.monotonic() < deadline:
+            try:
+                wid, out, ctr = q.get(timeout=1.0)
+            except Exception:
+                if not any(p.is_alive() for p in procs) and q.empty():
+                    break
+                continue
+            if ctr is None:
+                errors.append(f"worker {wid}: {out}")
+            else:
+                per_worker[wid], counters[wid] = out, ctr
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+        elapsed = time.perf_counter() - t0
+        ps_stats = server.stats() if server is not None else None
+        if server is not None:
+            server.stop()
+    if errors or len(per_worker) < workers:
+        raise RuntimeError("launch failed: " + ("; ".join(errors) or "workers did not report in time"))
+    check = check_rounds(job, seed, dim, per_worker)
+    total = lambda key: int(sum(c[key] for c in counters.values()))
+    return {**check, "workers": workers, "dim": dim, "codec": codec, "quorum": quorum,
+            "loss": loss, "policy": policy, "seconds": elapsed,
+            "mean_round_ms": 1e3 * float(np.mean([r["seconds"] for w in per_worker.values() for r in w])),
+            "retransmissions": total("retransmissions"), "timeouts": total("timeouts"),
+            "lost_chunks_reported": total("lost_chunks"), "straggler_notices": total("straggler_notices"),
+            "resynced_chunks": total("resynced_chunks"),
+            "injected": {k: total(k) for k in ("injected_drops_out", "injected_drops_in",
+                                                 "injected_duplicates", "injected_reorders")},
+            "drops": ps_stats["drops"] if ps_stats else None, "ps": ps_stats,
+            "bytes_up_per_round": per_worker[0][0]["bytes_up"],
+            "bytes_down_per_round": per_worker[0][0]["bytes_down"]}
+
+
+def summary_json(doc: dict) -> str:
+    return json.dumps(doc)

@@ -1,0 +1,139 @@
+"""Data-plane packet layout (UDP payload), version 1, network byte order.
+
+One fixed 32-byte header, then the payload:
+
+  off size field         meaning
+    0   2  magic         0x5448 ("TH")
+    2   1  version       1
+    3   1  type          DATA, RESULT, STRAGGLER, NORM, NORM_RESULT
+    4   1  flags         RETRANSMIT (worker resend), RESENT (PS unicast of a kept result)
+    5   1  worker_id     sender (DATA/NORM) or addressee (unicast replies)
+    6   1  num_workers   n, as the worker believes it (checked against the job)
+    7   1  elem_bits     DATA: index bits b (or 32 for float32); RESULT: lane bits; NORM: 32
+    8   2  job_id
+   10   2  slot          aggregator index
+   12   4  round         the slot's round number (incremented each time a worker reuses it)
+   16   4  offset        coordinate offset of this packet's first element in the tensor
+   20   2  count         number of elements in the payload
+   22   2  payload_len   bytes after the header (must equal the datagram's remainder)
+   24   4  bitmap        RESULT/NORM_RESULT: workers that contributed
+   28   1  contributors  RESULT/NORM_RESULT: k, the number of contributors
+   29   1  op            element operation (LOOKUP_SUM, FLOAT_SUM, MAX_U32)
+   30   2  reserved      zero
+
+DATA payloads are packed b-bit table indices (see packing.py for the bit
+order) or big-endian float32 for the uncompressed baseline.  RESULT payloads
+are big-endian lanes of elem_bits bits (or float32 sums).  NORM payloads are
+big-endian IEEE float32 norms: for non-negative floats the bit pattern orders
+like the value, so the PS (or a switch) takes the max as unsigned integers.
+A STRAGGLER notification carries no payload; its `round` is the slot's current
+round, so the late worker can resynchronize.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, fields
+
+MAGIC = 0x5448
+VERSION = 1
+#: (name, bytes) in wire order: the single definition the struct format and the scapy layer derive from.
+FIELDS = (("magic", 2), ("version", 1), ("type", 1), ("flags", 1), ("worker_id", 1),
+          ("num_workers", 1), ("elem_bits", 1), ("job_id", 2), ("slot", 2), ("round", 4),
+          ("offset", 4), ("count", 2), ("payload_len", 2), ("bitmap", 4), ("contributors", 1),
+          ("op", 1), ("reserved", 2))
+HEADER_FMT = "!" + "".join({1: "B", 2: "H", 4: "I"}[size] for _, size in FIELDS)
+HEADER_SIZE = struct.calcsize(HEADER_FMT)
+assert HEADER_SIZE == 32
+
+# packet types
+DATA, RESULT, STRAGGLER, NORM, NORM_RESULT = 1, 2, 3, 4, 5
+TYPE_NAMES = {DATA: "DATA", RESULT: "RESULT", STRAGGLER: "STRAGGLER", NORM: "NORM", NORM_RESULT: "NORM_RESULT"}
+
+# flags
+F_RETRANSMIT = 0x01
+F_RESENT = 0x02
+
+# element operations
+OP_LOOKUP_SUM, OP_FLOAT_SUM, OP_MAX_U32 = 1, 2, 3
+OP_NAMES = {OP_LOOKUP_SUM: "lookup_sum", OP_FLOAT_SUM: "float_sum", OP_MAX_U32: "max_u32"}
+
+#: Default UDP payload budget: 1500-byte MTU − 20 (IPv4) − 8 (UDP).
+DEFAULT_MTU = 1500
+IP_UDP_OVERHEAD = 28
+MAX_WORKERS = 32   # bitmap width
+
+
+class PacketError(ValueError):
+    """A datagram that is not a well-formed THC packet; `reason` names the drop counter."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class Header:
+    type: int
+    job_id: int = 0
+    worker_id: int = 0
+    num_workers: int = 0
+    elem_bits: int = 0
+    slot: int = 0
+    round: int = 0
+    offset: int = 0
+    count: int = 0
+    payload_len: int = 0
+    bitmap: int = 0
+    contributors: int = 0
+    op: int = 0
+    flags: int = 0
+    version: int = VERSION
+    magic: int = MAGIC
+
+    def pack(self) -> bytes:
+        return struct.pack(HEADER_FMT, *(getattr(self, name) for name in FIELD_ORDER), 0)
+
+
+FIELD_ORDER = tuple(name for name, _ in FIELDS[:-1])
+
+
+def build(header: Header, payload: bytes = b"") -> bytes:
+    """Header + payload, with payload_len filled in."""
+    header.payload_len = len(payload)
+    return header.pack() + payload
+
+
+def parse(datagram: bytes) -> tuple[Header, memoryview]:
+    """Validate and split a datagram; raises PacketError with the drop reason."""
+    if len(datagram) < HEADER_SIZE:
+        raise PacketError("malformed", f"datagram of {len(datagram)} bytes is shorter than the header")
+    vals = struct.unpack_from(HEADER_FMT, datagram)
+    if vals[0] != MAGIC:
+        raise PacketError("malformed", f"bad magic 0x{vals[0]:04x}")
+    if vals[1] != VERSION:
+        raise PacketError("wrong_version", f"version {vals[1]} (expected {VERSION})")
+    h = Header(**dict(zip(FIELD_ORDER, vals[:16])))
+    if h.type not in TYPE_NAMES:
+        raise PacketError("malformed", f"unknown packet type {h.type}")
+    if h.payload_len != len(datagram) - HEADER_SIZE:
+        raise PacketError("malformed", f"payload_len {h.payload_len} but {len(datagram) - HEADER_SIZE} bytes follow")
+    return h, memoryview(datagram)[HEADER_SIZE:]
+
+
+def header_dict(h: Header) -> dict:
+    return {f.name: getattr(h, f.name) for f in fields(h)}
+
+
+def max_elements(payload_budget: int, elem_bits: int, result_bits: int) -> int:
+    """Elements per packet so that both the DATA and the RESULT payloads fit the budget."""
+    bits = max(elem_bits, result_bits)
+    n = (payload_budget * 8) // bits
+    return n - n % 8 if n >= 8 else n
+
+
+def payload_budget(mtu: int = DEFAULT_MTU) -> int:
+    """UDP payload bytes left for THC data after IP, UDP and THC headers."""
+    budget = mtu - IP_UDP_OVERHEAD - HEADER_SIZE
+    if budget < 16:
+        raise ValueError(f"MTU {mtu} leaves no room for a THC payload")
+    return budget

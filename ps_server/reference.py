@@ -1,0 +1,214 @@
+"""The PS aggregation logic in plain Python/numpy — the executable specification.
+
+The C engine (`ps_server/_fastpath.c`) implements exactly the same rules and is
+tested against this class on identical packet sequences.
+
+Per slot (THC paper Pseudocode 1, with SwitchML's loss handling, prior-art §2.1):
+  round, contributor count, worker bitmap, the accumulated lanes, and a kept
+  copy of the completed result plus the previous round's result (shadow copy).
+
+For a DATA/NORM packet of round r at slot s whose current round is R:
+  r > R            new round: reset count/bitmap/lanes (the old result becomes
+                   the shadow copy when r = R + 1), then aggregate it
+  r = R, new bit   aggregate (lookup-and-sum, float sum or max); at ⌈q·n⌉
+                   contributors the result is fanned out to every worker
+  r = R, bit seen  duplicate: dropped; if the round is complete the kept result
+                   is unicast back (the sender lost it)
+  r = R, complete  late contribution after partial aggregation: counted,
+  and bit unseen   dropped, and the result unicast to it
+  r = R − 1        a retransmission from a worker that lost the previous
+                   result: the shadow copy is unicast if there is one
+  otherwise        stale: STRAGGLER notification carrying R
+Every malformed or unauthorized datagram is counted under its reason and dropped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from proto import headers as H
+from proto.job import JobConfig
+from proto.packing import unpack_indices
+
+DROP_REASONS = ("malformed", "wrong_version", "unknown_job", "slot_out_of_range",
+                "worker_out_of_range", "unregistered", "stale", "duplicate", "late")
+COUNTERS = ("packets_in", "bytes_in", "packets_out", "bytes_out", "rounds_completed",
+            "partial_rounds", "results_resent", "stragglers_notified")
+
+
+@dataclass
+class _Result:
+    round: int
+    payload: bytes
+    bitmap: int
+    contributors: int
+    offset: int
+    count: int
+
+
+@dataclass
+class _Slot:
+    active: bool = False
+    round: int = 0
+    count: int = 0
+    bitmap: int = 0
+    offset: int = 0
+    elems: int = 0
+    acc: np.ndarray | None = None
+    result: _Result | None = None       # kept copy of the current round's result
+    previous: _Result | None = None     # shadow copy of round − 1
+
+
+@dataclass
+class Stats:
+    counters: dict = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    drops: dict = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
+
+    def as_dict(self) -> dict:
+        return {**self.counters, "drops": dict(self.drops)}
+
+
+class ReferencePS:
+    """Packet-in, packets-out PS for one job; no sockets (the server shell adds them)."""
+
+    def __init__(self, job: JobConfig):
+        self.job = job
+        self.table = np.asarray(job.table or (0,), dtype=np.int64)
+        self.slots = [_Slot() for _ in range(job.slots + job.norm_slots)]
+        self.workers: dict[int, tuple] = {}
+        self.stats = Stats()
+
+    def register(self, worker_id: int, addr: tuple) -> None:
+        if not 0 <= worker_id < self.job.num_workers:
+            raise ValueError(f"worker id {worker_id} out of range 0..{self.job.num_workers - 1}")
+        self.workers[worker_id] = (addr[0], int(addr[1]))
+
+    # ------------------------------------------------------------------ helpers
+    def _drop(self, reason: str) -> list:
+        self.stats.drops[reason] += 1
+        return []
+
+    def _payload_ok(self, h: H.Header) -> bool:
+        job = self.job
+        if h.count == 0:
+            return False
+        if h.type == H.NORM:
+            return h.elem_bits == 32 and h.op == H.OP_MAX_U32 and h.count <= job.elems_per_packet \
+                and h.payload_len == 4 * h.count
+        return h.elem_bits == job.up_bits and h.op == job.op and h.count <= job.elems_per_packet \
+            and h.payload_len == job.up_payload_len(h.count)
+
+    def _values(self, h: H.Header, payload) -> np.ndarray:
+        if h.type == H.NORM:
+            return np.frombuffer(payload, dtype=">u4").astype(np.int64)
+        if self.job.op == H.OP_FLOAT_SUM:
+            return np.frombuffer(payload, dtype=">f4").astype(np.float32)
+        return self.table[unpack_indices(bytes(payload), self.job.bits, h.count)]
+
+    def _result_payload(self, h_type: int, acc: np.ndarray) -> bytes:
+        if h_type == H.NORM:
+            return acc.astype(">u4").tobytes()
+        if self.job.op == H.OP_FLOAT_SUM:
+            return acc.astype(">f4").tobytes()
+        return acc.astype({8: ">u1", 16: ">u2", 32: ">u4"}[self.job.lane_bits]).tobytes()
+
+    def _result_packet(self, slot: int, res: _Result, data_type: int, dest: int | None) -> bytes:
+        norm = data_type == H.NORM
+        h = H.Header(type=H.NORM_RESULT if norm else H.RESULT, job_id=self.job.job_id,
+                     worker_id=0 if dest is None else dest, num_workers=self.job.num_workers,
+                     elem_bits=32 if norm else self.job.down_bits, slot=slot, round=res.round,
+                     offset=res.offset, count=res.count, bitmap=res.bitmap,
+                     contributors=res.contributors,
+                     op=H.OP_MAX_U32 if norm else self.job.op,
+                     flags=0 if dest is None else H.F_RESENT)
+        return H.build(h, res.payload)
+
+    def _emit(self, out: list, pkt: bytes, dest: int) -> None:
+        out.append((pkt, self.workers[dest]))
+        self.stats.counters["packets_out"] += 1
+        self.stats.counters["bytes_out"] += len(pkt)
+
+    def _unicast_result(self, slot: int, res: _Result, data_type: int, dest: int) -> list:
+        out: list = []
+        self.stats.counters["results_resent"] += 1
+        self._emit(out, self._result_packet(slot, res, data_type, dest), dest)
+        return out
+
+    # ------------------------------------------------------------------ main entry
+    def process(self, datagram: bytes, addr: tuple) -> list:
+        """Handle one datagram from `addr`; returns [(bytes, (ip, port)), ...] to send."""
+        c = self.stats.counters
+        c["packets_in"] += 1
+        c["bytes_in"] += len(datagram)
+        try:
+            h, payload = H.parse(datagram)
+        except H.PacketError as exc:
+            return self._drop(exc.reason)
+        job = self.job
+        if h.type not in (H.DATA, H.NORM):
+            return self._drop("malformed")
+        if h.job_id != job.job_id:
+            return self._drop("unknown_job")
+        if h.worker_id >= job.num_workers:
+            return self._drop("worker_out_of_range")
+        if self.workers.get(h.worker_id) != (addr[0], int(addr[1])):
+            return self._drop("unregistered")
+        lo, hi = (job.slots, job.slots + job.norm_slots) if h.type == H.NORM else (0, job.slots)
+        if not lo <= h.slot < hi:
+            return self._drop("slot_out_of_range")
+        if h.num_workers != job.num_workers or not self._payload_ok(h):
+            return self._drop("malformed")
+
+        st = self.slots[h.slot]
+        bit = 1 << h.worker_id
+        if not st.active or h.round > st.round:
+            st.previous = st.result if (st.active and st.result is not None
+                                        and h.round == st.round + 1) else None
+            st.active, st.round, st.count, st.bitmap = True, h.round, 0, 0
+            st.offset, st.elems, st.result = h.offset, h.count, None
+            st.acc = None
+        elif h.round == st.round:
+            if h.offset != st.offset or h.count != st.elems:
+                return self._drop("malformed")
+            if st.bitmap & bit:
+                if st.result is not None:
+                    return self._unicast_result(h.slot, st.result, h.type, h.worker_id)
+                return self._drop("duplicate")
+            if st.result is not None:
+                self.stats.drops["late"] += 1
+                return self._unicast_result(h.slot, st.result, h.type, h.worker_id)
+        elif h.round + 1 == st.round and st.previous is not None \
+                and h.offset == st.previous.offset and h.count == st.previous.count:
+            return self._unicast_result(h.slot, st.previous, h.type, h.worker_id)
+        else:
+            self.stats.drops["stale"] += 1
+            c["stragglers_notified"] += 1
+            note = H.build(H.Header(type=H.STRAGGLER, job_id=job.job_id, worker_id=h.worker_id,
+                                    num_workers=job.num_workers, slot=h.slot, round=st.round,
+                                    offset=h.offset, op=h.op))
+            out: list = []
+            self._emit(out, note, h.worker_id)
+            return out
+
+        values = self._values(h, payload)
+        if st.acc is None:
+            st.acc = values.copy()
+        elif h.type == H.NORM:
+            np.maximum(st.acc, values, out=st.acc)
+        else:
+            st.acc += values
+        st.bitmap |= bit
+        st.count += 1
+        if st.count < job.quorum_count:
+            return []
+        st.result = _Result(st.round, self._result_payload(h.type, st.acc), st.bitmap, st.count,
+                            st.offset, st.elems)
+        c["rounds_completed"] += 1
+        if st.count < job.num_workers:
+            c["partial_rounds"] += 1
+        pkt = self._result_packet(h.slot, st.result, h.type, None)
+        out = []
+        for wid in sorted(self.workers):
+            self._emit(out, pkt, wid)
+        return out

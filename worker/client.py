@@ -1,0 +1,155 @@
+"""`allreduce(tensor) -> averaged tensor` through the PS: one full THC round (Alg. 3).
+
+  norms ‖x_j‖ per RHT block   → NORM phase  → ℓ_j = max over workers (§5.2)
+  indices Z = THC(x) packed    → DATA phase  → Y = Σ T[Z_i] per chunk, with k and bitmap
+  x̂ = RHT⁻¹(m + (Y/k)(M − m)/g) per chunk's own k (partial aggregation), e ← x − RHT⁻¹(X)
+
+With codec "none" the same phases carry float32 values and the PS sums floats:
+the uncompressed baseline over the same PS and transport.
+
+A chunk lost under the `zero` policy contributes zero in the rotated domain
+(Y/k = g/2, i.e. a value of 0 before the inverse transform) — the paper's
+"treat the missing aggregate as zeros" (§6.1) applied to the gradient, not to
+the raw lane values (which would decode to −M).
+"""
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from compression import thc
+from proto import headers as H
+from proto.packing import pack_indices, unpack_lanes
+from worker.transport import Transport
+
+
+@dataclass
+class RoundReport:
+    """What one allreduce did, for checks and progress output."""
+
+    round_no: int
+    chunks: int
+    lost: int
+    contributors: list = field(default_factory=list)   # k per chunk (0 = lost)
+    bitmaps: list = field(default_factory=list)
+    digests: list = field(default_factory=list)        # crc32 of each chunk's result payload
+    seconds: float = 0.0
+    bytes_up: int = 0
+    bytes_down: int = 0
+
+
+class Worker:
+    """One worker's THC (or float32) allreduce over a Transport, with error feedback per key."""
+
+    def __init__(self, transport: Transport, *, error_feedback: bool = True, seed: int = 0,
+                 straggler_delay_ms: float = 0.0, straggler_prob: float = 1.0):
+        self.t = transport
+        self.job = transport.job
+        self.cfg = None
+        if self.job.codec == "thc":
+            self.cfg = thc.ThcConfig(bits=self.job.bits, granularity=self.job.granularity, p=self.job.p,
+                                     lane_bits=self.job.lane_bits, block_log2=self.job.block_log2,
+                                     seed=self.job.seed)
+        self.error_feedback = error_feedback
+        self.errors = thc.ErrorFeedback()
+        self.rng = np.random.default_rng(np.random.SeedSequence([seed, transport.worker_id]))
+        self.round_no = 0
+        self.straggler_delay = straggler_delay_ms / 1e3
+        self.straggler_prob = straggler_prob
+        self._delay_rng = np.random.default_rng(np.random.SeedSequence([seed, transport.worker_id, 99]))
+        self.last: RoundReport | None = None
+
+    def _chunks(self, payload: bytes, total: int, bits: int) -> list:
+        per = self.job.elems_per_packet
+        out = []
+        for off in range(0, total, per):
+            count = min(per, total - off)
+            lo = off * bits // 8
+            out.append((off, count, payload[lo:lo + (count * bits + 7) // 8]))
+        return out
+
+    def _maybe_straggle(self) -> None:
+        if self.straggler_delay > 0 and self._delay_rng.random() < self.straggler_prob:
+            time.sleep(self.straggler_delay)
+
+    def _exchange_norms(self, norms: np.ndarray) -> np.ndarray:
+        payload = norms.astype(">f4").tobytes()
+        res = self.t.run_phase(H.NORM, [(0, norms.size, payload)])[0]
+        if res is None:
+            return norms
+        return np.frombuffer(res[1], dtype=">u4").astype(np.uint32).view(np.float32).astype(np.float64)
+
+    def allreduce(self, x, key: str = "grad", round_no: int | None = None):
+        """Average of x over the workers (numpy array or torch tensor in, same kind out)."""
+        torch_in = not isinstance(x, np.ndarray)
+        arr = x.detach().cpu().numpy().astype(np.float32).ravel() if torch_in else \
+            np.ascontiguousarray(x, dtype=np.float32).ravel()
+        start = time.perf_counter()
+        rn = self.round_no if round_no is None else round_no
+        report = RoundReport(rn, 0, 0)
+        if self.job.codec == "thc":
+            est = self._thc_round(arr, key, rn, report)
+        else:
+            est = self._float_round(arr, report)
+        self.round_no = rn + 1
+        report.seconds = time.perf_counter() - start
+        self.last = report
+        est = est.reshape(np.shape(x) if not torch_in else tuple(x.shape))
+        if torch_in:
+            import torch
+            return torch.from_numpy(est).to(dtype=x.dtype)
+        return est
+
+    def _collect(self, results, report: RoundReport) -> None:
+        report.chunks = len(results)
+        for r in results:
+            if r is None:
+                report.lost += 1
+                report.contributors.append(0)
+                report.bitmaps.append(0)
+                report.digests.append(0)
+            else:
+                h, payload = r
+                report.contributors.append(h.contributors)
+                report.bitmaps.append(h.bitmap)
+                report.digests.append(zlib.crc32(payload))
+                report.bytes_down += len(payload) + H.HEADER_SIZE
+
+    def _thc_round(self, grad: np.ndarray, key: str, rn: int, report: RoundReport) -> np.ndarray:
+        cfg, job = self.cfg, self.job
+        layout = thc.make_layout(grad.size, cfg.block_log2)
+        err = self.errors.get(key, grad) if self.error_feedback else None
+        x = grad + err if err is not None else grad
+        norms = self._exchange_norms(thc.block_norms(x, layout))
+        z = thc.encode(x, norms, cfg, layout, rn, self.rng.random(layout.padded_dim, dtype=np.float32))
+        chunks = self._chunks(pack_indices(z, cfg.bits).tobytes(), layout.padded_dim, cfg.bits)
+        report.bytes_up = sum(len(c[2]) + H.HEADER_SIZE for c in chunks)
+        self._maybe_straggle()
+        results = self.t.run_phase(H.DATA, chunks)
+        self._collect(results, report)
+        y_avg = np.full(layout.padded_dim, cfg.granularity / 2.0, dtype=np.float32)
+        for (off, count, _), r in zip(chunks, results):
+            if r is not None:
+                h, payload = r
+                y_avg[off:off + count] = unpack_lanes(payload, job.lane_bits, count) / h.contributors
+        est = thc.decode(y_avg, 1, norms, cfg, layout, rn)
+        if self.error_feedback:
+            own = thc.lookup_sum([z], cfg.table.values)
+            self.errors.put(key, x - thc.decode(own, 1, norms, cfg, layout, rn))
+        return est
+
+    def _float_round(self, arr: np.ndarray, report: RoundReport) -> np.ndarray:
+        chunks = self._chunks(arr.astype(">f4").tobytes(), arr.size, 32)
+        report.bytes_up = sum(len(c[2]) + H.HEADER_SIZE for c in chunks)
+        self._maybe_straggle()
+        results = self.t.run_phase(H.DATA, chunks)
+        self._collect(results, report)
+        out = np.zeros(arr.size, dtype=np.float32)
+        for (off, count, _), r in zip(chunks, results):
+            if r is not None:
+                h, payload = r
+                out[off:off + count] = np.frombuffer(payload, dtype=">f4") / h.contributors
+        return out

@@ -1,0 +1,305 @@
+"""Worker side of the data plane: chunks out through a window of slots, results back.
+
+A *phase* sends a list of chunks (DATA or NORM) and returns one result per
+chunk.  Chunk c of a phase uses slot base + (c mod slots); every use of a slot
+increments that slot's round, identically in every worker (they all issue the
+same sequence of phases), so round numbers never need agreeing on.
+
+Loss handling (THC §6.1 and SwitchML, prior-art §2.1):
+  retransmit  resend after a timeout with exponential backoff; the PS answers a
+              resend of a completed chunk with its kept result; nothing is lost
+              (default).  After `max_retries` the PS is declared unreachable.
+  zero        no resend: a chunk whose result missed its timeout is reported
+              lost (None) and the caller treats it as a zero update (§6.1).
+Results that arrive for a later round of a slot are stashed, so a late worker
+catches up without resending (resynchronization); a STRAGGLER notification
+for a pending chunk marks it lost.
+
+Fault injection for experiments: seeded drops of outgoing/incoming packets,
+duplicates and reordering of outgoing packets.
+"""
+from __future__ import annotations
+
+import select
+import socket
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from proto import control
+from proto import headers as H
+from proto.job import JobConfig
+
+POLICIES = ("retransmit", "zero")
+
+
+class PSUnavailable(RuntimeError):
+    """The PS did not answer within the retry budget."""
+
+
+@dataclass
+class Faults:
+    """Injected faults, each a probability per packet, from a seeded RNG."""
+
+    drop_out: float = 0.0
+    drop_in: float = 0.0
+    duplicate: float = 0.0
+    reorder: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("drop_out", "drop_in", "duplicate", "reorder"):
+            v = getattr(self, name)
+            if not 0 <= v < 1:
+                raise ValueError(f"{name} must be a probability in [0, 1), got {v}")
+
+
+@dataclass
+class TransportStats:
+    counters: dict = field(default_factory=lambda: dict.fromkeys((
+        "packets_sent", "packets_received", "bytes_sent", "bytes_received", "retransmissions",
+        "timeouts", "lost_chunks", "straggler_notices", "stashed_results", "resynced_chunks",
+        "injected_drops_out", "injected_drops_in", "injected_duplicates", "injected_reorders",
+        "bad_packets"), 0))
+
+    def add(self, key: str, n: int = 1) -> None:
+        self.counters[key] += n
+
+
+def local_ip_towards(host: str, port: int) -> str:
+    """The local address the kernel routes to `host` from (so the PS sees this source)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((host, port))
+        return probe.getsockname()[0]
+    finally:
+        probe.close()
+
+
+class Transport:
+    """Registration, control calls and data-plane phases for one worker."""
+
+    def __init__(self, ps_host: str, data_port: int, worker_id: int, *, control_port: int | None = None,
+                 policy: str = "retransmit", timeout_ms: float = 50.0, max_timeout_ms: float = 1000.0,
+                 max_retries: int = 60, window: int = 64, faults: Faults | None = None,
+                 control_timeout_s: float = 30.0):
+        if policy not in POLICIES:
+            raise ValueError(f"loss policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if window < 1:
+            raise ValueError("window must be positive")
+        self.worker_id = worker_id
+        self.policy = policy
+        self.timeout = timeout_ms / 1e3
+        self.max_timeout = max_timeout_ms / 1e3
+        self.max_retries = max_retries
+        self.faults = faults or Faults()
+        self._frng = np.random.default_rng(np.random.SeedSequence([self.faults.seed, worker_id, 7]))
+        self._held: list = []
+        self.stats = TransportStats()
+        self.ps = (ps_host, data_port)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)   # SO_RCVBUFFORCE (root)
+        except OSError:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        self.sock.bind((local_ip_towards(ps_host, data_port), 0))
+        self.sock.setblocking(False)
+        self._ctx = zmq.Context.instance()
+        self._ctl = None
+        self._control_endpoint = f"tcp://{ps_host}:{control_port if control_port else data_port + 1}"
+        self._control_timeout = control_timeout_s
+        reply = self.call({"type": "register", "worker_id": worker_id,
+                           "data_addr": list(self.sock.getsockname())})
+        self.job = JobConfig.from_msg(reply["job"])
+        self.window = min(window, self.job.slots)
+        self.slot_round = np.zeros(self.job.slots + self.job.norm_slots, dtype=np.int64)
+        self._stash: dict = {}
+        self._phase_no = 0
+
+    # ---------------------------------------------------------------- control plane
+    def call(self, msg: dict) -> dict:
+        """One control request; raises PSUnavailable on timeout, ValueError on an error reply."""
+        if self._ctl is None:
+            self._ctl = self._ctx.socket(zmq.REQ)
+            self._ctl.setsockopt(zmq.LINGER, 0)
+            self._ctl.connect(self._control_endpoint)
+        self._ctl.send(control.encode(msg))
+        if not self._ctl.poll(int(self._control_timeout * 1000)):
+            self._ctl.close(0)
+            self._ctl = None
+            raise PSUnavailable(f"no reply from the PS control plane at {self._control_endpoint} "
+                                f"within {self._control_timeout:.0f} s ({msg['type']})")
+        reply = control.decode(self._ctl.recv())
+        if reply.get("type") == "error":
+            raise ValueError(f"PS refused {msg['type']}: {reply.get('message')}")
+        return reply
+
+    def close(self) -> None:
+        if self._ctl is not None:
+            self._ctl.close(0)
+            self._ctl = None
+        self.sock.close()
+
+    # ---------------------------------------------------------------- raw I/O with faults
+    def _send(self, pkt: bytes) -> None:
+        f, rng = self.faults, self._frng
+        self.stats.add("packets_sent")
+        self.stats.add("bytes_sent", len(pkt))
+        if f.drop_out and rng.random() < f.drop_out:
+            self.stats.add("injected_drops_out")
+            return
+        copies = 2 if f.duplicate and rng.random() < f.duplicate else 1
+        if copies == 2:
+            self.stats.add("injected_duplicates")
+        if f.reorder and rng.random() < f.reorder:
+            self.stats.add("injected_reorders")
+            self._held.extend([pkt] * copies)
+            return
+        for _ in range(copies):
+            self._sendto(pkt)
+        self._flush_held()
+
+    def _sendto(self, pkt: bytes) -> None:
+        for _ in range(1000):
+            try:
+                self.sock.sendto(pkt, self.ps)
+                return
+            except BlockingIOError:
+                select.select([], [self.sock], [], 0.01)
+            except ConnectionRefusedError:
+                return   # ICMP from an earlier send: the PS is not there (yet); timeouts handle it
+
+    def _flush_held(self) -> None:
+        held, self._held = self._held, []
+        for pkt in held:
+            self._sendto(pkt)
+
+    def _recv(self, timeout: float):
+        """One packet (header, payload) or None on timeout / injected drop."""
+        ready, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
+        if not ready:
+            return None
+        try:
+            data = self.sock.recv(65536)
+        except (BlockingIOError, ConnectionRefusedError):
+            return None
+        self.stats.add("packets_received")
+        self.stats.add("bytes_received", len(data))
+        if self.faults.drop_in and self._frng.random() < self.faults.drop_in:
+            self.stats.add("injected_drops_in")
+            return None
+        try:
+            h, payload = H.parse(data)
+        except H.PacketError:
+            self.stats.add("bad_packets")
+            return None
+        if h.job_id != self.job.job_id:
+            self.stats.add("bad_packets")
+            return None
+        return h, bytes(payload)
+
+    # ---------------------------------------------------------------- phases
+    def run_phase(self, kind: int, chunks: list) -> list:
+        """Send chunks [(offset, count, payload)], of type DATA or NORM; results in chunk order.
+
+        Each result is (Header, payload bytes), or None when lost under the `zero` policy.
+        """
+        job = self.job
+        nchunks = len(chunks)
+        if kind == H.NORM:
+            base, span = job.slots, job.norm_slots
+            slots = [base + (self._phase_no + c) % span for c in range(nchunks)]
+            elem_bits, op = 32, H.OP_MAX_U32
+        else:
+            slots = [c % job.slots for c in range(nchunks)]
+            elem_bits, op = job.up_bits, job.op
+        self._phase_no += 1
+        rounds = []
+        for s in slots:
+            self.slot_round[s] += 1
+            rounds.append(int(self.slot_round[s]) & 0xFFFFFFFF)
+        results: list = [None] * nchunks
+        done = [False] * nchunks
+        pending: dict = {}                 # slot -> [chunk, deadline, timeout, tries, packet]
+        next_c, finished = 0, 0
+        want_type = H.NORM_RESULT if kind == H.NORM else H.RESULT
+
+        def complete(c, value):
+            nonlocal finished
+            if not done[c]:
+                done[c] = True
+                results[c] = value
+                finished += 1
+
+        while finished < nchunks:
+            # fill the window
+            while next_c < nchunks and len(pending) < self.window and slots[next_c] not in pending:
+                c = next_c
+                next_c += 1
+                key = (slots[c], rounds[c])
+                if key in self._stash:
+                    self.stats.add("resynced_chunks")
+                    complete(c, self._stash.pop(key))
+                    continue
+                off, count, payload = chunks[c]
+                pkt = H.build(H.Header(type=kind, job_id=job.job_id, worker_id=self.worker_id,
+                                       num_workers=job.num_workers, elem_bits=elem_bits,
+                                       slot=slots[c], round=rounds[c], offset=off, count=count,
+                                       op=op), payload)
+                self._send(pkt)
+                pending[slots[c]] = [c, time.monotonic() + self.timeout, self.timeout, 0, pkt]
+            self._flush_held()
+            if finished >= nchunks:
+                break
+            now = time.monotonic()
+            wait = min((p[1] for p in pending.values()), default=now + self.timeout) - now
+            got = self._recv(wait)
+            if got is not None:
+                h, payload = got
+                entry = pending.get(h.slot)
+                if h.type == want_type:
+                    if entry is not None and h.round == rounds[entry[0]]:
+                        del pending[h.slot]
+                        complete(entry[0], (h, payload))
+                    elif entry is None or h.round > rounds[entry[0]]:
+                        if len(self._stash) < 4 * (job.slots + job.norm_slots):
+                            self._stash[(h.slot, h.round)] = (h, payload)
+                            self.stats.add("stashed_results")
+                elif h.type == H.STRAGGLER:
+                    self.stats.add("straggler_notices")
+                    if entry is not None and h.round > rounds[entry[0]]:
+                        del pending[h.slot]
+                        self.stats.add("lost_chunks")
+                        complete(entry[0], None)
+                else:
+                    self.stats.add("bad_packets")
+            # timeouts
+            now = time.monotonic()
+            for slot, entry in list(pending.items()):
+                c, deadline, tmo, tries, pkt = entry
+                if deadline > now:
+                    continue
+                self.stats.add("timeouts")
+                if self.policy == "zero":
+                    del pending[slot]
+                    self.stats.add("lost_chunks")
+                    complete(c, None)
+                    continue
+                if tries >= self.max_retries:
+                    raise PSUnavailable(f"no reply from PS {self.ps[0]}:{self.ps[1]} for slot {slot} "
+                                        f"round {rounds[c]} after {tries} retransmissions")
+                retx = bytearray(pkt)
+                retx[4] |= H.F_RETRANSMIT
+                self._send(bytes(retx))
+                self.stats.add("retransmissions")
+                tmo = min(tmo * 2, self.max_timeout)
+                pending[slot] = [c, now + tmo, tmo, tries + 1, pkt]
+        self._gc_stash()
+        return results
+
+    def _gc_stash(self) -> None:
+        stale = [k for k in self._stash if k[1] <= self.slot_round[k[0]]]
+        for k in stale:
+            del self._stash[k]
