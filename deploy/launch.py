@@ -148,7 +148,8 @@ def check_rounds(job: JobConfig, seed: int, dim: int, per_worker: dict) -> dict:
 def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granularity=30, p="1/32",
                quorum=1.0, loss=0.0, duplicate=0.0, reorder=0.0, straggler_delay_ms=0.0,
                straggler_rank=None, straggler_prob=1.0, policy="retransmit", seed=0, ps=None,
-               engine="c", timeout_ms=50.0, window=64, slots=512, lane_bits=8, verbose=False) -> dict:
+               engine="c", timeout_ms=50.0, window=64, slots=512, lane_bits=8, verbose=False,
+               ps_control_port=None) -> dict:
     """Start a PS (unless `ps` = "host:port") and N worker processes; returns the JSON summary."""
     from worker.transport import Faults
     job = JobConfig(num_workers=workers, codec=codec, bits=bits, granularity=granularity, p=p,
@@ -160,7 +161,8 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
         host, data_port, control_port = "127.0.0.1", server.data_addr[1], server.control_port
     else:
         host, _, port = ps.rpartition(":")
-        data_port, control_port = int(port), int(port) + 1
+        data_port = int(port)
+        control_port = ps_control_port or data_port + 1
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = []

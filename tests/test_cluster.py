@@ -1,0 +1,107 @@
+"""A real PS and 4 worker processes on loopback: every round exact under loss and stragglers."""
+import socket
+
+import numpy as np
+import pytest
+import zmq
+
+from deploy.launch import run_launch
+from proto import control
+from proto import headers as H
+from proto.job import JobConfig
+from ps_server.server import PSServer
+
+ROUNDS, DIM = 50, 1 << 16
+
+
+def check_exact(doc, lost_ok=False):
+    assert doc["rounds"] == ROUNDS
+    assert doc["mismatched_chunks"] == 0
+    assert doc["exact_rounds"] == ROUNDS
+    if not lost_ok:
+        assert doc["lost_chunks"] == 0
+
+
+def test_clean_rounds_exact():
+    doc = run_launch(workers=4, rounds=ROUNDS, dim=DIM)
+    check_exact(doc)
+    assert doc["ps"]["rounds_completed"] == ROUNDS * (1 + 46)   # a NORM chunk + 46 DATA chunks
+    # without injected faults, duplicates can only come from timeouts on a busy machine
+    assert doc["drops"]["duplicate"] <= doc["retransmissions"]
+    assert sum(v for k, v in doc["drops"].items() if k != "duplicate") == 0
+
+
+def test_loss_with_retransmit_is_exact():
+    doc = run_launch(workers=4, rounds=ROUNDS, dim=DIM, loss=0.05)
+    check_exact(doc)
+    assert doc["injected"]["injected_drops_out"] > 100 and doc["injected"]["injected_drops_in"] > 100
+    assert doc["retransmissions"] > 0 and doc["ps"]["results_resent"] > 0
+
+
+def test_loss_with_zero_policy_matches_reference_with_lost_chunks():
+    doc = run_launch(workers=4, rounds=ROUNDS, dim=DIM, loss=0.05, policy="zero", timeout_ms=100)
+    check_exact(doc, lost_ok=True)      # every delivered chunk exact
+    assert doc["lost_chunks"] > 0 and doc["retransmissions"] == 0
+
+
+def test_duplicates_and_reordering():
+    doc = run_launch(workers=4, rounds=ROUNDS, dim=DIM, duplicate=0.05, reorder=0.05)
+    check_exact(doc)
+    assert doc["injected"]["injected_duplicates"] > 0 and doc["injected"]["injected_reorders"] > 0
+    assert doc["drops"]["duplicate"] > 0
+
+
+def test_straggler_is_notified_and_resynchronizes():
+    doc = run_launch(workers=4, rounds=ROUNDS, dim=DIM, quorum=0.75, straggler_delay_ms=60,
+                     straggler_rank=3)
+    check_exact(doc)
+    assert doc["straggler_notices"] > 0 and doc["ps"]["stragglers_notified"] > 0
+    assert doc["ps"]["partial_rounds"] > 0
+
+
+def test_quorum_partial_aggregation_carries_k():
+    doc = run_launch(workers=4, rounds=ROUNDS, dim=DIM, quorum=0.75)
+    check_exact(doc)   # the reference sums exactly the contributors named by each bitmap
+    assert doc["ps"]["partial_rounds"] > 0 and doc["drops"]["late"] > 0
+
+
+def test_float32_baseline_exact_through_same_path():
+    doc = run_launch(workers=4, rounds=10, dim=DIM, codec="none", loss=0.02)
+    assert doc["exact_rounds"] == 10 and doc["mismatched_chunks"] == 0
+
+
+def test_python_engine_serves_too():
+    doc = run_launch(workers=2, rounds=5, dim=DIM, engine="python", loss=0.02)
+    assert doc["exact_rounds"] == 5
+
+
+def test_bad_input_is_counted_and_rounds_stay_exact():
+    job = JobConfig(num_workers=2)
+    server = PSServer(job, ("127.0.0.1", 0), control_port=0).start()
+    try:
+        host, port = server.data_addr
+        rogue = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        good = H.build(H.Header(type=H.DATA, job_id=1, worker_id=0, num_workers=2, elem_bits=4,
+                                slot=0, round=1, count=8, op=H.OP_LOOKUP_SUM), b"\x11" * 4)
+        garbage = [b"", b"x" * 5, b"TH" + b"\x00" * 40, good[:2] + b"\x05" + good[3:],
+                   good[:8] + b"\x00\x09" + good[10:], good]   # the last: unregistered sender
+        for g in garbage * 5:
+            rogue.sendto(g, (host, port))
+        rogue.close()
+        ctx = zmq.Context.instance()
+        req = ctx.socket(zmq.REQ)
+        req.setsockopt(zmq.LINGER, 0)
+        req.connect(f"tcp://{host}:{server.control_port}")
+        for raw in (b"\xc1\xc1", control.encode({"type": "launch_missiles"}), control.encode({"type": "register"})):
+            req.send(raw)
+            assert req.poll(5000)
+            assert control.decode(req.recv())["type"] == "error"
+        req.close(0)
+        doc = run_launch(workers=2, rounds=5, dim=1 << 14, ps=f"{host}:{port}",
+                         ps_control_port=server.control_port)
+        assert doc["exact_rounds"] == 5
+        drops = server.stats()["drops"]
+        assert drops["malformed"] >= 15 and drops["wrong_version"] >= 5 and drops["unknown_job"] >= 5
+        assert drops["unregistered"] >= 5
+    finally:
+        server.stop()

@@ -1,0 +1,81 @@
+"""The wire contract: header layout, scapy dissection agrees with our parser, control messages."""
+import numpy as np
+import pytest
+from scapy.all import IP, UDP, raw
+
+from proto import control
+from proto import headers as H
+from proto.job import JobConfig
+from proto.packing import LaneOverflowError
+from proto.scapy_layers import THC
+
+
+def random_header(rng):
+    return H.Header(type=int(rng.integers(1, 6)), job_id=int(rng.integers(0, 1 << 16)),
+                    worker_id=int(rng.integers(0, 256)), num_workers=int(rng.integers(0, 256)),
+                    elem_bits=int(rng.integers(0, 256)), slot=int(rng.integers(0, 1 << 16)),
+                    round=int(rng.integers(0, 1 << 32)), offset=int(rng.integers(0, 1 << 32)),
+                    count=int(rng.integers(0, 1 << 16)), bitmap=int(rng.integers(0, 1 << 32)),
+                    contributors=int(rng.integers(0, 256)), op=int(rng.integers(0, 4)),
+                    flags=int(rng.integers(0, 256)))
+
+
+def test_scapy_and_parser_agree_on_random_packets():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        h = random_header(rng)
+        payload = rng.bytes(int(rng.integers(0, 64)))
+        datagram = H.build(h, payload)
+        frame = raw(IP(dst="10.0.0.1") / UDP(sport=1234, dport=9000) / datagram)
+        dissected = IP(frame)[THC]
+        parsed, pl = H.parse(datagram)
+        for name in H.FIELD_ORDER:
+            assert getattr(dissected, name) == getattr(parsed, name) == getattr(h, name), name
+        assert bytes(pl) == payload == bytes(dissected.payload)
+    built = raw(THC(type=H.RESULT, slot=3, round=9, count=2) / b"\x01\x02")
+    h, pl = H.parse(built)
+    assert (h.type, h.slot, h.round, h.count, h.payload_len, bytes(pl)) == (H.RESULT, 3, 9, 2, 2, b"\x01\x02")
+
+
+def test_header_is_32_bytes_network_order():
+    b = H.Header(type=H.DATA, slot=0x0102, round=0x03040506).pack()
+    assert len(b) == H.HEADER_SIZE == 32
+    assert b[:2] == b"TH" and b[10:12] == b"\x01\x02" and b[12:16] == b"\x03\x04\x05\x06"
+
+
+@pytest.mark.parametrize("mutate,reason", [
+    (lambda d: d[:10], "malformed"),
+    (lambda d: b"XX" + d[2:], "malformed"),
+    (lambda d: d[:2] + b"\x07" + d[3:], "wrong_version"),
+    (lambda d: d[:3] + b"\x09" + d[4:], "malformed"),
+    (lambda d: d + b"\x00", "malformed"),
+])
+def test_parse_rejects(mutate, reason):
+    d = H.build(H.Header(type=H.DATA, count=2), b"\xab")
+    with pytest.raises(H.PacketError) as exc:
+        H.parse(mutate(d))
+    assert exc.value.reason == reason
+
+
+def test_job_contract_validation():
+    job = JobConfig(num_workers=4)
+    assert job.elems_per_packet == 1440 and job.up_payload_len(1440) == 720
+    assert JobConfig.from_msg(job.to_msg()) == job
+    with pytest.raises(LaneOverflowError):
+        JobConfig(num_workers=9, granularity=30, lane_bits=8)
+    assert JobConfig(num_workers=9, granularity=30, lane_bits=16).elems_per_packet == 720
+    for bad in (dict(num_workers=33), dict(num_workers=2, quorum=0), dict(num_workers=2, codec="topk"),
+                dict(num_workers=2, mtu=40), dict(num_workers=2, elems_per_packet=5000)):
+        with pytest.raises(ValueError):
+            JobConfig(**bad)
+    msg = job.to_msg()
+    msg["table"] = [0] * 16
+    with pytest.raises(ValueError, match="table"):
+        JobConfig.from_msg(msg)
+
+
+def test_control_messages():
+    assert control.decode(control.encode({"type": "stats"})) == {"type": "stats"}
+    for raw_bytes in (b"\xc1", control.encode([1, 2]), control.encode({"kind": "x"})):
+        with pytest.raises(control.ControlError):
+            control.decode(raw_bytes)
