@@ -61,6 +61,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_cluster_commands(sub)
 
+    tr = sub.add_parser("train", help="train a model on Fashion-MNIST through a local PS + N workers",
+                        description="Starts a PS and N worker processes on this host, trains with the "
+                                    "chosen codec over UDP, prints per-epoch progress, then repeats the "
+                                    "run uncompressed and prints the comparison.")
+    tr.add_argument("--workers", type=_positive, default=4, help="workers (default 4)")
+    tr.add_argument("--epochs", type=_positive, default=3, help="epochs (default 3)")
+    tr.add_argument("--codec", choices=("thc", "none"), default="thc", help="codec (default thc)")
+    tr.add_argument("--bits", type=_positive, default=4, help="index bits b (default 4)")
+    tr.add_argument("--granularity", type=_positive, default=30, help="granularity g (default 30)")
+    tr.add_argument("--p", type=_p_arg, default="1/32", help="support fraction p (default 1/32)")
+    tr.add_argument("--lane-bits", type=int, choices=(8, 16, 32), default=8, help="sum lane width (default 8)")
+    tr.add_argument("--model", choices=("cnn", "mlp"), default="cnn", help="model (default cnn)")
+    tr.add_argument("--batch", type=_positive, default=64, help="per-worker batch (default 64)")
+    tr.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
+    tr.add_argument("--loss", type=_probability, default=0.0, help="injected packet loss each way")
+    tr.add_argument("--loss-policy", choices=("retransmit", "zero"), default="retransmit",
+                    help="retransmit (nothing lost) or zero (paper §6.1)")
+    tr.add_argument("--quorum", type=_quorum, default=1.0, help="partial aggregation quorum (default 1.0)")
+    tr.add_argument("--straggler-delay-ms", type=float, default=0.0, help="delay of a straggling round")
+    tr.add_argument("--straggler-prob", type=_probability, default=0.0,
+                    help="probability that a worker straggles in a round")
+    tr.add_argument("--sync-every", type=int, default=1, help="model sync period in epochs (0: never)")
+    tr.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    tr.add_argument("--train-limit", type=int, default=0, help="use only the first N training images")
+    tr.add_argument("--test-limit", type=int, default=0, help="use only the first N test images")
+    tr.add_argument("--no-baseline", action="store_true", help="skip the uncompressed comparison run")
+    tr.add_argument("--json", action="store_true", help="print one JSON summary line at the end")
+    tr.set_defaults(func=commands.cmd_train)
+
     d = sub.add_parser("demo-nmse", help="print the NMSE comparison of all codecs (quick look)")
     d.add_argument("--workers", type=_positive, default=4)
     d.add_argument("--dim", type=_positive, default=1 << 18)

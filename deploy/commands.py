@@ -112,3 +112,32 @@ def cmd_launch(args):
           f"{doc['retransmissions']}, mean round {doc['mean_round_ms']:.1f} ms")
     print(f"PS counters: {doc['ps']}")
     return None
+
+
+def cmd_train(args):
+    from deploy import train
+    from proto.packing import check_lane_capacity
+    check_lane_capacity(args.workers, args.granularity, args.lane_bits)
+    cfg = train.TrainConfig(workers=args.workers, epochs=args.epochs, codec=args.codec, bits=args.bits,
+                            granularity=args.granularity, p=str(args.p), lane_bits=args.lane_bits,
+                            model=args.model, batch=args.batch, lr=args.lr, loss=args.loss,
+                            loss_policy=args.loss_policy, quorum=args.quorum,
+                            straggler_delay_ms=args.straggler_delay_ms,
+                            straggler_prob=args.straggler_prob, sync_every=args.sync_every,
+                            seed=args.seed, train_limit=args.train_limit, test_limit=args.test_limit)
+    log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else \
+        (lambda m: print(m, flush=True))
+    log(f"training {cfg.model} on Fashion-MNIST: PS + {cfg.workers} workers on loopback, codec={cfg.codec}"
+        + (f" (b={cfg.bits}, g={cfg.granularity}, p={cfg.p})" if cfg.codec == "thc" else "")
+        + f", {cfg.epochs} epochs")
+    doc = train.run_with_baseline(cfg, log, baseline=not args.no_baseline)
+    if args.json:
+        slim = {k: v for k, v in doc.items() if k not in ("run", "baseline")}
+        slim["epochs"] = doc["run"]["epochs"]
+        slim["seconds"] = doc["run"]["seconds"]
+        slim["bytes_up"], slim["bytes_down"] = doc["run"]["bytes_up"], doc["run"]["bytes_down"]
+        if "baseline" in doc:
+            slim["baseline_epochs"] = doc["baseline"]["epochs"]
+        return slim
+    train.print_comparison(doc)
+    return None

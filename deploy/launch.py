@@ -17,6 +17,8 @@ import zlib
 
 import numpy as np
 
+from deploy.procs import single_threaded_children
+
 from compression import thc
 from proto.job import JobConfig
 from proto.packing import pack_indices
@@ -163,6 +165,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
         host, _, port = ps.rpartition(":")
         data_port = int(port)
         control_port = ps_control_port or data_port + 1
+    single_threaded_children()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = []

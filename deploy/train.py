@@ -1,0 +1,209 @@
+"""`thc train`: a PS and N worker processes on this host train a model on Fashion-MNIST.
+
+Each worker trains on its 1/n shard of every epoch's shared permutation,
+synchronizes gradients through the PS after each backward pass (THC over UDP,
+or float32 for the baseline), and evaluates on the test set at each epoch's
+end.  The same run is then repeated uncompressed for the comparison.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from deploy.procs import single_threaded_children
+
+
+@dataclass
+class TrainConfig:
+    workers: int = 4
+    epochs: int = 3
+    codec: str = "thc"
+    bits: int = 4
+    granularity: int = 30
+    p: str = "1/32"
+    lane_bits: int = 8
+    model: str = "cnn"
+    batch: int = 64
+    lr: float = 0.05
+    momentum: float = 0.9
+    loss: float = 0.0
+    loss_policy: str = "retransmit"
+    quorum: float = 1.0
+    straggler_delay_ms: float = 0.0
+    straggler_prob: float = 0.0
+    sync_every: int = 1
+    seed: int = 0
+    train_limit: int = 0      # 0: the whole training set
+    test_limit: int = 0
+    timeout_ms: float = 50.0
+
+
+def _evaluate(model, x, y, batch=1000) -> tuple[float, float]:
+    import torch
+    import torch.nn.functional as F
+    model.eval()
+    correct, loss = 0, 0.0
+    with torch.no_grad():
+        for i in range(0, len(x), batch):
+            xb, yb = torch.from_numpy(x[i:i + batch]), torch.from_numpy(y[i:i + batch])
+            out = model(xb)
+            loss += float(F.cross_entropy(out, yb, reduction="sum"))
+            correct += int((out.argmax(1) == yb).sum())
+    model.train()
+    return correct / len(x), loss / len(x)
+
+
+def worker_main(cfg: TrainConfig, rank: int, host: str, data_port: int, control_port: int, q) -> None:
+    """One worker process: train, report per-epoch metrics on the queue."""
+    try:
+        import torch
+        import torch.nn.functional as F
+
+        from worker import data
+        from worker.client import Worker
+        from worker.training import MODELS, GradientSync, flat_params, sync_model
+        from worker.transport import Faults, Transport
+        torch.set_num_threads(1)
+        torch.manual_seed(cfg.seed)                      # identical initial models
+        xtr, ytr = data.load("train")
+        xte, yte = data.load("test")
+        if cfg.train_limit:
+            xtr, ytr = xtr[:cfg.train_limit], ytr[:cfg.train_limit]
+        if cfg.test_limit:
+            xte, yte = xte[:cfg.test_limit], yte[:cfg.test_limit]
+        model = MODELS[cfg.model]()
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+        faults = Faults(drop_out=cfg.loss, drop_in=cfg.loss, seed=cfg.seed)
+        t = Transport(host, data_port, rank, control_port=control_port, policy=cfg.loss_policy,
+                      faults=faults, timeout_ms=cfg.timeout_ms)
+        w = Worker(t, seed=cfg.seed, straggler_delay_ms=cfg.straggler_delay_ms,
+                   straggler_prob=cfg.straggler_prob)
+        sync = GradientSync(w, model)
+        t.call({"type": "barrier", "name": "start", "worker_id": rank})
+        step = 0
+        for epoch in range(cfg.epochs):
+            idx = data.shard(len(xtr), rank, cfg.workers, cfg.seed, epoch)
+            steps = len(idx) // cfg.batch
+            t0 = time.perf_counter()
+            comm, up, down, losses, lost = 0.0, 0, 0, [], 0
+            for s in range(steps):
+                b = idx[s * cfg.batch:(s + 1) * cfg.batch]
+                xb, yb = torch.from_numpy(xtr[b]), torch.from_numpy(ytr[b])
+                opt.zero_grad()
+                loss = F.cross_entropy(model(xb), yb)
+                loss.backward()
+                sync()
+                opt.step()
+                rep = w.last
+                comm += rep.seconds
+                up += rep.bytes_up
+                down += rep.bytes_down
+                lost += rep.lost
+                losses.append(float(loss.detach()))
+                step += 1
+            if cfg.sync_every and (epoch + 1) % cfg.sync_every == 0:
+                sync_model(w, model, epoch)
+            acc, test_loss = _evaluate(model, xte, yte)
+            digest = float(np.abs(flat_params(model)).sum())
+            q.put(("epoch", rank, {"epoch": epoch + 1, "train_loss": float(np.mean(losses)),
+                                   "test_accuracy": acc, "test_loss": test_loss,
+                                   "epoch_seconds": time.perf_counter() - t0,
+                                   "mean_round_ms": 1e3 * comm / max(steps, 1), "steps": steps,
+                                   "bytes_up": up, "bytes_down": down, "lost_chunks": lost,
+                                   "param_digest": digest}))
+        t.call({"type": "barrier", "name": "end", "worker_id": rank})
+        q.put(("done", rank, dict(t.stats.counters)))
+        t.close()
+    except Exception as exc:
+        q.put(("error", rank, f"{type(exc).__name__}: {exc}"))
+
+
+def run(cfg: TrainConfig, log=print) -> dict:
+    """Train once with cfg; returns the per-epoch history (rank 0's metrics) and totals."""
+    from proto.job import JobConfig
+    from ps_server.server import PSServer
+    from worker import data
+    data.load("test")   # fail early, with the install hint, if the dataset is missing
+    job = JobConfig(num_workers=cfg.workers, codec=cfg.codec, bits=cfg.bits,
+                    granularity=cfg.granularity, p=cfg.p, lane_bits=cfg.lane_bits,
+                    quorum=cfg.quorum, seed=cfg.seed)
+    server = PSServer(job, ("127.0.0.1", 0), control_port=0).start()
+    single_threaded_children()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=worker_main, args=(cfg, r, "127.0.0.1", server.data_addr[1],
+                                                    server.control_port, q), daemon=True)
+             for r in range(cfg.workers)]
+    for proc in procs:
+        proc.start()
+    history: dict = {}
+    done, counters = set(), {}
+    t0 = time.perf_counter()
+    try:
+        while len(done) < cfg.workers:
+            try:
+                kind, rank, body = q.get(timeout=5)
+            except Exception:
+                if not any(p.is_alive() for p in procs):
+                    raise RuntimeError("worker processes exited without reporting") from None
+                continue
+            if kind == "error":
+                raise RuntimeError(f"worker {rank} failed: {body}")
+            if kind == "done":
+                done.add(rank)
+                counters[rank] = body
+                continue
+            history.setdefault(body["epoch"], {})[rank] = body
+            if len(history[body["epoch"]]) == cfg.workers:
+                e = history[body["epoch"]]
+                r0 = e[0]
+                digests = [e[r]["param_digest"] for r in e]
+                log(f"[{cfg.codec}] epoch {r0['epoch']}/{cfg.epochs}: train loss {r0['train_loss']:.4f}, "
+                    f"test acc {r0['test_accuracy']:.4f}, round {r0['mean_round_ms']:.1f} ms, "
+                    f"up {r0['bytes_up'] / 1e6:.2f} MB, down {r0['bytes_down'] / 1e6:.2f} MB per worker, "
+                    f"lost chunks {sum(e[r]['lost_chunks'] for r in e)}, "
+                    f"models identical: {max(digests) - min(digests) < 1e-6 * max(digests)}")
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+        ps_stats = server.stats()
+        server.stop()
+    epochs = [history[e][0] for e in sorted(history)]
+    return {"config": asdict(cfg), "epochs": epochs, "seconds": time.perf_counter() - t0,
+            "final_test_accuracy": epochs[-1]["test_accuracy"],
+            "bytes_up": sum(e["bytes_up"] for e in epochs), "bytes_down": sum(e["bytes_down"] for e in epochs),
+            "ps": ps_stats, "transport": counters}
+
+
+def run_with_baseline(cfg: TrainConfig, log=print, baseline: bool = True) -> dict:
+    """The run, then the same run uncompressed (codec none, no injected faults)."""
+    main = run(cfg, log)
+    doc = {"final_test_accuracy": main["final_test_accuracy"], "run": main}
+    if baseline and cfg.codec != "none":
+        base_cfg = TrainConfig(**{**asdict(cfg), "codec": "none"})
+        base = run(base_cfg, log)
+        doc.update(baseline_final_test_accuracy=base["final_test_accuracy"], baseline=base,
+                   compression_up=base["bytes_up"] / max(main["bytes_up"], 1),
+                   compression_down=base["bytes_down"] / max(main["bytes_down"], 1))
+    return doc
+
+
+def print_comparison(doc: dict, out=sys.stdout) -> None:
+    main = doc["run"]
+    print(f"\n{main['config']['codec']}: final test accuracy {main['final_test_accuracy']:.4f}, "
+          f"{main['bytes_up'] / 1e6:.1f} MB up / {main['bytes_down'] / 1e6:.1f} MB down per worker, "
+          f"{main['seconds']:.0f} s", file=out)
+    if "baseline" in doc:
+        base = doc["baseline"]
+        print(f"uncompressed: final test accuracy {base['final_test_accuracy']:.4f}, "
+              f"{base['bytes_up'] / 1e6:.1f} MB up / {base['bytes_down'] / 1e6:.1f} MB down per worker, "
+              f"{base['seconds']:.0f} s", file=out)
+        print(f"bytes saved: {doc['compression_up']:.1f}x up, {doc['compression_down']:.1f}x down; "
+              f"accuracy difference {main['final_test_accuracy'] - base['final_test_accuracy']:+.4f}",
+              file=out)

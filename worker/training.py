@@ -1,0 +1,97 @@
+"""Training through THC-PS: gradient synchronization after backward, and model sync.
+
+`GradientSync` flattens a model's gradients into one bucket, averages it through
+the PS (THC with error feedback kept per bucket key by the Worker, or float32
+for codec "none"), and writes the average back into `.grad` — the PS-side
+counterpart of a DDP communication hook with explicit state.
+
+Periodic model synchronization (THC §6.1, §8.3): rank 0 publishes its
+parameters through the control plane and every other rank loads them, which
+repairs the divergence that lost results cause under the `zero` policy.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from worker.client import Worker
+
+
+class SmallCNN(nn.Module):
+    """A small CNN for 28×28 grey images (≈ 50k parameters)."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 16, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2))
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(32 * 7 * 7, 32), nn.ReLU(), nn.Linear(32, classes))
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+class MLP(nn.Module):
+    def __init__(self, classes: int = 10, hidden: int = 128):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+MODELS = {"cnn": SmallCNN, "mlp": MLP}
+
+
+def flat_grad(params) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+
+
+def write_flat_grad(params, flat: torch.Tensor) -> None:
+    off = 0
+    for p in params:
+        n = p.numel()
+        chunk = flat[off:off + n].view_as(p)
+        if p.grad is None:
+            p.grad = chunk.clone()
+        else:
+            p.grad.copy_(chunk)
+        off += n
+
+
+def flat_params(model: nn.Module) -> np.ndarray:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().astype(np.float32)
+
+
+def load_flat_params(model: nn.Module, flat: np.ndarray) -> None:
+    off = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            n = p.numel()
+            p.copy_(torch.from_numpy(flat[off:off + n]).view_as(p))
+            off += n
+
+
+class GradientSync:
+    """Average gradients through the PS after each backward pass (one bucket per model)."""
+
+    def __init__(self, worker: Worker, model: nn.Module, key: str = "model"):
+        self.worker = worker
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.key = key
+
+    def __call__(self) -> None:
+        avg = self.worker.allreduce(flat_grad(self.params), key=self.key)
+        write_flat_grad(self.params, avg)
+
+
+def sync_model(worker: Worker, model: nn.Module, epoch: int) -> None:
+    """Make every rank's parameters identical to rank 0's (via the PS control plane)."""
+    t = worker.t
+    if t.worker_id == 0:
+        t.call({"type": "sync_put", "round": epoch, "worker_id": 0, "blob": flat_params(model).tobytes()})
+    else:
+        blob = t.call({"type": "sync_get", "round": epoch})["blob"]
+        load_flat_params(model, np.frombuffer(blob, dtype=np.float32).copy())
+    t.call({"type": "barrier", "name": f"sync-{epoch}", "worker_id": t.worker_id})
