@@ -87,10 +87,18 @@ def fwht(x):
     return y.reshape(lead + (n,))
 
 
-def rademacher_signs(job_seed: int, round_no: int, block: int, n: int) -> np.ndarray:
-    """±1 float32 diagonal for (job seed, round, block): identical in every process."""
+def rademacher_bits(job_seed: int, round_no: int, block: int, n: int) -> bytes:
+    """The diagonal D of (job seed, round, block) as packed bits, MSB first (set = −1).
+
+    Identical in every process: all workers derive it, nobody sends it.
+    """
     rng = np.random.default_rng(np.random.SeedSequence([job_seed & 0xFFFFFFFF, round_no & 0xFFFFFFFF, block]))
-    bits = np.unpackbits(np.frombuffer(rng.bytes((n + 7) // 8), dtype=np.uint8))[:n]
+    return rng.bytes((n + 7) // 8)
+
+
+def rademacher_signs(job_seed: int, round_no: int, block: int, n: int) -> np.ndarray:
+    """±1 float32 diagonal for (job seed, round, block)."""
+    bits = np.unpackbits(np.frombuffer(rademacher_bits(job_seed, round_no, block, n), dtype=np.uint8))[:n]
     return (1.0 - 2.0 * bits).astype(np.float32)
 
 

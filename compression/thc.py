@@ -27,7 +27,12 @@ from fractions import Fraction
 
 import numpy as np
 
-from compression.hadamard import fwht, next_pow2, rademacher_signs
+from compression.hadamard import fwht, next_pow2, rademacher_bits, rademacher_signs
+
+try:   # fused C kernels for the numpy path; the numpy code below stays the reference
+    from compression import _kernels
+except ImportError:  # pragma: no cover - source checkout without a build
+    _kernels = None
 from proto.packing import check_lane_capacity
 from proto.tables import Table, identity_table, lower_interval_index, parse_p, solve_table
 
@@ -159,8 +164,9 @@ def block_norms(x, layout: Layout) -> np.ndarray:
     out = np.empty(len(layout.starts))
     for j, (s, n) in enumerate(zip(layout.starts, layout.lengths)):
         seg = x[s:s + n]
-        out[j] = float((seg.double() ** 2).sum().sqrt()) if _is_torch(seg) else float(
-            np.sqrt(np.dot(seg.astype(np.float64), seg.astype(np.float64))))
+        # float32 dot (BLAS, pairwise) is accurate to ~1e-6 relative: ample for a scale
+        out[j] = float((seg.double() ** 2).sum().sqrt()) if _is_torch(seg) else math.sqrt(
+            float(np.dot(seg, seg)) if seg.dtype == np.float32 else float(np.dot(seg.astype(np.float64), seg.astype(np.float64))))
     return out
 
 
@@ -169,11 +175,30 @@ def _scale(max_norm: float, padded: int, tp: float) -> float:
     return tp * max_norm / math.sqrt(padded) if max_norm > 0 else 0.0
 
 
-def encode(x, max_norms, cfg: ThcConfig, layout: Layout, round_no: int, uniforms):
+def _encode_kernels(x: np.ndarray, max_norms, cfg: ThcConfig, layout: Layout, round_no: int,
+                    uniforms: np.ndarray) -> np.ndarray:
+    """The numpy-input path through the fused C kernels; equal to the reference below."""
+    table = cfg.table
+    tab8 = bytes(table.values)
+    out = np.empty(layout.padded_dim, dtype=np.uint8)
+    u = np.ascontiguousarray(uniforms, dtype=np.float32)
+    for j, off in enumerate(layout.padded_offsets()):
+        p = layout.padded[j]
+        xb = np.array(_block_padded(x, layout, j), dtype=np.float32, copy=True)
+        _kernels.apply_signs(xb, rademacher_bits(cfg.seed, round_no, j, p))
+        r = np.ascontiguousarray(fwht(xb))
+        big_m = _scale(float(max_norms[j]), p, table.t_p)
+        _kernels.quantize(r, big_m, cfg.granularity, tab8, u[off:off + p], out[off:off + p])
+    return out
+
+
+def encode(x, max_norms, cfg: ThcConfig, layout: Layout, round_no: int, uniforms, use_kernels=True):
     """Table indices Z (uint8, one per padded coordinate) of x for this round.
 
     `uniforms` holds layout.padded_dim draws from U[0, 1) (the worker's own RNG).
     """
+    if use_kernels and _kernels is not None and not _is_torch(x) and cfg.granularity <= 255:
+        return _encode_kernels(x, max_norms, cfg, layout, round_no, uniforms)
     table = cfg.table
     tab = table.as_array()
     iv = lower_interval_index(tab)
@@ -221,8 +246,13 @@ def decode(sums, contributors: int, max_norms, cfg: ThcConfig, layout: Layout, r
         yj = sums[off:off + p]
         yj = yj.float() if _is_torch(yj) else yj.astype(np.float32)
         a = yj * (2.0 * big_m / (g * contributors)) - big_m
-        signs = rademacher_signs(cfg.seed, round_no, j, p)
-        out[s:s + n] = (fwht(a) * _asarray(signs, a))[:n]
+        if _kernels is not None and not _is_torch(a):
+            r = np.ascontiguousarray(fwht(a))
+            _kernels.apply_signs(r, rademacher_bits(cfg.seed, round_no, j, p))
+            out[s:s + n] = r[:n]
+        else:
+            signs = rademacher_signs(cfg.seed, round_no, j, p)
+            out[s:s + n] = (fwht(a) * _asarray(signs, a))[:n]
     return out
 
 

@@ -135,3 +135,22 @@ def test_nmse_trends():
     tern = nmse.run("terngrad", workers=2, dim=1 << 16, trials=2, seed=1)["nmse"]
     topk = nmse.run("topk", workers=2, dim=1 << 16, trials=2, seed=1)["nmse"]
     assert tern > 20 * topk > 20 * two
+
+
+def test_c_kernels_equal_numpy_reference():
+    cfg = thc.ThcConfig(seed=6)
+    rng = np.random.default_rng(8)
+    for dim, block in ((5000, 23), (70000, 14)):
+        x = (rng.standard_normal(dim) * rng.lognormal(0, 2, dim)).astype(np.float32)
+        layout = thc.make_layout(dim, block)
+        norms = thc.block_norms(x, layout)
+        u = rng.random(layout.padded_dim, dtype=np.float32)
+        fast = thc.encode(x, norms, cfg, layout, 3, u)
+        ref = thc.encode(x, norms, cfg, layout, 3, u, use_kernels=False)
+        assert (fast != ref).mean() < 1e-4      # float32 ops may flip a draw at a boundary
+        y = thc.lookup_sum([ref], cfg.table.values)
+        a = thc.decode(y, 1, norms, cfg, layout, 3)
+        b = thc.decode(torch.from_numpy(y), 1, norms, cfg, layout, 3).numpy()
+        assert np.allclose(a, b, atol=1e-4 * np.abs(a).max())
+    zero = thc.encode(np.zeros(64, np.float32), np.zeros(1), cfg, thc.make_layout(64), 0, u[:64])
+    assert zero.max() < 16
