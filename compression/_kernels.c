@@ -10,6 +10,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
 
 /* quantize(r: float32 buf, M: float, g: int, table: bytes (2^b values), uniforms: float32 buf,
  *          out: uint8 buf) */
@@ -79,7 +80,43 @@ static PyObject *apply_signs(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* fwht(x: float32 writable buf): normalized Walsh-Hadamard transform in place, length a power
+ * of two.  Radix-2 butterflies in a fixed order, single-threaded: the result is bit-identical
+ * in every process, which the exactness checks against an in-process reference rely on.
+ * Stages with stride < 2^11 run block by block so each block stays in L1/L2. */
+static void fwht_block(float *x, size_t n, size_t h_from, size_t h_to) {
+    for (size_t h = h_from; h < h_to; h <<= 1)
+        for (size_t i = 0; i < n; i += 2 * h)
+            for (size_t j = i; j < i + h; j++) {
+                float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+}
+
+static PyObject *fwht(PyObject *self, PyObject *args) {
+    Py_buffer x;
+    if (!PyArg_ParseTuple(args, "w*", &x)) return NULL;
+    size_t n = (size_t)x.len / 4;
+    if (n == 0 || (n & (n - 1))) {
+        PyBuffer_Release(&x);
+        PyErr_SetString(PyExc_ValueError, "fwht: length must be a power of two");
+        return NULL;
+    }
+    float *v = x.buf;
+    Py_BEGIN_ALLOW_THREADS
+    const size_t blk = n < 2048 ? n : 2048;
+    for (size_t s = 0; s < n; s += blk) fwht_block(v + s, blk, 1, blk);
+    fwht_block(v, n, blk, n);
+    const float scale = (float)(1.0 / sqrt((double)n));
+    for (size_t i = 0; i < n; i++) v[i] *= scale;
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&x);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"fwht", fwht, METH_VARARGS, "normalized in-place fast Walsh-Hadamard transform (deterministic)"},
     {"quantize", quantize, METH_VARARGS, "fused clamp + grid map + stochastic rounding to table indices"},
     {"apply_signs", apply_signs, METH_VARARGS, "multiply by the Rademacher diagonal given as packed bits"},
     {NULL, NULL, 0, NULL}};

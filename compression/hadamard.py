@@ -20,6 +20,11 @@ import math
 
 import numpy as np
 
+try:
+    from compression import _kernels
+except ImportError:  # pragma: no cover - source checkout without a build
+    _kernels = None
+
 _MAX_FACTOR_BITS = 6
 
 
@@ -58,16 +63,22 @@ def _matrix_like(m: int, like):
     return torch.from_numpy(np.array(h)).to(like.dtype)
 
 
-def fwht(x):
+def fwht(x, exact: bool = True):
     """Normalized fast Walsh–Hadamard transform along the last axis (length a power of two).
 
     Accepts a numpy array or a torch tensor and returns a new one of the same kind
-    (float32 for numpy input).  Leading axes are independent rows.
+    (float32 for numpy input).  Leading axes are independent rows.  A 1-D numpy input
+    goes through the C butterflies when built (`exact`): bit-identical in every process,
+    whereas a multi-threaded BLAS may round differently from one process to another.
     """
     n = x.shape[-1]
     if not is_pow2(n):
         raise ValueError(f"FWHT length must be a power of two, got {n}")
     if isinstance(x, np.ndarray):
+        if exact and x.ndim == 1 and _kernels is not None:
+            out = np.array(x, dtype=np.float32, copy=True)
+            _kernels.fwht(out)
+            return out
         x = x.astype(np.float32, copy=False)
     lead = x.shape[:-1]
     rows = int(np.prod(lead)) if lead else 1

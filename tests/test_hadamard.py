@@ -52,3 +52,10 @@ def test_signs_shared_across_processes():
     assert out.stdout.strip() == hashlib.sha256(rademacher_signs(11, 5, 2, 4096).tobytes()).hexdigest()
     assert not np.array_equal(rademacher_signs(11, 5, 2, 4096), rademacher_signs(11, 6, 2, 4096))
     assert set(np.unique(rademacher_signs(0, 0, 0, 1000))) == {-1.0, 1.0}
+
+
+def test_c_fwht_equals_matrix_form():
+    for n in (1, 2, 1024, 1 << 12, 1 << 15):
+        x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+        assert np.allclose(fwht(x), fwht(x, exact=False), atol=1e-5)
+        assert np.array_equal(fwht(x), fwht(x.copy()))      # deterministic

@@ -1,0 +1,159 @@
+"""Training through the PS: exact agreement with the in-process THC reference, model sync, CLI."""
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from compression import thc
+from proto.job import JobConfig
+from ps_server.server import PSServer
+from worker.client import Worker
+from worker.training import MLP, GradientSync, flat_grad, flat_params, sync_model
+from worker.transport import Transport
+
+N, STEPS, SEED = 2, 3, 5
+
+
+def batches(rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.rand(16, 1, 28, 28, generator=g), torch.randint(0, 10, (16,), generator=g)
+
+
+def train_through_ps():
+    job = JobConfig(num_workers=N, seed=SEED)
+    server = PSServer(job, ("127.0.0.1", 0), control_port=0).start()
+    finals, errors = {}, []
+    models = []
+    for _ in range(N):          # torch's RNG is process-wide: initialize before the threads start
+        torch.manual_seed(0)
+        models.append(MLP(hidden=32))
+
+    def run(rank):
+        try:
+            model = models[rank]
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            t = Transport("127.0.0.1", server.data_addr[1], rank, control_port=server.control_port)
+            sync = GradientSync(Worker(t, seed=SEED), model)
+            for step in range(STEPS):
+                x, y = batches(rank, step)
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                sync()
+                opt.step()
+            finals[rank] = flat_params(model)
+            t.close()
+        except Exception as exc:   # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(N)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    server.stop()
+    assert not errors, errors
+    return finals
+
+
+def train_reference():
+    """Same seeds, no network: the THC average computed in-process (Alg. 3)."""
+    cfg = thc.ThcConfig(seed=SEED)
+    models, opts = [], []
+    for _ in range(N):
+        torch.manual_seed(0)
+        m = MLP(hidden=32)
+        models.append(m)
+        opts.append(torch.optim.SGD(m.parameters(), lr=0.1))
+    rngs = [np.random.default_rng(np.random.SeedSequence([SEED, r])) for r in range(N)]
+    errs = [None] * N
+    for step in range(STEPS):
+        xs = []
+        for r in range(N):
+            x, y = batches(r, step)
+            opts[r].zero_grad()
+            F.cross_entropy(models[r](x), y).backward()
+            g = flat_grad(list(models[r].parameters())).numpy().astype(np.float32)
+            xs.append(g + errs[r] if errs[r] is not None else g)
+        layout = thc.make_layout(xs[0].size, cfg.block_log2)
+        norms = np.max([thc.block_norms(x, layout) for x in xs], axis=0).astype(np.float32).astype(np.float64)
+        zs = [thc.encode(x, norms, cfg, layout, step, rngs[r].random(layout.padded_dim, dtype=np.float32))
+              for r, x in enumerate(xs)]
+        y_avg = (thc.lookup_sum(zs, cfg.table.values) / N).astype(np.float32)
+        avg = thc.decode(y_avg, 1, norms, cfg, layout, step)
+        for r in range(N):
+            own = thc.lookup_sum([zs[r]], cfg.table.values)
+            errs[r] = xs[r] - thc.decode(own, 1, norms, cfg, layout, step)
+            off = 0
+            for p in models[r].parameters():
+                p.grad = torch.from_numpy(avg[off:off + p.numel()].copy()).view_as(p)
+                off += p.numel()
+            opts[r].step()
+    return {r: flat_params(models[r]) for r in range(N)}
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Intra-op threading may split reductions differently run to run; pin it for bit-exactness."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_training_through_ps_matches_reference_exactly(one_torch_thread):
+    got, ref = train_through_ps(), train_reference()
+    for r in range(N):
+        assert np.array_equal(got[r], ref[r]), np.abs(got[r] - ref[r]).max()
+    assert np.array_equal(got[0], got[1])
+    torch.manual_seed(0)
+    assert not np.array_equal(got[0], flat_params(MLP(hidden=32)))   # the model did move
+
+
+def test_model_sync_makes_workers_identical():
+    job = JobConfig(num_workers=2)
+    server = PSServer(job, ("127.0.0.1", 0), control_port=0).start()
+    out = {}
+
+    models = []
+    for rank in range(2):
+        torch.manual_seed(rank)                      # deliberately different models
+        models.append(MLP(hidden=8))
+
+    def run(rank):
+        model = models[rank]
+        t = Transport("127.0.0.1", server.data_addr[1], rank, control_port=server.control_port)
+        out[(rank, "before")] = flat_params(model)
+        sync_model(Worker(t), model, epoch=0)
+        out[(rank, "after")] = flat_params(model)
+        t.close()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    server.stop()
+    assert not np.array_equal(out[(0, "before")], out[(1, "before")])
+    assert np.array_equal(out[(0, "after")], out[(1, "after")])
+    assert np.array_equal(out[(1, "after")], out[(0, "before")])
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz")
+                    and not os.environ.get("THC_FASHION_MNIST"),
+                    reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+def test_train_json_summary_tiny():
+    cmd = [sys.executable, "-m", "deploy.cli", "train", "--workers", "2", "--epochs", "1",
+           "--train-limit", "512", "--test-limit", "256", "--model", "mlp", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = [l for l in proc.stdout.splitlines() if l.strip()]
+    doc = json.loads(lines[-1])
+    assert 0 <= doc["final_test_accuracy"] <= 1 and 0 <= doc["baseline_final_test_accuracy"] <= 1
+    assert doc["compression_up"] > 5 and doc["compression_down"] > 3
+    assert len(doc["epochs"]) == 1 and "epoch 1/1" in proc.stderr
