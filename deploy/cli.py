@@ -125,6 +125,10 @@ def _addr(value: str):
     return host, int(port)
 
 
+def _addr_list(value: str):
+    return [_addr(v.strip()) for v in value.split(",") if v.strip()]
+
+
 def _job_args(p, workers_required=False):
     p.add_argument("--workers", type=_positive, default=None if workers_required else 4,
                    required=workers_required, help="number of workers n")
@@ -147,6 +151,8 @@ def _add_cluster_commands(sub):
                                     "control plane on PORT+1 (or --control-port).")
     ps.add_argument("--bind", type=_addr, default=("127.0.0.1", 9000), help="ADDR:PORT (default 127.0.0.1:9000)")
     ps.add_argument("--control-port", type=int, default=None, help="control port (default PORT+1)")
+    ps.add_argument("--shards", type=_positive, default=1,
+                    help="PS shards in this process splitting the slot space (data ports PORT, PORT+2, ...)")
     ps.add_argument("--engine", choices=("c", "python"), default="c", help="aggregation engine (default c)")
     ps.add_argument("--stats-every", type=float, default=10.0, help="seconds between stats lines (0: off)")
     _job_args(ps, workers_required=True)
@@ -154,7 +160,8 @@ def _add_cluster_commands(sub):
 
     w = sub.add_parser("worker", help="run one worker process: R rounds of test gradients through a PS",
                        description="Connects to a running `thc ps`, registers as --rank, runs rounds.")
-    w.add_argument("--ps", type=_addr, required=True, help="the PS data address HOST:PORT")
+    w.add_argument("--ps", type=_addr_list, required=True,
+                   help="the PS data address HOST:PORT, or a comma list of shards (chunk c -> shard c mod S)")
     w.add_argument("--rank", type=int, default=None, help="worker id (default: $RANK from torchrun, else 0)")
     w.add_argument("--rounds", type=_positive, default=10)
     w.add_argument("--dim", type=_positive, default=1 << 16)
@@ -178,7 +185,9 @@ def _add_cluster_commands(sub):
     la.add_argument("--loss-policy", choices=("retransmit", "zero"), default="retransmit")
     la.add_argument("--timeout-ms", type=float, default=50.0, help="first retransmission timeout")
     la.add_argument("--engine", choices=("c", "python"), default="c")
-    la.add_argument("--ps", type=str, default=None, help="use a running PS at HOST:PORT instead of starting one")
+    la.add_argument("--ps", type=str, default=None,
+                    help="use a running PS at HOST:PORT (or a comma list of shards) instead of starting one")
+    la.add_argument("--shards", type=_positive, default=1, help="PS shards to start (default 1)")
     la.add_argument("--json", action="store_true", help="print one JSON summary line")
     la.add_argument("--verbose", action="store_true", help="per-round progress from every worker")
     la.set_defaults(func=commands.cmd_launch)

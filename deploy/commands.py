@@ -53,10 +53,11 @@ def cmd_ps(args) -> None:
     job = _job(args)   # validated here: e.g. n*g overflowing the lane is refused before binding
     host, port = args.bind
     servers = []
-    for s in range(1):
-        servers.append(PSServer(job, (host, port), control_port=args.control_port, engine=args.engine,
+    for s in range(args.shards):
+        cport = args.control_port + 2 * s if args.control_port else None
+        servers.append(PSServer(job, (host, port + 2 * s), control_port=cport, engine=args.engine,
                                 log=lambda m: print(m, flush=True)).start())
-        print(f"PS shard {s}: data udp://{host}:{port}, control tcp://{host}:"
+        print(f"PS shard {s}: data udp://{host}:{port + 2 * s}, control tcp://{host}:"
               f"{servers[-1].control_port}, n={job.num_workers}, codec={job.codec}, "
               f"b={job.bits}, g={job.granularity}, lanes={job.lane_bits} bits, quorum={job.quorum}",
               flush=True)
@@ -81,8 +82,8 @@ def cmd_worker(args) -> dict:
     from deploy.launch import worker_loop
     from worker.transport import Faults
     rank = args.rank if args.rank is not None else int(os.environ.get("RANK", "0"))
-    host, port = args.ps
-    out, counters = worker_loop(host, port, port + 1, rank, args.rounds, args.dim, args.seed,
+    shards = [(h, p, p + 1) for h, p in args.ps]
+    out, counters = worker_loop(shards, rank, args.rounds, args.dim, args.seed,
                                 args.loss_policy, Faults(drop_out=args.loss, drop_in=args.loss, seed=args.seed),
                                 args.straggler_delay_ms, 1.0, 50.0, 64, None, False)
     return {"rank": rank, "rounds": len(out), "lost_chunks": sum(r["lost"] for r in out),
@@ -104,7 +105,7 @@ def cmd_launch(args):
                      straggler_delay_ms=args.straggler_delay_ms, straggler_rank=args.straggler_rank,
                      policy=args.loss_policy, seed=args.seed, ps=args.ps, engine=args.engine,
                      timeout_ms=args.timeout_ms, slots=args.slots, lane_bits=args.lane_bits,
-                     verbose=args.verbose)
+                     verbose=args.verbose, shards=args.shards)
     if args.json:
         return doc
     print(f"rounds {doc['rounds']}, exact {doc['exact_rounds']}, mismatched chunks "

@@ -35,13 +35,16 @@ def gradient(seed: int, round_no: int, worker: int, dim: int) -> np.ndarray:
     return (np.round(np.clip(x, -127, 127) * 1024) / 1024).astype(np.float32)
 
 
-def worker_loop(ps_host, data_port, control_port, worker_id, rounds, dim, seed, policy, faults,
+def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
                 straggler_delay_ms, straggler_prob, timeout_ms, window, report=None, quiet=True):
-    """Run `rounds` allreduces of test gradients; returns (per-round reports, transport counters)."""
+    """Run `rounds` allreduces of test gradients against the PS shards [(host, data, control)].
+
+    Returns (per-round reports, transport counters).
+    """
     from worker.client import Worker
     from worker.transport import Transport
-    t = Transport(ps_host, data_port, worker_id, control_port=control_port, policy=policy,
-                  faults=faults, timeout_ms=timeout_ms, window=window)
+    t = Transport(shards[0][0], shards[0][1], worker_id, control_port=shards[0][2], policy=policy,
+                  faults=faults, timeout_ms=timeout_ms, window=window, shards=shards)
     w = Worker(t, error_feedback=False, seed=seed, straggler_delay_ms=straggler_delay_ms,
                straggler_prob=straggler_prob)
     out = []
@@ -78,7 +81,7 @@ def _worker_entry(*args):
     try:
         worker_loop(*args)
     except Exception as exc:  # reported to the parent, which fails the launch
-        args[-2].put((args[3], f"{type(exc).__name__}: {exc}", None))
+        args[-2].put((args[1], f"{type(exc).__name__}: {exc}", None))
 
 
 def reference_digests(job: JobConfig, seed: int, round_no: int, dim: int, reports: dict) -> list:
@@ -151,20 +154,24 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
                quorum=1.0, loss=0.0, duplicate=0.0, reorder=0.0, straggler_delay_ms=0.0,
                straggler_rank=None, straggler_prob=1.0, policy="retransmit", seed=0, ps=None,
                engine="c", timeout_ms=50.0, window=64, slots=512, lane_bits=8, verbose=False,
-               ps_control_port=None, check=True) -> dict:
-    """Start a PS (unless `ps` = "host:port") and N worker processes; returns the JSON summary."""
+               ps_control_port=None, check=True, shards=1) -> dict:
+    """Start a PS with `shards` shards (unless `ps` = "host:port[,host:port…]") and N worker
+    processes; returns the JSON summary."""
     from worker.transport import Faults
     job = JobConfig(num_workers=workers, codec=codec, bits=bits, granularity=granularity, p=p,
                     quorum=quorum, seed=seed, slots=slots, lane_bits=lane_bits)
-    server = None
+    servers = []
     if ps is None:
         from ps_server.server import PSServer
-        server = PSServer(job, ("127.0.0.1", 0), control_port=0, engine=engine).start()
-        host, data_port, control_port = "127.0.0.1", server.data_addr[1], server.control_port
+        for _ in range(shards):
+            servers.append(PSServer(job, ("127.0.0.1", 0), control_port=0, engine=engine).start())
+        shard_list = [("127.0.0.1", s.data_addr[1], s.control_port) for s in servers]
     else:
-        host, _, port = ps.rpartition(":")
-        data_port = int(port)
-        control_port = ps_control_port or data_port + 1
+        shard_list = []
+        for item in ps.split(","):
+            host, _, port = item.strip().rpartition(":")
+            shard_list.append((host, int(port), ps_control_port if ps_control_port and not shard_list
+                               else int(port) + 1))
     single_threaded_children()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -173,7 +180,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
     for i in range(workers):
         faults = Faults(drop_out=loss, drop_in=loss, duplicate=duplicate, reorder=reorder, seed=seed)
         delay = straggler_delay_ms if (straggler_rank is None or straggler_rank == i) else 0.0
-        args = (host, data_port, control_port, i, rounds, dim, seed, policy, faults, delay,
+        args = (shard_list, i, rounds, dim, seed, policy, faults, delay,
                 straggler_prob, timeout_ms, window, q, not verbose)
         proc = ctx.Process(target=_worker_entry, args=args, daemon=True)
         proc.start()
@@ -198,9 +205,9 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
             if proc.is_alive():
                 proc.terminate()
         elapsed = time.perf_counter() - t0
-        ps_stats = server.stats() if server is not None else None
-        if server is not None:
-            server.stop()
+        ps_stats = _merge_stats([s.stats() for s in servers]) if servers else None
+        for s in servers:
+            s.stop()
     if errors or len(per_worker) < workers:
         raise RuntimeError("launch failed: " + ("; ".join(errors) or "workers did not report in time"))
     check = check_rounds(job, seed, dim, per_worker) if check else \
@@ -217,6 +224,14 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
             "drops": ps_stats["drops"] if ps_stats else None, "ps": ps_stats,
             "bytes_up_per_round": per_worker[0][0]["bytes_up"],
             "bytes_down_per_round": per_worker[0][0]["bytes_down"]}
+
+
+def _merge_stats(stats: list) -> dict:
+    """Counters of several shards added up."""
+    out = {k: sum(s[k] for s in stats) for k in stats[0] if k != "drops"}
+    out["drops"] = {k: sum(s["drops"][k] for s in stats) for k in stats[0]["drops"]}
+    out["shards"] = len(stats)
+    return out
 
 
 def summary_json(doc: dict) -> str:

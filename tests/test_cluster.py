@@ -105,3 +105,63 @@ def test_bad_input_is_counted_and_rounds_stay_exact():
         assert drops["unregistered"] >= 5
     finally:
         server.stop()
+
+
+def test_sharded_ps_splits_chunks_and_stays_exact():
+    doc = run_launch(workers=3, rounds=10, dim=DIM, shards=3, loss=0.02)
+    assert doc["exact_rounds"] == 10 and doc["mismatched_chunks"] == 0
+    assert doc["ps"]["shards"] == 3
+    # 46 data chunks per round over 3 shards, plus one norm chunk on shard 0
+    assert doc["ps"]["rounds_completed"] == 10 * (46 + 1)
+
+
+def _free_port_pair():
+    for _ in range(50):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        if port < 60000:
+            return port
+    raise RuntimeError("no free port")
+
+
+def test_ps_and_worker_processes_from_the_cli():
+    import json
+    import subprocess
+    import sys
+    port = _free_port_pair()
+    ps = subprocess.Popen([sys.executable, "-m", "deploy.cli", "ps", "--bind", f"127.0.0.1:{port}",
+                           "--workers", "2", "--shards", "2", "--stats-every", "0"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        addrs = f"127.0.0.1:{port},127.0.0.1:{port + 2}"
+        workers = [subprocess.Popen([sys.executable, "-m", "deploy.cli", "worker", "--ps", addrs,
+                                     "--rank", str(r), "--rounds", "3", "--dim", "20000"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                   for r in range(2)]
+        docs = []
+        for w in workers:
+            out, err = w.communicate(timeout=120)
+            assert w.returncode == 0, err
+            docs.append(json.loads(out.strip().splitlines()[-1]))
+        assert [d["rank"] for d in docs] == [0, 1] and all(d["rounds"] == 3 for d in docs)
+        assert all(d["lost_chunks"] == 0 for d in docs)
+        ctx = zmq.Context.instance()
+        for shard in range(2):
+            req = ctx.socket(zmq.REQ)
+            req.setsockopt(zmq.LINGER, 0)
+            req.connect(f"tcp://127.0.0.1:{port + 2 * shard + 1}")
+            req.send(control.encode({"type": "stats"}))
+            assert req.poll(5000)
+            stats = control.decode(req.recv())["stats"]
+            assert stats["rounds_completed"] > 0
+            req.send(control.encode({"type": "shutdown"}))
+            assert req.poll(5000)
+            req.recv()
+            req.close(0)
+        out, _ = ps.communicate(timeout=30)
+        assert "final stats shard 1" in out
+    finally:
+        if ps.poll() is None:
+            ps.kill()

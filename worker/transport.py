@@ -84,7 +84,12 @@ class Transport:
     def __init__(self, ps_host: str, data_port: int, worker_id: int, *, control_port: int | None = None,
                  policy: str = "retransmit", timeout_ms: float = 50.0, max_timeout_ms: float = 1000.0,
                  max_retries: int = 60, window: int = 64, faults: Faults | None = None,
-                 control_timeout_s: float = 30.0):
+                 control_timeout_s: float = 30.0, shards: list | None = None):
+        """Connect to one PS, or to S shards given as [(host, data_port, control_port), ...].
+
+        Chunk c of a DATA phase goes to shard c mod S; NORM phases and control calls
+        (barriers, model sync) go to shard 0.
+        """
         if policy not in POLICIES:
             raise ValueError(f"loss policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if window < 1:
@@ -98,52 +103,61 @@ class Transport:
         self._frng = np.random.default_rng(np.random.SeedSequence([self.faults.seed, worker_id, 7]))
         self._held: list = []
         self.stats = TransportStats()
-        self.ps = (ps_host, data_port)
+        shards = shards or [(ps_host, data_port, control_port or data_port + 1)]
+        self.shard_addrs = [(h, int(p)) for h, p, _ in shards]
+        self._by_addr = {a: i for i, a in enumerate(self.shard_addrs)}
+        self.ps = self.shard_addrs[0]
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
             self.sock.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)   # SO_RCVBUFFORCE (root)
         except OSError:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-        self.sock.bind((local_ip_towards(ps_host, data_port), 0))
+        self.sock.bind((local_ip_towards(*self.shard_addrs[0]), 0))
         self.sock.setblocking(False)
         self._ctx = zmq.Context.instance()
-        self._ctl = None
-        self._control_endpoint = f"tcp://{ps_host}:{control_port if control_port else data_port + 1}"
+        self._ctl: dict = {}
+        self._endpoints = [f"tcp://{h}:{c or p + 1}" for h, p, c in shards]
         self._control_timeout = control_timeout_s
-        reply = self.call({"type": "register", "worker_id": worker_id,
-                           "data_addr": list(self.sock.getsockname())})
-        self.job = JobConfig.from_msg(reply["job"])
-        self.window = min(window, self.job.slots)
-        self.slot_round = np.zeros(self.job.slots + self.job.norm_slots, dtype=np.int64)
+        jobs = []
+        for i in range(len(shards)):
+            reply = self.call({"type": "register", "worker_id": worker_id,
+                               "data_addr": list(self.sock.getsockname())}, shard=i)
+            jobs.append(JobConfig.from_msg(reply["job"]))
+        if any(j != jobs[0] for j in jobs[1:]):
+            raise ValueError("the PS shards disagree on the job configuration")
+        self.job = jobs[0]
+        self.window = min(window, self.job.slots * len(shards))
+        self.slot_round = np.zeros((len(shards), self.job.slots + self.job.norm_slots), dtype=np.int64)
         self._stash: dict = {}
         self._phase_no = 0
 
     # ---------------------------------------------------------------- control plane
-    def call(self, msg: dict) -> dict:
+    def call(self, msg: dict, shard: int = 0) -> dict:
         """One control request; raises PSUnavailable on timeout, ValueError on an error reply."""
-        if self._ctl is None:
-            self._ctl = self._ctx.socket(zmq.REQ)
-            self._ctl.setsockopt(zmq.LINGER, 0)
-            self._ctl.connect(self._control_endpoint)
-        self._ctl.send(control.encode(msg))
-        if not self._ctl.poll(int(self._control_timeout * 1000)):
-            self._ctl.close(0)
-            self._ctl = None
-            raise PSUnavailable(f"no reply from the PS control plane at {self._control_endpoint} "
+        sock = self._ctl.get(shard)
+        if sock is None:
+            sock = self._ctl[shard] = self._ctx.socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self._endpoints[shard])
+        sock.send(control.encode(msg))
+        if not sock.poll(int(self._control_timeout * 1000)):
+            sock.close(0)
+            del self._ctl[shard]
+            raise PSUnavailable(f"no reply from the PS control plane at {self._endpoints[shard]} "
                                 f"within {self._control_timeout:.0f} s ({msg['type']})")
-        reply = control.decode(self._ctl.recv())
+        reply = control.decode(sock.recv())
         if reply.get("type") == "error":
             raise ValueError(f"PS refused {msg['type']}: {reply.get('message')}")
         return reply
 
     def close(self) -> None:
-        if self._ctl is not None:
-            self._ctl.close(0)
-            self._ctl = None
+        for sock in self._ctl.values():
+            sock.close(0)
+        self._ctl.clear()
         self.sock.close()
 
     # ---------------------------------------------------------------- raw I/O with faults
-    def _send(self, pkt: bytes) -> None:
+    def _send(self, pkt: bytes, dest) -> None:
         f, rng = self.faults, self._frng
         self.stats.add("packets_sent")
         self.stats.add("bytes_sent", len(pkt))
@@ -155,16 +169,16 @@ class Transport:
             self.stats.add("injected_duplicates")
         if f.reorder and rng.random() < f.reorder:
             self.stats.add("injected_reorders")
-            self._held.extend([pkt] * copies)
+            self._held.extend([(pkt, dest)] * copies)
             return
         for _ in range(copies):
-            self._sendto(pkt)
+            self._sendto(pkt, dest)
         self._flush_held()
 
-    def _sendto(self, pkt: bytes) -> None:
+    def _sendto(self, pkt: bytes, dest) -> None:
         for _ in range(1000):
             try:
-                self.sock.sendto(pkt, self.ps)
+                self.sock.sendto(pkt, dest)
                 return
             except BlockingIOError:
                 select.select([], [self.sock], [], 0.01)
@@ -173,18 +187,19 @@ class Transport:
 
     def _flush_held(self) -> None:
         held, self._held = self._held, []
-        for pkt in held:
-            self._sendto(pkt)
+        for pkt, dest in held:
+            self._sendto(pkt, dest)
 
     def _recv(self, timeout: float):
-        """One packet (header, payload) or None on timeout / injected drop."""
+        """One packet (shard, header, payload) or None on timeout / injected drop."""
         ready, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
         if not ready:
             return None
         try:
-            data = self.sock.recv(65536)
+            data, src = self.sock.recvfrom(65536)
         except (BlockingIOError, ConnectionRefusedError):
             return None
+        shard = self._by_addr.get(src)
         self.stats.add("packets_received")
         self.stats.add("bytes_received", len(data))
         if self.faults.drop_in and self._frng.random() < self.faults.drop_in:
@@ -195,10 +210,10 @@ class Transport:
         except H.PacketError:
             self.stats.add("bad_packets")
             return None
-        if h.job_id != self.job.job_id:
+        if h.job_id != self.job.job_id or shard is None:
             self.stats.add("bad_packets")
             return None
-        return h, bytes(payload)
+        return shard, h, bytes(payload)
 
     # ---------------------------------------------------------------- phases
     def run_phase(self, kind: int, chunks: list) -> list:
@@ -208,21 +223,22 @@ class Transport:
         """
         job = self.job
         nchunks = len(chunks)
+        nshards = len(self.shard_addrs)
         if kind == H.NORM:
             base, span = job.slots, job.norm_slots
-            slots = [base + (self._phase_no + c) % span for c in range(nchunks)]
+            where = [(0, base + (self._phase_no + c) % span) for c in range(nchunks)]
             elem_bits, op = 32, H.OP_MAX_U32
         else:
-            slots = [c % job.slots for c in range(nchunks)]
+            where = [(c % nshards, (c // nshards) % job.slots) for c in range(nchunks)]
             elem_bits, op = job.up_bits, job.op
         self._phase_no += 1
         rounds = []
-        for s in slots:
-            self.slot_round[s] += 1
-            rounds.append(int(self.slot_round[s]) & 0xFFFFFFFF)
+        for sh, s in where:
+            self.slot_round[sh, s] += 1
+            rounds.append(int(self.slot_round[sh, s]) & 0xFFFFFFFF)
         results: list = [None] * nchunks
         done = [False] * nchunks
-        pending: dict = {}                 # slot -> [chunk, deadline, timeout, tries, packet]
+        pending: dict = {}                 # (shard, slot) -> [chunk, deadline, timeout, tries, packet]
         next_c, finished = 0, 0
         want_type = H.NORM_RESULT if kind == H.NORM else H.RESULT
 
@@ -235,10 +251,10 @@ class Transport:
 
         while finished < nchunks:
             # fill the window
-            while next_c < nchunks and len(pending) < self.window and slots[next_c] not in pending:
+            while next_c < nchunks and len(pending) < self.window and where[next_c] not in pending:
                 c = next_c
                 next_c += 1
-                key = (slots[c], rounds[c])
+                key = (*where[c], rounds[c])
                 if key in self._stash:
                     self.stats.add("resynced_chunks")
                     complete(c, self._stash.pop(key))
@@ -246,10 +262,10 @@ class Transport:
                 off, count, payload = chunks[c]
                 pkt = H.build(H.Header(type=kind, job_id=job.job_id, worker_id=self.worker_id,
                                        num_workers=job.num_workers, elem_bits=elem_bits,
-                                       slot=slots[c], round=rounds[c], offset=off, count=count,
+                                       slot=where[c][1], round=rounds[c], offset=off, count=count,
                                        op=op), payload)
-                self._send(pkt)
-                pending[slots[c]] = [c, time.monotonic() + self.timeout, self.timeout, 0, pkt]
+                self._send(pkt, self.shard_addrs[where[c][0]])
+                pending[where[c]] = [c, time.monotonic() + self.timeout, self.timeout, 0, pkt]
             self._flush_held()
             if finished >= nchunks:
                 break
@@ -257,49 +273,51 @@ class Transport:
             wait = min((p[1] for p in pending.values()), default=now + self.timeout) - now
             got = self._recv(wait)
             if got is not None:
-                h, payload = got
-                entry = pending.get(h.slot)
+                shard, h, payload = got
+                pkey = (shard, h.slot)
+                entry = pending.get(pkey)
                 if h.type == want_type:
                     if entry is not None and h.round == rounds[entry[0]]:
-                        del pending[h.slot]
+                        del pending[pkey]
                         complete(entry[0], (h, payload))
                     elif entry is None or h.round > rounds[entry[0]]:
-                        if len(self._stash) < 4 * (job.slots + job.norm_slots):
-                            self._stash[(h.slot, h.round)] = (h, payload)
+                        if len(self._stash) < 4 * nshards * (job.slots + job.norm_slots):
+                            self._stash[(shard, h.slot, h.round)] = (h, payload)
                             self.stats.add("stashed_results")
                 elif h.type == H.STRAGGLER:
                     self.stats.add("straggler_notices")
                     if entry is not None and h.round > rounds[entry[0]]:
-                        del pending[h.slot]
+                        del pending[pkey]
                         self.stats.add("lost_chunks")
                         complete(entry[0], None)
                 else:
                     self.stats.add("bad_packets")
             # timeouts
             now = time.monotonic()
-            for slot, entry in list(pending.items()):
+            for pkey, entry in list(pending.items()):
                 c, deadline, tmo, tries, pkt = entry
                 if deadline > now:
                     continue
                 self.stats.add("timeouts")
                 if self.policy == "zero":
-                    del pending[slot]
+                    del pending[pkey]
                     self.stats.add("lost_chunks")
                     complete(c, None)
                     continue
+                dest = self.shard_addrs[pkey[0]]
                 if tries >= self.max_retries:
-                    raise PSUnavailable(f"no reply from PS {self.ps[0]}:{self.ps[1]} for slot {slot} "
+                    raise PSUnavailable(f"no reply from PS {dest[0]}:{dest[1]} for slot {pkey[1]} "
                                         f"round {rounds[c]} after {tries} retransmissions")
                 retx = bytearray(pkt)
                 retx[4] |= H.F_RETRANSMIT
-                self._send(bytes(retx))
+                self._send(bytes(retx), dest)
                 self.stats.add("retransmissions")
                 tmo = min(tmo * 2, self.max_timeout)
-                pending[slot] = [c, now + tmo, tmo, tries + 1, pkt]
+                pending[pkey] = [c, now + tmo, tmo, tries + 1, pkt]
         self._gc_stash()
         return results
 
     def _gc_stash(self) -> None:
-        stale = [k for k in self._stash if k[1] <= self.slot_round[k[0]]]
+        stale = [k for k in self._stash if k[2] <= self.slot_round[k[0], k[1]]]
         for k in stale:
             del self._stash[k]
