@@ -82,13 +82,35 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--straggler-delay-ms", type=float, default=0.0, help="delay of a straggling round")
     tr.add_argument("--straggler-prob", type=_probability, default=0.0,
                     help="probability that a worker straggles in a round")
+    tr.add_argument("--straggler-count", type=int, default=0,
+                    help="k random stragglers per round, all workers agree which (paper §8.3)")
     tr.add_argument("--sync-every", type=int, default=1, help="model sync period in epochs (0: never)")
+    tr.add_argument("--ps", type=str, default="",
+                    help="use a running PS at HOST:PORT[,HOST:PORT...] (implies --no-baseline)")
     tr.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     tr.add_argument("--train-limit", type=int, default=0, help="use only the first N training images")
     tr.add_argument("--test-limit", type=int, default=0, help="use only the first N test images")
     tr.add_argument("--no-baseline", action="store_true", help="skip the uncompressed comparison run")
     tr.add_argument("--json", action="store_true", help="print one JSON summary line at the end")
     tr.set_defaults(func=commands.cmd_train)
+
+    ex = sub.add_parser("experiment", help="rerun the paper's loss/straggler/scale/bandwidth experiments",
+                        description="Each writes docs/experiments/NAME.md (table) and NAME.png (plots).")
+    ex.add_argument("name", choices=("loss", "stragglers", "scale", "bandwidth"))
+    ex.add_argument("--workers", type=_positive, default=None,
+                    help="workers (default 4; 10 for stragglers)")
+    ex.add_argument("--epochs", type=_positive, default=3)
+    ex.add_argument("--model", choices=("cnn", "mlp"), default="cnn")
+    ex.add_argument("--train-limit", type=int, default=30000, help="training images used (default 30000)")
+    ex.add_argument("--test-limit", type=int, default=5000)
+    ex.add_argument("--bits", type=_positive, default=4)
+    ex.add_argument("--granularity", type=_positive, default=None, help="default 30 (20 for stragglers)")
+    ex.add_argument("--p", type=_p_arg, default=None, help="default 1/32 (1/512 for stragglers)")
+    ex.add_argument("--kernel-loss", action="store_true",
+                    help="loss: also drop real packets with nftables between namespaces (root)")
+    ex.add_argument("--delay-ms", type=float, default=30.0, help="stragglers: delay per straggling round")
+    ex.add_argument("--seed", type=int, default=0)
+    ex.set_defaults(func=commands.cmd_experiment)
 
     d = sub.add_parser("demo-nmse", help="print the NMSE comparison of all codecs (quick look)")
     d.add_argument("--workers", type=_positive, default=4)

@@ -125,13 +125,16 @@ def cmd_train(args):
                             loss_policy=args.loss_policy, quorum=args.quorum,
                             straggler_delay_ms=args.straggler_delay_ms,
                             straggler_prob=args.straggler_prob, sync_every=args.sync_every,
-                            seed=args.seed, train_limit=args.train_limit, test_limit=args.test_limit)
+                            seed=args.seed, train_limit=args.train_limit, test_limit=args.test_limit,
+                            straggler_count=args.straggler_count, ps=args.ps)
+    if args.straggler_count and not 0 < args.straggler_count < args.workers:
+        raise ValueError(f"--straggler-count must be in 1..{args.workers - 1}")
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else \
         (lambda m: print(m, flush=True))
     log(f"training {cfg.model} on Fashion-MNIST: PS + {cfg.workers} workers on loopback, codec={cfg.codec}"
         + (f" (b={cfg.bits}, g={cfg.granularity}, p={cfg.p})" if cfg.codec == "thc" else "")
         + f", {cfg.epochs} epochs")
-    doc = train.run_with_baseline(cfg, log, baseline=not args.no_baseline)
+    doc = train.run_with_baseline(cfg, log, baseline=not (args.no_baseline or args.ps))
     if args.json:
         slim = {k: v for k, v in doc.items() if k not in ("run", "baseline")}
         slim["epochs"] = doc["run"]["epochs"]
@@ -142,3 +145,26 @@ def cmd_train(args):
         return slim
     train.print_comparison(doc)
     return None
+
+
+def cmd_experiment(args) -> None:
+    from deploy import experiments
+    from deploy.train import TrainConfig
+    strag = args.name == "stragglers"
+    workers = args.workers or (10 if strag else 4)
+    granularity = args.granularity or (20 if strag else 30)
+    p = str(args.p) if args.p else ("1/512" if strag else "1/32")
+    base = TrainConfig(workers=workers, epochs=args.epochs, model=args.model, bits=args.bits,
+                       granularity=granularity, p=p, train_limit=args.train_limit,
+                       test_limit=args.test_limit, seed=args.seed)
+    command = experiments.main_command(sys.argv[2:] if sys.argv[1:2] == ["experiment"] else [args.name])
+    log = lambda m: print(m, flush=True)
+    if args.name == "loss":
+        path = experiments.loss(base, command, log, kernel=args.kernel_loss)
+    elif strag:
+        path = experiments.stragglers(base, command, log, delay_ms=args.delay_ms)
+    elif args.name == "scale":
+        path = experiments.scale(base, command, log)
+    else:
+        path = experiments.bandwidth(base, command, log)
+    print(f"wrote {path} and its plot")

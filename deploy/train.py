@@ -40,6 +40,9 @@ class TrainConfig:
     train_limit: int = 0      # 0: the whole training set
     test_limit: int = 0
     timeout_ms: float = 50.0
+    straggler_count: int = 0  # k random stragglers per round (the paper's §8.3 scheme)
+    ps: str = ""              # use a running PS "host:port[,host:port…]" instead of starting one
+    curve_every: int = 20     # steps per point of the train-loss curve
 
 
 def _evaluate(model, x, y, batch=1000) -> tuple[float, float]:
@@ -57,7 +60,7 @@ def _evaluate(model, x, y, batch=1000) -> tuple[float, float]:
     return correct / len(x), loss / len(x)
 
 
-def worker_main(cfg: TrainConfig, rank: int, host: str, data_port: int, control_port: int, q) -> None:
+def worker_main(cfg: TrainConfig, rank: int, shards: list, q) -> None:
     """One worker process: train, report per-epoch metrics on the queue."""
     try:
         import torch
@@ -78,10 +81,10 @@ def worker_main(cfg: TrainConfig, rank: int, host: str, data_port: int, control_
         model = MODELS[cfg.model]()
         opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
         faults = Faults(drop_out=cfg.loss, drop_in=cfg.loss, seed=cfg.seed)
-        t = Transport(host, data_port, rank, control_port=control_port, policy=cfg.loss_policy,
-                      faults=faults, timeout_ms=cfg.timeout_ms)
+        t = Transport(shards[0][0], shards[0][1], rank, control_port=shards[0][2], policy=cfg.loss_policy,
+                      faults=faults, timeout_ms=cfg.timeout_ms, shards=shards)
         w = Worker(t, seed=cfg.seed, straggler_delay_ms=cfg.straggler_delay_ms,
-                   straggler_prob=cfg.straggler_prob)
+                   straggler_prob=cfg.straggler_prob, straggler_count=cfg.straggler_count)
         sync = GradientSync(w, model)
         t.call({"type": "barrier", "name": "start", "worker_id": rank})
         step = 0
@@ -89,7 +92,7 @@ def worker_main(cfg: TrainConfig, rank: int, host: str, data_port: int, control_
             idx = data.shard(len(xtr), rank, cfg.workers, cfg.seed, epoch)
             steps = len(idx) // cfg.batch
             t0 = time.perf_counter()
-            comm, up, down, losses, lost = 0.0, 0, 0, [], 0
+            comm, up, down, losses, lost, curve = 0.0, 0, 0, [], 0, []
             for s in range(steps):
                 b = idx[s * cfg.batch:(s + 1) * cfg.batch]
                 xb, yb = torch.from_numpy(xtr[b]), torch.from_numpy(ytr[b])
@@ -105,6 +108,8 @@ def worker_main(cfg: TrainConfig, rank: int, host: str, data_port: int, control_
                 lost += rep.lost
                 losses.append(float(loss.detach()))
                 step += 1
+                if step % cfg.curve_every == 0:
+                    curve.append((step, float(np.mean(losses[-cfg.curve_every:]))))
             if cfg.sync_every and (epoch + 1) % cfg.sync_every == 0:
                 sync_model(w, model, epoch)
             acc, test_loss = _evaluate(model, xte, yte)
@@ -114,9 +119,12 @@ def worker_main(cfg: TrainConfig, rank: int, host: str, data_port: int, control_
                                    "epoch_seconds": time.perf_counter() - t0,
                                    "mean_round_ms": 1e3 * comm / max(steps, 1), "steps": steps,
                                    "bytes_up": up, "bytes_down": down, "lost_chunks": lost,
-                                   "param_digest": digest}))
+                                   "param_digest": digest, "step": step, "loss_curve": curve}))
         t.call({"type": "barrier", "name": "end", "worker_id": rank})
-        q.put(("done", rank, dict(t.stats.counters)))
+        counters = dict(t.stats.counters)
+        if rank == 0:
+            counters["ps_stats"] = t.call({"type": "stats"})["stats"]
+        q.put(("done", rank, counters))
         t.close()
     except Exception as exc:
         q.put(("error", rank, f"{type(exc).__name__}: {exc}"))
@@ -131,12 +139,19 @@ def run(cfg: TrainConfig, log=print) -> dict:
     job = JobConfig(num_workers=cfg.workers, codec=cfg.codec, bits=cfg.bits,
                     granularity=cfg.granularity, p=cfg.p, lane_bits=cfg.lane_bits,
                     quorum=cfg.quorum, seed=cfg.seed)
-    server = PSServer(job, ("127.0.0.1", 0), control_port=0).start()
+    server = None
+    if cfg.ps:
+        shards = []
+        for item in cfg.ps.split(","):
+            host, _, port = item.strip().rpartition(":")
+            shards.append((host, int(port), int(port) + 1))
+    else:
+        server = PSServer(job, ("127.0.0.1", 0), control_port=0).start()
+        shards = [("127.0.0.1", server.data_addr[1], server.control_port)]
     single_threaded_children()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=worker_main, args=(cfg, r, "127.0.0.1", server.data_addr[1],
-                                                    server.control_port, q), daemon=True)
+    procs = [ctx.Process(target=worker_main, args=(cfg, r, shards, q), daemon=True)
              for r in range(cfg.workers)]
     for proc in procs:
         proc.start()
@@ -172,8 +187,9 @@ def run(cfg: TrainConfig, log=print) -> dict:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.terminate()
-        ps_stats = server.stats()
-        server.stop()
+        ps_stats = server.stats() if server is not None else counters.get(0, {}).pop("ps_stats", None)
+        if server is not None:
+            server.stop()
     epochs = [history[e][0] for e in sorted(history)]
     return {"config": asdict(cfg), "epochs": epochs, "seconds": time.perf_counter() - t0,
             "final_test_accuracy": epochs[-1]["test_accuracy"],

@@ -45,7 +45,7 @@ class Worker:
     """One worker's THC (or float32) allreduce over a Transport, with error feedback per key."""
 
     def __init__(self, transport: Transport, *, error_feedback: bool = True, seed: int = 0,
-                 straggler_delay_ms: float = 0.0, straggler_prob: float = 1.0):
+                 straggler_delay_ms: float = 0.0, straggler_prob: float = 1.0, straggler_count: int = 0):
         self.t = transport
         self.job = transport.job
         self.cfg = None
@@ -59,6 +59,8 @@ class Worker:
         self.round_no = 0
         self.straggler_delay = straggler_delay_ms / 1e3
         self.straggler_prob = straggler_prob
+        self.straggler_count = straggler_count
+        self.seed = seed
         self._delay_rng = np.random.default_rng(np.random.SeedSequence([seed, transport.worker_id, 99]))
         self.last: RoundReport | None = None
 
@@ -72,7 +74,20 @@ class Worker:
         return out
 
     def _maybe_straggle(self) -> None:
-        if self.straggler_delay > 0 and self._delay_rng.random() < self.straggler_prob:
+        """Delay this round's DATA phase if this worker straggles.
+
+        With `straggler_count` = k, every round the same k ranks (drawn from (seed, round),
+        identically in every worker) straggle — the paper's §8.3 simulation; otherwise this
+        worker straggles with probability `straggler_prob`.
+        """
+        if self.straggler_delay <= 0:
+            return
+        if self.straggler_count:
+            pick = np.random.default_rng(np.random.SeedSequence([self.seed, self.round_no, 0x57])) \
+                .choice(self.job.num_workers, self.straggler_count, replace=False)
+            if self.t.worker_id in pick:
+                time.sleep(self.straggler_delay)
+        elif self._delay_rng.random() < self.straggler_prob:
             time.sleep(self.straggler_delay)
 
     def _exchange_norms(self, norms: np.ndarray) -> np.ndarray:

@@ -1,0 +1,109 @@
+"""Two test hosts in network namespaces: PS and workers on either end of a veth pair.
+
+Used by the experiments (kernel-level loss, rate limits) and tests; everything is created
+under unique names and removed on exit.  Needs root, `ip`, and for loss `nft` (this
+kernel has no netem: loss is an nftables `numgen random` drop rule) or `tc` for rates
+(token bucket filter).  Addresses are 10.77.x.0/30 inside our own namespaces only.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import uuid
+from dataclasses import dataclass
+
+
+class NetnsUnavailable(RuntimeError):
+    """Namespaces cannot be created here (not root, or tools missing)."""
+
+
+def check_available(need_nft: bool = False, need_tc: bool = False) -> None:
+    if os.geteuid() != 0:
+        raise NetnsUnavailable("network namespaces need root")
+    for tool, needed in (("ip", True), ("nft", need_nft), ("tc", need_tc)):
+        if needed and shutil.which(tool) is None:
+            raise NetnsUnavailable(f"'{tool}' is not installed (Debian: "
+                                   f"{ {'ip': 'iproute2', 'nft': 'nftables', 'tc': 'iproute2'}[tool]})")
+
+
+def _run(*cmd: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()}")
+
+
+@dataclass
+class TwoHosts:
+    ps_ns: str
+    worker_ns: str
+    ps_ip: str
+    worker_ip: str
+
+    def prefix(self, ns: str) -> list[str]:
+        return ["ip", "netns", "exec", ns]
+
+
+def _drop_rule(ns: str, loss: float, port_lo: int, port_hi: int) -> None:
+    """Drop UDP to/from ports [lo, hi] with probability `loss`, in both hooks of `ns`."""
+    per_million = int(round(loss * 1_000_000))
+    _run("ip", "netns", "exec", ns, "nft", "add", "table", "inet", "thcloss")
+    for hook, match in (("output", "dport"), ("input", "sport")):
+        _run("ip", "netns", "exec", ns, "nft", "add", "chain", "inet", "thcloss", hook,
+             f"{{ type filter hook {hook} priority 0; }}")
+        _run("ip", "netns", "exec", ns, "nft", "add", "rule", "inet", "thcloss", hook, "udp", match,
+             f"{port_lo}-{port_hi}", "numgen", "random", "mod", "1000000", "<", str(per_million),
+             "counter", "drop")
+
+
+@contextlib.contextmanager
+def two_hosts(*, rate_mbit: float | None = None, loss: float = 0.0, ps_ports=(9000, 9010)):
+    """Create PS and worker namespaces joined by a veth pair; optional rate limit and loss.
+
+    Loss applies in both directions: the worker namespace drops outgoing DATA and incoming
+    RESULT datagrams of the PS ports with probability `loss` each way.
+    """
+    check_available(need_nft=loss > 0, need_tc=rate_mbit is not None)
+    tag = uuid.uuid4().hex[:6]
+    ps_ns, wk_ns = f"thcps-{tag}", f"thcwk-{tag}"
+    va, vb = f"thca{tag}", f"thcb{tag}"
+    octet = int(tag[:2], 16) % 250 + 1
+    ps_ip, wk_ip = f"10.77.{octet}.1", f"10.77.{octet}.2"
+    created = []
+    try:
+        for ns in (ps_ns, wk_ns):
+            _run("ip", "netns", "add", ns)
+            created.append(ns)
+            _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+            _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1")
+        _run("ip", "link", "add", va, "type", "veth", "peer", "name", vb)
+        _run("ip", "link", "set", va, "netns", ps_ns)
+        _run("ip", "link", "set", vb, "netns", wk_ns)
+        for ns, dev, ip in ((ps_ns, va, ps_ip), (wk_ns, vb, wk_ip)):
+            _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{ip}/30", "dev", dev)
+            _run("ip", "netns", "exec", ns, "ip", "link", "set", dev, "up")
+            if rate_mbit is not None:
+                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+                     f"{rate_mbit}mbit", "burst", "256kbit", "latency", "100ms")
+        if loss > 0:
+            _drop_rule(wk_ns, loss, *ps_ports)
+        yield TwoHosts(ps_ns, wk_ns, ps_ip, wk_ip)
+    finally:
+        for ns in created:
+            subprocess.run(["ip", "netns", "pids", ns], capture_output=True)
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                subprocess.run(["kill", "-9", pid], capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def nft_drop_counters(ns: str) -> int:
+    """Packets the loss rules of `ns` dropped so far."""
+    out = subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "table", "inet", "thcloss"],
+                         capture_output=True, text=True).stdout
+    total = 0
+    for line in out.splitlines():
+        if "counter packets" in line:
+            total += int(line.split("counter packets")[1].split()[0])
+    return total
