@@ -106,10 +106,9 @@ def loss(base: TrainConfig, command: str, log=print, kernel: bool = False) -> Pa
 transport (seeded) in both directions; under `zero` a chunk whose result misses its timeout is a
 zero update (paper §6.1), under `retransmit` it is resent. Model sync: rank 0's parameters are
 copied to every rank at each epoch's end. The paper (§8.3) used ResNet50/CIFAR100 with 10 workers
-for many epochs; here the runs are minutes long, so the drops are smaller, but the order matches:
-no-sync runs diverge most, per-epoch sync recovers most of the gap, and retransmission matches
-the lossless run. Kernel rows (if present) drop real packets with an nftables `numgen random`
+for many epochs; here the runs are minutes long. Kernel rows (if present) drop real packets with an nftables `numgen random`
 rule in a network namespace holding the workers, the PS in another namespace.
+How these results compare with the paper's Fig. 9 is discussed in docs/experiments/README.md.
 """
     return _write("loss", "Packet loss and model synchronization", command, notes, rows)
 
@@ -178,8 +177,8 @@ def stragglers(base: TrainConfig, command: str, log=print, delay_ms: float = 30.
 Every round the same k ranks (drawn from (seed, round)) delay their DATA phase by {delay_ms:g} ms; the PS
 multicasts each slot once ⌈q·n⌉ workers contributed and the stragglers' late packets are counted
 and dropped (their result comes back with the contributor count k, which every worker divides by).
-As in the paper, waiting for 90% loses nothing measurable, 80%/70% lose a little; the last row
-waits for everybody and pays the delay in round time instead.
+The last row waits for everybody and pays the delay in round time instead. Comparison with the
+paper's Fig. 9: docs/experiments/README.md.
 """
     return _write("stragglers", "Stragglers and partial aggregation", command, notes, rows,
                   extra_cols=(("partial rounds", lambda r: (r["ps"] or {}).get("partial_rounds", "-")),))
@@ -242,8 +241,8 @@ PS and {base.workers} workers in two network namespaces joined by a veth pair wi
 rate limit on both ends (`tc qdisc ... tbf`), {base.model} on Fashion-MNIST
 ({base.train_limit or 60000} images), {base.epochs} epochs. "time to {target:.0%}" is the training time
 (sum of epoch times) until rank 0's test accuracy first reaches {target:.0%}. The paper's Fig. 6 runs
-VGG16 at 25/40/100 Gbit/s; the same effect appears here at 100 Mbit/s – 1 Gbit/s: the slower the
-link, the more THC's 8×/4× byte reduction turns into round-time speed-up.
+VGG16 at 25/40/100 Gbit/s; here the links are 100 Mbit/s and 1 Gbit/s and the model is small.
+Discussion: docs/experiments/README.md.
 """
     return _write("bandwidth", "Bandwidth-limited links", command, notes, rows, extra_cols=(
         ("round speed-up vs none", lambda r: f"{r['speedup']:.2f}x" if "speedup" in r else "-"),
