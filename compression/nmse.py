@@ -13,6 +13,12 @@ import numpy as np
 from compression import baselines, thc
 
 CODECS = ("thc", "uhc", "topk", "terngrad", "none")
+
+
+def all_codecs() -> list:
+    """The built-in reference paths plus every codec of the registry."""
+    from compression import registry
+    return list(dict.fromkeys(list(CODECS) + registry.names()))
 DISTS = ("lognormal", "normal", "laplace")
 
 
@@ -70,7 +76,12 @@ def one_round(codec: str, grads, rng, *, bits=4, granularity=30, p="1/32", topk=
         ts = [baselines.terngrad_encode(g, s, rng.random(d, dtype=np.float32)) for g in grads]
         total = np.sum([t.astype(np.int32) for t in ts], axis=0)
         return baselines.terngrad_decode(total, n, s), (2.0, float(baselines.terngrad_down_bits(n)))
-    raise ValueError(f"unknown codec {codec!r}; choose from {', '.join(CODECS)}")
+    from compression import registry
+    from compression.codec import run_round
+    kwargs = {"bits": bits} if codec == "casq" else {}
+    impl = registry.get(codec, **kwargs)
+    est, ups, down = run_round(impl, grads, rng, round_no=round_no)
+    return est, (float(np.mean([8.0 * len(u) / d for u in ups])), 8.0 * len(down) / d)
 
 
 def run(codec: str, *, workers: int = 2, dim: int = 1 << 20, dist: str = "lognormal",

@@ -30,4 +30,8 @@ def get(name: str, **params):
     except KeyError:
         raise ValueError(f"unknown codec {name!r}; choose from {', '.join(_REGISTRY)}") from None
     module, cls = path.split(":")
-    return getattr(importlib.import_module(module), cls)(**params)
+    try:
+        factory = getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"codec {name!r} is not available in this build ({exc})") from None
+    return factory(**params)

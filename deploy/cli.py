@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "run uncompressed and prints the comparison.")
     tr.add_argument("--workers", type=_positive, default=4, help="workers (default 4)")
     tr.add_argument("--epochs", type=_positive, default=3, help="epochs (default 3)")
-    tr.add_argument("--codec", choices=("thc", "none"), default="thc", help="codec (default thc)")
+    tr.add_argument("--codec", choices=commands.job_codecs(), default="thc", help="codec (default thc)")
     tr.add_argument("--bits", type=_positive, default=4, help="index bits b (default 4)")
     tr.add_argument("--granularity", type=_positive, default=30, help="granularity g (default 30)")
     tr.add_argument("--p", type=_p_arg, default="1/32", help="support fraction p (default 1/32)")
@@ -154,8 +154,9 @@ def _addr_list(value: str):
 def _job_args(p, workers_required=False):
     p.add_argument("--workers", type=_positive, default=None if workers_required else 4,
                    required=workers_required, help="number of workers n")
-    p.add_argument("--codec", choices=("thc", "none"), default="thc",
-                   help="thc (lookup-and-sum) or none (float32 sums, the baseline)")
+    p.add_argument("--codec", choices=commands.job_codecs(), default="thc",
+                   help="thc (lookup-and-sum in C), none (float32 sums), or a codec the PS "
+                        "decodes, sums and re-encodes")
     p.add_argument("--bits", type=_positive, default=4, help="index bits b (default 4)")
     p.add_argument("--granularity", type=_positive, default=30, help="granularity g (default 30)")
     p.add_argument("--p", type=_p_arg, default="1/32", help="support fraction p (default 1/32)")

@@ -5,8 +5,13 @@ import sys
 
 
 def nmse_codecs():
-    from compression.nmse import CODECS
-    return CODECS
+    from compression.nmse import all_codecs
+    return all_codecs()
+
+
+def job_codecs():
+    from compression import registry
+    return registry.names()
 
 
 def cmd_table(args) -> dict:

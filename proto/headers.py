@@ -24,8 +24,9 @@ One fixed 32-byte header, then the payload:
 DATA payloads are packed b-bit table indices (see packing.py for the bit
 order) or big-endian float32 for the uncompressed baseline.  RESULT payloads
 are big-endian lanes of elem_bits bits (or float32 sums).  NORM payloads are
-big-endian IEEE float32 norms: for non-negative floats the bit pattern orders
-like the value, so the PS (or a switch) takes the max as unsigned integers.
+order-preserving u32 codes of float32 statistics (see float_to_ordered), so
+the PS (or a switch) takes the max as unsigned integers.  op = BLOB marks
+fragments of variable-size codec payloads (proto/blob.py).
 A STRAGGLER notification carries no payload; its `round` is the slot's current
 round, so the late worker can resynchronize.
 """
@@ -54,8 +55,27 @@ F_RETRANSMIT = 0x01
 F_RESENT = 0x02
 
 # element operations
-OP_LOOKUP_SUM, OP_FLOAT_SUM, OP_MAX_U32 = 1, 2, 3
-OP_NAMES = {OP_LOOKUP_SUM: "lookup_sum", OP_FLOAT_SUM: "float_sum", OP_MAX_U32: "max_u32"}
+OP_LOOKUP_SUM, OP_FLOAT_SUM, OP_MAX_U32, OP_BLOB = 1, 2, 3, 4
+OP_NAMES = {OP_LOOKUP_SUM: "lookup_sum", OP_FLOAT_SUM: "float_sum", OP_MAX_U32: "max_u32",
+            OP_BLOB: "blob"}
+
+
+def float_to_ordered(values) -> "np.ndarray":
+    """float32 → u32 whose unsigned order is the float order (negative numbers included).
+
+    NORM payloads carry this encoding so the PS (or a switch) takes a float maximum with an
+    unsigned integer max: set the sign bit of non-negative floats, invert negative ones.
+    """
+    import numpy as np
+    bits = np.asarray(values, dtype=np.float32).view(np.uint32)
+    return np.where(bits >> 31, ~bits, bits | np.uint32(0x80000000)).astype(np.uint32)
+
+
+def ordered_to_float(codes) -> "np.ndarray":
+    import numpy as np
+    codes = np.asarray(codes, dtype=np.uint32)
+    bits = np.where(codes >> 31, codes & np.uint32(0x7FFFFFFF), ~codes).astype(np.uint32)
+    return bits.view(np.float32)
 
 #: Default UDP payload budget: 1500-byte MTU − 20 (IPv4) − 8 (UDP).
 DEFAULT_MTU = 1500

@@ -46,10 +46,11 @@ enum { C_PACKETS_IN, C_BYTES_IN, C_PACKETS_OUT, C_BYTES_OUT, C_ROUNDS, C_PARTIAL
 static const char *counter_names[N_COUNTERS] = {
     "packets_in", "bytes_in", "packets_out", "bytes_out", "rounds_completed", "partial_rounds",
     "results_resent", "stragglers_notified"};
-enum { D_MALFORMED, D_VERSION, D_JOB, D_SLOT, D_WORKER, D_UNREG, D_STALE, D_DUP, D_LATE, N_DROPS };
+enum { D_MALFORMED, D_VERSION, D_JOB, D_SLOT, D_WORKER, D_UNREG, D_STALE, D_DUP, D_LATE, D_CODEC,
+       N_DROPS };
 static const char *drop_names[N_DROPS] = {
     "malformed", "wrong_version", "unknown_job", "slot_out_of_range", "worker_out_of_range",
-    "unregistered", "stale", "duplicate", "late"};
+    "unregistered", "stale", "duplicate", "late", "codec_error"};   /* codec_error: BLOB jobs only */
 
 typedef struct {
     uint8_t *payload;

@@ -27,12 +27,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from proto import blob as B
 from proto import headers as H
 from proto.job import JobConfig
 from proto.packing import unpack_indices
 
 DROP_REASONS = ("malformed", "wrong_version", "unknown_job", "slot_out_of_range",
-                "worker_out_of_range", "unregistered", "stale", "duplicate", "late")
+                "worker_out_of_range", "unregistered", "stale", "duplicate", "late", "codec_error")
 COUNTERS = ("packets_in", "bytes_in", "packets_out", "bytes_out", "rounds_completed",
             "partial_rounds", "results_resent", "stragglers_notified")
 
@@ -61,6 +62,18 @@ class _Slot:
 
 
 @dataclass
+class _BlobRound:
+    """One round of a decode–sum–re-encode codec: reassembly per worker, then the result."""
+
+    round: int
+    parts: dict = field(default_factory=dict)       # worker -> Reassembly
+    bitmap: int = 0
+    count: int = 0
+    frag_counts: dict = field(default_factory=dict)  # worker -> its number of uplink fragments
+    result: list | None = None                       # [(offset, fragment payload)]
+
+
+@dataclass
 class Stats:
     counters: dict = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     drops: dict = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
@@ -78,6 +91,13 @@ class ReferencePS:
         self.slots = [_Slot() for _ in range(job.slots + job.norm_slots)]
         self.workers: dict[int, tuple] = {}
         self.stats = Stats()
+        self._blob_cur: _BlobRound | None = None
+        self._blob_prev: _BlobRound | None = None
+        self._codec = None
+        self._codec_state: dict = {}
+        if job.blob:
+            from compression import registry
+            self._codec = registry.get(job.codec, **job.codec_params)
 
     def register(self, worker_id: int, addr: tuple) -> None:
         if not 0 <= worker_id < self.job.num_workers:
@@ -91,11 +111,12 @@ class ReferencePS:
 
     def _payload_ok(self, h: H.Header) -> bool:
         job = self.job
-        if h.count == 0:
-            return False
         if h.type == H.NORM:
             return h.elem_bits == 32 and h.op == H.OP_MAX_U32 and h.count <= job.elems_per_packet \
                 and h.payload_len == 4 * h.count
+        if job.blob:
+            return h.elem_bits == 8 and h.op == H.OP_BLOB and h.count <= job.elems_per_packet \
+                and h.payload_len == B.SUB_SIZE + h.count
         return h.elem_bits == job.up_bits and h.op == job.op and h.count <= job.elems_per_packet \
             and h.payload_len == job.up_payload_len(h.count)
 
@@ -157,8 +178,10 @@ class ReferencePS:
         lo, hi = (job.slots, job.slots + job.norm_slots) if h.type == H.NORM else (0, job.slots)
         if not lo <= h.slot < hi:
             return self._drop("slot_out_of_range")
-        if h.num_workers != job.num_workers or not self._payload_ok(h):
+        if h.num_workers != job.num_workers or (h.count == 0 and not job.blob) or not self._payload_ok(h):
             return self._drop("malformed")
+        if job.blob and h.type == H.DATA:
+            return self._blob(h, bytes(payload))
 
         st = self.slots[h.slot]
         bit = 1 << h.worker_id
@@ -212,3 +235,91 @@ class ReferencePS:
         for wid in sorted(self.workers):
             self._emit(out, pkt, wid)
         return out
+
+    # ------------------------------------------------------------------ BLOB codecs
+    def _blob_result_packets(self, rnd: _BlobRound, which, dest: int | None) -> list:
+        out: list = []
+        for off, frag in which:
+            h = H.Header(type=H.RESULT, job_id=self.job.job_id, worker_id=0 if dest is None else dest,
+                         num_workers=self.job.num_workers, elem_bits=8, slot=0, round=rnd.round,
+                         offset=off, count=len(frag) - B.SUB_SIZE, bitmap=rnd.bitmap,
+                         contributors=rnd.count, op=H.OP_BLOB,
+                         flags=0 if dest is None else H.F_RESENT)
+            pkt = H.build(h, frag)
+            for wid in (sorted(self.workers) if dest is None else [dest]):
+                self._emit(out, pkt, wid)
+        return out
+
+    def _blob_resend(self, rnd: _BlobRound, h: H.Header, total: int) -> list:
+        """Answer uplink fragment f with the result fragments j ≡ f (mod F) (proto/blob.py)."""
+        self.stats.counters["results_resent"] += 1
+        per = self.job.elems_per_packet
+        nfrag = B.fragment_count(total, per + B.SUB_SIZE)
+        f = h.offset // per
+        return self._blob_result_packets(rnd, rnd.result[f % nfrag::nfrag], h.worker_id)
+
+    def _blob(self, h: H.Header, payload: bytes) -> list:
+        try:
+            total, dim, data = B.parse_fragment(payload)
+        except B.BlobError:
+            return self._drop("malformed")
+        if h.offset + len(data) > total or (not data and total) or dim == 0:
+            return self._drop("malformed")      # checked before it can move the round on
+        cur, prev = self._blob_cur, self._blob_prev
+        if cur is None or h.round > cur.round:
+            self._blob_prev = cur if (cur is not None and cur.result is not None
+                                      and h.round == cur.round + 1) else None
+            cur = self._blob_cur = _BlobRound(h.round)
+        elif h.round < cur.round:
+            if prev is not None and h.round == prev.round:
+                return self._blob_resend(prev, h, total)
+            self.stats.drops["stale"] += 1
+            self.stats.counters["stragglers_notified"] += 1
+            out: list = []
+            self._emit(out, H.build(H.Header(type=H.STRAGGLER, job_id=self.job.job_id,
+                                             worker_id=h.worker_id, num_workers=self.job.num_workers,
+                                             slot=h.slot, round=cur.round, offset=h.offset,
+                                             op=h.op)), h.worker_id)
+            return out
+        bit = 1 << h.worker_id
+        if cur.result is not None:
+            if not cur.bitmap & bit:
+                self.stats.drops["late"] += 1
+            return self._blob_resend(cur, h, total)
+        part = cur.parts.get(h.worker_id)
+        try:
+            if part is None:
+                part = cur.parts[h.worker_id] = B.Reassembly(total, dim)
+            added = part.add(h.offset, data, total, dim)
+        except B.BlobError:
+            return self._drop("malformed")
+        if not added:
+            return self._drop("duplicate")
+        if not part.complete or cur.bitmap & bit:
+            return []
+        cur.bitmap |= bit
+        cur.count += 1
+        if cur.count < self.job.quorum_count:
+            return []
+        return self._blob_aggregate(cur, dim)
+
+    def _blob_aggregate(self, cur: _BlobRound, dim: int) -> list:
+        from compression.codec import CodecError, Context
+        members = [w for w in sorted(cur.parts) if cur.bitmap >> w & 1]
+        if any(cur.parts[w].dim != dim for w in members):
+            return self._drop("malformed")
+        ctx = Context(key=str(dim), dim=dim, round_no=cur.round, contributors=len(members))
+        state = self._codec_state.setdefault(dim, self._codec.new_ps_state())
+        try:
+            down = self._codec.aggregate([cur.parts[w].payload() for w in members], state, ctx)
+        except CodecError:
+            # a worker's payload does not decode: forget the contributions, keep serving
+            self.stats.drops["codec_error"] += 1
+            cur.parts.clear()
+            cur.bitmap = cur.count = 0
+            return []
+        cur.result = B.fragments(down, dim, self.job.elems_per_packet + B.SUB_SIZE)
+        self.stats.counters["rounds_completed"] += 1
+        if cur.count < self.job.num_workers:
+            self.stats.counters["partial_rounds"] += 1
+        return self._blob_result_packets(cur, cur.result, None)

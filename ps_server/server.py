@@ -21,7 +21,7 @@ RCVBUF = 8 << 20
 
 def make_engine(job: JobConfig, kind: str = "c"):
     """The aggregation engine: 'c' (hot path) or 'python' (reference)."""
-    if kind == "python":
+    if kind == "python" or job.blob:   # decode–sum–re-encode codecs run in Python
         return ReferencePS(job)
     if kind != "c":
         raise ValueError(f"engine must be 'c' or 'python', got {kind!r}")
@@ -53,7 +53,7 @@ class PSServer:
     def __init__(self, job: JobConfig, bind: tuple = ("127.0.0.1", 9000), control_port: int | None = None,
                  engine: str = "c", log=None):
         self.job = job
-        self.engine_kind = engine
+        self.engine_kind = "python" if job.blob else engine
         self.engine = make_engine(job, engine)
         self.sock = udp_socket(bind)
         self.data_addr = self.sock.getsockname()

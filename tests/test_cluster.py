@@ -116,13 +116,23 @@ def test_sharded_ps_splits_chunks_and_stays_exact():
 
 
 def _free_port_pair():
-    for _ in range(50):
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        if port < 60000:
+    """A port P with UDP P, P+2 and TCP P+1, P+3 all free (two shards' data and control)."""
+    import random
+    for _ in range(200):
+        port = random.randrange(20000, 30000, 4)
+        socks = []
+        try:
+            for off, kind in ((0, socket.SOCK_DGRAM), (2, socket.SOCK_DGRAM), (1, socket.SOCK_STREAM),
+                              (3, socket.SOCK_STREAM)):
+                s = socket.socket(socket.AF_INET, kind)
+                socks.append(s)
+                s.bind(("127.0.0.1", port + off))
             return port
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
     raise RuntimeError("no free port")
 
 
@@ -135,6 +145,8 @@ def test_ps_and_worker_processes_from_the_cli():
                            "--workers", "2", "--shards", "2", "--stats-every", "0"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        started = [ps.stdout.readline() for _ in range(2)]      # "PS shard i: ..." once listening
+        assert all("PS shard" in line for line in started), started
         addrs = f"127.0.0.1:{port},127.0.0.1:{port + 2}"
         workers = [subprocess.Popen([sys.executable, "-m", "deploy.cli", "worker", "--ps", addrs,
                                      "--rank", str(r), "--rounds", "3", "--dim", "20000"],

@@ -64,7 +64,7 @@ def test_job_contract_validation():
     with pytest.raises(LaneOverflowError):
         JobConfig(num_workers=9, granularity=30, lane_bits=8)
     assert JobConfig(num_workers=9, granularity=30, lane_bits=16).elems_per_packet == 720
-    for bad in (dict(num_workers=33), dict(num_workers=2, quorum=0), dict(num_workers=2, codec="topk"),
+    for bad in (dict(num_workers=33), dict(num_workers=2, quorum=0), dict(num_workers=2, codec="zip"),
                 dict(num_workers=2, mtu=40), dict(num_workers=2, elems_per_packet=5000)):
         with pytest.raises(ValueError):
             JobConfig(**bad)

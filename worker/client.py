@@ -55,6 +55,11 @@ class Worker:
                                      seed=self.job.seed)
         self.error_feedback = error_feedback
         self.errors = thc.ErrorFeedback()
+        self.codec = None
+        self.codec_states: dict = {}
+        if self.job.blob:
+            from compression import registry
+            self.codec = registry.get(self.job.codec, **self.job.codec_params)
         self.rng = np.random.default_rng(np.random.SeedSequence([seed, transport.worker_id]))
         self.round_no = 0
         self.straggler_delay = straggler_delay_ms / 1e3
@@ -91,11 +96,12 @@ class Worker:
             time.sleep(self.straggler_delay)
 
     def _exchange_norms(self, norms: np.ndarray) -> np.ndarray:
-        payload = norms.astype(">f4").tobytes()
+        """Preliminary stage: elementwise max over workers of float statistics (NORM phase)."""
+        payload = H.float_to_ordered(norms).astype(">u4").tobytes()
         res = self.t.run_phase(H.NORM, [(0, norms.size, payload)])[0]
         if res is None:
-            return norms
-        return np.frombuffer(res[1], dtype=">u4").astype(np.uint32).view(np.float32).astype(np.float64)
+            return np.asarray(norms, dtype=np.float32).astype(np.float64)
+        return H.ordered_to_float(np.frombuffer(res[1], dtype=">u4")).astype(np.float64)
 
     def allreduce(self, x, key: str = "grad", round_no: int | None = None):
         """Average of x over the workers (numpy array or torch tensor in, same kind out)."""
@@ -107,6 +113,8 @@ class Worker:
         report = RoundReport(rn, 0, 0)
         if self.job.codec == "thc":
             est = self._thc_round(arr, key, rn, report)
+        elif self.job.blob:
+            est = self._blob_round(arr, key, report)
         else:
             est = self._float_round(arr, report)
         self.round_no = rn + 1
@@ -155,6 +163,28 @@ class Worker:
             own = thc.lookup_sum([z], cfg.table.values)
             self.errors.put(key, x - thc.decode(own, 1, norms, cfg, layout, rn))
         return est
+
+    def _blob_round(self, arr: np.ndarray, key: str, report: RoundReport) -> np.ndarray:
+        """A decode–sum–re-encode codec: preliminary stage if it has one, payload as fragments."""
+        from compression.codec import Context
+        codec, t = self.codec, self.t
+        state = self.codec_states.setdefault(key, codec.new_state())
+        stats = codec.preliminary(arr, state)
+        shared = self._exchange_norms(np.asarray(stats)) if stats is not None else None
+        rn = t.next_blob_round()
+        ctx = Context(key, arr.size, rn, shared, self.job.num_workers)
+        up = codec.encode(arr, state, self.rng, ctx)
+        report.bytes_up = len(up)
+        self._maybe_straggle()
+        res = t.run_blob(up, arr.size, rn)
+        report.chunks = 1
+        if res is None:
+            report.lost, report.contributors, report.bitmaps, report.digests = 1, [0], [0], [0]
+            return np.zeros(arr.size, dtype=np.float32)
+        h, down = res
+        report.bytes_down = len(down)
+        report.contributors, report.bitmaps, report.digests = [h.contributors], [h.bitmap], [zlib.crc32(down)]
+        return codec.decode(down, Context(key, arr.size, rn, shared, h.contributors))
 
     def _float_round(self, arr: np.ndarray, report: RoundReport) -> np.ndarray:
         chunks = self._chunks(arr.astype(">f4").tobytes(), arr.size, 32)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
+from proto import blob as B
 from proto import control
 from proto import headers as H
 from proto.job import JobConfig
@@ -130,6 +131,7 @@ class Transport:
         self.slot_round = np.zeros((len(shards), self.job.slots + self.job.norm_slots), dtype=np.int64)
         self._stash: dict = {}
         self._phase_no = 0
+        self.blob_round = 0
 
     # ---------------------------------------------------------------- control plane
     def call(self, msg: dict, shard: int = 0) -> dict:
@@ -321,3 +323,86 @@ class Transport:
         stale = [k for k in self._stash if k[2] <= self.slot_round[k[0], k[1]]]
         for k in stale:
             del self._stash[k]
+
+    # ---------------------------------------------------------------- BLOB payloads
+    def next_blob_round(self) -> int:
+        """Round number of the next variable-size payload (the same in every worker)."""
+        self.blob_round += 1
+        return self.blob_round
+
+    def run_blob(self, payload: bytes, dim: int, round_no: int):
+        """Send one codec payload as BLOB fragments to shard 0 and reassemble the PS's answer.
+
+        Returns (header of the last result fragment, result bytes), or None when lost under
+        the `zero` policy or after a STRAGGLER notification.
+        """
+        job = self.job
+        dest = self.shard_addrs[0]
+        frags = B.fragments(payload, dim, job.elems_per_packet + B.SUB_SIZE)
+        pkts = [H.build(H.Header(type=H.DATA, job_id=job.job_id, worker_id=self.worker_id,
+                                 num_workers=job.num_workers, elem_bits=8, slot=0, round=round_no,
+                                 offset=off, count=len(f) - B.SUB_SIZE, op=H.OP_BLOB), f)
+                for off, f in frags]
+        result: B.Reassembly | None = None
+        last = None
+        tmo, tries = self.timeout, 0
+
+        def absorb(timeout):
+            nonlocal result, last
+            got = self._recv(timeout)
+            if got is None:
+                return False
+            _, h, body = got
+            if h.type == H.STRAGGLER and h.round > round_no:
+                self.stats.add("straggler_notices")
+                raise _Lost()
+            if h.type != H.RESULT or h.op != H.OP_BLOB or h.round != round_no:
+                return False
+            try:
+                total, d, data = B.parse_fragment(body)
+                if result is None:
+                    result = B.Reassembly(total, d)
+                result.add(h.offset, data, total, d)
+            except B.BlobError:
+                self.stats.add("bad_packets")
+                return False
+            last = h
+            return True
+
+        try:
+            for i, pkt in enumerate(pkts):
+                self._send(pkt, dest)
+                if i % 64 == 63:             # pace: let the PS and our own socket drain
+                    while absorb(0):
+                        pass
+            self._flush_held()
+            deadline = time.monotonic() + tmo
+            while result is None or not result.complete:
+                now = time.monotonic()
+                if now >= deadline:
+                    self.stats.add("timeouts")
+                    if self.policy == "zero":
+                        raise _Lost()
+                    if tries >= self.max_retries:
+                        raise PSUnavailable(f"no reply from PS {dest[0]}:{dest[1]} for BLOB round "
+                                            f"{round_no} after {tries} retransmissions")
+                    tries += 1
+                    for pkt in pkts:
+                        retx = bytearray(pkt)
+                        retx[4] |= H.F_RETRANSMIT
+                        self._send(bytes(retx), dest)
+                        self.stats.add("retransmissions")
+                    self._flush_held()
+                    tmo = min(tmo * 2, self.max_timeout)
+                    deadline = time.monotonic() + tmo
+                    continue
+                if absorb(deadline - now):
+                    deadline = max(deadline, time.monotonic() + tmo)
+        except _Lost:
+            self.stats.add("lost_chunks")
+            return None
+        return last, result.payload()
+
+
+class _Lost(Exception):
+    """Internal: the current BLOB round is lost for this worker."""
