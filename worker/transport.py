@@ -186,6 +186,8 @@ class Transport:
                 select.select([], [self.sock], [], 0.01)
             except ConnectionRefusedError:
                 return   # ICMP from an earlier send: the PS is not there (yet); timeouts handle it
+            except PermissionError:
+                return   # a netfilter rule dropped it on the way out (loss experiments): lost
 
     def _flush_held(self) -> None:
         held, self._held = self._held, []
