@@ -112,6 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--seed", type=int, default=0)
     ex.set_defaults(func=commands.cmd_experiment)
 
+    b = sub.add_parser("bench", help="benchmarks: `thc bench codecs` compares every codec in one run")
+    b.add_argument("what", choices=("codecs",))
+    b.add_argument("--workers", type=_positive, default=4)
+    b.add_argument("--dims", type=int, nargs="+", default=[20, 24], help="log2 of d (default 20 24)")
+    b.add_argument("--e2e-dims", type=int, nargs="*", default=[20],
+                   help="log2 of d for the end-to-end UDP round time (default 20)")
+    b.add_argument("--rounds", type=_positive, default=2)
+    b.add_argument("--out", default="docs", help="where codecs-table.md and codecs.png go")
+    b.set_defaults(func=commands.cmd_bench)
+
     d = sub.add_parser("demo-nmse", help="print the NMSE comparison of all codecs (quick look)")
     d.add_argument("--workers", type=_positive, default=4)
     d.add_argument("--dim", type=_positive, default=1 << 18)

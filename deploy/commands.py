@@ -173,3 +173,11 @@ def cmd_experiment(args) -> None:
     else:
         path = experiments.bandwidth(base, command, log)
     print(f"wrote {path} and its plot")
+
+
+def cmd_bench(args) -> None:
+    from deploy import bench_codecs
+    path = bench_codecs.run(workers=args.workers, dims=[1 << k for k in args.dims],
+                            e2e_dims=[1 << k for k in args.e2e_dims], rounds=args.rounds, out=args.out,
+                            log=lambda m: print(m, flush=True))
+    print(f"wrote {path}")
