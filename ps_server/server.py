@@ -19,8 +19,11 @@ from ps_server.reference import ReferencePS
 RCVBUF = 8 << 20
 
 
-def make_engine(job: JobConfig, kind: str = "c"):
-    """The aggregation engine: 'c' (hot path) or 'python' (reference)."""
+def make_engine(job: JobConfig, kind="c"):
+    """The aggregation engine: 'c' (hot path), 'python' (reference), or an engine object
+    (e.g. p4.control.SwitchEngine, when a switch aggregates and this process only controls)."""
+    if not isinstance(kind, str):
+        return kind
     if kind == "python" or job.blob:   # decode–sum–re-encode codecs run in Python
         return ReferencePS(job)
     if kind != "c":
@@ -53,7 +56,9 @@ class PSServer:
     def __init__(self, job: JobConfig, bind: tuple = ("127.0.0.1", 9000), control_port: int | None = None,
                  engine: str = "c", log=None):
         self.job = job
-        self.engine_kind = "python" if job.blob else engine
+        self.engine_kind = engine if isinstance(engine, str) else "external"
+        if job.blob:
+            self.engine_kind = "python"
         self.engine = make_engine(job, engine)
         self.sock = udp_socket(bind)
         self.data_addr = self.sock.getsockname()
@@ -73,7 +78,7 @@ class PSServer:
     # ---------------------------------------------------------------- data plane
     def _data_loop(self):
         fd = self.sock.fileno()
-        if self.engine_kind == "c":
+        if self.engine_kind in ("c", "external"):
             while not self._stop.is_set():
                 self.engine.serve(fd, 100)
             return
@@ -100,8 +105,10 @@ class PSServer:
         if kind == "register":
             control.require(msg, "worker_id", "data_addr")
             wid, addr = int(msg["worker_id"]), msg["data_addr"]
-            self.engine.register(wid, addr[0], int(addr[1])) if self.engine_kind == "c" \
-                else self.engine.register(wid, (addr[0], int(addr[1])))
+            if self.engine_kind == "python":
+                self.engine.register(wid, (addr[0], int(addr[1])))
+            else:
+                self.engine.register(wid, addr[0], int(addr[1]))
             self.log(f"registered worker {wid} at {addr[0]}:{addr[1]}")
             return {"type": "config", "job": self.job.to_msg(), "data_port": self.data_addr[1]}
         if kind == "stats":

@@ -89,7 +89,8 @@ class Transport:
         """Connect to one PS, or to S shards given as [(host, data_port, control_port), ...].
 
         Chunk c of a DATA phase goes to shard c mod S; NORM phases and control calls
-        (barriers, model sync) go to shard 0.
+        (barriers, model sync) go to shard 0.  A shard may name a 4th element, the control
+        host, when the control plane runs elsewhere (a switch aggregates, a host controls).
         """
         if policy not in POLICIES:
             raise ValueError(f"loss policy must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -105,7 +106,7 @@ class Transport:
         self._held: list = []
         self.stats = TransportStats()
         shards = shards or [(ps_host, data_port, control_port or data_port + 1)]
-        self.shard_addrs = [(h, int(p)) for h, p, _ in shards]
+        self.shard_addrs = [(sh[0], int(sh[1])) for sh in shards]
         self._by_addr = {a: i for i, a in enumerate(self.shard_addrs)}
         self.ps = self.shard_addrs[0]
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -117,7 +118,7 @@ class Transport:
         self.sock.setblocking(False)
         self._ctx = zmq.Context.instance()
         self._ctl: dict = {}
-        self._endpoints = [f"tcp://{h}:{c or p + 1}" for h, p, c in shards]
+        self._endpoints = [f"tcp://{sh[3] if len(sh) > 3 else sh[0]}:{sh[2] or sh[1] + 1}" for sh in shards]
         self._control_timeout = control_timeout_s
         jobs = []
         for i in range(len(shards)):
