@@ -112,6 +112,28 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--seed", type=int, default=0)
     ex.set_defaults(func=commands.cmd_experiment)
 
+    p4 = sub.add_parser("p4", help="the P4 switch program: generate, compile, run under bmv2",
+                        description="gen: write p4/thc.p4 from p4/gen_p4.py; build: compile it with "
+                                    "p4c-bm2-ss; run: start simple_switch on interfaces, program the job "
+                                    "and serve the workers' control plane.")
+    p4.add_argument("action", choices=("gen", "build", "run"))
+    p4.add_argument("--out", default="build/p4", help="build: output directory (default build/p4)")
+    p4.add_argument("--check", action="store_true", help="gen: only check that p4/thc.p4 is current")
+    p4.add_argument("--iface", action="append", default=[], metavar="PORT=IFACE",
+                    help="run: switch port number and interface, repeatable")
+    p4.add_argument("--worker-port", action="append", default=[], metavar="IP=PORT,MAC",
+                    help="run: where a worker's address attaches (switch port and MAC), repeatable")
+    p4.add_argument("--ps-ip", default="10.0.0.254", help="run: the address workers send to")
+    p4.add_argument("--ps-mac", default="00:00:00:00:00:fe")
+    p4.add_argument("--control", type=_addr, default=("0.0.0.0", 9001),
+                    help="run: ZeroMQ control plane address (default 0.0.0.0:9001)")
+    p4.add_argument("--thrift-port", type=int, default=9090)
+    p4.add_argument("--workers", type=_positive, default=4)
+    p4.add_argument("--quorum", type=_quorum, default=1.0)
+    p4.add_argument("--granularity", type=_positive, default=30)
+    p4.add_argument("--p", type=_p_arg, default="1/32")
+    p4.set_defaults(func=commands.cmd_p4)
+
     b = sub.add_parser("bench", help="benchmarks: `thc bench codecs` compares every codec in one run")
     b.add_argument("what", choices=("codecs",))
     b.add_argument("--workers", type=_positive, default=4)

@@ -181,3 +181,52 @@ def cmd_bench(args) -> None:
                             e2e_dims=[1 << k for k in args.e2e_dims], rounds=args.rounds, out=args.out,
                             log=lambda m: print(m, flush=True))
     print(f"wrote {path}")
+
+
+def cmd_p4(args):
+    from p4 import control, gen_p4
+    if args.action == "gen":
+        rc = gen_p4.main(["--check"] if args.check else [])
+        if rc:
+            raise ValueError("p4/thc.p4 is out of date: run `thc p4 gen`")
+        return None
+    if args.action == "build":
+        print(f"compiled {control.compile_program(args.out)}")
+        return None
+    ports = {}
+    for item in args.iface:
+        num, sep, iface = item.partition("=")
+        if not sep or not num.isdigit():
+            raise ValueError(f"--iface expects PORT=IFACE, got {item!r}")
+        ports[int(num)] = iface
+    topology = {}
+    for item in args.worker_port:
+        ip, sep, rest = item.partition("=")
+        port, sep2, mac = rest.partition(",")
+        if not sep or not sep2 or not port.isdigit():
+            raise ValueError(f"--worker-port expects IP=PORT,MAC, got {item!r}")
+        topology[ip] = (int(port), mac)
+    if not ports:
+        raise ValueError("thc p4 run needs at least one --iface PORT=IFACE")
+    job = control.switch_job(args.workers, granularity=args.granularity, p=str(args.p), quorum=args.quorum)
+    json_path = control.compile_program(args.out)
+    proc = control.start_switch(json_path, ports, thrift_port=args.thrift_port)
+    try:
+        cli = control.SwitchCLI(args.thrift_port)
+        cli.run(control.job_commands(job, args.ps_mac))
+        from ps_server.server import PSServer
+        host, cport = args.control
+        server = PSServer(job, (host, 0), control_port=cport,
+                          engine=control.SwitchEngine(job, cli, topology),
+                          log=lambda m: print(m, flush=True)).start()
+        print(f"switch up: PS address {args.ps_ip}:{gen_p4.PORT}, control tcp://{host}:{cport}, "
+              f"{len(ports)} ports", flush=True)
+        try:
+            server.wait()
+        except KeyboardInterrupt:
+            pass
+        print(f"final stats: {server.stats()}", flush=True)
+        server.stop()
+    finally:
+        proc.kill()
+    return None
