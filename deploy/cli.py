@@ -224,6 +224,11 @@ def _add_cluster_commands(sub):
     w.add_argument("--loss-policy", choices=("retransmit", "zero"), default="retransmit")
     w.add_argument("--straggler-delay-ms", type=float, default=0.0)
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--control-host", default=None, help="control plane host if not the PS data host")
+    w.add_argument("--control-port", type=int, default=None, help="control port (default data port + 1)")
+    w.add_argument("--bind-port", type=int, default=0, help="local UDP port (default: any)")
+    w.add_argument("--timeout-ms", type=float, default=50.0, help="first retransmission timeout")
+    w.add_argument("--report", default=None, help="write every round's report (digests, k, bitmaps) as JSON")
     w.set_defaults(func=commands.cmd_worker)
 
     la = sub.add_parser("launch", help="start a PS and N workers here, run rounds, check every one",

@@ -86,11 +86,22 @@ def cmd_worker(args) -> dict:
 
     from deploy.launch import worker_loop
     from worker.transport import Faults
-    rank = args.rank if args.rank is not None else int(os.environ.get("RANK", "0"))
-    shards = [(h, p, p + 1) for h, p in args.ps]
+    if args.rank is not None:
+        rank = args.rank
+    elif "RANK" in os.environ:
+        from worker.launch_env import from_env
+        rank = from_env().rank          # started by torchrun
+    else:
+        rank = 0
+    shards = [(h, p, args.control_port or p + 1, args.control_host or h) for h, p in args.ps]
     out, counters = worker_loop(shards, rank, args.rounds, args.dim, args.seed,
                                 args.loss_policy, Faults(drop_out=args.loss, drop_in=args.loss, seed=args.seed),
-                                args.straggler_delay_ms, 1.0, 50.0, 64, None, False)
+                                args.straggler_delay_ms, 1.0, args.timeout_ms, 64, None, False,
+                                bind_port=args.bind_port)
+    if args.report:
+        import json
+        with open(args.report, "w") as f:
+            json.dump({"rank": rank, "rounds": out, "transport": counters}, f)
     return {"rank": rank, "rounds": len(out), "lost_chunks": sum(r["lost"] for r in out),
             "mean_round_ms": 1e3 * sum(r["seconds"] for r in out) / len(out), "transport": counters}
 

@@ -36,7 +36,8 @@ def gradient(seed: int, round_no: int, worker: int, dim: int) -> np.ndarray:
 
 
 def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
-                straggler_delay_ms, straggler_prob, timeout_ms, window, report=None, quiet=True):
+                straggler_delay_ms, straggler_prob, timeout_ms, window, report=None, quiet=True,
+                bind_port=0):
     """Run `rounds` allreduces of test gradients against the PS shards [(host, data, control)].
 
     Returns (per-round reports, transport counters).
@@ -44,7 +45,7 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
     from worker.client import Worker
     from worker.transport import Transport
     t = Transport(shards[0][0], shards[0][1], worker_id, control_port=shards[0][2], policy=policy,
-                  faults=faults, timeout_ms=timeout_ms, window=window, shards=shards)
+                  faults=faults, timeout_ms=timeout_ms, window=window, shards=shards, bind_port=bind_port)
     w = Worker(t, error_feedback=False, seed=seed, straggler_delay_ms=straggler_delay_ms,
                straggler_prob=straggler_prob)
     out = []

@@ -85,7 +85,7 @@ class Transport:
     def __init__(self, ps_host: str, data_port: int, worker_id: int, *, control_port: int | None = None,
                  policy: str = "retransmit", timeout_ms: float = 50.0, max_timeout_ms: float = 1000.0,
                  max_retries: int = 60, window: int = 64, faults: Faults | None = None,
-                 control_timeout_s: float = 30.0, shards: list | None = None):
+                 control_timeout_s: float = 30.0, shards: list | None = None, bind_port: int = 0):
         """Connect to one PS, or to S shards given as [(host, data_port, control_port), ...].
 
         Chunk c of a DATA phase goes to shard c mod S; NORM phases and control calls
@@ -114,7 +114,7 @@ class Transport:
             self.sock.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)   # SO_RCVBUFFORCE (root)
         except OSError:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-        self.sock.bind((local_ip_towards(*self.shard_addrs[0]), 0))
+        self.sock.bind((local_ip_towards(*self.shard_addrs[0]), bind_port))
         self.sock.setblocking(False)
         self._ctx = zmq.Context.instance()
         self._ctl: dict = {}

@@ -1,0 +1,54 @@
+"""Control plane for a switch whose tables the harness programmed in advance.
+
+Run on a Mininet host: it answers the workers' registration (with the switch job),
+barriers and stats; the data plane is the switch.  `python -m p4.harness.static_control
+--bind 10.0.0.100:9001 --workers 4 --expect 10.0.0.1:5000 ...`
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from p4.control import switch_job
+from ps_server.server import PSServer
+
+
+class StaticEngine:
+    """Registration only checks that the worker is the one the switch was programmed for."""
+
+    def __init__(self, expected: dict):
+        self.expected = expected
+
+    def register(self, worker_id: int, ip: str, port: int) -> None:
+        if self.expected.get(worker_id) != (ip, port):
+            raise ValueError(f"worker {worker_id} at {ip}:{port} is not the address the switch expects")
+
+    def serve(self, fd: int, duration_ms: int) -> int:
+        time.sleep(duration_ms / 1e3)
+        return 0
+
+    def stats(self) -> dict:
+        return {"engine": "bmv2 (counters read by the harness)"}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--bind", required=True)
+    ap.add_argument("--workers", type=int, required=True)
+    ap.add_argument("--expect", action="append", default=[], help="IP:PORT of worker i, in rank order")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    host, port = args.bind.rsplit(":", 1)
+    expected = {}
+    for i, item in enumerate(args.expect):
+        h, p = item.rsplit(":", 1)
+        expected[i] = (h, int(p))
+    job = switch_job(args.workers, seed=args.seed)
+    server = PSServer(job, (host, 0), control_port=int(port), engine=StaticEngine(expected)).start()
+    print("control plane up", flush=True)
+    server.wait()
+    server.stop()
+
+
+if __name__ == "__main__":
+    main()
