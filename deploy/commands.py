@@ -22,7 +22,7 @@ def cmd_table(args) -> dict:
 def cmd_nmse(args) -> dict:
     from compression import nmse
     params = {}
-    if args.codec in ("thc", "uhc"):
+    if args.codec in ("thc", "uhc", "casq"):
         params["bits"] = args.bits
     if args.codec == "thc":
         params.update(granularity=args.granularity, p=args.p)
