@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ex = sub.add_parser("experiment", help="rerun the paper's loss/straggler/scale/bandwidth experiments",
                         description="Each writes docs/experiments/NAME.md (table) and NAME.png (plots).")
-    ex.add_argument("name", choices=("loss", "stragglers", "scale", "bandwidth"))
+    ex.add_argument("name", choices=("loss", "stragglers", "scale", "bandwidth", "codecs"))
     ex.add_argument("--workers", type=_positive, default=None,
                     help="workers (default 4; 10 for stragglers)")
     ex.add_argument("--epochs", type=_positive, default=3)

@@ -181,6 +181,8 @@ def cmd_experiment(args) -> None:
         path = experiments.stragglers(base, command, log, delay_ms=args.delay_ms)
     elif args.name == "scale":
         path = experiments.scale(base, command, log)
+    elif args.name == "codecs":
+        path = experiments.codecs(base, command, log)
     else:
         path = experiments.bandwidth(base, command, log)
     print(f"wrote {path} and its plot")

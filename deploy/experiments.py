@@ -251,3 +251,64 @@ Discussion: docs/experiments/README.md.
 
 def main_command(argv) -> str:
     return "thc experiment " + " ".join(shlex.quote(a) for a in argv)
+
+
+CODEC_ORDER = ("none", "thc", "topk", "terngrad", "3lc", "skcompress", "fastsgd", "casq")
+
+
+def codecs(base: TrainConfig, command: str, log=print, sparse_steps: int = 60) -> Path:
+    """Every codec on the sparse (SKCompress/FastSGD) and the dense workload, fixed budgets."""
+    from deploy import sparse_lr
+    sparse_rows, dense_rows = [], []
+    for name in CODEC_ORDER:
+        log(f"[sparse LR] {name}")
+        sparse_rows.append(sparse_lr.run(sparse_lr.SparseLRConfig(codec=name, workers=base.workers,
+                                                                  steps=sparse_steps, seed=base.seed)))
+    for name in CODEC_ORDER:
+        log(f"[dense {base.model}] {name}")
+        doc = run(replace(base, codec=name), log=lambda m: log("    " + m))
+        dense_rows.append({"codec": name, **_summary(name, doc),
+                           "bytes_up": doc["bytes_up"], "bytes_down": doc["bytes_down"]})
+    out = ROOT / "docs" / "experiments"
+    out.mkdir(parents=True, exist_ok=True)
+    base_up = next(r["bytes_up"] for r in sparse_rows if r["codec"] == "none")
+    lines = ["# Codecs on the papers' workloads\n", f"Command: `{command}`\n",
+             f"## Sparse logistic regression (SKCompress/FastSGD workload)\n",
+             f"Generated KDD-like data: {sparse_rows[0]['features']:,} features with Zipf({sparse_rows[0]['zipf']}) "
+             f"frequencies, {sparse_rows[0]['active']} active features per sample, {sparse_rows[0]['samples']:,} "
+             f"samples (80/20 split); {base.workers} workers × batch {sparse_rows[0]['batch']}, Adam, "
+             f"{sparse_steps} steps. Bytes are rank 0's, all steps.\n",
+             "| codec | test loss | test acc | bytes up | bytes down | up ratio vs float32 | round ms |",
+             "|---|---|---|---|---|---|---|"]
+    for r in sparse_rows:
+        lines.append(f"| {r['codec']} | {r['test_loss']:.4f} | {r['test_accuracy']:.4f} | {r['bytes_up']:,} | "
+                     f"{r['bytes_down']:,} | {base_up / max(r['bytes_up'], 1):.1f} | {r['mean_round_ms']:.0f} |")
+    lines += ["", f"## Dense: {base.model} on Fashion-MNIST ({base.train_limit or 60000} images, {base.epochs} "
+              f"epoch(s), {base.workers} workers)\n",
+              "| codec | final test acc | final train loss | MB up | MB down | round ms |", "|---|---|---|---|---|---|"]
+    for r in dense_rows:
+        lines.append(f"| {r['codec']} | {r['final_test_accuracy']:.4f} | {r['final_train_loss']:.4f} | "
+                     f"{r['bytes_up'] / 1e6:.1f} | {r['bytes_down'] / 1e6:.1f} | {r['mean_round_ms']:.1f} |")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+        for r in sparse_rows:
+            ax[0].scatter(r["bytes_up"], r["test_loss"])
+            ax[0].annotate(r["codec"], (r["bytes_up"], r["test_loss"]))
+        ax[0].set(xscale="log", xlabel="bytes up (rank 0)", ylabel="test loss", title="sparse LR")
+        for r in dense_rows:
+            ax[1].scatter(r["bytes_up"], r["final_test_accuracy"])
+            ax[1].annotate(r["codec"], (r["bytes_up"], r["final_test_accuracy"]))
+        ax[1].set(xscale="log", xlabel="bytes up per worker", ylabel="test accuracy", title=f"dense {base.model}")
+        fig.tight_layout()
+        fig.savefig(out / "codecs.png", dpi=100)
+        lines.append("\n![codecs on both workloads](codecs.png)")
+    except ImportError:
+        pass
+    path = out / "codecs.md"
+    path.write_text("\n".join(lines) + "\n")
+    (out / "codecs.json").write_text(json.dumps({"sparse": sparse_rows, "dense": dense_rows}, indent=1,
+                                                default=str))
+    return path
