@@ -13,19 +13,14 @@ import time
 
 import numpy as np
 
+from bench.common import best
+
 from proto.packing import unpack_indices
 from ps_server._fastpath import has_avx2, lookup_accumulate
 
 TABLE = [0, 3, 5, 7, 9, 11, 13, 14, 15, 17, 19, 21, 23, 25, 27, 30]
 
 
-def best(fn, repeat):
-    out = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return min(out)
 
 
 def main():

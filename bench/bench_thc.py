@@ -11,19 +11,14 @@ import argparse
 import time
 
 import numpy as np
+
+from bench.common import best
 import torch
 
 from compression import thc
 from proto.packing import pack_indices, unpack_lanes
 
 
-def best(fn, repeat):
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def main():

@@ -152,24 +152,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _probability(value: str) -> float:
-    try:
-        v = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a probability, got {value!r}") from None
-    if not 0 <= v < 1:
-        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), got {value!r}")
-    return v
+def _float_in(lo: float, hi: float, *, lo_open: bool, hi_open: bool, what: str):
+    """argparse type for a float in an interval, with a message naming the interval."""
+    interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+
+    def parse(value: str) -> float:
+        try:
+            v = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}") from None
+        if (v <= lo if lo_open else v < lo) or (v >= hi if hi_open else v > hi):
+            raise argparse.ArgumentTypeError(f"expected {what} in {interval}, got {value!r}")
+        return v
+    return parse
 
 
-def _quorum(value: str) -> float:
-    try:
-        v = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction of workers, got {value!r}") from None
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"quorum must lie in (0, 1], got {value!r}")
-    return v
+_probability = _float_in(0, 1, lo_open=False, hi_open=True, what="a probability")
+_quorum = _float_in(0, 1, lo_open=True, hi_open=False, what="a quorum fraction of workers")
 
 
 def _addr(value: str):

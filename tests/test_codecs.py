@@ -1,7 +1,6 @@
 """Codec framework: built-in codecs, the BLOB path through the PS, corrupt payloads."""
 import socket
 import struct
-import threading
 
 import numpy as np
 import pytest
@@ -16,6 +15,8 @@ from proto.job import JobConfig
 from ps_server.server import PSServer
 from worker.client import Worker
 from worker.transport import Faults, Transport
+
+from tests.helpers import run_threads
 
 BUILTIN = ["thc", "uhc", "terngrad", "topk", "none"]
 
@@ -91,10 +92,9 @@ def test_error_feedback_is_keyed_by_tensor_not_chunking():
             w = Worker(t, seed=9)
             res[rank] = [w.allreduce(grads(2, 20000, seed=r)[rank], key="layer") for r in range(3)]
             t.close()
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-        [th.start() for th in threads]
-        [th.join(60) for th in threads]
+        errors = run_threads(run, 2)
         server.stop()
+        assert not errors, errors
         out[mtu] = res
     for r in range(3):
         assert np.array_equal(out[1500][0][r], out[600][0][r])

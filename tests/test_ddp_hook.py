@@ -2,7 +2,6 @@
 import multiprocessing as mp
 import os
 import socket
-import threading
 
 import numpy as np
 import pytest
@@ -13,6 +12,8 @@ from ps_server.server import PSServer
 from worker.client import Worker
 from worker.launch_env import from_env
 from worker.transport import Transport
+
+from tests.helpers import run_threads
 
 N, DIM, ROUNDS, SEED = 2, 5000, 3, 4
 
@@ -93,12 +94,9 @@ def run_ps():
         out[rank] = [w.allreduce(inputs(rank, r), key="grad") for r in range(ROUNDS)]
         t.close()
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(N)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
+    errors = run_threads(run, N)
     server.stop()
+    assert not errors, errors
     return out
 
 

@@ -3,7 +3,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -16,6 +15,8 @@ from ps_server.server import PSServer
 from worker.client import Worker
 from worker.training import MLP, GradientSync, flat_grad, flat_params, sync_model
 from worker.transport import Transport
+
+from tests.helpers import run_threads
 
 N, STEPS, SEED = 2, 3, 5
 
@@ -35,27 +36,20 @@ def train_through_ps():
         models.append(MLP(hidden=32))
 
     def run(rank):
-        try:
-            model = models[rank]
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            t = Transport("127.0.0.1", server.data_addr[1], rank, control_port=server.control_port)
-            sync = GradientSync(Worker(t, seed=SEED), model)
-            for step in range(STEPS):
-                x, y = batches(rank, step)
-                opt.zero_grad()
-                F.cross_entropy(model(x), y).backward()
-                sync()
-                opt.step()
-            finals[rank] = flat_params(model)
-            t.close()
-        except Exception as exc:   # surfaced below
-            errors.append(exc)
+        model = models[rank]
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        t = Transport("127.0.0.1", server.data_addr[1], rank, control_port=server.control_port)
+        sync = GradientSync(Worker(t, seed=SEED), model)
+        for step in range(STEPS):
+            x, y = batches(rank, step)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            sync()
+            opt.step()
+        finals[rank] = flat_params(model)
+        t.close()
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(N)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(60)
+    errors += run_threads(run, N)
     server.stop()
     assert not errors, errors
     return finals
@@ -133,12 +127,9 @@ def test_model_sync_makes_workers_identical():
         out[(rank, "after")] = flat_params(model)
         t.close()
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(30)
+    errors = run_threads(run, 2, 30)
     server.stop()
+    assert not errors, errors
     assert not np.array_equal(out[(0, "before")], out[(1, "before")])
     assert np.array_equal(out[(0, "after")], out[(1, "after")])
     assert np.array_equal(out[(1, "after")], out[(0, "before")])
