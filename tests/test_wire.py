@@ -79,3 +79,11 @@ def test_control_messages():
     for raw_bytes in (b"\xc1", control.encode([1, 2]), control.encode({"kind": "x"})):
         with pytest.raises(control.ControlError):
             control.decode(raw_bytes)
+
+
+def test_p4_program_is_generated_from_the_generator():
+    from p4 import gen_p4
+    assert gen_p4.main(["--check"]) == 0
+    text = (gen_p4.HERE / "thc.p4").read_text()
+    assert text.count("register<bit<8>>(512) acc") == gen_p4.LANES
+    assert f"const bit<16> THC_PORT = {gen_p4.PORT};" in text
