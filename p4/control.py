@@ -158,9 +158,7 @@ def start_switch(json_path: Path, ports: dict, thrift_port: int = 9090, netns: s
         if proc.poll() is not None:
             raise RuntimeError(f"simple_switch exited: {proc.stderr.read()[-2000:]}")
         try:
-            cli.run(["show_tables"], check=False)
-            out = cli.run(["show_tables"], check=False)
-            if "thc_config" in out:
+            if "thc_config" in cli.run(["show_tables"], check=False):
                 return proc
         except subprocess.TimeoutExpired:
             pass

@@ -39,6 +39,7 @@ class RoundReport:
     seconds: float = 0.0
     bytes_up: int = 0
     bytes_down: int = 0
+    norms: list | None = None                          # the preliminary stage's result (THC)
 
 
 class Worker:
@@ -147,6 +148,7 @@ class Worker:
         err = self.errors.get(key, grad) if self.error_feedback else None
         x = grad + err if err is not None else grad
         norms = self._exchange_norms(thc.block_norms(x, layout))
+        report.norms = norms.tolist()
         z = thc.encode(x, norms, cfg, layout, rn, self.rng.random(layout.padded_dim, dtype=np.float32))
         chunks = self._chunks(pack_indices(z, cfg.bits).tobytes(), layout.padded_dim, cfg.bits)
         report.bytes_up = sum(len(c[2]) + H.HEADER_SIZE for c in chunks)
