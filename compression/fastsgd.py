@@ -1,19 +1,23 @@
-"""FastSGD (key–value gradient codec), per shared/specs/fastsgd.md.
+"""FastSGD key–value gradient codec (Yang, Chen, Zeng, Gao), per shared/specs/fastsgd.md.
 
-Value encoder (paper §3.2, Alg. 1): S = Σ|v| over all nonzeros (float32 on the wire);
-reciprocal mapping R = S/|v| (Eq. 2); logarithmic quantization L = ⌈log_b R⌉ (Eq. 3,
-ceiling: decoded magnitudes S·b^−L never exceed |v|); threshold filter L ≤ τ, i.e.
-|v| ≥ S/b^τ; one byte per kept value: sign bit and L − 1 (spec A1/A2: L clamped to ≥ 1).
+Values (paper §3.2, Alg. 1).  S = Σ|v| over all D nonzeros, sent as float32 (spec §1.9).
+The reciprocal mapping R = S/|v| (Eq. 2) and the log code L = ⌈log_b R⌉ (Eq. 3) follow. The
+ceiling makes the decoded S·b^−L never exceed |v|. The threshold filter keeps L ≤ τ, i.e.
+|v| ≥ S/b^τ, so d ≤ ⌊b^τ⌋. Each kept value costs one byte: sign bit plus L−1 (spec A1/A2,
+with L clamped to ≥ 1).
 
-Key encoder (paper §3.3, Alg. 2): delta keys (Δ₁ = k₁), M = bit width of max Δ (spec A4:
-bit_length, at least 1), 2^l width classes w_i = ⌈i·M/2^l⌉ (spec A5); each key is an
-l-bit class flag and Δ in w bits, MSB first, interleaved, zero-padded to a byte.
+Keys (paper §3.3, Alg. 2).  Delta keys Δ₁ = k₁ − base and Δ_j = k_j − k_{j−1} (Eq. 4).
+M = bit width of max Δ (spec A4: bit_length, at least 1). There are 2^l width classes
+w_i = ⌈i·M/2^l⌉ (spec A5). Each key is coded as its l-bit class flag followed by Δ in w bits,
+MSB first. The entries are interleaved in order, and the stream is zero-padded to a byte.
 
-No error feedback (paper §1.7).  The PS decodes every worker, averages densely, and
-re-encodes the mean's nonzeros with the same (b, τ, l) (spec §1.8).
+No error feedback in the paper (spec §1.7). `error_feedback=True` is a labelled extension.
+The PS decodes every worker, averages in float64, and re-encodes the mean's nonzeros with
+the same (b, τ, l) (spec §1.8).
 
-Message (spec §2.1, little-endian): u8 tag 0x46, u8 l, u8 M, u8 τ−1, u32 d, f32 S,
-f64 b, then d value bytes, then the key bitstream.
+Message (spec §2.1, little-endian): u8 tag, u8 l, u8 M, u8 τ−1, u32 d, f32 S, f64 b. A frame
+(tag 'f', spec §1.8 item 5) then has a u32 base key. After that come d value bytes and the key
+bitstream.
 """
 from __future__ import annotations
 
@@ -24,165 +28,378 @@ import numpy as np
 
 from compression.codec import Codec, CodecError, Context
 
-TAG = 0x46
-HEAD = struct.Struct("<BBBBIfd")
+TAG_WHOLE = 0x46          # 'F': one message per gradient
+TAG_FRAME = 0x66          # 'f': one frame of a framed gradient, with a base key (spec §1.8 item 5)
+HEAD = struct.Struct("<BBBBIfd")        # 20 bytes
+BASE = struct.Struct("<I")
+KEY_LIMIT = 1 << 32                     # keys are uint32 (spec §1.1, A13)
+MAX_TAU, MAX_L, MAX_M = 128, 5, 32
 
 
-def _check_params(b: float, tau: int, l: int) -> None:
-    if not b > 1:
-        raise ValueError(f"log base b must exceed 1, got {b}")
-    if not 1 <= tau <= 128:
-        raise ValueError(f"tau must be in 1..128 (one byte per value), got {tau}")
-    if not 1 <= l <= 5:
-        raise ValueError(f"flag width l must be in 1..5, got {l}")
+def check_params(b: float, tau: int, l: int) -> None:
+    """Spec §1.5 'require': b > 1 finite, τ ∈ [1, 128] (one byte per value), l ∈ [1, 5]."""
+    if not (isinstance(b, (int, float, np.floating, np.integer)) and math.isfinite(b) and b > 1):
+        raise ValueError(f"FastSGD: log base b must be finite and > 1, got {b!r}")
+    if int(tau) != tau or not 1 <= tau <= MAX_TAU:
+        raise ValueError(f"FastSGD: tau must be an integer in 1..{MAX_TAU} (one byte per value), got {tau!r}")
+    if int(l) != l or not 1 <= l <= MAX_L:
+        raise ValueError(f"FastSGD: flag width l must be an integer in 1..{MAX_L}, got {l!r}")
 
 
-def widths(m: int, l: int) -> np.ndarray:
-    """w_i = ceil(i·M / 2^l) for i = 1..2^l."""
+def kept_cap(b: float, tau: int) -> int:
+    """⌊b^τ⌋: kept magnitudes sum to at most S and each is ≥ S/b^τ (spec §1.2)."""
+    return math.floor(b ** tau)
+
+
+# ----------------------------------------------------------------------------- values (Alg. 1)
+
+def log_codes(mag: np.ndarray, s: float, b: float, tau: int) -> tuple[np.ndarray, np.ndarray]:
+    """Phases 1–3 (Eq. 2, Eq. 3, threshold filter). Returns the indices into `mag` of the kept
+    entries (in input order) and their codes L ∈ [1, τ].
+
+    The prefilter |v| ≥ S/b^τ is Alg. 1's early stop, made slightly conservative. The log is then
+    computed only for the candidates. L is corrected in both directions to the smallest integer
+    with b^L ≥ R in float64, so the ceiling survives fp error in log(). The test L ≤ τ is the
+    authoritative filter (spec A12). L = 0 only when the message has a single nonzero, and it is
+    clamped to 1 (spec A2).
+    """
+    mag = np.asarray(mag, dtype=np.float64)
+    s = float(s)
+    if mag.size == 0 or s == 0.0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    cand = np.flatnonzero(mag >= s / float(b) ** tau * (1 - 1e-12))
+    r = s / mag[cand]
+    code = np.ceil(np.log(r) / math.log(b))
+    code += np.power(b, code) < r
+    code -= np.power(b, code - 1) >= r
+    keep = code <= tau
+    return cand[keep], np.maximum(code[keep], 1).astype(np.int64)
+
+
+def value_bytes(code: np.ndarray, negative: np.ndarray) -> np.ndarray:
+    """One byte per kept value: bit 7 = sign (1 = negative), bits 0–6 = L − 1 (spec §1.3, A1)."""
+    return ((np.asarray(negative, np.uint8) << 7) | (np.asarray(code) - 1).astype(np.uint8)).astype(np.uint8)
+
+
+def value_decode(vbytes: np.ndarray, s: float, b: float) -> np.ndarray:
+    """Inverse of Eqs. 2–3: ±S·b^−L from a 128-entry float64 table (spec §1.6).
+
+    The float32 cast rounds toward zero. For float32 inputs the decoded magnitude therefore never
+    exceeds |v|, which is the underestimate property of §3.2, now after the cast as well.
+    """
+    table = float(s) * np.power(float(b), -np.arange(1, MAX_TAU + 1, dtype=np.float64))
+    mag64 = table[vbytes & 0x7F]
+    mag32 = mag64.astype(np.float32)
+    over = mag32.astype(np.float64) > mag64
+    mag32[over] = np.nextafter(mag32[over], np.float32(0))
+    return np.where(vbytes >> 7, -mag32, mag32)
+
+
+# ----------------------------------------------------------------------------- keys (Alg. 2)
+
+def width_classes(m: int, l: int) -> np.ndarray:
+    """w_i = ⌈i·M/2^l⌉ for i = 1..2^l (spec A5; M/4, M/2, 3M/4, M for l = 2 and 4 | M)."""
     k = 1 << l
     return np.array([-(-i * m // k) for i in range(1, k + 1)], dtype=np.int64)
 
 
-def encode_values(keys: np.ndarray, vals: np.ndarray, b: float, tau: int):
-    """(kept keys, value bytes, S as float32) — Alg. 1 with the spec's numerics (§1.9)."""
-    vals = np.asarray(vals, dtype=np.float64)
-    if not np.all(np.isfinite(vals)):
-        raise ValueError("FastSGD: NaN or Inf in the gradient")
-    s = np.float32(np.abs(vals).sum())
-    if keys.size == 0 or s == 0:
-        return keys[:0].astype(np.int64), np.zeros(0, np.uint8), np.float32(0.0)
-    s64 = float(s)
-    mag = np.abs(vals)
-    cand = mag >= s64 / b ** tau * (1 - 1e-12)
-    ratio = s64 / mag[cand]
-    lcode = np.ceil(np.log(ratio) / math.log(b)).astype(np.int64)
-    lcode += (b ** lcode.astype(np.float64) < ratio)          # keep b^L ≥ R despite fp error
-    keep = lcode <= tau
-    lcode = np.maximum(lcode[keep], 1)
-    kept = keys[cand][keep].astype(np.int64)
-    neg = (vals[cand][keep] < 0).astype(np.uint8)
-    return kept, ((neg << 7) | (lcode - 1).astype(np.uint8)).astype(np.uint8), s
-
-
-def encode_keys(keys: np.ndarray, l: int) -> tuple[int, bytes]:
-    """(M, bitstream) of the delta keys with l-bit width-class flags (Alg. 2)."""
-    if keys.size == 0:
-        return 0, b""
-    delta = np.diff(keys, prepend=0).astype(np.int64)
+def key_fields(delta: np.ndarray, l: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """Phase 5: (M, codes, lengths). Each code is flag(i−1) ‖ Δ in w_i bits, where i is the
+    smallest class with Δ < 2^{w_i} (Alg. 2 getLengthFlag, spec §1.4)."""
+    delta = np.asarray(delta, dtype=np.int64)
+    if delta.size == 0:
+        return 0, np.zeros(0, np.uint64), np.zeros(0, np.int64)
     m = max(1, int(delta.max()).bit_length())
-    if m > 32:
-        raise ValueError("FastSGD: key deltas wider than 32 bits")
-    w = widths(m, l)
-    cls = np.searchsorted((np.int64(1) << w), delta, side="right")   # smallest i: Δ < 2^w_i
+    if m > MAX_M:
+        raise ValueError(f"FastSGD: key delta {int(delta.max())} wider than {MAX_M} bits")
+    w = width_classes(m, l)
+    cls = np.searchsorted(np.left_shift(np.int64(1), w), delta, side="right")
     width = w[cls]
-    code = (cls.astype(np.uint64) << width.astype(np.uint64)) | delta.astype(np.uint64)
-    length = l + width
-    total = int(length.sum())
-    # bit matrix: for each entry, its `length` bits MSB first, right-aligned in 37 columns
-    span = l + m
-    shifts = np.arange(span - 1, -1, -1, dtype=np.uint64)
-    bits = ((code[:, None] >> shifts[None, :]) & np.uint64(1)).astype(np.uint8)
-    valid = np.arange(span)[None, :] >= (span - length)[:, None]
-    stream = bits[valid]
-    assert stream.size == total
-    return m, np.packbits(stream).tobytes()
+    codes = (cls.astype(np.uint64) << width.astype(np.uint64)) | delta.astype(np.uint64)
+    return m, codes, l + width
 
 
-def decode_keys(stream: bytes, d: int, m: int, l: int) -> np.ndarray:
-    """Sequential decode of d interleaved (flag, Δ) entries; validates padding and deltas."""
+def pack_bits(codes: np.ndarray, lengths: np.ndarray) -> bytes:
+    """Concatenate codes[j] in lengths[j] ≤ 64 bits, MSB first, zero-padded to a byte.
+
+    Word-level and O(d): field j starts at bit offset o_j in big-endian 64-bit word o_j >> 6 and
+    spills into the next word when it crosses the boundary. Fields are disjoint, so OR-reducing
+    the pieces word by word is exact.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size == 0:
+        return b""
+    codes = np.asarray(codes, dtype=np.uint64)
+    ends = np.cumsum(lengths)
+    offs = ends - lengths
+    total = int(ends[-1])
+    word = offs >> 6
+    r = offs & 63
+    over = r + lengths - 64                                   # > 0: bits spilling into word + 1
+    first = np.where(over > 0, codes >> np.maximum(over, 0).astype(np.uint64),
+                     codes << np.maximum(-over, 0).astype(np.uint64))
+    words = np.zeros((total + 63) // 64 + 1, dtype=np.uint64)
+    starts = np.flatnonzero(np.concatenate([[True], word[1:] != word[:-1]]))
+    words[word[starts]] = np.bitwise_or.reduceat(first, starts)
+    sp = np.flatnonzero(over > 0)                             # at most one spill per word
+    words[word[sp] + 1] |= codes[sp] << (64 - over[sp]).astype(np.uint64)
+    return words.astype(">u8").tobytes()[: (total + 7) // 8]
+
+
+def encode_keys(keys: np.ndarray, l: int, base: int = 0) -> tuple[int, bytes, int]:
+    """Phases 4–5 (Eq. 4 + adaptive binary encoding): (M, stream, key bits before padding).
+
+    Δ₁ = k₁ − base (base = 0 for a whole message; Alg. 2 starts with preKey = 0)."""
+    keys = np.asarray(keys, dtype=np.int64)
+    delta = np.diff(keys, prepend=np.int64(base))
+    if delta.size and (delta[0] < 0 or np.any(delta[1:] <= 0)):
+        raise ValueError("FastSGD: keys must be strictly increasing and not below the base key")
+    m, codes, lengths = key_fields(delta, l)
+    return m, pack_bits(codes, lengths), int(lengths.sum())
+
+
+def decode_keys(stream: bytes, d: int, m: int, l: int, base: int = 0) -> tuple[np.ndarray, int]:
+    """Inverse of encode_keys: (keys int64, key bits). Raises CodecError if the stream is malformed.
+
+    The flags tell where each next entry starts, so the walk is sequential (spec §1.6). The flag and
+    the step l + w(flag) are computed with numpy at every bit position. Python then walks the d
+    steps, and numpy reads all payloads at once through 64-bit windows. That is O(bits + d).
+    """
+    nbytes = len(stream)
     if d == 0:
-        if stream:
-            raise CodecError("FastSGD: key bytes without keys")
-        return np.zeros(0, np.int64)
-    if not 1 <= m <= 32:
-        raise CodecError(f"FastSGD: key width M={m} outside 1..32")
-    w = widths(m, l).tolist()
-    bits = np.unpackbits(np.frombuffer(stream, dtype=np.uint8))
-    nbits = bits.size
-    # integer view of the bitstream for fast windowed reads
-    as_int = int.from_bytes(stream, "big")
-    pos, prev = 0, 0
-    keys = np.empty(d, np.int64)
+        if nbytes:
+            raise CodecError("FastSGD: key bytes present but d = 0")
+        return np.zeros(0, np.int64), 0
+    if not 1 <= m <= MAX_M:
+        raise CodecError(f"FastSGD: key width M = {m} outside 1..{MAX_M}")
+    w = width_classes(m, l)
+    nbits = 8 * nbytes
+    if d * (l + int(w[0])) > nbits:
+        raise CodecError(f"FastSGD: key stream of {nbytes} bytes too short for {d} keys")
+    buf = np.frombuffer(stream, dtype=np.uint8)
+    bits = np.concatenate([np.unpackbits(buf), np.zeros(l, np.uint8)])
+    flag = np.zeros(nbits, dtype=np.int16)
+    for i in range(l):
+        flag = (flag << 1) | bits[i:i + nbits]
+    steps = (l + w.astype(np.int16)[flag]).tolist()
+    starts = [0] * d
+    pos = 0
     for j in range(d):
-        if pos + l > nbits:
-            raise CodecError("FastSGD: key stream truncated")
-        flag = (as_int >> (nbits - pos - l)) & ((1 << l) - 1)
-        pos += l
-        width = w[flag]
-        if pos + width > nbits:
-            raise CodecError("FastSGD: key stream truncated")
-        delta = (as_int >> (nbits - pos - width)) & ((1 << width) - 1)
-        pos += width
-        if j > 0 and delta == 0:
-            raise CodecError("FastSGD: zero key delta")
-        prev += delta
-        keys[j] = prev
-    if nbits - pos >= 8 or (nbits - pos and bits[pos:].any()):
-        raise CodecError("FastSGD: trailing bytes or nonzero padding in the key stream")
-    if prev >= 1 << 32:
-        raise CodecError("FastSGD: key beyond 2^32")
-    return keys
+        if pos >= nbits:
+            raise CodecError(f"FastSGD: key stream truncated after {j} of {d} keys")
+        starts[j] = pos
+        pos += steps[pos]
+    if pos > nbits:
+        raise CodecError("FastSGD: key stream truncated inside the last key")
+    if nbits - pos >= 8:
+        raise CodecError(f"FastSGD: {(nbits - pos) // 8} trailing bytes after the key stream")
+    if bits[pos:nbits].any():
+        raise CodecError("FastSGD: nonzero padding bits after the key stream")
+    at = np.asarray(starts, dtype=np.int64) + l
+    width = w[flag[at - l]]
+    padded = np.concatenate([buf, np.zeros(8, np.uint8)])
+    window = padded[(at >> 3)[:, None] + np.arange(8)].view(">u8").ravel().astype(np.uint64)
+    delta = ((window << (at & 7).astype(np.uint64)) >> (64 - width).astype(np.uint64)).astype(np.int64)
+    if np.any(delta[1:] == 0):
+        raise CodecError("FastSGD: zero key delta after the first key (keys must be strictly increasing)")
+    keys = base + np.cumsum(delta)
+    if keys[-1] >= KEY_LIMIT:
+        raise CodecError("FastSGD: key beyond 2^32 - 1")
+    return keys, pos
+
+
+# ----------------------------------------------------------------------------- messages
+
+def _sum_abs(vals: np.ndarray) -> np.float32:
+    """S in float64, rounded to the float32 that goes on the wire (spec §1.9)."""
+    s = np.abs(vals).sum(dtype=np.float64)
+    s32 = np.float32(s)
+    if not np.isfinite(s32):
+        raise ValueError(f"FastSGD: L1 norm {s:.3g} does not fit a float32")
+    return s32
+
+
+def _validate_input(keys: np.ndarray, vals: np.ndarray) -> None:
+    if keys.ndim != 1 or keys.shape != vals.shape:
+        raise ValueError("FastSGD: keys and values must be 1-D arrays of equal length")
+    if not np.all(np.isfinite(vals)):
+        raise ValueError("FastSGD: NaN or Inf in the gradient values")
+    if keys.size and (keys[0] < 0 or keys[-1] >= KEY_LIMIT or np.any(np.diff(keys) <= 0)):
+        raise ValueError("FastSGD: keys must be strictly increasing uint32 values")
+
+
+def _filter(keys, vals, b, tau):
+    keys, vals = np.asarray(keys), np.asarray(vals)
+    if keys.size and not np.issubdtype(keys.dtype, np.integer):
+        raise ValueError(f"FastSGD: keys must be integers, got dtype {keys.dtype}")
+    if keys.size and keys.dtype == np.uint64 and int(keys.max()) >= KEY_LIMIT:
+        raise ValueError("FastSGD: keys must be strictly increasing uint32 values")
+    keys = keys.astype(np.int64)
+    if not np.issubdtype(vals.dtype, np.floating):
+        vals = vals.astype(np.float64)
+    _validate_input(keys, vals)
+    s = _sum_abs(vals) if vals.size else np.float32(0.0)
+    idx, code = log_codes(np.abs(vals), float(s), b, tau)
+    return keys[idx], value_bytes(code, vals[idx] < 0), s
 
 
 def encode(keys, vals, b: float = 1.1, tau: int = 128, l: int = 2) -> bytes:
-    """One FastSGD message of a sparse gradient (strictly increasing uint32 keys)."""
-    _check_params(b, tau, l)
-    keys = np.asarray(keys, dtype=np.int64)
-    if keys.size and (keys.min() < 0 or keys.max() >= 1 << 32 or np.any(np.diff(keys) <= 0)):
-        raise ValueError("FastSGD: keys must be strictly increasing uint32")
-    kept, vbytes, s = encode_values(keys, vals, b, tau)
-    m, kbytes = encode_keys(kept, l)
-    return HEAD.pack(TAG, l, m, tau - 1, kept.size, float(s), b) + vbytes.tobytes() + kbytes
+    """One FastSGD message of a sparse gradient with strictly increasing uint32 keys (spec §1.5).
+
+    Deterministic: there is no randomness anywhere (spec §3 property 11)."""
+    check_params(b, tau, l)
+    kept, vb, s = _filter(keys, vals, b, tau)
+    m, stream, _ = encode_keys(kept, l)
+    return HEAD.pack(TAG_WHOLE, l, m, tau - 1, kept.size, float(s), float(b)) + vb.tobytes() + stream
+
+
+def encode_frames(keys, vals, b: float = 1.1, tau: int = 128, l: int = 2, max_bytes: int = 1400) -> list[bytes]:
+    """Framed mode (spec §1.8 item 5): S and the filter use the whole gradient, and the kept entries are
+    split into self-contained frames of at most `max_bytes` each. A lost frame loses only its own entries.
+
+    Each frame carries the global S, its own d and M, and base key = its first key (so Δ₁ = 0).
+    Entries per frame = ⌊8·(max_bytes − 24) / (8 + l + M_all)⌋, where M_all is the width of the
+    largest gap between kept keys. That bounds every frame's payload."""
+    check_params(b, tau, l)
+    kept, vb, s = _filter(keys, vals, b, tau)
+    if kept.size == 0:
+        return [HEAD.pack(TAG_FRAME, l, 0, tau - 1, 0, float(s), float(b)) + BASE.pack(0)]
+    gaps = np.diff(kept)
+    m_all = max(1, int(gaps.max()).bit_length()) if gaps.size else 1
+    per = 8 * (max_bytes - HEAD.size - BASE.size) // (8 + l + m_all)
+    if per < 1:
+        raise ValueError(f"FastSGD: max_bytes = {max_bytes} cannot hold one entry")
+    frames = []
+    for lo in range(0, kept.size, per):
+        k, v = kept[lo:lo + per], vb[lo:lo + per]
+        base = int(k[0])
+        m, stream, _ = encode_keys(k, l, base)
+        frames.append(HEAD.pack(TAG_FRAME, l, m, tau - 1, k.size, float(s), float(b)) + BASE.pack(base)
+                      + v.tobytes() + stream)
+    return frames
 
 
 def decode(msg: bytes):
-    """(keys int64, values float32, header dict) of one message; CodecError if malformed."""
-    if len(msg) < HEAD.size:
-        raise CodecError("FastSGD message shorter than its header")
-    tag, l, m, tau1, d, s, b = HEAD.unpack_from(msg)
-    if tag != TAG or not 1 <= l <= 5 or m > 32 or not b > 1 or not math.isfinite(s) or s < 0:
-        raise CodecError("FastSGD: bad header")
-    if (d == 0) != (m == 0) or len(msg) < HEAD.size + d:
-        raise CodecError("FastSGD: header disagrees with the message length")
-    vb = np.frombuffer(msg, dtype=np.uint8, count=d, offset=HEAD.size)
-    lcode = (vb & 0x7F).astype(np.int64) + 1
-    if lcode.size and lcode.max() > tau1 + 1:
-        raise CodecError("FastSGD: value code above tau")
-    keys = decode_keys(msg[HEAD.size + d:], d, m, l)
-    mag = float(s) * np.power(b, -lcode.astype(np.float64))
-    vals = np.where(vb >> 7, -mag, mag).astype(np.float32)
-    return keys, vals, {"l": l, "M": m, "tau": tau1 + 1, "d": d, "S": s, "b": b}
+    """(keys int64 ascending, values float32, header dict) of one message or frame.
 
+    Every inconsistency raises CodecError (spec §6 item 6): bad tag, l, τ, M, b or S, a d that
+    disagrees with the length, codes above τ, a truncated stream, trailing bytes, nonzero padding,
+    zero deltas, or keys ≥ 2^32."""
+    msg = bytes(msg)
+    if len(msg) < HEAD.size:
+        raise CodecError(f"FastSGD message of {len(msg)} bytes is shorter than its {HEAD.size}-byte header")
+    tag, l, m, tau1, d, s, b = HEAD.unpack_from(msg)
+    if tag not in (TAG_WHOLE, TAG_FRAME):
+        raise CodecError(f"FastSGD: unknown tag 0x{tag:02x}")
+    if not 1 <= l <= MAX_L:
+        raise CodecError(f"FastSGD: flag width l = {l} outside 1..{MAX_L}")
+    if tau1 >= MAX_TAU:
+        raise CodecError(f"FastSGD: tau = {tau1 + 1} above {MAX_TAU}")
+    if m > MAX_M or (m == 0) != (d == 0):
+        raise CodecError(f"FastSGD: key width M = {m} inconsistent with d = {d}")
+    if not (math.isfinite(b) and b > 1):
+        raise CodecError(f"FastSGD: bad log base b = {b!r}")
+    if not (math.isfinite(s) and s >= 0) or (d and s == 0):
+        raise CodecError(f"FastSGD: bad L1 norm S = {s!r} for d = {d}")
+    pos, base = HEAD.size, 0
+    if tag == TAG_FRAME:
+        if len(msg) < pos + BASE.size:
+            raise CodecError("FastSGD frame shorter than its header")
+        (base,) = BASE.unpack_from(msg, pos)
+        pos += BASE.size
+    if len(msg) < pos + d:
+        raise CodecError(f"FastSGD: d = {d} values do not fit the {len(msg)}-byte message")
+    vb = np.frombuffer(msg, dtype=np.uint8, count=d, offset=pos)
+    if d and int((vb & 0x7F).max()) > tau1:
+        raise CodecError(f"FastSGD: value code above tau = {tau1 + 1}")
+    keys, key_bits = decode_keys(msg[pos + d:], d, m, l, base)
+    vals = value_decode(vb, s, b)
+    header = {"tag": chr(tag), "l": l, "M": m, "tau": tau1 + 1, "d": d, "S": s, "b": b, "base": base,
+              "key_bits": key_bits, "header_bytes": pos}
+    return keys, vals, header
+
+
+def message_stats(msg: bytes, nonzeros: int, dim: int) -> dict:
+    """The spec §2.2 numbers for one message: d/D, bits/key, CR_kv, CR_payload and CR_dense."""
+    _, _, h = decode(msg)
+    d, size = h["d"], len(msg)
+    payload_bits = 8 * d + h["key_bits"]
+    return {"d": d, "kept_fraction": d / nonzeros if nonzeros else 0.0, "bytes": size,
+            "bits_per_key": h["key_bits"] / d if d else 0.0,
+            "cr_kv": 8 * nonzeros / size, "cr_payload": 64 * nonzeros / payload_bits if d else math.inf,
+            "cr_dense": 4 * dim / size}
+
+
+# ----------------------------------------------------------------------------- codec
 
 class FastSGDCodec(Codec):
-    """FastSGD through THC-PS: dense float32 in, the nonzeros are the keys."""
+    """FastSGD in THC-PS: a dense float32 tensor comes in, and its nonzeros are the keys (spec §1.1).
+
+    error_feedback: off by default, because the paper keeps no residual (spec §1.7). When it is on
+        (a labelled extension), the worker encodes g + e and keeps e ← (g + e) − ĝ, where ĝ is
+        exactly what the PS decodes.
+    reduce: "mean" (default; the Codec contract) or "sum". This is what the PS re-encodes
+        (spec §1.8 item 2).
+    """
 
     name = "fastsgd"
     homomorphic = False
 
-    def __init__(self, b: float = 1.1, tau: int = 128, l: int = 2):
-        _check_params(b, tau, l)
-        self.b, self.tau, self.l = b, tau, l
+    def __init__(self, b: float = 1.1, tau: int = 128, l: int = 2, error_feedback: bool = False,
+                 reduce: str = "mean"):
+        check_params(b, tau, l)
+        if reduce not in ("mean", "sum"):
+            raise ValueError(f"FastSGD: reduce must be 'mean' or 'sum', got {reduce!r}")
+        self.b, self.tau, self.l = float(b), int(tau), int(l)
+        self.error_feedback, self.reduce = bool(error_feedback), reduce
+
+    def new_state(self) -> dict:
+        return {"residual": None} if self.error_feedback else {}
+
+    def _encode_dense(self, x: np.ndarray) -> bytes:
+        keys = np.flatnonzero(x)
+        return encode(keys, x[keys], self.b, self.tau, self.l)
+
+    def _sparse(self, payload: bytes, dim: int) -> tuple[np.ndarray, np.ndarray]:
+        keys, vals, h = decode(payload)
+        if (h["b"], h["tau"], h["l"]) != (self.b, self.tau, self.l):
+            raise CodecError(f"FastSGD payload has (b, tau, l) = ({h['b']}, {h['tau']}, {h['l']}), "
+                             f"this codec uses ({self.b}, {self.tau}, {self.l})")
+        if h["tag"] != chr(TAG_WHOLE):
+            raise CodecError("FastSGD: a frame where a whole message was expected")
+        if keys.size and keys[-1] >= dim:
+            raise CodecError(f"FastSGD: key {int(keys[-1])} beyond the tensor dimension {dim}")
+        return keys, vals
 
     def encode(self, x, state, rng, ctx: Context) -> bytes:
-        keys = np.flatnonzero(x)
-        return encode(keys, np.asarray(x)[keys], self.b, self.tau, self.l)
-
-    def _dense(self, payload: bytes, dim: int) -> np.ndarray:
-        keys, vals, _ = decode(payload)
-        if keys.size and keys[-1] >= dim:
-            raise CodecError(f"FastSGD: key {int(keys[-1])} beyond the dimension {dim}")
-        out = np.zeros(dim, dtype=np.float64)
-        out[keys] = vals
-        return out
+        x = np.asarray(x).ravel()
+        if x.size != ctx.dim:
+            raise ValueError(f"FastSGD: tensor has {x.size} coordinates, context says {ctx.dim}")
+        if not self.error_feedback:
+            return self._encode_dense(x)
+        comp = x.astype(np.float64)
+        if state.get("residual") is not None:
+            comp += state["residual"]
+        payload = self._encode_dense(comp)
+        keys, vals = self._sparse(payload, x.size)
+        comp[keys] -= vals
+        state["residual"] = comp
+        return payload
 
     def aggregate(self, payloads, ps_state, ctx: Context) -> bytes:
+        """Decode every payload, sum exactly in float64, take the mean (or sum), and re-encode (spec §1.8)."""
+        if not payloads:
+            raise CodecError("FastSGD: nothing to aggregate")
         acc = np.zeros(ctx.dim, dtype=np.float64)
         for p in payloads:
-            acc += self._dense(p, ctx.dim)
-        mean = acc / len(payloads)
-        keys = np.flatnonzero(mean)
-        return encode(keys, mean[keys], self.b, self.tau, self.l)
+            keys, vals = self._sparse(p, ctx.dim)
+            acc[keys] += vals
+        if self.reduce == "mean":
+            acc /= len(payloads)
+        return self._encode_dense(acc)
 
     def decode(self, payload, ctx: Context) -> np.ndarray:
-        return self._dense(payload, ctx.dim).astype(np.float32)
+        keys, vals = self._sparse(payload, ctx.dim)
+        out = np.zeros(ctx.dim, dtype=np.float32)
+        out[keys] = vals
+        return out

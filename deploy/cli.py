@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     tr.add_argument("--train-limit", type=int, default=0, help="use only the first N training images")
     tr.add_argument("--test-limit", type=int, default=0, help="use only the first N test images")
+    tr.add_argument("--per-tensor", action="store_true",
+                    help="one PS round per parameter tensor (per-layer scales, as 3LC and CASQ expect)")
     tr.add_argument("--no-baseline", action="store_true", help="skip the uncompressed comparison run")
     tr.add_argument("--json", action="store_true", help="print one JSON summary line at the end")
     tr.set_defaults(func=commands.cmd_train)

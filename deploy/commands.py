@@ -142,7 +142,7 @@ def cmd_train(args):
                             straggler_delay_ms=args.straggler_delay_ms,
                             straggler_prob=args.straggler_prob, sync_every=args.sync_every,
                             seed=args.seed, train_limit=args.train_limit, test_limit=args.test_limit,
-                            straggler_count=args.straggler_count, ps=args.ps)
+                            straggler_count=args.straggler_count, ps=args.ps, per_tensor=args.per_tensor)
     if args.straggler_count and not 0 < args.straggler_count < args.workers:
         raise ValueError(f"--straggler-count must be in 1..{args.workers - 1}")
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else \

@@ -43,6 +43,7 @@ class TrainConfig:
     straggler_count: int = 0  # k random stragglers per round (the paper's §8.3 scheme)
     ps: str = ""              # use a running PS "host:port[,host:port…]" instead of starting one
     curve_every: int = 20     # steps per point of the train-loss curve
+    per_tensor: bool = False  # one PS round per parameter tensor instead of one per model
 
 
 def _evaluate(model, x, y, batch=1000) -> tuple[float, float]:
@@ -85,7 +86,7 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q) -> None:
                       faults=faults, timeout_ms=cfg.timeout_ms, shards=shards)
         w = Worker(t, seed=cfg.seed, straggler_delay_ms=cfg.straggler_delay_ms,
                    straggler_prob=cfg.straggler_prob, straggler_count=cfg.straggler_count)
-        sync = GradientSync(w, model)
+        sync = GradientSync(w, model, per_tensor=cfg.per_tensor)
         t.call({"type": "barrier", "name": "start", "worker_id": rank})
         step = 0
         for epoch in range(cfg.epochs):

@@ -74,16 +74,41 @@ def load_flat_params(model: nn.Module, flat: np.ndarray) -> None:
 
 
 class GradientSync:
-    """Average gradients through the PS after each backward pass (one bucket per model)."""
+    """Average gradients through the PS after each backward pass.
 
-    def __init__(self, worker: Worker, model: nn.Module, key: str = "model"):
+    One bucket for the whole model by default (one round per step); `per_tensor=True` sends
+    every parameter tensor as its own round, as codecs with one scale per layer (3LC, CASQ)
+    are meant to be used.
+    """
+
+    def __init__(self, worker: Worker, model: nn.Module, key: str = "model", per_tensor: bool = False):
         self.worker = worker
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.key = key
+        self.per_tensor = per_tensor
 
     def __call__(self) -> None:
-        avg = self.worker.allreduce(flat_grad(self.params), key=self.key)
-        write_flat_grad(self.params, avg)
+        if not self.per_tensor:
+            write_flat_grad(self.params, self.worker.allreduce(flat_grad(self.params), key=self.key))
+            return
+        last = None
+        for i, p in enumerate(self.params):
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            avg = self.worker.allreduce(g.reshape(-1), key=f"{self.key}.{i}")
+            write_flat_grad([p], avg)
+            last = self._merge(last, self.worker.last)
+        self.worker.last = last
+
+    @staticmethod
+    def _merge(acc, rep):
+        """One report for the whole step (time and bytes summed over the tensors)."""
+        if acc is None:
+            return rep
+        acc.seconds += rep.seconds
+        acc.bytes_up += rep.bytes_up
+        acc.bytes_down += rep.bytes_down
+        acc.lost += rep.lost
+        return acc
 
 
 def sync_model(worker: Worker, model: nn.Module, epoch: int) -> None:
