@@ -212,11 +212,10 @@ def decode_keys(stream: bytes, d: int, m: int, l: int, base: int = 0) -> tuple[n
 
 def _sum_abs(vals: np.ndarray) -> np.float32:
     """S in float64, rounded to the float32 that goes on the wire (spec §1.9)."""
-    s = np.abs(vals).sum(dtype=np.float64)
-    s32 = np.float32(s)
-    if not np.isfinite(s32):
+    s = float(np.abs(vals).sum(dtype=np.float64))
+    if s > float(np.finfo(np.float32).max):
         raise ValueError(f"FastSGD: L1 norm {s:.3g} does not fit a float32")
-    return s32
+    return np.float32(s)
 
 
 def _validate_input(keys: np.ndarray, vals: np.ndarray) -> None:
