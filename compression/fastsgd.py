@@ -57,18 +57,22 @@ def log_codes(mag: np.ndarray, s: float, b: float, tau: int) -> tuple[np.ndarray
     """Phases 1–3 (Eq. 2, Eq. 3, threshold filter). Returns the indices into `mag` of the kept
     entries (in input order) and their codes L ∈ [1, τ].
 
-    The prefilter |v| ≥ S/b^τ is Alg. 1's early stop, made slightly conservative. The log is then
+    The prefilter |v| ≥ S/b^τ is Alg. 1's early stop, made slightly conservative, and it is done
+    in the input's precision (float32 stays float32), so the full-length passes stay cheap. The log is then
     computed only for the candidates. L is corrected in both directions to the smallest integer
     with b^L ≥ R in float64, so the ceiling survives fp error in log(). The test L ≤ τ is the
     authoritative filter (spec A12). L = 0 only when the message has a single nonzero, and it is
     clamped to 1 (spec A2).
     """
-    mag = np.asarray(mag, dtype=np.float64)
+    mag = np.asarray(mag)
+    if mag.dtype not in (np.float32, np.float64):
+        mag = mag.astype(np.float64)
     s = float(s)
     if mag.size == 0 or s == 0.0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    cand = np.flatnonzero(mag >= s / float(b) ** tau * (1 - 1e-12))
-    r = s / mag[cand]
+    # compare in the input's precision against a slightly lowered threshold: a superset, never a miss
+    cand = np.flatnonzero(mag >= mag.dtype.type(s / float(b) ** tau * (1 - 1e-6)))
+    r = s / mag[cand].astype(np.float64)
     code = np.ceil(np.log(r) / math.log(b))
     code += np.power(b, code) < r
     code -= np.power(b, code - 1) >= r
@@ -210,36 +214,58 @@ def decode_keys(stream: bytes, d: int, m: int, l: int, base: int = 0) -> tuple[n
 
 # ----------------------------------------------------------------------------- messages
 
-def _sum_abs(vals: np.ndarray) -> np.float32:
-    """S in float64, rounded to the float32 that goes on the wire (spec §1.9)."""
-    s = float(np.abs(vals).sum(dtype=np.float64))
+def _sum_abs(mag: np.ndarray) -> np.float32:
+    """S = Σ|v| in float64, rounded to the float32 that goes on the wire (spec §1.9).
+
+    S is finite exactly when every value is finite, so this also rejects NaN/Inf (spec §1.9)."""
+    s = float(mag.sum(dtype=np.float64))
+    if not math.isfinite(s):
+        raise ValueError("FastSGD: NaN or Inf in the gradient values")
     if s > float(np.finfo(np.float32).max):
         raise ValueError(f"FastSGD: L1 norm {s:.3g} does not fit a float32")
     return np.float32(s)
 
 
-def _validate_input(keys: np.ndarray, vals: np.ndarray) -> None:
+def _validate_keys(keys: np.ndarray, vals: np.ndarray) -> None:
     if keys.ndim != 1 or keys.shape != vals.shape:
         raise ValueError("FastSGD: keys and values must be 1-D arrays of equal length")
-    if not np.all(np.isfinite(vals)):
-        raise ValueError("FastSGD: NaN or Inf in the gradient values")
     if keys.size and (keys[0] < 0 or keys[-1] >= KEY_LIMIT or np.any(np.diff(keys) <= 0)):
         raise ValueError("FastSGD: keys must be strictly increasing uint32 values")
 
 
+def _float_values(vals) -> np.ndarray:
+    vals = np.asarray(vals)
+    return vals if vals.dtype in (np.float32, np.float64) else vals.astype(np.float64)
+
+
 def _filter(keys, vals, b, tau):
+    """Phases 1–3 over a key-value gradient: (kept keys, value bytes, S)."""
     keys, vals = np.asarray(keys), np.asarray(vals)
     if keys.size and not np.issubdtype(keys.dtype, np.integer):
         raise ValueError(f"FastSGD: keys must be integers, got dtype {keys.dtype}")
     if keys.size and keys.dtype == np.uint64 and int(keys.max()) >= KEY_LIMIT:
         raise ValueError("FastSGD: keys must be strictly increasing uint32 values")
-    keys = keys.astype(np.int64)
-    if not np.issubdtype(vals.dtype, np.floating):
-        vals = vals.astype(np.float64)
-    _validate_input(keys, vals)
-    s = _sum_abs(vals) if vals.size else np.float32(0.0)
-    idx, code = log_codes(np.abs(vals), float(s), b, tau)
+    keys, vals = keys.astype(np.int64), _float_values(vals)
+    _validate_keys(keys, vals)
+    mag = np.abs(vals)
+    s = _sum_abs(mag)
+    idx, code = log_codes(mag, float(s), b, tau)
     return keys[idx], value_bytes(code, vals[idx] < 0), s
+
+
+def _filter_dense(x, b, tau):
+    """Phases 1–3 over a dense vector: the keys are flatnonzero(x), but zeros can never pass the
+    filter (spec §1.1), so the kept keys come straight from the prefilter without listing them."""
+    x = _float_values(x).ravel()
+    mag = np.abs(x)
+    s = _sum_abs(mag)
+    idx, code = log_codes(mag, float(s), b, tau)
+    return idx.astype(np.int64), value_bytes(code, x[idx] < 0), s
+
+
+def _message(kept, vb, s, b, tau, l) -> bytes:
+    m, stream, _ = encode_keys(kept, l)
+    return HEAD.pack(TAG_WHOLE, l, m, tau - 1, kept.size, float(s), float(b)) + vb.tobytes() + stream
 
 
 def encode(keys, vals, b: float = 1.1, tau: int = 128, l: int = 2) -> bytes:
@@ -247,9 +273,16 @@ def encode(keys, vals, b: float = 1.1, tau: int = 128, l: int = 2) -> bytes:
 
     Deterministic: there is no randomness anywhere (spec §3 property 11)."""
     check_params(b, tau, l)
-    kept, vb, s = _filter(keys, vals, b, tau)
-    m, stream, _ = encode_keys(kept, l)
-    return HEAD.pack(TAG_WHOLE, l, m, tau - 1, kept.size, float(s), float(b)) + vb.tobytes() + stream
+    return _message(*_filter(keys, vals, b, tau), b, tau, l)
+
+
+def encode_dense(x, b: float = 1.1, tau: int = 128, l: int = 2) -> bytes:
+    """encode(flatnonzero(x), x[flatnonzero(x)]) in three passes over x (spec §1.1, dense input)."""
+    check_params(b, tau, l)
+    x = np.asarray(x)
+    if x.size > KEY_LIMIT:
+        raise ValueError("FastSGD: more than 2^32 coordinates")
+    return _message(*_filter_dense(x, b, tau), b, tau, l)
 
 
 def encode_frames(keys, vals, b: float = 1.1, tau: int = 128, l: int = 2, max_bytes: int = 1400) -> list[bytes]:
@@ -356,8 +389,7 @@ class FastSGDCodec(Codec):
         return {"residual": None} if self.error_feedback else {}
 
     def _encode_dense(self, x: np.ndarray) -> bytes:
-        keys = np.flatnonzero(x)
-        return encode(keys, x[keys], self.b, self.tau, self.l)
+        return encode_dense(x, self.b, self.tau, self.l)
 
     def _sparse(self, payload: bytes, dim: int) -> tuple[np.ndarray, np.ndarray]:
         keys, vals, h = decode(payload)

@@ -216,6 +216,17 @@ def test_cap_is_reached_and_all_equal_values_drop_everything():
     assert head["d"] == 0 and head["M"] == 0 and head["S"] == 1000.0 and keys.size == 0
 
 
+def test_dense_encoder_equals_key_value_encoder():
+    """encode_dense skips listing the nonzeros; it must give the bytes of encode(flatnonzero(x), ...)."""
+    rng = np.random.default_rng(13)
+    for dtype, n, b, tau in [(np.float32, 300_000, 1.1, 128), (np.float64, 50_000, 1.05, 96), (np.float32, 10, 2.0, 3)]:
+        x = (rng.standard_normal(n) * rng.lognormal(0, 1.5, n)).astype(dtype)
+        x[rng.random(n) < 0.3] = 0
+        nz = np.flatnonzero(x)
+        assert F.encode_dense(x, b, tau) == F.encode(nz, x[nz], b, tau)
+    assert F.encode_dense(np.zeros(5, np.float32)) == F.encode(np.zeros(0, np.int64), np.zeros(0))
+
+
 def test_empty_and_all_zero_inputs():
     for keys, vals in [([], []), ([3, 9], [0.0, 0.0])]:
         msg = F.encode(np.array(keys, np.int64), np.array(vals))
@@ -302,6 +313,11 @@ def test_encode_rejects_bad_input():
     for keys, vals in bad:
         with pytest.raises(ValueError):
             F.encode(keys, vals)
+    for x in ([1.0, np.nan], [np.inf, 0.0], [-np.inf], [3e38, 3e38]):
+        with pytest.raises(ValueError):
+            F.encode_dense(np.array(x, np.float32))
+        with pytest.raises(ValueError):
+            F.FastSGDCodec().encode(np.array(x, np.float32), {}, None, Context("t", len(x)))
     for params in ({"tau": 129}, {"tau": 0}, {"l": 0}, {"l": 6}, {"b": 1.0}, {"b": float("nan")}, {"tau": 2.5}):
         with pytest.raises(ValueError):
             F.encode([1], [1.0], **params)
