@@ -21,9 +21,9 @@ def ctx(n, k=1):
 
 
 def clipped_gaussian(n=10**6, seed=0):
-    """Spec §7.13: clip(N(0,1), −4, 4) as float32; with 10^6 draws some value is clipped to ±4."""
+    """Spec §7.13: clip(N(0,1), −4, 4) as float32; with 10^6 draws some value is clipped, M = 4."""
     x = np.clip(np.random.default_rng(seed).standard_normal(n), -4, 4).astype(np.float32)
-    assert np.abs(x).max() == 4.0
+    assert n < 10**6 or np.abs(x).max() == 4.0
     return x
 
 
@@ -241,7 +241,7 @@ def test_residual_bound_every_step(s):
         big = float(np.abs(a).max())
         assert np.abs(e).max() <= s * big / 2 * (1 + 1e-6) + 1e-6
         ratios.append(float(np.abs(e).max()) / big)
-    assert max(ratios) == pytest.approx(s / 2, abs=2e-3)        # spec §7.11: 0.5, 0.75, 0.875, 0.95
+    assert s / 2 - 5e-3 <= max(ratios) <= s / 2 * (1 + 1e-6)        # spec §7.11: 0.5, 0.75, 0.875, 0.95
 
 
 @pytest.mark.parametrize("s", [1.0, 1.5, 1.9])
@@ -285,10 +285,10 @@ def test_clipped_gaussian_table(s, nonzero, nbytes):
     x, c = clipped_gaussian(), ctx(10**6)
     p = T.ThreeLCCodec(s=s).encode(x, {}, None, c)
     stats = T.message_stats(p)
-    assert stats["payload_bits"] == 8 * T.parse(p)[0].length / 10**6
+    assert stats["payload_bits"] == pytest.approx(8 * T.parse(p)[0].length / 10**6, rel=1e-12)
     assert abs(T.parse(p)[0].length - nbytes) <= 0.02 * nbytes
     assert stats["nonzero_fraction"] == pytest.approx(nonzero, rel=0.15)
-    assert stats["wire_bits"] == 8 * len(p) / 10**6
+    assert stats["wire_bits"] == pytest.approx(8 * len(p) / 10**6, rel=1e-12)
     raw35 = T.ThreeLCCodec(s=s, use_zre=False).encode(x, {}, None, c)
     assert T.parse(raw35)[0].length == 200000 and T.payload_bits_per_value(raw35) == 1.6
 
@@ -346,13 +346,17 @@ def test_aggregate_encodes_the_mean_once_with_the_pull_context():
     a = np.zeros(n, np.float32)
     a[3], a[7] = 2.0, -2.0
     b = np.zeros(n, np.float32)
-    b[3], b[9] = 2.0, 4.0
+    b[3], b[9] = 2.0, 2.0
     ps = codec.new_ps_state()
-    down = codec.aggregate([codec.encode(a, {}, None, c), codec.encode(b, {}, None, c)], ps, c)
-    # mean = {3: 2, 7: −1, 9: 2}: M = 2, so index 7 (|−1| = m/2, a tie) rounds to 0 and stays in E_pull
+    ups = [codec.encode(a, {}, None, c), codec.encode(b, {}, None, c)]       # both exact: {±2, 0}
+    down = codec.aggregate(ups, ps, c)
+    # mean = {3: 2, 7: −1, 9: 1}; M = 2 = m, so ±1 are ties (±0.5) that round to 0 and stay in E_pull
     out = codec.decode(down, c)
-    assert out[3] == 2.0 and out[9] == 2.0 and np.count_nonzero(out) == 2
-    assert ps["e"][7] == -1.0 and np.count_nonzero(ps["e"]) == 1 and ps["encodes"] == 1
+    assert out[3] == 2.0 and np.count_nonzero(out) == 1
+    assert ps["e"][7] == -1.0 and ps["e"][9] == 1.0 and np.count_nonzero(ps["e"]) == 2
+    assert ps["encodes"] == 1
+    again = codec.aggregate(ups, ps, c)                   # E_pull is carried: A = {3: 2, 7: −2, 9: 2}
+    assert codec.decode(again, c)[[3, 7, 9]].tolist() == [2.0, -2.0, 2.0] and not ps["e"].any()
     with pytest.raises(CodecError, match="nothing to aggregate"):
         codec.aggregate([], ps, c)
 
