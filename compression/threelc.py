@@ -93,8 +93,7 @@ def quantize(x: np.ndarray, error: np.ndarray | None, s: float):
     if m == 0:
         return np.zeros(a.size, np.int8), np.float32(0.0), a
     q = np.rint(a / m).astype(np.int8)
-    idx = np.flatnonzero(q)
-    a[idx] -= m * q[idx].astype(np.float32)       # == A − m·q elementwise; zeros subtract +0.0
+    a -= m * q.astype(np.float32)                 # in place: A becomes the residual A − m·q
     return q, m, a
 
 
@@ -150,6 +149,24 @@ def base35_decode(b: np.ndarray, n: int, layout: str = "planar") -> np.ndarray:
     return base35_digits(b, n, layout).astype(np.int8) - np.int8(1)
 
 
+def base35_dequantize(b: np.ndarray, n: int, m: np.float32, layout: str = "planar") -> np.ndarray:
+    """m·q straight from base-3^5 bytes (spec §2.7 steps 3–4 fused): a 243×5 float32 table of
+    {−m, 0, m} per digit position, gathered once per plane, so no digit array is built."""
+    _check_layout(layout)
+    b = np.asarray(b, dtype=np.uint8).ravel()
+    if n < 0 or b.size != -(-n // 5):
+        raise CodecError(f"3LC: {b.size} base-3^5 bytes cannot hold {n} values")
+    if b.size and int(b.max()) > 242:
+        raise CodecError("3LC: base-3^5 byte above 242")
+    table = np.array([-m, 0.0, m], dtype=np.float32)[_DIGITS]          # (243, 5)
+    if layout == "consecutive":
+        return table[b].ravel()[:n]
+    out = np.empty((5, b.size), np.float32)
+    for k in range(5):                                                  # plane k = P_k
+        np.take(np.ascontiguousarray(table[:, k]), b, out=out[k])
+    return out.ravel()[:n]
+
+
 # ----------------------------------------------------------------------------- stage 3
 
 def zre_encode(b: np.ndarray) -> np.ndarray:
@@ -160,8 +177,10 @@ def zre_encode(b: np.ndarray) -> np.ndarray:
     z = b == ZERO_BYTE
     if not z.any():
         return b.copy()
-    edge = np.diff(z.view(np.int8), prepend=np.int8(0), append=np.int8(0))
-    starts, ends = np.flatnonzero(edge == 1), np.flatnonzero(edge == -1)
+    zp = np.zeros(b.size + 2, bool)
+    zp[1:-1] = z
+    edge = np.flatnonzero(zp[1:] != zp[:-1])               # run boundaries alternate start/end
+    starts, ends = edge[0::2], edge[1::2]
     k = ends - starts
     chunks = -(-k // MAX_RUN)
     if chunks.max() == 1:
@@ -174,7 +193,7 @@ def zre_encode(b: np.ndarray) -> np.ndarray:
     keep[pos] = True
     out = b.copy()
     out[pos] = np.where(rest == 1, ZERO_BYTE, RUN_MIN - 2 + rest)
-    return out[keep]
+    return out.take(np.flatnonzero(keep))                  # faster than boolean indexing
 
 
 def zre_counts(c: np.ndarray) -> np.ndarray:
@@ -314,11 +333,9 @@ def unpack(payload: bytes, n_expected: int) -> np.ndarray:
             raise CodecError("3LC: raw float32 message holds NaN or Inf")
         return out
     b = zre_decode(body, -(-head.n // 5)) if head.flags & F_ZRE else body
-    d = base35_digits(b, head.n, _layout(head.flags))
-    if head.m == 0.0 and (d != 1).any():
+    if head.m == 0.0 and (base35_digits(b, head.n, _layout(head.flags)) != 1).any():
         raise CodecError("3LC: nonzero trits with scale m = 0")
-    m = np.float32(head.m)
-    return np.array([-m, 0.0, m], dtype=np.float32)[d]
+    return base35_dequantize(b, head.n, np.float32(head.m), _layout(head.flags))
 
 
 def message_stats(payload: bytes) -> dict:

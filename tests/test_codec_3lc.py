@@ -78,7 +78,11 @@ def test_base35_round_trip(layout):
     rng = np.random.default_rng(1)
     for n in list(range(0, 30)) + [999, 1001, 4096, 9999, 10**4]:
         q = rng.integers(-1, 2, n).astype(np.int8)
-        assert np.array_equal(T.base35_decode(T.base35_encode(q, layout), n, layout), q)
+        b = T.base35_encode(q, layout)
+        assert np.array_equal(T.base35_decode(b, n, layout), q)
+        m = np.float32(rng.uniform(0.1, 10))
+        fused = T.base35_dequantize(b, n, m, layout)
+        assert fused.dtype == np.float32 and np.array_equal(fused, T.dequantize(q, m))
 
 
 def test_base35_rejects_bad_input():
@@ -299,6 +303,8 @@ def test_dense_uniform_input_zre_barely_helps():
     length = T.parse(p)[0].length
     assert T.message_stats(p)["nonzero_fraction"] == pytest.approx(0.5, abs=0.01)
     assert abs(length - 199800) <= 0.02 * 199800 and length <= 200000
+    q, m, e = T.quantize(x, None, 1.0)                             # dense residual path, still exact
+    assert np.array_equal(e, x - m * q.astype(np.float32))
 
 
 def test_error_feedback_steady_state_bits():
