@@ -118,9 +118,14 @@ class SwitchCLI:
         return out.stdout
 
     def events(self) -> dict:
+        """Drop/event counters by name. bmv2's CLI prints either `packets=N` (older) or
+        `(B bytes, N packets)` (newer); both are read, and a missing line is an error."""
         text = self.run([f"counter_read {ING}.events {i}" for i in range(len(EVENTS))], check=False)
-        counts = [int(m) for m in re.findall(r"packets=(\d+)", text)]
-        return dict(zip(EVENTS, counts + [0] * (len(EVENTS) - len(counts))))
+        counts = [int(a or b) for a, b in re.findall(r"packets=(\d+)|(\d+) packets", text)]
+        if len(counts) != len(EVENTS):
+            raise RuntimeError(f"could not read {len(EVENTS)} event counters from the switch CLI:\n"
+                               f"{text[-500:]}")
+        return dict(zip(EVENTS, counts))
 
 
 def compile_program(out_dir: Path | str = "build/p4") -> Path:
