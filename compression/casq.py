@@ -30,7 +30,7 @@ import zlib
 
 import numpy as np
 
-from compression.codec import Codec, CodecError, Context
+from compression.codec import Codec, CodecError, Context, header_bytes
 
 MAGIC, KIND_SKETCH, KIND_RAW = 0x43, 1, 2
 HEAD = struct.Struct("<BBBII")          # magic, kind, b, N, seed: 11 bytes (spec §5)
@@ -233,11 +233,7 @@ def message_size(n: int, bits: int, sizes) -> int:
 
 def parse(payload: bytes, n_expected: int):
     """Validate a message; returns ("raw", values) or ("sketch", (bits, seed, ids, sizes, avg))."""
-    if not isinstance(payload, (bytes, bytearray, memoryview)):
-        raise CodecError("CASQ: payload must be bytes")
-    payload = bytes(payload)
-    if len(payload) < HEAD.size:
-        raise CodecError(f"CASQ: message of {len(payload)} bytes is shorter than the {HEAD.size}-byte header")
+    payload = header_bytes(payload, HEAD, "CASQ")
     magic, kind, bits, n, seed = HEAD.unpack_from(payload)
     if magic != MAGIC:
         raise CodecError(f"CASQ: bad magic byte 0x{magic:02x}")

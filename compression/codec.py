@@ -27,6 +27,18 @@ class CodecError(ValueError):
     """A payload that cannot be decoded (truncated, corrupt, wrong sizes)."""
 
 
+def header_bytes(payload, head, codec: str) -> bytes:
+    """`payload` as bytes, checked to be bytes-like and to hold at least the `head` struct;
+    the shared first step of every codec's message parser."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise CodecError(f"{codec}: payload must be bytes, got {type(payload).__name__}")
+    payload = bytes(payload)
+    if len(payload) < head.size:
+        raise CodecError(f"{codec}: message of {len(payload)} bytes is shorter than its "
+                         f"{head.size}-byte header")
+    return payload
+
+
 @dataclass(frozen=True)
 class Context:
     """What both ends know about one tensor in one round.

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from compression.codec import Codec, CodecError, Context
+from compression.codec import Codec, CodecError, Context, header_bytes
 
 CODEC_ID = 3
 F_ZRE, F_RAW, F_CONSECUTIVE = 0x01, 0x02, 0x04
@@ -131,14 +131,20 @@ def base35_encode(q: np.ndarray, layout: str = "planar") -> np.ndarray:
     return b
 
 
-def base35_digits(b: np.ndarray, n: int, layout: str = "planar") -> np.ndarray:
-    """The first n digits d ∈ {0,1,2} (= q + 1) held by base-3^5 bytes b, in element order."""
+def _checked_base35(b, n: int, layout: str) -> np.ndarray:
+    """b as flat uint8 after checking that it holds exactly ⌈n/5⌉ valid base-3^5 bytes."""
     _check_layout(layout)
     b = np.asarray(b, dtype=np.uint8).ravel()
     if n < 0 or b.size != -(-n // 5):
         raise CodecError(f"3LC: {b.size} base-3^5 bytes cannot hold {n} values")
     if b.size and int(b.max()) > 242:
         raise CodecError("3LC: base-3^5 byte above 242")
+    return b
+
+
+def base35_digits(b: np.ndarray, n: int, layout: str = "planar") -> np.ndarray:
+    """The first n digits d ∈ {0,1,2} (= q + 1) held by base-3^5 bytes b, in element order."""
+    b = _checked_base35(b, n, layout)
     dig = _DIGITS[b]                                    # (L, 5): row j = digits of byte j
     flat = dig.T.ravel() if layout == "planar" else dig.ravel()
     return flat[:n]
@@ -152,12 +158,7 @@ def base35_decode(b: np.ndarray, n: int, layout: str = "planar") -> np.ndarray:
 def base35_dequantize(b: np.ndarray, n: int, m: np.float32, layout: str = "planar") -> np.ndarray:
     """m·q straight from base-3^5 bytes (spec §2.7 steps 3–4 fused): a 243×5 float32 table of
     {−m, 0, m} per digit position, gathered once per plane, so no digit array is built."""
-    _check_layout(layout)
-    b = np.asarray(b, dtype=np.uint8).ravel()
-    if n < 0 or b.size != -(-n // 5):
-        raise CodecError(f"3LC: {b.size} base-3^5 bytes cannot hold {n} values")
-    if b.size and int(b.max()) > 242:
-        raise CodecError("3LC: base-3^5 byte above 242")
+    b = _checked_base35(b, n, layout)
     table = np.array([-m, 0.0, m], dtype=np.float32)[_DIGITS]          # (243, 5)
     if layout == "consecutive":
         return table[b].ravel()[:n]
@@ -281,11 +282,7 @@ def pack_raw(x: np.ndarray) -> bytes:
 
 def parse(payload: bytes, n_expected: int | None = None) -> tuple[Header, np.ndarray]:
     """Validate the framing; returns (header, body bytes). Raises CodecError on any mismatch."""
-    if not isinstance(payload, (bytes, bytearray, memoryview)):
-        raise CodecError(f"3LC: payload must be bytes, got {type(payload).__name__}")
-    payload = bytes(payload)
-    if len(payload) < HEAD.size:
-        raise CodecError(f"3LC: message of {len(payload)} bytes is shorter than its {HEAD.size}-byte header")
+    payload = header_bytes(payload, HEAD, "3LC")
     cid, flags, n, m, length = HEAD.unpack_from(payload)
     if cid != CODEC_ID:
         raise CodecError(f"3LC: bad codec id {cid} (expected {CODEC_ID})")
