@@ -37,7 +37,7 @@ def gradient(seed: int, round_no: int, worker: int, dim: int) -> np.ndarray:
 
 def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
                 straggler_delay_ms, straggler_prob, timeout_ms, window, report=None, quiet=True,
-                bind_port=0):
+                bind_port=0, batched=True):
     """Run `rounds` allreduces of test gradients against the PS shards [(host, data, control)].
 
     Returns (per-round reports, transport counters).
@@ -45,7 +45,8 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
     from worker.client import Worker
     from worker.transport import Transport
     t = Transport(shards[0][0], shards[0][1], worker_id, control_port=shards[0][2], policy=policy,
-                  faults=faults, timeout_ms=timeout_ms, window=window, shards=shards, bind_port=bind_port)
+                  faults=faults, timeout_ms=timeout_ms, window=window, shards=shards, bind_port=bind_port,
+                  batched=batched)
     w = Worker(t, error_feedback=False, seed=seed, straggler_delay_ms=straggler_delay_ms,
                straggler_prob=straggler_prob)
     out = []
@@ -69,9 +70,9 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
     return out, counters
 
 
-def _worker_entry(*args):
+def _worker_entry(*args, **kwargs):
     try:
-        worker_loop(*args)
+        worker_loop(*args, **kwargs)
     except Exception as exc:  # reported to the parent, which fails the launch
         args[-2].put((args[1], f"{type(exc).__name__}: {exc}", None))
 
@@ -181,9 +182,10 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
                quorum=1.0, loss=0.0, duplicate=0.0, reorder=0.0, straggler_delay_ms=0.0,
                straggler_rank=None, straggler_prob=1.0, policy="retransmit", seed=0, ps=None,
                engine="c", timeout_ms=50.0, window=64, slots=512, lane_bits=8, verbose=False,
-               ps_control_port=None, check=True, shards=1) -> dict:
+               ps_control_port=None, check=True, shards=1, batched=True) -> dict:
     """Start a PS with `shards` shards (unless `ps` = "host:port[,host:port…]") and N worker
-    processes; returns the JSON summary."""
+    processes; returns the JSON summary.  batched=False makes the workers use one system call
+    per datagram instead of sendmmsg/recvmmsg."""
     from worker.transport import Faults
     job = JobConfig(num_workers=workers, codec=codec, bits=bits, granularity=granularity, p=p,
                     quorum=quorum, seed=seed, slots=slots, lane_bits=lane_bits)
@@ -209,7 +211,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
         delay = straggler_delay_ms if (straggler_rank is None or straggler_rank == i) else 0.0
         args = (shard_list, i, rounds, dim, seed, policy, faults, delay,
                 straggler_prob, timeout_ms, window, q, not verbose)
-        proc = ctx.Process(target=_worker_entry, args=args, daemon=True)
+        proc = ctx.Process(target=_worker_entry, args=args, kwargs={"batched": batched}, daemon=True)
         proc.start()
         procs.append(proc)
     per_worker, counters, errors = {}, {}, []

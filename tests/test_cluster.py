@@ -44,8 +44,10 @@ def test_loss_with_zero_policy_matches_reference_with_lost_chunks():
     assert doc["lost_chunks"] > 0 and doc["retransmissions"] == 0
 
 
-def test_duplicates_and_reordering():
-    doc = run_launch(workers=4, rounds=ROUNDS, dim=DIM, duplicate=0.05, reorder=0.05)
+@pytest.mark.parametrize("batched", [True, False], ids=["sendmmsg", "per-datagram"])
+def test_duplicates_and_reordering(batched):
+    doc = run_launch(workers=4, rounds=ROUNDS, dim=DIM, duplicate=0.05, reorder=0.05, loss=0.02,
+                     batched=batched)
     check_exact(doc)
     assert doc["injected"]["injected_duplicates"] > 0 and doc["injected"]["injected_reorders"] > 0
     assert doc["drops"]["duplicate"] > 0

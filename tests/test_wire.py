@@ -37,6 +37,17 @@ def test_scapy_and_parser_agree_on_random_packets():
     assert (h.type, h.slot, h.round, h.count, h.payload_len, bytes(pl)) == (H.RESULT, 3, 9, 2, 2, b"\x01\x02")
 
 
+def test_build_fast_equals_build():
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        h = random_header(rng)
+        h.bitmap = h.contributors = 0
+        payload = rng.bytes(int(rng.integers(0, 64)))
+        fast = H.build_fast(h.type, h.job_id, h.worker_id, h.num_workers, h.elem_bits, h.slot, h.round,
+                            h.offset, h.count, h.op, payload, flags=h.flags)
+        assert fast == H.build(h, payload)
+
+
 def test_header_is_32_bytes_network_order():
     b = H.Header(type=H.DATA, slot=0x0102, round=0x03040506).pack()
     assert len(b) == H.HEADER_SIZE == 32

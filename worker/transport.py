@@ -33,6 +33,11 @@ from proto import control
 from proto import headers as H
 from proto.job import JobConfig
 
+try:
+    from worker import _batchio      # sendmmsg/recvmmsg, built by `pip install`
+except ImportError:                  # pragma: no cover - the per-datagram loop serves without it
+    _batchio = None
+
 POLICIES = ("retransmit", "zero")
 
 
@@ -85,8 +90,13 @@ class Transport:
     def __init__(self, ps_host: str, data_port: int, worker_id: int, *, control_port: int | None = None,
                  policy: str = "retransmit", timeout_ms: float = 50.0, max_timeout_ms: float = 1000.0,
                  max_retries: int = 60, window: int = 64, faults: Faults | None = None,
-                 control_timeout_s: float = 30.0, shards: list | None = None, bind_port: int = 0):
+                 control_timeout_s: float = 30.0, shards: list | None = None, bind_port: int = 0,
+                 batched: bool = True):
         """Connect to one PS, or to S shards given as [(host, data_port, control_port), ...].
+
+        `batched` sends a window's packets with one sendmmsg and takes every waiting result
+        with one recvmmsg (worker/_batchio.c); False is the one-call-per-datagram loop,
+        kept for comparison (bench/bench_e2e.py) and for platforms without the extension.
 
         Chunk c of a DATA phase goes to shard c mod S; NORM phases and control calls
         (barriers, model sync) go to shard 0.  A shard may name a 4th element, the control
@@ -104,6 +114,9 @@ class Transport:
         self.faults = faults or Faults()
         self._frng = np.random.default_rng(np.random.SeedSequence([self.faults.seed, worker_id, 7]))
         self._held: list = []
+        self._rxq: list = []
+        self._blob_q: list = []
+        self.batched = batched and _batchio is not None
         self.stats = TransportStats()
         shards = shards or [(ps_host, data_port, control_port or data_port + 1)]
         self.shard_addrs = [(sh[0], int(sh[1])) for sh in shards]
@@ -128,6 +141,7 @@ class Transport:
         if any(j != jobs[0] for j in jobs[1:]):
             raise ValueError("the PS shards disagree on the job configuration")
         self.job = jobs[0]
+        self._rx_size = max(self.job.mtu, 2048)
         self.window = min(window, self.job.slots * len(shards))
         self.slot_round = np.zeros((len(shards), self.job.slots + self.job.norm_slots), dtype=np.int64)
         self._stash: dict = {}
@@ -161,22 +175,60 @@ class Transport:
 
     # ---------------------------------------------------------------- raw I/O with faults
     def _send(self, pkt: bytes, dest) -> None:
+        self._emit([(pkt, dest)])
+
+    def _emit(self, out: list) -> None:
+        """Send [(packet, dest)] in order after fault injection; reordered packets go out
+        after the rest of the batch (or of the next one)."""
         f, rng = self.faults, self._frng
-        self.stats.add("packets_sent")
-        self.stats.add("bytes_sent", len(pkt))
-        if f.drop_out and rng.random() < f.drop_out:
-            self.stats.add("injected_drops_out")
+        wire = []
+        for pkt, dest in out:
+            self.stats.add("packets_sent")
+            self.stats.add("bytes_sent", len(pkt))
+            if f.drop_out and rng.random() < f.drop_out:
+                self.stats.add("injected_drops_out")
+                continue
+            copies = 2 if f.duplicate and rng.random() < f.duplicate else 1
+            if copies == 2:
+                self.stats.add("injected_duplicates")
+            if f.reorder and rng.random() < f.reorder:
+                self.stats.add("injected_reorders")
+                self._held.extend([(pkt, dest)] * copies)
+                continue
+            wire.extend([(pkt, dest)] * copies)
+        if wire:
+            wire.extend(self._held)
+            self._held = []
+            self._write(wire)
+
+    def _flush_held(self) -> None:
+        held, self._held = self._held, []
+        self._write(held)
+
+    def _write(self, wire: list) -> None:
+        """Datagrams [(packet, dest)] onto the socket: sendmmsg per run of one destination, or
+        one sendto each.  A full socket buffer is waited out (bounded); ECONNREFUSED (ICMP
+        from an earlier send: the PS is not there yet) and EPERM (a netfilter drop rule in a
+        loss experiment) lose the datagram, which timeouts then handle."""
+        if not self.batched:
+            for pkt, dest in wire:
+                self._sendto(pkt, dest)
             return
-        copies = 2 if f.duplicate and rng.random() < f.duplicate else 1
-        if copies == 2:
-            self.stats.add("injected_duplicates")
-        if f.reorder and rng.random() < f.reorder:
-            self.stats.add("injected_reorders")
-            self._held.extend([(pkt, dest)] * copies)
-            return
-        for _ in range(copies):
-            self._sendto(pkt, dest)
-        self._flush_held()
+        fd = self.sock.fileno()
+        i = 0
+        while i < len(wire):
+            dest = wire[i][1]
+            j = i
+            while j < len(wire) and wire[j][1] == dest:
+                j += 1
+            group = [pkt for pkt, _ in wire[i:j]]
+            for _ in range(1000):
+                sent, _refused = _batchio.send_many(fd, group, dest[0], dest[1])
+                group = group[sent:]
+                if not group:
+                    break
+                select.select([], [self.sock], [], 0.01)
+            i = j
 
     def _sendto(self, pkt: bytes, dest) -> None:
         for _ in range(1000):
@@ -185,25 +237,37 @@ class Transport:
                 return
             except BlockingIOError:
                 select.select([], [self.sock], [], 0.01)
-            except ConnectionRefusedError:
-                return   # ICMP from an earlier send: the PS is not there (yet); timeouts handle it
-            except PermissionError:
-                return   # a netfilter rule dropped it on the way out (loss experiments): lost
+            except (ConnectionRefusedError, PermissionError):
+                return
 
-    def _flush_held(self) -> None:
-        held, self._held = self._held, []
-        for pkt, dest in held:
-            self._sendto(pkt, dest)
+    def _recv_many(self, timeout: float, limit: int = 256) -> list:
+        """Every datagram waiting (up to `limit`) once one arrives within `timeout`, as
+        [(shard, header, payload)]; injected drops and bad packets are counted and left out."""
+        if self._rxq:
+            got, self._rxq = self._rxq, []
+            return got
+        ready, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
+        if not ready:
+            return []
+        if self.batched:
+            raw = _batchio.recv_many(self.sock.fileno(), limit, self._rx_size)
+        else:
+            raw = []
+            try:
+                while len(raw) < limit:
+                    raw.append(self.sock.recvfrom(65536))
+            except (BlockingIOError, ConnectionRefusedError):
+                pass
+        return [g for g in map(self._accept, raw) if g is not None]
 
     def _recv(self, timeout: float):
         """One packet (shard, header, payload) or None on timeout / injected drop."""
-        ready, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
-        if not ready:
-            return None
-        try:
-            data, src = self.sock.recvfrom(65536)
-        except (BlockingIOError, ConnectionRefusedError):
-            return None
+        if not self._rxq:
+            self._rxq = self._recv_many(timeout)
+        return self._rxq.pop(0) if self._rxq else None
+
+    def _accept(self, item):
+        data, src = item
         shard = self._by_addr.get(src)
         self.stats.add("packets_received")
         self.stats.add("bytes_received", len(data))
@@ -255,40 +319,37 @@ class Transport:
                 finished += 1
 
         while finished < nchunks:
-            # fill the window
+            # fill the window: every packet that fits goes out in one batch
+            out = []
+            now = time.monotonic()
             while next_c < nchunks and len(pending) < self.window and where[next_c] not in pending:
                 c = next_c
                 next_c += 1
-                key = (*where[c], rounds[c])
+                sh, slot = where[c]
+                key = (sh, slot, rounds[c])
                 if key in self._stash:
                     self.stats.add("resynced_chunks")
                     complete(c, self._stash.pop(key))
                     continue
                 off, count, payload = chunks[c]
-                pkt = H.build(H.Header(type=kind, job_id=job.job_id, worker_id=self.worker_id,
-                                       num_workers=job.num_workers, elem_bits=elem_bits,
-                                       slot=where[c][1], round=rounds[c], offset=off, count=count,
-                                       op=op), payload)
-                self._send(pkt, self.shard_addrs[where[c][0]])
-                pending[where[c]] = [c, time.monotonic() + self.timeout, self.timeout, 0, pkt]
+                pkt = H.build_fast(kind, job.job_id, self.worker_id, job.num_workers, elem_bits, slot,
+                                   rounds[c], off, count, op, payload)
+                out.append((pkt, self.shard_addrs[sh]))
+                pending[(sh, slot)] = [c, now + self.timeout, self.timeout, 0, pkt]
+            self._emit(out)
             self._flush_held()
             if finished >= nchunks:
                 break
-            now = time.monotonic()
-            wait = min((p[1] for p in pending.values()), default=now + self.timeout) - now
-            got = self._recv(wait)
-            if got is not None:
-                shard, h, payload = got
+            wait = min((p[1] for p in pending.values()), default=now + self.timeout) - time.monotonic()
+            for shard, h, payload in self._recv_many(wait):
                 pkey = (shard, h.slot)
                 entry = pending.get(pkey)
-                if h.type == want_type:
-                    if entry is not None and h.round == rounds[entry[0]]:
-                        del pending[pkey]
-                        complete(entry[0], (h, payload))
-                    elif entry is None or h.round > rounds[entry[0]]:
-                        if len(self._stash) < 4 * nshards * (job.slots + job.norm_slots):
-                            self._stash[(shard, h.slot, h.round)] = (h, payload)
-                            self.stats.add("stashed_results")
+                if (h.type == want_type and h.op != H.OP_BLOB and entry is not None
+                        and h.round == rounds[entry[0]]):
+                    del pending[pkey]
+                    complete(entry[0], (h, payload))
+                elif h.type in (H.RESULT, H.NORM_RESULT):
+                    self._keep(shard, h, payload)      # a later round's or another phase's
                 elif h.type == H.STRAGGLER:
                     self.stats.add("straggler_notices")
                     if entry is not None and h.round > rounds[entry[0]]:
@@ -297,8 +358,9 @@ class Transport:
                         complete(entry[0], None)
                 else:
                     self.stats.add("bad_packets")
-            # timeouts
+            # timeouts: resends of one pass go out as one batch
             now = time.monotonic()
+            resend = []
             for pkey, entry in list(pending.items()):
                 c, deadline, tmo, tries, pkt = entry
                 if deadline > now:
@@ -315,12 +377,27 @@ class Transport:
                                         f"round {rounds[c]} after {tries} retransmissions")
                 retx = bytearray(pkt)
                 retx[4] |= H.F_RETRANSMIT
-                self._send(bytes(retx), dest)
+                resend.append((bytes(retx), dest))
                 self.stats.add("retransmissions")
                 tmo = min(tmo * 2, self.max_timeout)
                 pending[pkey] = [c, now + tmo, tmo, tries + 1, pkt]
+            self._emit(resend)
         self._gc_stash()
         return results
+
+    def _keep(self, shard: int, h: H.Header, payload: bytes) -> None:
+        """A result read ahead of its use (batched reads take whatever is queued): a slot's
+        later round is stashed for the phase that will ask for it, a BLOB fragment is queued
+        for run_blob; anything already consumed or out of range is ignored."""
+        if h.op == H.OP_BLOB:
+            if len(self._blob_q) < 4 * self.window + 1024:
+                self._blob_q.append((shard, h, payload))
+            return
+        if h.slot >= self.slot_round.shape[1] or h.round <= self.slot_round[shard, h.slot]:
+            return
+        if len(self._stash) < 4 * self.slot_round.size:
+            self._stash[(shard, h.slot, h.round)] = (h, payload)
+            self.stats.add("stashed_results")
 
     def _gc_stash(self) -> None:
         stale = [k for k in self._stash if k[2] <= self.slot_round[k[0], k[1]]]
@@ -350,15 +427,20 @@ class Transport:
         last = None
         tmo, tries = self.timeout, 0
 
+        self._blob_q = [g for g in self._blob_q if g[1].round >= round_no]
+
         def absorb(timeout):
             nonlocal result, last
-            got = self._recv(timeout)
+            got = self._blob_q.pop(0) if self._blob_q else self._recv(timeout)
             if got is None:
                 return False
-            _, h, body = got
+            shard, h, body = got
             if h.type == H.STRAGGLER and h.round > round_no:
                 self.stats.add("straggler_notices")
                 raise _Lost()
+            if h.op != H.OP_BLOB and h.type in (H.RESULT, H.NORM_RESULT):
+                self._keep(shard, h, body)
+                return False
             if h.type != H.RESULT or h.op != H.OP_BLOB or h.round != round_no:
                 return False
             try:
