@@ -18,6 +18,11 @@ import numpy as np
 
 from compression.codec import Codec, CodecError, Context
 
+try:
+    from compression import _bitstream      # built by `pip install`
+except ImportError:                         # pragma: no cover - Python reference decoder
+    _bitstream = None
+
 MAGIC = b"SKC1"
 HEADER = struct.Struct("<4sBBBBQIHHQ")            # 32 bytes
 F_HUFFMAN, F_ADAPTIVE, F_EXACT = 0x02, 0x04, 0x08
@@ -92,6 +97,22 @@ def canonical_codes(lengths: np.ndarray) -> np.ndarray:
 
 
 def huffman_decode(buf: bytes, lengths: np.ndarray, count: int) -> np.ndarray:
+    """Decode `count` canonical-Huffman symbols: the C scan of compression/_bitstream.c,
+    or the Python reference below when the extension is not built."""
+    if _bitstream is None:
+        return huffman_decode_py(buf, lengths, count)
+    lengths = np.asarray(lengths)
+    if lengths.size and (lengths.min() < 0 or lengths.max() > 32):
+        raise CodecError("SKCompress: Huffman code length out of range")
+    out = np.empty(count, np.int64)
+    try:
+        _bitstream.canonical_huffman_decode(bytes(buf), lengths.astype(np.uint8).tobytes(), out)
+    except ValueError as exc:
+        raise CodecError(f"SKCompress: {exc}") from None
+    return out
+
+
+def huffman_decode_py(buf: bytes, lengths: np.ndarray, count: int) -> np.ndarray:
     """Decode `count` canonical-Huffman symbols (sequential, table of first codes)."""
     order = sorted((int(l), s) for s, l in enumerate(lengths) if l > 0)
     if not order:

@@ -25,6 +25,26 @@ def test_fig7_huffman():
     assert S.huffman_decode(bits, lens, cells.size).tolist() == cells.tolist()
 
 
+def test_c_huffman_decoder_equals_reference_and_rejects_bad_streams():
+    rng = np.random.default_rng(3)
+    for g in (2, 16, 256):
+        freq = rng.zipf(1.5, g).astype(np.int64)
+        lens = S.huffman_lengths(freq)
+        cells = rng.choice(g, 5000, p=freq / freq.sum())
+        bits = S.pack_fields(S.canonical_codes(lens)[cells], lens[cells])
+        assert S.huffman_decode(bits, lens, cells.size).tolist() == cells.tolist()
+        assert S.huffman_decode_py(bits, lens, cells.size).tolist() == cells.tolist()
+        for decode in (S.huffman_decode, S.huffman_decode_py):
+            with pytest.raises(CodecError):
+                decode(bits[: len(bits) // 2], lens, cells.size)           # stream runs out
+    lens = np.array([1, 2, 0, 0])              # codes 0 and 10: "11" is no code
+    for decode in (S.huffman_decode, S.huffman_decode_py):
+        with pytest.raises(CodecError):
+            decode(b"\xc0", lens, 1)
+        with pytest.raises(CodecError):
+            decode(b"\x00", np.zeros(4, np.int64), 1)                  # empty table
+
+
 def test_fig9_interval_case():
     delta = np.array([3, 20, 7, 300, 15, 100, 1, 2000])
     c = S.interval_counts(delta, 4)
