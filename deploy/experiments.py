@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from deploy.procs import stop_gracefully
 from deploy.train import TrainConfig, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,11 +155,7 @@ def run_in_namespaces(net, cfg: TrainConfig, log, port: int = 9000) -> dict:
             raise RuntimeError(f"training in {net.worker_ns} failed: {tr.stderr[-2000:]}")
         doc = json.loads(tr.stdout.strip().splitlines()[-1])
     finally:
-        ps.send_signal(signal.SIGINT)
-        try:
-            ps.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            ps.kill()
+        stop_gracefully(ps)
     return {"epochs": doc["epochs"], "seconds": doc["seconds"], "ps": None}
 
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -15,3 +17,15 @@ def single_threaded_children() -> None:
     """
     for var in _THREAD_VARS:
         os.environ.setdefault(var, "1")
+
+
+def stop_gracefully(proc: subprocess.Popen, timeout: float = 20.0) -> str:
+    """SIGINT (a PS prints its counters and exits), then SIGKILL after `timeout` seconds;
+    returns what the process wrote to a piped stdout."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return out or ""

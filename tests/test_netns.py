@@ -3,7 +3,6 @@ kernel loss from an nftables random-drop rule: rounds stay exact under `retransm
 the namespaces are gone afterwards."""
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from deploy import netns
+from deploy.procs import stop_gracefully
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,12 +41,7 @@ def test_kernel_loss_between_namespaces_is_repaired_exactly():
                 timeout=300)
             drops = netns.nft_drop_counters(net.worker_ns)
         finally:
-            ps.send_signal(signal.SIGINT)
-            try:
-                ps.communicate(timeout=20)
-            except subprocess.TimeoutExpired:
-                ps.kill()
-                ps.communicate()
+            stop_gracefully(ps)
     assert run.returncode == 0, run.stderr[-2000:]
     doc = json.loads(run.stdout.strip().splitlines()[-1])
     assert doc["exact_rounds"] == 10 and doc["mismatched_chunks"] == 0 and doc["lost_chunks"] == 0
