@@ -26,6 +26,29 @@ def _positive(value: str) -> int:
     return n
 
 
+def _codec_list(value: str) -> tuple:
+    from compression import registry
+    names = tuple(v.strip() for v in value.split(",") if v.strip())
+    unknown = [n for n in names if n not in registry.names()]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"unknown codec(s) {', '.join(unknown) or value!r}; "
+                                         f"choose from {', '.join(registry.names())}")
+    return names
+
+
+def _rate_list(value: str) -> tuple:
+    rates = []
+    for v in value.split(","):
+        try:
+            r = float(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected Mbit/s numbers separated by commas, got {value!r}") from None
+        if r < 0:
+            raise argparse.ArgumentTypeError(f"a link rate cannot be negative: {v}")
+        rates.append(None if r == 0 else (int(r) if r == int(r) else r))
+    return tuple(rates)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="thc", description="THC-PS: Tensor Homomorphic Compression parameter server.")
@@ -111,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--kernel-loss", action="store_true",
                     help="loss: also drop real packets with nftables between namespaces (root)")
     ex.add_argument("--delay-ms", type=float, default=30.0, help="stragglers: delay per straggling round")
+    ex.add_argument("--codecs", type=_codec_list, default=("none", "thc"),
+                    help="bandwidth: comma list of codecs (default none,thc)")
+    ex.add_argument("--rates", type=_rate_list, default=(100, 1000, None),
+                    help="bandwidth: comma list of link rates in Mbit/s, 0 = unlimited (default 100,1000,0)")
+    ex.add_argument("--per-tensor", action="store_true",
+                    help="one PS round per parameter tensor (as 3LC and CASQ are meant to run)")
     ex.add_argument("--seed", type=int, default=0)
     ex.set_defaults(func=commands.cmd_experiment)
 

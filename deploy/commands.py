@@ -172,7 +172,7 @@ def cmd_experiment(args) -> None:
     p = str(args.p) if args.p else ("1/512" if strag else "1/32")
     base = TrainConfig(workers=workers, epochs=args.epochs, model=args.model, bits=args.bits,
                        granularity=granularity, p=p, train_limit=args.train_limit,
-                       test_limit=args.test_limit, seed=args.seed)
+                       test_limit=args.test_limit, seed=args.seed, per_tensor=args.per_tensor)
     command = experiments.main_command(sys.argv[2:] if sys.argv[1:2] == ["experiment"] else [args.name])
     log = lambda m: print(m, flush=True)
     if args.name == "loss":
@@ -184,7 +184,7 @@ def cmd_experiment(args) -> None:
     elif args.name == "codecs":
         path = experiments.codecs(base, command, log)
     else:
-        path = experiments.bandwidth(base, command, log)
+        path = experiments.bandwidth(base, command, log, rates=args.rates, codecs=args.codecs)
     print(f"wrote {path} and its plot")
 
 

@@ -146,6 +146,8 @@ def run_in_namespaces(net, cfg: TrainConfig, log, port: int = 9000) -> dict:
                 "--sync-every", str(cfg.sync_every), "--seed", str(cfg.seed),
                 "--train-limit", str(cfg.train_limit), "--test-limit", str(cfg.test_limit),
                 "--codec", cfg.codec, "--ps", f"{net.ps_ip}:{port}", "--json"]
+        if cfg.per_tensor:
+            args.append("--per-tensor")
         tr = subprocess.run(net.prefix(net.worker_ns) + [py, "-m", "deploy.cli", "train"] + args,
                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600)
         for line in tr.stderr.splitlines():
@@ -210,39 +212,73 @@ worker processes share two cores, so the runs are short.
     return _write("scale", "Scaling the number of workers", command, notes, rows)
 
 
-def bandwidth(base: TrainConfig, command: str, log=print, rates=(100, 1000, None), target: float = 0.8) -> Path:
-    """Paper Fig. 6: rate-limited links between the PS and worker namespaces."""
+def bandwidth(base: TrainConfig, command: str, log=print, rates=(100, 1000, None), target: float = 0.8,
+              codecs=("none", "thc")) -> Path:
+    """Paper Fig. 6: rate-limited links between the PS and worker namespaces, every codec in
+    `codecs` at every rate (None = no limit); speed-ups are against `none` at the same rate."""
     from deploy import netns
     rows = []
     for rate in rates:
-        for codec in ("none", "thc"):
+        for codec in codecs:
             cfg = replace(base, codec=codec)
             label = f"{codec} @ {'unlimited' if rate is None else f'{rate} Mbit/s'}"
-            log(f"[bandwidth] {label}")
+            log(f"[bandwidth {len(rows) + 1}/{len(rates) * len(codecs)}] {label}")
             with netns.two_hosts(rate_mbit=rate) as net:
                 doc = run_in_namespaces(net, cfg, log)
             row = _summary(label, doc)
-            t_acc = None
-            elapsed = 0.0
+            row.update(codec=codec, rate=rate)
+            elapsed, row["time_to_target"] = 0.0, None
             for e in doc["epochs"]:
                 elapsed += e["epoch_seconds"]
-                if t_acc is None and e["test_accuracy"] >= target:
-                    t_acc = elapsed
-            row["time_to_target"] = t_acc
+                if row["time_to_target"] is None and e["test_accuracy"] >= target:
+                    row["time_to_target"] = elapsed
             rows.append(row)
-    for i in range(0, len(rows), 2):
-        rows[i + 1]["speedup"] = rows[i]["mean_round_ms"] / rows[i + 1]["mean_round_ms"]
+    for r in rows:
+        ref = next((x for x in rows if x["codec"] == "none" and x["rate"] == r["rate"]), None)
+        if ref is not None and r is not ref:
+            r["speedup"] = ref["mean_round_ms"] / r["mean_round_ms"]
+    per = " Gradients go per parameter tensor (`--per-tensor`)." if base.per_tensor else \
+        " Each step sends the whole model as one bucket, for every codec."
     notes = f"""
 PS and {base.workers} workers in two network namespaces joined by a veth pair with a token-bucket
 rate limit on both ends (`tc qdisc ... tbf`), {base.model} on Fashion-MNIST
-({base.train_limit or 60000} images), {base.epochs} epochs. "time to {target:.0%}" is the training time
-(sum of epoch times) until rank 0's test accuracy first reaches {target:.0%}. The paper's Fig. 6 runs
-VGG16 at 25/40/100 Gbit/s; here the links are 100 Mbit/s and 1 Gbit/s and the model is small.
-Discussion: docs/experiments/README.md.
+({base.train_limit or 60000} images), {base.epochs} epochs.{per} "time to {target:.0%}" is the
+training time (sum of epoch times) until rank 0's test accuracy first reaches {target:.0%}; "-"
+means it never did. Speed-ups compare mean round times with `none` at the same rate. The
+paper's Fig. 6 runs VGG16 at 25/40/100 Gbit/s; here the links are slower and the model is
+small. Discussion: docs/experiments/README.md.
 """
-    return _write("bandwidth", "Bandwidth-limited links", command, notes, rows, extra_cols=(
+    path = _write("bandwidth", "Bandwidth-limited links", command, notes, rows, extra_cols=(
         ("round speed-up vs none", lambda r: f"{r['speedup']:.2f}x" if "speedup" in r else "-"),
         (f"time to {target:.0%} (s)", lambda r: f"{r['time_to_target']:.0f}" if r.get("time_to_target") else "-")))
+    if len(codecs) > 2:
+        _bandwidth_bars(rows, rates, codecs, path)
+    return path
+
+
+def _bandwidth_bars(rows: list, rates, codecs, md_path: Path) -> None:
+    """Grouped bars: mean round time per codec at each rate (log scale), appended to the doc."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(11, 4))
+    width = 0.8 / len(codecs)
+    for k, codec in enumerate(codecs):
+        ys = [next(r["mean_round_ms"] for r in rows if r["codec"] == codec and r["rate"] == rate)
+              for rate in rates]
+        ax.bar([i + k * width for i in range(len(rates))], ys, width, label=codec)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rates))],
+                  ["unlimited" if r is None else f"{r} Mbit/s" for r in rates])
+    ax.set(ylabel="mean round ms (log)", yscale="log", title="Round time per codec and link rate")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8, ncol=4)
+    fig.tight_layout()
+    fig.savefig(md_path.with_name("bandwidth-rounds.png"), dpi=100)
+    with md_path.open("a") as f:
+        f.write("\n![Round time per codec and link rate](bandwidth-rounds.png)\n")
 
 
 def main_command(argv) -> str:
