@@ -39,3 +39,21 @@ def test_bad_arguments_explain_themselves(capsys):
     with pytest.raises(SystemExit):
         main(["table", "--p", "2"])
     assert "between 0 and 1" in capsys.readouterr().err
+
+
+def test_experiment_codec_and_rate_lists():
+    from deploy.cli import build_parser
+    args = build_parser().parse_args(["experiment", "bandwidth", "--codecs", "none,thc,3lc", "--rates", "100,2.5,0"])
+    assert args.codecs == ("none", "thc", "3lc") and args.rates == (100, 2.5, None)
+    defaults = build_parser().parse_args(["experiment", "bandwidth"])
+    assert defaults.codecs == ("none", "thc") and defaults.rates == (100, 1000, None)
+
+
+@pytest.mark.parametrize("flag,value,message", [("--codecs", "none,bogus", "unknown codec"),
+                                                ("--codecs", ",", "unknown codec"),
+                                                ("--rates", "100,x", "Mbit/s numbers"),
+                                                ("--rates", "-5", "cannot be negative")])
+def test_experiment_list_errors(capsys, flag, value, message):
+    with pytest.raises(SystemExit):
+        main(["experiment", "bandwidth", flag, value])
+    assert message in capsys.readouterr().err
