@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     p4.add_argument("--control", type=_addr, default=("0.0.0.0", 9001),
                     help="run: ZeroMQ control plane address (default 0.0.0.0:9001)")
     p4.add_argument("--thrift-port", type=int, default=9090)
+    p4.add_argument("--attach", action="store_true",
+                    help="run: program a simple_switch that is already running (e.g. started by Mininet) "
+                         "on --thrift-port instead of compiling and starting one")
     p4.add_argument("--workers", type=_positive, default=4)
     p4.add_argument("--quorum", type=_quorum, default=1.0)
     p4.add_argument("--granularity", type=_positive, default=30)

@@ -219,11 +219,15 @@ def cmd_p4(args):
         if not sep or not sep2 or not port.isdigit():
             raise ValueError(f"--worker-port expects IP=PORT,MAC, got {item!r}")
         topology[ip] = (int(port), mac)
-    if not ports:
-        raise ValueError("thc p4 run needs at least one --iface PORT=IFACE")
+    if not ports and not args.attach:
+        raise ValueError("thc p4 run needs at least one --iface PORT=IFACE (or --attach to a running switch)")
+    if not topology:
+        raise ValueError("thc p4 run needs --worker-port IP=PORT,MAC for every worker host")
     job = control.switch_job(args.workers, granularity=args.granularity, p=str(args.p), quorum=args.quorum)
-    json_path = control.compile_program(args.out)
-    proc = control.start_switch(json_path, ports, thrift_port=args.thrift_port)
+    proc = None
+    if not args.attach:
+        json_path = control.compile_program(args.out)
+        proc = control.start_switch(json_path, ports, thrift_port=args.thrift_port)
     try:
         cli = control.SwitchCLI(args.thrift_port)
         cli.run(control.job_commands(job, args.ps_mac))
@@ -232,8 +236,9 @@ def cmd_p4(args):
         server = PSServer(job, (host, 0), control_port=cport,
                           engine=control.SwitchEngine(job, cli, topology),
                           log=lambda m: print(m, flush=True)).start()
-        print(f"switch up: PS address {args.ps_ip}:{gen_p4.PORT}, control tcp://{host}:{cport}, "
-              f"{len(ports)} ports", flush=True)
+        where = f"{len(ports)} ports" if proc else f"attached to the switch on Thrift port {args.thrift_port}"
+        print(f"switch up: PS address {args.ps_ip}:{gen_p4.PORT}, control tcp://{host}:{cport}, {where}",
+              flush=True)
         try:
             server.wait()
         except KeyboardInterrupt:
@@ -241,5 +246,6 @@ def cmd_p4(args):
         print(f"final stats: {server.stats()}", flush=True)
         server.stop()
     finally:
-        proc.kill()
+        if proc is not None:
+            proc.kill()
     return None

@@ -7,11 +7,19 @@ nothing from the project: the switch's table entries come precomputed in a comma
 
     ip netns exec NS /usr/bin/python3 p4/harness/mininet_thc.py --json thc.json \
         --commands cmds.txt --python /repo/.venv/bin/python --repo /repo --out DIR
+
+Control plane, `--control-mode`:
+  static  the commands file programs the whole job; a control-plane host answers the
+          workers' registrations (p4/harness/static_control.py);
+  p4run   the commands file holds only L2 entries; `thc p4 run --attach` on a host in the
+          switch's namespace (so it reaches the Thrift port) programs the job, and each
+          worker's entries when that worker registers — the path a user runs.
 """
 import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -67,6 +75,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--dim", type=int, default=4096)
     ap.add_argument("--tools", default="/opt/p4tools/bin")
+    ap.add_argument("--control-mode", choices=("static", "p4run"), default="static")
     args = ap.parse_args()
     setLogLevel("warning")
     ss = shutil.which("simple_switch") or os.path.join(args.tools, "simple_switch")
@@ -78,7 +87,8 @@ def main():
         h = net.addHost(f"h{i + 1}", ip=f"10.0.0.{i + 1}/24", mac=f"00:00:00:00:00:{i + 1:02x}")
         net.addLink(h, sw, port2=i + 1)
         hosts.append(h)
-    ctrl = net.addHost("h0", ip=f"{CTRL_IP}/24", mac="00:00:00:00:00:64")
+    ctrl = net.addHost("h0", ip=f"{CTRL_IP}/24", mac="00:00:00:00:00:64",
+                       inNamespace=args.control_mode == "static")
     net.addLink(ctrl, sw, port2=args.workers + 1)
     net.build()
     net.start()
@@ -100,10 +110,18 @@ def main():
         with open(args.commands) as f:
             cli(sscli, 9090, [l.strip() for l in f if l.strip()])
         env = dict(os.environ, PYTHONPATH=args.repo, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-        expect = sum((["--expect", f"10.0.0.{i + 1}:{5000 + i}"] for i in range(args.workers)), [])
-        control = ctrl.popen([args.python, "-m", "p4.harness.static_control", "--bind",
-                              f"{CTRL_IP}:{CTRL_PORT}", "--workers", str(args.workers)] + expect,
-                             cwd=args.repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        if args.control_mode == "static":
+            expect = sum((["--expect", f"10.0.0.{i + 1}:{5000 + i}"] for i in range(args.workers)), [])
+            cmd = [args.python, "-m", "p4.harness.static_control", "--bind", f"{CTRL_IP}:{CTRL_PORT}",
+                   "--workers", str(args.workers)] + expect
+        else:
+            attach = sum((["--worker-port", f"10.0.0.{i + 1}={i + 1},00:00:00:00:00:{i + 1:02x}"]
+                          for i in range(args.workers)), [])
+            cmd = [args.python, "-m", "deploy.cli", "p4", "run", "--attach", "--thrift-port", "9090",
+                   "--control", f"{CTRL_IP}:{CTRL_PORT}", "--workers", str(args.workers),
+                   "--ps-ip", PS_IP, "--ps-mac", PS_MAC] + attach
+        env["PATH"] = args.tools + os.pathsep + env.get("PATH", "")
+        control = ctrl.popen(cmd, cwd=args.repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(control)
         time.sleep(2.0)
         for i, h in enumerate(hosts):
@@ -119,7 +137,13 @@ def main():
             results.append({"rank": i, "rc": p.returncode, "stdout": out.decode()[-2000:],
                             "stderr": err.decode()[-2000:]})
         counters = cli(sscli, 9090, [f"counter_read ThcIngress.events {k}" for k in range(12)])
-        print(json.dumps({"workers": results, "counters": counters}))
+        control.send_signal(signal.SIGINT)
+        try:
+            control_out = control.communicate(timeout=20)[0].decode()[-3000:]
+        except subprocess.TimeoutExpired:
+            control.kill()
+            control_out = control.communicate()[0].decode()[-3000:]
+        print(json.dumps({"workers": results, "counters": counters, "control": control_out}))
     finally:
         for p in procs:
             if p.poll() is None:
