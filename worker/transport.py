@@ -15,6 +15,10 @@ Results that arrive for a later round of a slot are stashed, so a late worker
 catches up without resending (resynchronization); a STRAGGLER notification
 for a pending chunk marks it lost.
 
+I/O is batched (worker/_batchio.c): the packets that enter the window in one pass
+leave with one sendmmsg, and one recvmmsg takes everything queued; a batch can hold
+results of later rounds or of the next phase, which are kept for their phase.
+
 Fault injection for experiments: seeded drops of outgoing/incoming packets,
 duplicates and reordering of outgoing packets.
 """
