@@ -66,7 +66,7 @@ def measure(name: str, workers: int, dim: int, seed: int = 0) -> dict:
     return row
 
 
-def run(workers=4, dims=(1 << 20, 1 << 24), e2e_dims=(1 << 20,), rounds=2, out="docs", log=print) -> Path:
+def run(workers=4, dims=(1 << 20, 1 << 24), e2e_dims=(1 << 20, 1 << 24), rounds=2, out="docs", log=print) -> Path:
     from deploy.launch import run_launch
     names = []
     for n in registry.names():
