@@ -134,6 +134,13 @@ def build_fast(type: int, job_id: int, worker_id: int, num_workers: int, elem_bi
                         round, offset, count, len(payload), 0, 0, op, 0) + payload
 
 
+def as_retransmission(datagram: bytes) -> bytes:
+    """The same packet with the RETRANSMIT flag set (byte 4, `flags`)."""
+    b = bytearray(datagram)
+    b[4] |= F_RETRANSMIT
+    return bytes(b)
+
+
 def parse(datagram: bytes) -> tuple[Header, memoryview]:
     """Validate and split a datagram; raises PacketError with the drop reason."""
     if len(datagram) < HEADER_SIZE:

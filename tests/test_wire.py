@@ -48,6 +48,13 @@ def test_build_fast_equals_build():
         assert fast == H.build(h, payload)
 
 
+def test_retransmission_sets_only_the_flag():
+    d = H.build(H.Header(type=H.DATA, slot=3, round=7, count=2, flags=H.F_RESENT), b"\x12")
+    h, pl = H.parse(H.as_retransmission(d))
+    assert h.flags == H.F_RESENT | H.F_RETRANSMIT and (h.slot, h.round, bytes(pl)) == (3, 7, b"\x12")
+    assert H.as_retransmission(d)[:4] + H.as_retransmission(d)[5:] == d[:4] + d[5:]
+
+
 def test_header_is_32_bytes_network_order():
     b = H.Header(type=H.DATA, slot=0x0102, round=0x03040506).pack()
     assert len(b) == H.HEADER_SIZE == 32

@@ -118,7 +118,6 @@ class Transport:
         self.faults = faults or Faults()
         self._frng = np.random.default_rng(np.random.SeedSequence([self.faults.seed, worker_id, 7]))
         self._held: list = []
-        self._rxq: list = []
         self._blob_q: list = []
         self.batched = batched and _batchio is not None
         self.stats = TransportStats()
@@ -178,9 +177,6 @@ class Transport:
         self.sock.close()
 
     # ---------------------------------------------------------------- raw I/O with faults
-    def _send(self, pkt: bytes, dest) -> None:
-        self._emit([(pkt, dest)])
-
     def _emit(self, out: list) -> None:
         """Send [(packet, dest)] in order after fault injection; reordered packets go out
         after the rest of the batch (or of the next one)."""
@@ -247,9 +243,6 @@ class Transport:
     def _recv_many(self, timeout: float, limit: int = 256) -> list:
         """Every datagram waiting (up to `limit`) once one arrives within `timeout`, as
         [(shard, header, payload)]; injected drops and bad packets are counted and left out."""
-        if self._rxq:
-            got, self._rxq = self._rxq, []
-            return got
         ready, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
         if not ready:
             return []
@@ -263,12 +256,6 @@ class Transport:
             except (BlockingIOError, ConnectionRefusedError):
                 pass
         return [g for g in map(self._accept, raw) if g is not None]
-
-    def _recv(self, timeout: float):
-        """One packet (shard, header, payload) or None on timeout / injected drop."""
-        if not self._rxq:
-            self._rxq = self._recv_many(timeout)
-        return self._rxq.pop(0) if self._rxq else None
 
     def _accept(self, item):
         data, src = item
@@ -379,9 +366,7 @@ class Transport:
                 if tries >= self.max_retries:
                     raise PSUnavailable(f"no reply from PS {dest[0]}:{dest[1]} for slot {pkey[1]} "
                                         f"round {rounds[c]} after {tries} retransmissions")
-                retx = bytearray(pkt)
-                retx[4] |= H.F_RETRANSMIT
-                resend.append((bytes(retx), dest))
+                resend.append((H.as_retransmission(pkt), dest))
                 self.stats.add("retransmissions")
                 tmo = min(tmo * 2, self.max_timeout)
                 pending[pkey] = [c, now + tmo, tmo, tries + 1, pkt]
@@ -433,37 +418,38 @@ class Transport:
 
         self._blob_q = [g for g in self._blob_q if g[1].round >= round_no]
 
-        def absorb(timeout):
+        def absorb(timeout) -> bool:
+            """Take what is queued (or arrives within `timeout`); True if a fragment of this
+            round was added. Other results are kept for their phase before a STRAGGLER for
+            this round ends it."""
             nonlocal result, last
-            got = self._blob_q.pop(0) if self._blob_q else self._recv(timeout)
-            if got is None:
-                return False
-            shard, h, body = got
-            if h.type == H.STRAGGLER and h.round > round_no:
+            batch, self._blob_q = (self._blob_q, []) if self._blob_q else (self._recv_many(timeout), [])
+            added, straggled = False, False
+            for shard, h, body in batch:
+                if h.type == H.STRAGGLER and h.round > round_no:
+                    straggled = True
+                elif h.op != H.OP_BLOB and h.type in (H.RESULT, H.NORM_RESULT):
+                    self._keep(shard, h, body)
+                elif h.type == H.RESULT and h.op == H.OP_BLOB and h.round == round_no:
+                    try:
+                        total, d, data = B.parse_fragment(body)
+                        if result is None:
+                            result = B.Reassembly(total, d)
+                        result.add(h.offset, data, total, d)
+                    except B.BlobError:
+                        self.stats.add("bad_packets")
+                        continue
+                    last, added = h, True
+            if straggled:
                 self.stats.add("straggler_notices")
                 raise _Lost()
-            if h.op != H.OP_BLOB and h.type in (H.RESULT, H.NORM_RESULT):
-                self._keep(shard, h, body)
-                return False
-            if h.type != H.RESULT or h.op != H.OP_BLOB or h.round != round_no:
-                return False
-            try:
-                total, d, data = B.parse_fragment(body)
-                if result is None:
-                    result = B.Reassembly(total, d)
-                result.add(h.offset, data, total, d)
-            except B.BlobError:
-                self.stats.add("bad_packets")
-                return False
-            last = h
-            return True
+            return added
 
         try:
-            for i, pkt in enumerate(pkts):
-                self._send(pkt, dest)
-                if i % 64 == 63:             # pace: let the PS and our own socket drain
-                    while absorb(0):
-                        pass
+            for i in range(0, len(pkts), 64):      # pace: let the PS and our own socket drain
+                self._emit([(pkt, dest) for pkt in pkts[i:i + 64]])
+                while absorb(0):
+                    pass
             self._flush_held()
             deadline = time.monotonic() + tmo
             while result is None or not result.complete:
@@ -476,11 +462,8 @@ class Transport:
                         raise PSUnavailable(f"no reply from PS {dest[0]}:{dest[1]} for BLOB round "
                                             f"{round_no} after {tries} retransmissions")
                     tries += 1
-                    for pkt in pkts:
-                        retx = bytearray(pkt)
-                        retx[4] |= H.F_RETRANSMIT
-                        self._send(bytes(retx), dest)
-                        self.stats.add("retransmissions")
+                    self._emit([(H.as_retransmission(pkt), dest) for pkt in pkts])
+                    self.stats.add("retransmissions", len(pkts))
                     self._flush_held()
                     tmo = min(tmo * 2, self.max_timeout)
                     deadline = time.monotonic() + tmo
