@@ -56,35 +56,34 @@ def _tail(sw, count: int, start: float) -> tuple[int, float]:
     return count, last
 
 
-def run_rounds(sw, job, rounds: int, window: int | None, rng) -> tuple[int, float]:
-    """Send `rounds` THC rounds (N DATA packets each, slots reused round-robin). With a window,
-    at most `window` packets are unanswered at any time (a worker's send window); without
-    one, everything is sent at once. Returns (rounds whose RESULT reached all workers, s)."""
-    slots = job.slots
-    frames = [frame(w, datagram(job, w, r % slots, r // slots + 1, rng)) for r in range(rounds)
-              for w in range(N)]
-    results = 0
+def pump(sw, sends: list, window: int | None) -> tuple[int, float]:
+    """Send [(port, frame)] keeping at most `window` frames unanswered (a worker's send
+    window; None sends everything at once); returns (frames the switch emitted, seconds)."""
+    out = 0
     t = time.perf_counter()
-    for i, f in enumerate(frames):
-        sw.send(i % N + 1, f)
-        while window is not None and (i + 1) - results >= window and time.perf_counter() - t < 120:
-            results += sw.poll(0.05)
-    results, last = _tail(sw, results, t)
-    return results // N, last - t
+    for i, (port, f) in enumerate(sends):
+        sw.send(port, f)
+        while window is not None and (i + 1) - out >= window and time.perf_counter() - t < 120:
+            out += sw.poll(0.05)
+    out, last = _tail(sw, out, t)
+    return out, last - t
+
+
+def run_rounds(sw, job, rounds: int, window: int | None, rng) -> tuple[int, float]:
+    """`rounds` THC rounds (N DATA packets each, slots reused round-robin); returns (rounds
+    whose RESULT reached all N workers, seconds)."""
+    slots = job.slots
+    sends = [(w + 1, frame(w, datagram(job, w, r % slots, r // slots + 1, rng))) for r in range(rounds)
+             for w in range(N)]
+    results, dt = pump(sw, sends, window)
+    return results // N, dt
 
 
 def run_forwarding(sw, packets: int, window: int) -> tuple[int, float]:
     """Plain L2 forwarding of non-THC UDP frames through the same program, same window rule."""
     f = bytes(Ether(dst=OTHER_MAC, src=WORKERS[0].mac) / IP(src=WORKERS[0].ip, dst="10.0.0.99") /
               UDP(sport=1234, dport=4321) / (b"x" * 48))
-    got = 0
-    t = time.perf_counter()
-    for i in range(packets):
-        sw.send(1, f)
-        while (i + 1) - got >= window and time.perf_counter() - t < 120:
-            got += sw.poll(0.05)
-    got, last = _tail(sw, got, t)
-    return got, last - t
+    return pump(sw, [(1, f)] * packets, window)
 
 
 def main():
