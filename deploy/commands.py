@@ -50,41 +50,63 @@ def _job(args):
                      quorum=args.quorum, slots=args.slots, seed=args.seed)
 
 
+def cmd_keys(args) -> None:
+    from proto.keys import create_keys
+    d = create_keys(args.dir)
+    print(f"wrote CURVE keys to {d}: give the PS host the directory (thc ps --keys {d}) and each "
+          f"worker host {d}/client.key_secret and {d}/server.key (thc worker --keys DIR)")
+
+
 def cmd_ps(args) -> None:
     import json
     import time
 
     from ps_server.server import PSServer
-    job = _job(args)   # validated here: e.g. n*g overflowing the lane is refused before binding
+    job = _job(args) if args.workers else None   # validated here, before binding
     host, port = args.bind
+    if args.control_port and args.shards > 1 and args.control_port + 2 * (args.shards - 1) > 65535:
+        raise ValueError("--control-port leaves no room for the shards' control ports")
+    if port + 2 * (args.shards - 1) > 65535:
+        raise ValueError(f"port {port} leaves no room for {args.shards} shards (data ports PORT, PORT+2, ...)")
     servers = []
-    for s in range(args.shards):
-        cport = args.control_port + 2 * s if args.control_port else None
-        servers.append(PSServer(job, (host, port + 2 * s), control_port=cport, engine=args.engine,
-                                log=lambda m: print(m, flush=True)).start())
-        print(f"PS shard {s}: data udp://{host}:{port + 2 * s}, control tcp://{host}:"
-              f"{servers[-1].control_port}, n={job.num_workers}, codec={job.codec}, "
-              f"b={job.bits}, g={job.granularity}, lanes={job.lane_bits} bits, quorum={job.quorum}",
-              flush=True)
+    say = lambda m: print(m, flush=True)
     try:
+        for s in range(args.shards):
+            cport = args.control_port + 2 * s if args.control_port else None
+            servers.append(PSServer(job, (host, port + 2 * s), control_port=cport, engine=args.engine,
+                                    log=say, keys=args.keys, lease_s=args.lease_s).start())
+            what = (f"n={job.num_workers}, codec={job.codec}, b={job.bits}, g={job.granularity}, "
+                    f"lanes={job.lane_bits} bits, quorum={job.quorum}") if job else \
+                "any job (each job's first worker proposes it)"
+            say(f"PS shard {s}: data udp://{host}:{port + 2 * s}, control tcp://{host}:"
+                f"{servers[-1].control_port}{' (CURVE)' if args.keys else ''}, {what}")
         last = time.monotonic()
         while not all(s.wait(0.5) for s in servers):
             if args.stats_every and time.monotonic() - last >= args.stats_every:
                 last = time.monotonic()
                 for i, s in enumerate(servers):
-                    print(f"stats shard {i}: {json.dumps(s.stats())}", flush=True)
+                    say(f"stats shard {i}: {json.dumps(s.stats())}")
     except KeyboardInterrupt:
         pass
     finally:
         for i, s in enumerate(servers):
-            print(f"final stats shard {i}: {json.dumps(s.stats())}", flush=True)
+            say(f"final stats shard {i}: {json.dumps(s.stats())}")
             s.stop()
+
+
+def _stated_job(args) -> dict:
+    """The job options given on a worker's command line: what it insists on."""
+    stated = {"num_workers": args.workers, "codec": args.codec, "bits": args.bits,
+              "granularity": args.granularity, "p": None if args.p is None else str(args.p),
+              "lane_bits": args.lane_bits, "quorum": args.quorum}
+    return {k: v for k, v in stated.items() if v is not None}
 
 
 def cmd_worker(args) -> dict:
     import os
 
     from deploy.launch import worker_loop
+    from proto.job import JobConfig
     from worker.transport import Faults
     if args.rank is not None:
         rank = args.rank
@@ -93,42 +115,71 @@ def cmd_worker(args) -> dict:
         rank = from_env().rank          # started by torchrun
     else:
         rank = 0
+    expect = _stated_job(args)
+    propose = JobConfig(seed=args.seed, **expect) if "num_workers" in expect else None
     shards = [(h, p, args.control_port or p + 1, args.control_host or h) for h, p in args.ps]
-    out, counters = worker_loop(shards, rank, args.rounds, args.dim, args.seed,
-                                args.loss_policy, Faults(drop_out=args.loss, drop_in=args.loss, seed=args.seed),
-                                args.straggler_delay_ms, 1.0, args.timeout_ms, 64, None, False,
-                                bind_port=args.bind_port)
+    out, counters, announced = worker_loop(
+        shards, rank, args.rounds, args.dim, args.seed, args.loss_policy,
+        Faults(drop_out=args.loss, drop_in=args.loss, seed=args.seed), args.straggler_delay_ms, 1.0,
+        args.timeout_ms, 64, None, False, bind_port=args.bind_port, expect=expect, propose=propose,
+        keys=args.keys)
+    lost = sum(r["lost"] for r in out)
     if args.report:
         import json
         with open(args.report, "w") as f:
-            json.dump({"rank": rank, "rounds": out, "transport": counters}, f)
-    return {"rank": rank, "rounds": len(out), "lost_chunks": sum(r["lost"] for r in out),
-            "mean_round_ms": 1e3 * sum(r["seconds"] for r in out) / len(out), "transport": counters}
+            json.dump({"rank": rank, "rounds": out, "transport": counters, "job": announced}, f)
+    problems = [f"{lost} chunks lost under retransmit"] if lost and args.loss_policy == "retransmit" else []
+    return {"ok": not problems, "problems": problems, "rank": rank, "rounds": len(out), "lost_chunks": lost,
+            "mean_round_ms": 1e3 * sum(r["seconds"] for r in out) / max(len(out), 1),
+            "transport": counters}
 
 
 def cmd_launch(args):
     from deploy.launch import run_launch
-    _job(args)   # refuse a bad configuration before anything starts
+    job = _job(args)   # refuse a bad configuration before anything starts
     if args.straggler_rank is not None and not 0 <= args.straggler_rank < args.workers:
         raise ValueError(f"--straggler-rank must be in 0..{args.workers - 1}")
+    local = args.local_workers or (args.workers if args.rank_base is None and args.node_rank is None
+                                   else None)
+    if local is None:
+        raise ValueError("--rank-base/--node-rank need --local-workers (how many ranks this host runs)")
+    base = args.rank_base if args.rank_base is not None else (args.node_rank or 0) * local
+    if base + local > args.workers:
+        raise ValueError(f"ranks {base}..{base + local - 1} do not fit a job of {args.workers} workers")
+    if local < args.workers and args.ps is None:
+        raise ValueError("running a share of the ranks needs --ps (the PS the other hosts use too)")
+    if args.kill_rank is not None and not base <= args.kill_rank < base + local:
+        raise ValueError(f"--kill-rank {args.kill_rank} is not one of this host's ranks {base}..{base + local - 1}")
+    if args.kill_at_round >= args.rounds:
+        raise ValueError(f"--kill-at-round must be below --rounds ({args.rounds})")
+    if args.shards > 1 and args.ps is not None:
+        raise ValueError("--shards starts shards here; with --ps list the running shards' addresses instead")
+    expect = None
+    if args.ps is not None:
+        # insist on the options given explicitly; the PS announces the rest
+        expect = {k: v for k, v in job.to_msg().items()
+                  if k in ("num_workers", "codec", "bits", "granularity", "p", "lane_bits", "quorum")}
     if not args.json:
-        print(f"launching PS + {args.workers} workers: {args.rounds} rounds of d={args.dim}, "
-              f"codec={args.codec}, loss={args.loss}, policy={args.loss_policy}, quorum={args.quorum}",
-              flush=True)
+        print(f"launching {'PS + ' if args.ps is None else ''}{local} of {args.workers} workers: "
+              f"{args.rounds} rounds of d={args.dim}, codec={args.codec}, loss={args.loss}, "
+              f"policy={args.loss_policy}, quorum={args.quorum}", flush=True)
     doc = run_launch(workers=args.workers, rounds=args.rounds, dim=args.dim, codec=args.codec,
                      bits=args.bits, granularity=args.granularity, p=args.p, quorum=args.quorum,
                      loss=args.loss, duplicate=args.duplicate, reorder=args.reorder,
                      straggler_delay_ms=args.straggler_delay_ms, straggler_rank=args.straggler_rank,
                      policy=args.loss_policy, seed=args.seed, ps=args.ps, engine=args.engine,
                      timeout_ms=args.timeout_ms, slots=args.slots, lane_bits=args.lane_bits,
-                     verbose=args.verbose, shards=args.shards)
+                     verbose=args.verbose, shards=args.shards, rank_base=base, local_workers=local,
+                     expect=expect, keys=args.keys, lease_s=args.lease_s,
+                     kill=(args.kill_rank, args.kill_at_round) if args.kill_rank is not None else None,
+                     restart=args.restart_killed)
     if args.json:
         return doc
     print(f"rounds {doc['rounds']}, exact {doc['exact_rounds']}, mismatched chunks "
           f"{doc['mismatched_chunks']}, lost chunks {doc['lost_chunks']}, retransmissions "
           f"{doc['retransmissions']}, mean round {doc['mean_round_ms']:.1f} ms")
     print(f"PS counters: {doc['ps']}")
-    return None
+    return {"ok": doc["ok"], "problems": doc["problems"]} if not doc["ok"] else None
 
 
 def cmd_train(args):

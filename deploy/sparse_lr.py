@@ -69,7 +69,7 @@ def _worker(cfg: SparseLRConfig, rank: int, shard, q) -> None:
         m = np.zeros_like(w)
         v = np.zeros_like(w)
         rng = np.random.default_rng([cfg.seed, 17])
-        t.call({"type": "barrier", "name": "start", "worker_id": rank})
+        t.barrier("start")
         up = down = 0
         t0 = time.perf_counter()
         for step in range(cfg.steps):
@@ -86,7 +86,7 @@ def _worker(cfg: SparseLRConfig, rank: int, shard, q) -> None:
         test_loss, _ = loss_and_grad(w, feats[split:], vals[split:], labels[split:])
         z = (w[feats[split:]] * vals[split:]).sum(axis=1)
         acc = float(np.mean((z > 0) == (labels[split:] > 0.5)))
-        t.call({"type": "barrier", "name": "end", "worker_id": rank})
+        t.barrier("end")
         t.close()
         q.put((rank, {"test_loss": test_loss, "test_accuracy": acc, "bytes_up": up, "bytes_down": down,
                       "seconds": elapsed, "mean_round_ms": 1e3 * elapsed / cfg.steps}))

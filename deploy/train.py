@@ -87,7 +87,7 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q) -> None:
         w = Worker(t, seed=cfg.seed, straggler_delay_ms=cfg.straggler_delay_ms,
                    straggler_prob=cfg.straggler_prob, straggler_count=cfg.straggler_count)
         sync = GradientSync(w, model, per_tensor=cfg.per_tensor)
-        t.call({"type": "barrier", "name": "start", "worker_id": rank})
+        t.barrier("start")
         step = 0
         for epoch in range(cfg.epochs):
             idx = data.shard(len(xtr), rank, cfg.workers, cfg.seed, epoch)
@@ -121,7 +121,7 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q) -> None:
                                    "mean_round_ms": 1e3 * comm / max(steps, 1), "steps": steps,
                                    "bytes_up": up, "bytes_down": down, "lost_chunks": lost,
                                    "param_digest": digest, "step": step, "loss_curve": curve}))
-        t.call({"type": "barrier", "name": "end", "worker_id": rank})
+        t.barrier("end")
         counters = dict(t.stats.counters)
         if rank == 0:
             counters["ps_stats"] = t.call({"type": "stats"})["stats"]

@@ -1,20 +1,38 @@
 """Control-plane messages: msgpack maps over ZeroMQ (REQ at the worker, ROUTER at the PS).
 
-Every message is a map with a "type" key.  Requests and their replies:
+Every message is a map with a "type" key; every request is checked against SCHEMA
+(field types and ranges) before the PS acts on it, and the PS caps message size with
+ZMQ_MAXMSGSIZE.  Requests and their replies:
 
-  register   {worker_id, data_addr: [ip, port]}       -> config {job, data_port}
-  stats      {}                                       -> stats {stats}
-  barrier    {name, worker_id}                        -> ok (once all n workers arrived)
-  sync_put   {round, worker_id, blob}                 -> ok     (model sync: a worker's state)
-  sync_get   {round}                                  -> sync {blob} once the reference arrived
-  shutdown   {}                                       -> ok, then the PS stops
-Anything else, or undecodable bytes, gets {type: error, message}.
+  register   {worker_id, data_addr: [ip, port], expect?, job?}
+             -> config {job, nonce, token, session, job_number, lease_s, data_port}
+             `expect` lists the job fields the worker insists on (a mismatch is refused,
+             naming each differing field); `job` proposes a whole job to a PS that has
+             none configured.  A rank held by another live registration is refused.
+  heartbeat  {worker_id, session, progress?}  -> status (below); renews the lease
+  status     {}                               -> status {job_number, members, missing, ...}
+  leave      {worker_id, session}             -> ok; the job ends when every rank left or died
+  barrier    {name, worker_id, session}       -> ok, once every live rank arrived
+  sync_put   {round, worker_id, session, blob} -> ok   (model sync: the sync source's state)
+  sync_get   {round, worker_id, session}      -> sync {blob} once it arrived
+  resume     {worker_id, session, phase}      -> resume {phase}: after a PS restart, the
+             phase every worker replays from (the least any rank reached)
+  stats      {}                               -> stats {stats}
+  shutdown   {}                               -> ok, then the PS stops
+Anything else, a field of the wrong type or range, or undecodable bytes, gets
+{type: error, message}.  `session` is the secret the registration handed out: every
+request made for a rank must carry it (docs/design.md, "What is protected").
 """
 from __future__ import annotations
 
 import msgpack
 
-REQUEST_TYPES = ("register", "stats", "barrier", "sync_put", "sync_get", "shutdown")
+from proto import headers
+
+#: Largest control message the PS accepts (ZMQ_MAXMSGSIZE); model sync blobs are the large ones.
+DEFAULT_MAX_MESSAGE = 64 << 20
+SESSION_BYTES = 16
+MAX_NAME = 128
 
 
 class ControlError(ValueError):
@@ -27,9 +45,9 @@ def encode(msg: dict) -> bytes:
 
 def decode(raw: bytes) -> dict:
     try:
-        msg = msgpack.unpackb(raw, raw=False)
+        msg = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise ControlError(f"undecodable control message: {exc}") from None
+        raise ControlError(f"undecodable control message: {type(exc).__name__}") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
         raise ControlError("control message must be a map with a string 'type'")
     return msg
@@ -37,6 +55,81 @@ def decode(raw: bytes) -> dict:
 
 def error(message: str) -> dict:
     return {"type": "error", "message": message}
+
+
+# ---------------------------------------------------------------------- validation
+def _int(lo: int, hi: int):
+    def check(name, v):
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise ControlError(f"{name} must be an integer in {lo}..{hi}, got {v!r:.40}")
+    return check
+
+
+def _str(max_len: int):
+    def check(name, v):
+        if not isinstance(v, str) or not 0 < len(v) <= max_len:
+            raise ControlError(f"{name} must be a string of 1..{max_len} characters")
+    return check
+
+
+def _bytes(exact: int | None = None):
+    def check(name, v):
+        if not isinstance(v, bytes) or (exact is not None and len(v) != exact):
+            raise ControlError(f"{name} must be {exact or 'some'} bytes")
+    return check
+
+
+def _addr(name, v):
+    if not isinstance(v, (list, tuple)) or len(v) != 2:
+        raise ControlError(f"{name} must be [ip, port]")
+    _str(64)(name, v[0])
+    _int(0, 65535)(f"{name} port", v[1])
+
+
+def _map(name, v):
+    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+        raise ControlError(f"{name} must be a map with string keys")
+
+
+_RANK = _int(0, headers.MAX_WORKERS - 1)
+_SESSION = _bytes(SESSION_BYTES)
+_ROUND = _int(0, (1 << 31) - 1)
+
+#: type -> {field: (required, check)}
+SCHEMA = {
+    "register": {"worker_id": (True, _RANK), "data_addr": (True, _addr), "expect": (False, _map),
+                 "job": (False, _map)},
+    "heartbeat": {"worker_id": (True, _RANK), "session": (True, _SESSION),
+                  "progress": (False, _int(0, 1 << 62))},
+    "status": {},
+    "leave": {"worker_id": (True, _RANK), "session": (True, _SESSION)},
+    "barrier": {"name": (True, _str(MAX_NAME)), "worker_id": (True, _RANK), "session": (True, _SESSION)},
+    "sync_put": {"round": (True, _ROUND), "worker_id": (True, _RANK), "session": (True, _SESSION),
+                 "blob": (True, _bytes())},
+    "sync_get": {"round": (True, _ROUND), "worker_id": (True, _RANK), "session": (True, _SESSION)},
+    "resume": {"worker_id": (True, _RANK), "session": (True, _SESSION), "phase": (True, _int(0, 1 << 62))},
+    "stats": {},
+    "shutdown": {},
+}
+REQUEST_TYPES = tuple(SCHEMA)
+
+
+def validate(msg: dict) -> dict:
+    """Check a request's type, fields, their types and ranges; returns it or raises ControlError."""
+    kind = msg.get("type")
+    spec = SCHEMA.get(kind)
+    if spec is None:
+        raise ControlError(f"unknown control message type {kind!r:.40}")
+    unknown = set(msg) - set(spec) - {"type"}
+    if unknown:
+        raise ControlError(f"{kind} message has unknown fields {sorted(map(str, unknown))[:5]}")
+    for name, (required, check) in spec.items():
+        if name not in msg:
+            if required:
+                raise ControlError(f"{kind} message lacks {name}")
+            continue
+        check(name, msg[name])
+    return msg
 
 
 def require(msg: dict, *keys: str) -> None:

@@ -1,10 +1,10 @@
-"""Data-plane packet layout (UDP payload), version 1, network byte order.
+"""Data-plane packet layout (UDP payload), version 2, network byte order.
 
-One fixed 32-byte header, then the payload:
+One fixed 40-byte header, then the payload:
 
   off size field         meaning
     0   2  magic         0x5448 ("TH")
-    2   1  version       1
+    2   1  version       2
     3   1  type          DATA, RESULT, STRAGGLER, NORM, NORM_RESULT
     4   1  flags         RETRANSMIT (worker resend), RESENT (PS unicast of a kept result)
     5   1  worker_id     sender (DATA/NORM) or addressee (unicast replies)
@@ -20,6 +20,8 @@ One fixed 32-byte header, then the payload:
    28   1  contributors  RESULT/NORM_RESULT: k, the number of contributors
    29   1  op            element operation (LOOKUP_SUM, FLOAT_SUM, MAX_U32)
    30   2  reserved      zero
+   32   4  nonce         the job's random identity, drawn by the PS when the job starts
+   36   4  token         DATA/NORM: the sender's registration token; replies: zero
 
 DATA payloads are packed b-bit table indices (see packing.py for the bit
 order) or big-endian float32 for the uncompressed baseline.  RESULT payloads
@@ -29,6 +31,16 @@ the PS (or a switch) takes the max as unsigned integers.  op = BLOB marks
 fragments of variable-size codec payloads (proto/blob.py).
 A STRAGGLER notification carries no payload; its `round` is the slot's current
 round, so the late worker can resynchronize.
+
+Job identity and sender binding (version 2): the PS draws a random 32-bit `nonce`
+for every job it starts and a random 32-bit `token` for every registration (both
+are handed out over the authenticated control plane).  A DATA/NORM packet is
+aggregated only if its nonce is the current job's and its (worker_id, source
+address, token) is a live registration; every reply carries the nonce, which
+workers check.  So a packet of a previous job, of another PS's job, or from an
+off-path sender that cannot read the traffic is dropped (docs/design.md, "What
+is protected").  Rounds are accepted at most ROUND_WINDOW ahead of a slot's
+current round, so one forged or corrupt round number cannot wedge a slot.
 """
 from __future__ import annotations
 
@@ -36,15 +48,15 @@ import struct
 from dataclasses import dataclass, fields
 
 MAGIC = 0x5448
-VERSION = 1
+VERSION = 2
 #: (name, bytes) in wire order: the single definition the struct format and the scapy layer derive from.
 FIELDS = (("magic", 2), ("version", 1), ("type", 1), ("flags", 1), ("worker_id", 1),
           ("num_workers", 1), ("elem_bits", 1), ("job_id", 2), ("slot", 2), ("round", 4),
           ("offset", 4), ("count", 2), ("payload_len", 2), ("bitmap", 4), ("contributors", 1),
-          ("op", 1), ("reserved", 2))
+          ("op", 1), ("reserved", 2), ("nonce", 4), ("token", 4))
 HEADER_FMT = "!" + "".join({1: "B", 2: "H", 4: "I"}[size] for _, size in FIELDS)
 HEADER_SIZE = struct.calcsize(HEADER_FMT)
-assert HEADER_SIZE == 32
+assert HEADER_SIZE == 40
 
 # packet types
 DATA, RESULT, STRAGGLER, NORM, NORM_RESULT = 1, 2, 3, 4, 5
@@ -81,6 +93,9 @@ def ordered_to_float(codes) -> "np.ndarray":
 DEFAULT_MTU = 1500
 IP_UDP_OVERHEAD = 28
 MAX_WORKERS = 32   # bitmap width
+#: A DATA/NORM round more than this far ahead of its slot's current round (or of
+#: zero, for a slot the job has not used yet) is dropped as `stale`.
+ROUND_WINDOW = 1024
 
 
 class PacketError(ValueError):
@@ -107,14 +122,17 @@ class Header:
     contributors: int = 0
     op: int = 0
     flags: int = 0
+    nonce: int = 0
+    token: int = 0
     version: int = VERSION
     magic: int = MAGIC
 
     def pack(self) -> bytes:
-        return struct.pack(HEADER_FMT, *(getattr(self, name) for name in FIELD_ORDER), 0)
+        return struct.pack(HEADER_FMT, *(0 if name == "reserved" else getattr(self, name)
+                                         for name, _ in FIELDS))
 
 
-FIELD_ORDER = tuple(name for name, _ in FIELDS[:-1])
+FIELD_ORDER = tuple(name for name, _ in FIELDS if name != "reserved")
 
 
 def build(header: Header, payload: bytes = b"") -> bytes:
@@ -127,11 +145,12 @@ _HEADER = struct.Struct(HEADER_FMT)
 
 
 def build_fast(type: int, job_id: int, worker_id: int, num_workers: int, elem_bits: int, slot: int,
-               round: int, offset: int, count: int, op: int, payload: bytes, flags: int = 0) -> bytes:
+               round: int, offset: int, count: int, op: int, payload: bytes, flags: int = 0,
+               nonce: int = 0, token: int = 0) -> bytes:
     """build() for a sender's per-packet loop (no Header object): a DATA/NORM packet with
     bitmap and contributors zero.  Equal to build(Header(...), payload) (tested)."""
     return _HEADER.pack(MAGIC, VERSION, type, flags, worker_id, num_workers, elem_bits, job_id, slot,
-                        round, offset, count, len(payload), 0, 0, op, 0) + payload
+                        round, offset, count, len(payload), 0, 0, op, 0, nonce, token) + payload
 
 
 def as_retransmission(datagram: bytes) -> bytes:
@@ -150,7 +169,7 @@ def parse(datagram: bytes) -> tuple[Header, memoryview]:
         raise PacketError("malformed", f"bad magic 0x{vals[0]:04x}")
     if vals[1] != VERSION:
         raise PacketError("wrong_version", f"version {vals[1]} (expected {VERSION})")
-    h = Header(**dict(zip(FIELD_ORDER, vals[:16])))
+    h = Header(**{name: v for (name, _), v in zip(FIELDS, vals) if name != "reserved"})
     if h.type not in TYPE_NAMES:
         raise PacketError("malformed", f"unknown packet type {h.type}")
     if h.payload_len != len(datagram) - HEADER_SIZE:

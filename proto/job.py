@@ -18,6 +18,14 @@ from proto.tables import parse_p, solve_table
 DATA_PLANE_CODECS = ("thc", "none")
 
 
+def _is_p(value) -> bool:
+    try:
+        parse_p(str(value))
+        return True
+    except (ValueError, ZeroDivisionError):
+        return False
+
+
 def _known_codecs() -> list:
     from compression import registry   # the names both ends can instantiate
     return registry.names()
@@ -51,6 +59,14 @@ class JobConfig:
             raise ValueError(f"num_workers must be in 1..{headers.MAX_WORKERS} (bitmap width), got {n}")
         if self.codec not in DATA_PLANE_CODECS and self.codec not in _known_codecs():
             raise ValueError(f"unknown codec {self.codec!r}; choose from {', '.join(_known_codecs())}")
+        for name, lo, hi in (("bits", 1, 8), ("granularity", 1, 1 << 16), ("block_log2", 0, 26),
+                             ("mtu", 128, 65535), ("seed", 0, (1 << 63) - 1),
+                             ("elems_per_packet", 0, 65535)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ValueError(f"{name} must be an integer in {lo}..{hi}, got {v!r}")
+        if self.lane_bits not in (8, 16, 32):
+            raise ValueError(f"lane_bits must be 8, 16 or 32, got {self.lane_bits!r}")
         if not 0 < self.quorum <= 1:
             raise ValueError(f"quorum must lie in (0, 1], got {self.quorum}")
         if not 0 <= self.job_id <= 0xFFFF:
@@ -108,12 +124,46 @@ class JobConfig:
         d["table"] = list(self.table)
         return d
 
+    def differences(self, expect: dict) -> list[str]:
+        """The fields where `expect` (a worker's stated job, possibly partial) disagrees with
+        this job, as 'field: PS has X, worker expects Y' — the reason a registration is refused."""
+        out = []
+        mine = self.to_msg()
+        for name, want in expect.items():
+            if name not in mine:
+                out.append(f"{name}: not a job field")
+                continue
+            have = mine[name]
+            if name == "p":
+                same = parse_p(str(want)) == parse_p(str(have)) if _is_p(want) else False
+            elif name == "table":
+                same = list(want) == list(have) if isinstance(want, (list, tuple)) else False
+            elif isinstance(have, float) or isinstance(want, float):
+                same = isinstance(want, (int, float)) and not isinstance(want, bool) \
+                    and abs(float(want) - float(have)) < 1e-12
+            else:
+                same = want == have
+            if not same:
+                out.append(f"{name}: PS has {have!r}, worker expects {want!r}")
+        return out
+
     @classmethod
     def from_msg(cls, msg: dict) -> "JobConfig":
         known = {f for f in cls.__dataclass_fields__}
         unknown = set(msg) - known
         if unknown:
             raise ValueError(f"unknown job fields: {sorted(unknown)}")
+        for name, f in cls.__dataclass_fields__.items():
+            if name in msg and name not in ("table", "codec_params", "p", "quorum"):
+                if not isinstance(msg[name], f.type if isinstance(f.type, type) else
+                                  {"int": int, "str": str}.get(str(f.type), object)) \
+                        or isinstance(msg[name], bool):
+                    raise ValueError(f"job field {name} has the wrong type ({type(msg[name]).__name__})")
+        if "codec_params" in msg and not isinstance(msg["codec_params"], dict):
+            raise ValueError("job field codec_params must be a map")
+        if "quorum" in msg and (isinstance(msg["quorum"], bool)
+                                or not isinstance(msg["quorum"], (int, float))):
+            raise ValueError("job field quorum must be a number")
         cfg = cls(**{k: v for k, v in msg.items() if k != "table"})
         cfg.codec_params = dict(cfg.codec_params)
         if "table" in msg and tuple(msg["table"]) != cfg.table:

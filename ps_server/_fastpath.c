@@ -26,9 +26,10 @@
 #include <immintrin.h>
 #endif
 
-#define HDR 32
+#define HDR 40
 #define MAGIC 0x5448
-#define VERSION 1
+#define VERSION 2
+#define ROUND_WINDOW 1024u
 #define T_DATA 1
 #define T_RESULT 2
 #define T_STRAGGLER 3
@@ -47,10 +48,11 @@ static const char *counter_names[N_COUNTERS] = {
     "packets_in", "bytes_in", "packets_out", "bytes_out", "rounds_completed", "partial_rounds",
     "results_resent", "stragglers_notified"};
 enum { D_MALFORMED, D_VERSION, D_JOB, D_SLOT, D_WORKER, D_UNREG, D_STALE, D_DUP, D_LATE, D_CODEC,
-       N_DROPS };
+       D_AHEAD, N_DROPS };
 static const char *drop_names[N_DROPS] = {
     "malformed", "wrong_version", "unknown_job", "slot_out_of_range", "worker_out_of_range",
-    "unregistered", "stale", "duplicate", "late", "codec_error"};   /* codec_error: BLOB jobs only */
+    "unregistered", "stale", "duplicate", "late", "codec_error",   /* codec_error: BLOB jobs only */
+    "ahead"};
 
 typedef struct {
     uint8_t *payload;
@@ -77,12 +79,14 @@ typedef struct {
     PyObject_HEAD
     pthread_mutex_t lock;
     uint16_t job_id;
+    uint32_t nonce;
     int n, slots, norm_slots, elems, bits, lane_bits, op, quorum;
     uint32_t table[256];
     uint8_t table8[16];
     slot_t *slot;
     uint32_t w_ip[MAX_WORKERS];
     uint16_t w_port[MAX_WORKERS];
+    uint32_t w_token[MAX_WORKERS];
     uint8_t w_reg[MAX_WORKERS];
     uint64_t counters[N_COUNTERS], drops[N_DROPS];
     /* output queue of one batch */
@@ -193,6 +197,7 @@ static void fill_hdr(Engine *e, uint8_t *h, int type, int flags, int worker, int
     wr16(h + 8, e->job_id); wr16(h + 10, (uint16_t)slot); wr32(h + 12, round); wr32(h + 16, offset);
     wr16(h + 20, (uint16_t)count); wr16(h + 22, (uint16_t)plen); wr32(h + 24, bitmap);
     h[28] = (uint8_t)k; h[29] = (uint8_t)op;
+    wr32(h + 32, e->nonce);
 }
 
 static int result_pkt(Engine *e, int slot, result_t *r, int data_type, int dest) {
@@ -249,12 +254,13 @@ static void handle(Engine *e, const uint8_t *buf, uint32_t len, uint32_t ip, uin
     if (buf[2] != VERSION) { e->drops[D_VERSION]++; return; }
     int type = buf[3], worker = buf[5], nw = buf[6], ebits = buf[7], op = buf[29];
     uint16_t job = rd16(buf + 8), slot = rd16(buf + 10), count = rd16(buf + 20), plen = rd16(buf + 22);
-    uint32_t round = rd32(buf + 12), offset = rd32(buf + 16);
+    uint32_t round = rd32(buf + 12), offset = rd32(buf + 16), nonce = rd32(buf + 32), token = rd32(buf + 36);
     if (type < T_DATA || type > T_NORM_RESULT || plen != len - HDR) { e->drops[D_MALFORMED]++; return; }
     if (type != T_DATA && type != T_NORM) { e->drops[D_MALFORMED]++; return; }
-    if (job != e->job_id) { e->drops[D_JOB]++; return; }
+    if (job != e->job_id || nonce != e->nonce) { e->drops[D_JOB]++; return; }
     if (worker >= e->n) { e->drops[D_WORKER]++; return; }
-    if (!e->w_reg[worker] || e->w_ip[worker] != ip || e->w_port[worker] != port) { e->drops[D_UNREG]++; return; }
+    if (!e->w_reg[worker] || e->w_ip[worker] != ip || e->w_port[worker] != port ||
+        e->w_token[worker] != token) { e->drops[D_UNREG]++; return; }
     int lo = type == T_NORM ? e->slots : 0, hi = type == T_NORM ? e->slots + e->norm_slots : e->slots;
     if (slot < lo || slot >= hi) { e->drops[D_SLOT]++; return; }
     int ok;
@@ -266,6 +272,7 @@ static void handle(Engine *e, const uint8_t *buf, uint32_t len, uint32_t ip, uin
     slot_t *st = &e->slot[slot];
     uint32_t bit = 1u << worker;
     const uint8_t *payload = buf + HDR;
+    if ((uint64_t)round > (uint64_t)(st->active ? st->round : 0) + ROUND_WINDOW) { e->drops[D_AHEAD]++; return; }
     if (!st->active || round > st->round) {
         if (st->active && st->cur.valid && round == st->round + 1) swap_results(&st->cur, &st->prev);
         else st->prev.valid = 0;
@@ -353,13 +360,15 @@ static void Engine_dealloc(Engine *e) {
 
 static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"job_id", "num_workers", "slots", "norm_slots", "elems_per_packet",
-                             "bits", "lane_bits", "op", "quorum_count", "table", NULL};
+                             "bits", "lane_bits", "op", "quorum_count", "table", "nonce", NULL};
     int job_id;
+    unsigned int nonce = 0;
     PyObject *table;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiiiiiiiO", kwlist, &job_id, &e->n, &e->slots,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiiiiiiiO|I", kwlist, &job_id, &e->n, &e->slots,
                                      &e->norm_slots, &e->elems, &e->bits, &e->lane_bits, &e->op,
-                                     &e->quorum, &table))
+                                     &e->quorum, &table, &nonce))
         return -1;
+    e->nonce = (uint32_t)nonce;
     if (e->n < 1 || e->n > MAX_WORKERS || e->slots < 1 || e->norm_slots < 1 || e->elems < 1 ||
         e->elems > 65535 || e->bits < 1 || e->bits > 8 ||
         (e->lane_bits != 8 && e->lane_bits != 16 && e->lane_bits != 32) || e->quorum < 1 ||
@@ -413,16 +422,27 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
 }
 
 static PyObject *Engine_register(Engine *e, PyObject *args) {
-    int w, port;
+    long long w, port, token = 0;
     const char *ip;
-    if (!PyArg_ParseTuple(args, "isi", &w, &ip, &port)) return NULL;
+    if (!PyArg_ParseTuple(args, "LsL|L", &w, &ip, &port, &token)) return NULL;
     struct in_addr a;
-    if (w < 0 || w >= e->n || inet_pton(AF_INET, ip, &a) != 1 || port < 0 || port > 65535) {
-        PyErr_Format(PyExc_ValueError, "bad registration: worker %d at %s:%d", w, ip, port);
+    if (w < 0 || w >= e->n || inet_pton(AF_INET, ip, &a) != 1 || port < 0 || port > 65535 ||
+        token < 0 || token > 0xFFFFFFFFLL) {
+        PyErr_Format(PyExc_ValueError, "bad registration: worker %lld at %s:%lld", w, ip, port);
         return NULL;
     }
     pthread_mutex_lock(&e->lock);
-    e->w_ip[w] = a.s_addr; e->w_port[w] = (uint16_t)port; e->w_reg[w] = 1;
+    e->w_ip[w] = a.s_addr; e->w_port[w] = (uint16_t)port; e->w_token[w] = (uint32_t)token; e->w_reg[w] = 1;
+    pthread_mutex_unlock(&e->lock);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_unregister(Engine *e, PyObject *args) {
+    long long w;
+    if (!PyArg_ParseTuple(args, "L", &w)) return NULL;
+    if (w < 0 || w >= e->n) { PyErr_Format(PyExc_ValueError, "worker %lld out of range", w); return NULL; }
+    pthread_mutex_lock(&e->lock);
+    e->w_reg[w] = 0; e->w_token[w] = 0;
     pthread_mutex_unlock(&e->lock);
     Py_RETURN_NONE;
 }
@@ -571,7 +591,8 @@ static PyObject *Engine_stats(Engine *e, PyObject *noargs) {
 }
 
 static PyMethodDef Engine_methods[] = {
-    {"register", (PyCFunction)Engine_register, METH_VARARGS, "register(worker_id, ip, port): bind a worker to its source address"},
+    {"register", (PyCFunction)Engine_register, METH_VARARGS, "register(worker_id, ip, port, token=0): bind a worker to its source address and token"},
+    {"unregister", (PyCFunction)Engine_unregister, METH_VARARGS, "unregister(worker_id): forget a worker (left or lease expired)"},
     {"process", (PyCFunction)Engine_process, METH_VARARGS, "process(datagram, (ip, port)) -> [(bytes, (ip, port))]"},
     {"serve", (PyCFunction)Engine_serve, METH_VARARGS, "serve(fd, duration_ms) -> packets handled (GIL released)"},
     {"stats", (PyCFunction)Engine_stats, METH_NOARGS, "counters and drops by reason"},

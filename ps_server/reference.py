@@ -19,7 +19,11 @@ For a DATA/NORM packet of round r at slot s whose current round is R:
   r = R − 1        a retransmission from a worker that lost the previous
                    result: the shadow copy is unicast if there is one
   otherwise        stale: STRAGGLER notification carrying R
-Every malformed or unauthorized datagram is counted under its reason and dropped.
+A round more than ROUND_WINDOW ahead of R (or of 0 for a slot not used yet) is
+dropped as `ahead`, so no single packet can move a slot out of the workers' reach.
+Every malformed or unauthorized datagram is counted under its reason and dropped:
+a packet is aggregated only when its job id and nonce are this job's and its
+(worker id, source address, token) is a current registration.
 """
 from __future__ import annotations
 
@@ -33,7 +37,8 @@ from proto.job import JobConfig
 from proto.packing import unpack_indices
 
 DROP_REASONS = ("malformed", "wrong_version", "unknown_job", "slot_out_of_range",
-                "worker_out_of_range", "unregistered", "stale", "duplicate", "late", "codec_error")
+                "worker_out_of_range", "unregistered", "stale", "duplicate", "late", "codec_error",
+                "ahead")
 COUNTERS = ("packets_in", "bytes_in", "packets_out", "bytes_out", "rounds_completed",
             "partial_rounds", "results_resent", "stragglers_notified")
 
@@ -85,11 +90,13 @@ class Stats:
 class ReferencePS:
     """Packet-in, packets-out PS for one job; no sockets (the server shell adds them)."""
 
-    def __init__(self, job: JobConfig):
+    def __init__(self, job: JobConfig, nonce: int = 0):
         self.job = job
+        self.nonce = nonce
         self.table = np.asarray(job.table or (0,), dtype=np.int64)
         self.slots = [_Slot() for _ in range(job.slots + job.norm_slots)]
         self.workers: dict[int, tuple] = {}
+        self.tokens: dict[int, int] = {}
         self.stats = Stats()
         self._blob_cur: _BlobRound | None = None
         self._blob_prev: _BlobRound | None = None
@@ -99,10 +106,17 @@ class ReferencePS:
             from compression import registry
             self._codec = registry.get(job.codec, **job.codec_params)
 
-    def register(self, worker_id: int, addr: tuple) -> None:
+    def register(self, worker_id: int, addr: tuple, token: int = 0) -> None:
+        """Bind worker_id to its source address and registration token (replaces an old one)."""
         if not 0 <= worker_id < self.job.num_workers:
             raise ValueError(f"worker id {worker_id} out of range 0..{self.job.num_workers - 1}")
         self.workers[worker_id] = (addr[0], int(addr[1]))
+        self.tokens[worker_id] = token
+
+    def unregister(self, worker_id: int) -> None:
+        """Forget a worker (it left or its lease expired): its packets are `unregistered`."""
+        self.workers.pop(worker_id, None)
+        self.tokens.pop(worker_id, None)
 
     # ------------------------------------------------------------------ helpers
     def _drop(self, reason: str) -> list:
@@ -142,7 +156,7 @@ class ReferencePS:
                      offset=res.offset, count=res.count, bitmap=res.bitmap,
                      contributors=res.contributors,
                      op=H.OP_MAX_U32 if norm else self.job.op,
-                     flags=0 if dest is None else H.F_RESENT)
+                     flags=0 if dest is None else H.F_RESENT, nonce=self.nonce)
         return H.build(h, res.payload)
 
     def _emit(self, out: list, pkt: bytes, dest: int) -> None:
@@ -169,11 +183,12 @@ class ReferencePS:
         job = self.job
         if h.type not in (H.DATA, H.NORM):
             return self._drop("malformed")
-        if h.job_id != job.job_id:
+        if h.job_id != job.job_id or h.nonce != self.nonce:
             return self._drop("unknown_job")
         if h.worker_id >= job.num_workers:
             return self._drop("worker_out_of_range")
-        if self.workers.get(h.worker_id) != (addr[0], int(addr[1])):
+        if self.workers.get(h.worker_id) != (addr[0], int(addr[1])) \
+                or self.tokens.get(h.worker_id) != h.token:
             return self._drop("unregistered")
         lo, hi = (job.slots, job.slots + job.norm_slots) if h.type == H.NORM else (0, job.slots)
         if not lo <= h.slot < hi:
@@ -185,6 +200,8 @@ class ReferencePS:
 
         st = self.slots[h.slot]
         bit = 1 << h.worker_id
+        if h.round > (st.round if st.active else 0) + H.ROUND_WINDOW:
+            return self._drop("ahead")
         if not st.active or h.round > st.round:
             st.previous = st.result if (st.active and st.result is not None
                                         and h.round == st.round + 1) else None
@@ -209,7 +226,7 @@ class ReferencePS:
             c["stragglers_notified"] += 1
             note = H.build(H.Header(type=H.STRAGGLER, job_id=job.job_id, worker_id=h.worker_id,
                                     num_workers=job.num_workers, slot=h.slot, round=st.round,
-                                    offset=h.offset, op=h.op))
+                                    offset=h.offset, op=h.op, nonce=self.nonce))
             out: list = []
             self._emit(out, note, h.worker_id)
             return out
@@ -244,7 +261,7 @@ class ReferencePS:
                          num_workers=self.job.num_workers, elem_bits=8, slot=0, round=rnd.round,
                          offset=off, count=len(frag) - B.SUB_SIZE, bitmap=rnd.bitmap,
                          contributors=rnd.count, op=H.OP_BLOB,
-                         flags=0 if dest is None else H.F_RESENT)
+                         flags=0 if dest is None else H.F_RESENT, nonce=self.nonce)
             pkt = H.build(h, frag)
             for wid in (sorted(self.workers) if dest is None else [dest]):
                 self._emit(out, pkt, wid)
@@ -266,6 +283,8 @@ class ReferencePS:
         if h.offset + len(data) > total or (not data and total) or dim == 0:
             return self._drop("malformed")      # checked before it can move the round on
         cur, prev = self._blob_cur, self._blob_prev
+        if h.round > (cur.round if cur is not None else 0) + H.ROUND_WINDOW:
+            return self._drop("ahead")
         if cur is None or h.round > cur.round:
             self._blob_prev = cur if (cur is not None and cur.result is not None
                                       and h.round == cur.round + 1) else None
@@ -279,7 +298,7 @@ class ReferencePS:
             self._emit(out, H.build(H.Header(type=H.STRAGGLER, job_id=self.job.job_id,
                                              worker_id=h.worker_id, num_workers=self.job.num_workers,
                                              slot=h.slot, round=cur.round, offset=h.offset,
-                                             op=h.op)), h.worker_id)
+                                             op=h.op, nonce=self.nonce)), h.worker_id)
             return out
         bit = 1 << h.worker_id
         if cur.result is not None:

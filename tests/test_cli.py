@@ -33,7 +33,7 @@ def test_nmse_json(capsys):
 def test_bad_arguments_explain_themselves(capsys):
     with pytest.raises(SystemExit):
         main(["nmse", "--workers", "0"])
-    assert "positive integer" in capsys.readouterr().err
+    assert "in 1..32" in capsys.readouterr().err
     rc, _, err = run(capsys, "table", "--bits", "4", "--granularity", "10")
     assert rc == 2 and "granularity" in err
     with pytest.raises(SystemExit):

@@ -127,7 +127,8 @@ def test_corrupt_blob_is_counted_and_ps_keeps_serving():
         raw = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         for payload in (b"\x01", B.SUB.pack(10, 5) + b"\x00" * 20):
             pkt = H.build(H.Header(type=H.DATA, job_id=1, worker_id=0, num_workers=1, elem_bits=8,
-                                   round=50, count=max(0, len(payload) - 8), op=H.OP_BLOB), payload)
+                                   round=50, count=max(0, len(payload) - 8), op=H.OP_BLOB,
+                                   nonce=t.sessions[0]["nonce"], token=t.sessions[0]["token"]), payload)
             t.sock.sendto(pkt, t.ps)
         raw.close()
         w = Worker(t, seed=1)

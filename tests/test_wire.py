@@ -17,7 +17,8 @@ def random_header(rng):
                     round=int(rng.integers(0, 1 << 32)), offset=int(rng.integers(0, 1 << 32)),
                     count=int(rng.integers(0, 1 << 16)), bitmap=int(rng.integers(0, 1 << 32)),
                     contributors=int(rng.integers(0, 256)), op=int(rng.integers(0, 4)),
-                    flags=int(rng.integers(0, 256)))
+                    flags=int(rng.integers(0, 256)), nonce=int(rng.integers(0, 1 << 32)),
+                    token=int(rng.integers(0, 1 << 32)))
 
 
 def test_scapy_and_parser_agree_on_random_packets():
@@ -44,7 +45,7 @@ def test_build_fast_equals_build():
         h.bitmap = h.contributors = 0
         payload = rng.bytes(int(rng.integers(0, 64)))
         fast = H.build_fast(h.type, h.job_id, h.worker_id, h.num_workers, h.elem_bits, h.slot, h.round,
-                            h.offset, h.count, h.op, payload, flags=h.flags)
+                            h.offset, h.count, h.op, payload, flags=h.flags, nonce=h.nonce, token=h.token)
         assert fast == H.build(h, payload)
 
 
@@ -55,10 +56,11 @@ def test_retransmission_sets_only_the_flag():
     assert H.as_retransmission(d)[:4] + H.as_retransmission(d)[5:] == d[:4] + d[5:]
 
 
-def test_header_is_32_bytes_network_order():
-    b = H.Header(type=H.DATA, slot=0x0102, round=0x03040506).pack()
-    assert len(b) == H.HEADER_SIZE == 32
+def test_header_is_40_bytes_network_order():
+    b = H.Header(type=H.DATA, slot=0x0102, round=0x03040506, nonce=0x0A0B0C0D, token=0x11223344).pack()
+    assert len(b) == H.HEADER_SIZE == 40 and b[2] == H.VERSION == 2
     assert b[:2] == b"TH" and b[10:12] == b"\x01\x02" and b[12:16] == b"\x03\x04\x05\x06"
+    assert b[30:32] == b"\x00\x00" and b[32:36] == b"\x0a\x0b\x0c\x0d" and b[36:40] == b"\x11\x22\x33\x44"
 
 
 @pytest.mark.parametrize("mutate,reason", [
@@ -77,11 +79,12 @@ def test_parse_rejects(mutate, reason):
 
 def test_job_contract_validation():
     job = JobConfig(num_workers=4)
-    assert job.elems_per_packet == 1440 and job.up_payload_len(1440) == 720
+    # 1500 − 28 (IPv4 + UDP) − 40 (THC header) = 1432 one-byte lanes; 716 bytes of 4-bit indices up
+    assert job.elems_per_packet == 1432 and job.up_payload_len(1432) == 716
     assert JobConfig.from_msg(job.to_msg()) == job
     with pytest.raises(LaneOverflowError):
         JobConfig(num_workers=9, granularity=30, lane_bits=8)
-    assert JobConfig(num_workers=9, granularity=30, lane_bits=16).elems_per_packet == 720
+    assert JobConfig(num_workers=9, granularity=30, lane_bits=16).elems_per_packet == 712
     for bad in (dict(num_workers=33), dict(num_workers=2, quorum=0), dict(num_workers=2, codec="zip"),
                 dict(num_workers=2, mtu=40), dict(num_workers=2, elems_per_packet=5000)):
         with pytest.raises(ValueError):

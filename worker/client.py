@@ -42,11 +42,20 @@ class RoundReport:
     norms: list | None = None                          # the preliminary stage's result (THC)
 
 
+def round_rng(seed: int, rank: int, round_no: int) -> np.random.Generator:
+    """Per-(seed, rank, round) randomness for `Worker(per_round_rng=True)`."""
+    return np.random.default_rng(np.random.SeedSequence([seed, rank, round_no, 0x52]))
+
+
 class Worker:
     """One worker's THC (or float32) allreduce over a Transport, with error feedback per key."""
 
     def __init__(self, transport: Transport, *, error_feedback: bool = True, seed: int = 0,
-                 straggler_delay_ms: float = 0.0, straggler_prob: float = 1.0, straggler_count: int = 0):
+                 straggler_delay_ms: float = 0.0, straggler_prob: float = 1.0, straggler_count: int = 0,
+                 per_round_rng: bool = False):
+        """`per_round_rng` draws each round's stochastic-rounding randomness from (seed, rank,
+        round) instead of one stream, so a restarted rank that rejoins at round r encodes
+        exactly what its first incarnation would have (the exact checks of `thc launch`)."""
         self.t = transport
         self.job = transport.job
         self.cfg = None
@@ -67,6 +76,7 @@ class Worker:
         self.straggler_prob = straggler_prob
         self.straggler_count = straggler_count
         self.seed = seed
+        self.per_round_rng = per_round_rng
         self._delay_rng = np.random.default_rng(np.random.SeedSequence([seed, transport.worker_id, 99]))
         self.last: RoundReport | None = None
 
@@ -95,6 +105,27 @@ class Worker:
                 time.sleep(self.straggler_delay)
         elif self._delay_rng.random() < self.straggler_prob:
             time.sleep(self.straggler_delay)
+
+    def round_rng(self, round_no: int) -> np.random.Generator:
+        """The generator a round's encoding draws from (see `per_round_rng`)."""
+        if not self.per_round_rng:
+            return self.rng
+        return round_rng(self.seed, self.t.worker_id, round_no)
+
+    def skip_rounds(self, count: int, dim: int) -> None:
+        """Fast-forward `count` allreduces of `dim` coordinates without sending anything: the
+        slot rounds advance exactly as the other ranks' did, so a rank that rejoins a running
+        job continues at their round (data-plane codecs: thc and none)."""
+        job, per = self.job, self.job.elems_per_packet
+        if job.blob:
+            raise ValueError(f"rejoining a running job is supported for thc and none, not {job.codec}")
+        for _ in range(count):
+            if job.codec == "thc":
+                self.t.skip_phase(H.NORM, 1)
+                self.t.skip_phase(H.DATA, -(-thc.make_layout(dim, self.cfg.block_log2).padded_dim // per))
+            else:
+                self.t.skip_phase(H.DATA, -(-dim // per))
+            self.round_no += 1
 
     def _exchange_norms(self, norms: np.ndarray) -> np.ndarray:
         """Preliminary stage: elementwise max over workers of float statistics (NORM phase)."""
@@ -149,7 +180,7 @@ class Worker:
         x = grad + err if err is not None else grad
         norms = self._exchange_norms(thc.block_norms(x, layout))
         report.norms = norms.tolist()
-        z = thc.encode(x, norms, cfg, layout, rn, self.rng.random(layout.padded_dim, dtype=np.float32))
+        z = thc.encode(x, norms, cfg, layout, rn, self.round_rng(rn).random(layout.padded_dim, dtype=np.float32))
         chunks = self._chunks(pack_indices(z, cfg.bits).tobytes(), layout.padded_dim, cfg.bits)
         report.bytes_up = sum(len(c[2]) + H.HEADER_SIZE for c in chunks)
         self._maybe_straggle()
@@ -175,7 +206,7 @@ class Worker:
         shared = self._exchange_norms(np.asarray(stats)) if stats is not None else None
         rn = t.next_blob_round()
         ctx = Context(key, arr.size, rn, shared, self.job.num_workers)
-        up = codec.encode(arr, state, self.rng, ctx)
+        up = codec.encode(arr, state, self.round_rng(rn), ctx)
         report.bytes_up = len(up)
         self._maybe_straggle()
         res = t.run_blob(up, arr.size, rn)

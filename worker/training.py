@@ -112,11 +112,11 @@ class GradientSync:
 
 
 def sync_model(worker: Worker, model: nn.Module, epoch: int) -> None:
-    """Make every rank's parameters identical to rank 0's (via the PS control plane)."""
+    """Make every rank's parameters identical to the sync source's (via the PS control plane)."""
     t = worker.t
-    if t.worker_id == 0:
-        t.call({"type": "sync_put", "round": epoch, "worker_id": 0, "blob": flat_params(model).tobytes()})
+    if t.is_sync_source():     # rank 0, or the lowest live rank when rank 0 is gone
+        t.call({"type": "sync_put", "round": epoch, "blob": flat_params(model).tobytes()})
     else:
-        blob = t.call({"type": "sync_get", "round": epoch})["blob"]
+        blob = t.call({"type": "sync_get", "round": epoch}, wait=True)["blob"]
         load_flat_params(model, np.frombuffer(blob, dtype=np.float32).copy())
-    t.call({"type": "barrier", "name": f"sync-{epoch}", "worker_id": t.worker_id})
+    t.barrier(f"sync-{epoch}")

@@ -24,8 +24,10 @@ duplicates and reordering of outgoing packets.
 """
 from __future__ import annotations
 
+import logging
 import select
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -43,10 +45,32 @@ except ImportError:                  # pragma: no cover - the per-datagram loop 
     _batchio = None
 
 POLICIES = ("retransmit", "zero")
+log = logging.getLogger(__name__)
 
 
 class PSUnavailable(RuntimeError):
     """The PS did not answer within the retry budget."""
+
+
+class JobStalled(RuntimeError):
+    """The PS is alive but the job cannot go on: the message names the ranks it waits for."""
+
+
+class _PSRestarted(Exception):
+    """Internal: a shard no longer knows this worker's session (it restarted)."""
+
+    def __init__(self, shard: int):
+        super().__init__(shard)
+        self.shard = shard
+
+
+def describe_missing(missing: list) -> str:
+    """'ranks 1, 3 (1: never registered; 3: no heartbeat for 5.2 s)' from a status reply."""
+    if not missing:
+        return "no ranks"
+    ranks = ", ".join(str(m["rank"]) for m in missing)
+    why = "; ".join(f"{m['rank']}: {m['why']}" for m in missing)
+    return f"rank{'s' if len(missing) > 1 else ''} {ranks} ({why})"
 
 
 @dataclass
@@ -95,8 +119,16 @@ class Transport:
                  policy: str = "retransmit", timeout_ms: float = 50.0, max_timeout_ms: float = 1000.0,
                  max_retries: int = 60, window: int = 64, faults: Faults | None = None,
                  control_timeout_s: float = 30.0, shards: list | None = None, bind_port: int = 0,
-                 batched: bool = True):
+                 batched: bool = True, expect: dict | None = None, propose: JobConfig | None = None,
+                 keys=None, heartbeat: bool = True):
         """Connect to one PS, or to S shards given as [(host, data_port, control_port), ...].
+
+        `expect` is the part of the job configuration this worker insists on (the PS refuses
+        the registration naming every differing field); `propose` is a whole job for a PS
+        started without one.  `keys` is a key directory (`thc keys`): the control plane
+        then runs ZeroMQ CURVE.  A heartbeat thread renews this rank's lease, learns who the
+        job is waiting for, and notices a restarted PS (the worker then registers again and
+        resumes the interrupted phase with the other ranks).
 
         `batched` sends a window's packets with one sendmmsg and takes every waiting result
         with one recvmmsg (worker/_batchio.c); False is the one-call-per-datagram loop,
@@ -136,41 +168,210 @@ class Transport:
         self._ctl: dict = {}
         self._endpoints = [f"tcp://{sh[3] if len(sh) > 3 else sh[0]}:{sh[2] or sh[1] + 1}" for sh in shards]
         self._control_timeout = control_timeout_s
-        jobs = []
-        for i in range(len(shards)):
-            reply = self.call({"type": "register", "worker_id": worker_id,
-                               "data_addr": list(self.sock.getsockname())}, shard=i)
-            jobs.append(JobConfig.from_msg(reply["job"]))
+        self._curve = None
+        if keys is not None:
+            from proto.keys import client_keys
+            self._curve = client_keys(keys)
+        self._expect = dict(expect or {})
+        self._propose = propose
+        self.sessions: list = [None] * len(shards)      # per shard: register reply
+        self.job = None
+        self.progress = -1                  # the caller's step counter, reported in heartbeats
+        self.status: list = [None] * len(shards)        # latest heartbeat reply per shard
+        self._hb_ok = [time.monotonic()] * len(shards)
+        self._restarted: set = set()
+        self._hb_stop = threading.Event()
+        self._hb_thread = None
+        jobs = [self._register(i) for i in range(len(shards))]
         if any(j != jobs[0] for j in jobs[1:]):
             raise ValueError("the PS shards disagree on the job configuration")
         self.job = jobs[0]
+        self.rejoined = any(s["rejoin"] for s in self.sessions)
         self._rx_size = max(self.job.mtu, 2048)
         self.window = min(window, self.job.slots * len(shards))
         self.slot_round = np.zeros((len(shards), self.job.slots + self.job.norm_slots), dtype=np.int64)
         self._stash: dict = {}
         self._phase_no = 0
+        self._last_phase = None             # (kind, chunks, phase index) of the last completed phase
         self.blob_round = 0
+        self.resumes = 0
+        if heartbeat:
+            self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                               name=f"thc-heartbeat-{worker_id}")
+            self._hb_thread.start()
+
+    # ---------------------------------------------------------------- membership
+    def _register(self, shard: int) -> JobConfig:
+        """Register (again) with one shard; keeps its nonce, token and session."""
+        msg = {"type": "register", "worker_id": self.worker_id, "data_addr": list(self.sock.getsockname())}
+        if self._expect:
+            msg["expect"] = self._expect
+        if self._propose is not None:
+            msg["job"] = self._propose.to_msg()
+        deadline = time.monotonic() + self._control_timeout
+        while True:
+            try:
+                reply = self.call(msg, shard=shard)
+                break
+            except ValueError as exc:
+                # a restarted rank: its previous incarnation's lease has not run out yet
+                if "held by a live worker" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.25)
+        job = JobConfig.from_msg(reply["job"])
+        if self.job is not None and job != self.job:
+            raise ValueError(f"the PS at {self._endpoints[shard]} now runs another job configuration")
+        self.sessions[shard] = reply
+        self._hb_ok[shard] = time.monotonic()
+        return job
+
+    def _heartbeat_loop(self) -> None:
+        """Renew the lease of every shard a few times per lease; keep the status replies."""
+        socks: dict = {}
+        while not self._hb_stop.wait(max(0.05, min(s["lease_s"] for s in self.sessions) / 5)):
+            for shard, sess in enumerate(self.sessions):
+                msg = {"type": "heartbeat", "worker_id": self.worker_id, "session": sess["session"]}
+                if self.progress >= 0:
+                    msg["progress"] = int(self.progress)
+                sock = socks.get(shard)
+                if sock is None:
+                    sock = socks[shard] = self._socket(shard)
+                try:
+                    sock.send(control.encode(msg))
+                    if not sock.poll(int(1000 * sess["lease_s"])):
+                        sock.close(0)
+                        del socks[shard]
+                        continue
+                    reply = control.decode(sock.recv())
+                except zmq.ZMQError:
+                    sock.close(0)
+                    socks.pop(shard, None)
+                    continue
+                if reply.get("type") == "error":
+                    if "register again" in reply.get("message", "") and self.sessions[shard] is sess:
+                        self._restarted.add(shard)
+                    continue
+                self.status[shard] = reply
+                self._hb_ok[shard] = time.monotonic()
+        for sock in socks.values():
+            sock.close(0)
+
+    def waiting_for(self) -> str:
+        """What the job waits for, from the latest heartbeat: '' if nothing is known missing."""
+        st = self.status[0]
+        silent = time.monotonic() - self._hb_ok[0]
+        if self.sessions[0] and silent > 2 * self.sessions[0]["lease_s"]:
+            return f"the PS control plane at {self._endpoints[0]} (no heartbeat reply for {silent:.0f} s)"
+        if st and st.get("missing"):
+            return describe_missing(st["missing"])
+        return ""
+
+    def is_sync_source(self) -> bool:
+        """Whether this rank publishes model-sync state (the lowest live rank)."""
+        return self.call({"type": "status"}).get("sync_source") == self.worker_id
+
+    def _resume(self, shard: int) -> None:
+        """After a PS restart: register again, agree with every rank on the phase to replay
+        from (the least any reached), reset the slot rounds there, replay the last phase if
+        this worker had finished it, and let the interrupted phase run again."""
+        if len(self.sessions) > 1:
+            raise PSUnavailable(f"PS shard {shard} restarted; resuming is supported with one shard only")
+        self._restarted.discard(shard)
+        self.resumes += 1
+        log.warning("worker %d: the PS restarted; registering again and resuming at phase %d",
+                    self.worker_id, self._phase_no)
+        self._register(shard)
+        phase = self.call({"type": "resume", "phase": int(self._phase_no)}, shard=shard,
+                          wait=True)["phase"]
+        self.slot_round[shard, :] = 0
+        self._stash.clear()
+        self._blob_q = []
+        if phase < self._phase_no:
+            if self._last_phase is None or self._last_phase[2] != phase:
+                raise PSUnavailable(f"the PS restarted and the ranks are more than one phase apart "
+                                    f"(this rank at {self._phase_no}, another at {phase})")
+            kind, chunks, index = self._last_phase
+            self._run_phase_once(kind, chunks, index)       # results already known: discarded
 
     # ---------------------------------------------------------------- control plane
-    def call(self, msg: dict, shard: int = 0) -> dict:
-        """One control request; raises PSUnavailable on timeout, ValueError on an error reply."""
+    def _socket(self, shard: int):
+        sock = self._ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = self._curve
+        sock.connect(self._endpoints[shard])
+        return sock
+
+    def call(self, msg: dict, shard: int = 0, wait: bool = False) -> dict:
+        """One control request; raises PSUnavailable on timeout, ValueError on an error reply.
+
+        Requests made for this rank get its worker_id and session filled in.  With `wait`
+        (barriers, model sync, resume) the reply may take as long as the other ranks need:
+        the call fails only when the PS stops answering heartbeats or the job waits for a
+        rank that is not there (JobStalled, naming it)."""
+        msg = dict(msg)
+        fields = control.SCHEMA.get(msg["type"], {})
+        if "session" in fields and self.sessions[shard] is not None:
+            msg.setdefault("worker_id", self.worker_id)
+            msg["session"] = self.sessions[shard]["session"]
         sock = self._ctl.get(shard)
         if sock is None:
-            sock = self._ctl[shard] = self._ctx.socket(zmq.REQ)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self._endpoints[shard])
+            sock = self._ctl[shard] = self._socket(shard)
         sock.send(control.encode(msg))
-        if not sock.poll(int(self._control_timeout * 1000)):
-            sock.close(0)
-            del self._ctl[shard]
-            raise PSUnavailable(f"no reply from the PS control plane at {self._endpoints[shard]} "
-                                f"within {self._control_timeout:.0f} s ({msg['type']})")
+        start = time.monotonic()
+        while not sock.poll(int(min(1.0, self._control_timeout) * 1000)):
+            waited = time.monotonic() - start
+            if not wait or self._hb_thread is None:
+                if waited < self._control_timeout:
+                    continue
+                self._drop_socket(shard)
+                raise PSUnavailable(f"no reply from the PS control plane at {self._endpoints[shard]} "
+                                    f"within {self._control_timeout:.0f} s ({msg['type']})")
+            silent = time.monotonic() - self._hb_ok[shard]
+            missing = (self.status[shard] or {}).get("missing") or []
+            never = [m for m in missing if m["why"] == "never registered"]
+            if silent > self._control_timeout:
+                self._drop_socket(shard)
+                raise PSUnavailable(f"the PS control plane at {self._endpoints[shard]} stopped answering "
+                                    f"({silent:.0f} s without a heartbeat reply) during {msg['type']}")
+            if never and waited > self._control_timeout:
+                self._drop_socket(shard)
+                raise JobStalled(f"{msg['type']} {msg.get('name', '')} not done after {waited:.0f} s: "
+                                 f"waiting for {describe_missing(never)}".replace("  ", " "))
         reply = control.decode(sock.recv())
         if reply.get("type") == "error":
             raise ValueError(f"PS refused {msg['type']}: {reply.get('message')}")
         return reply
 
-    def close(self) -> None:
+    def barrier(self, name: str) -> None:
+        """Wait until every live rank of the job reached `name`."""
+        self.call({"type": "barrier", "name": name}, wait=True)
+
+    def _drop_socket(self, shard: int) -> None:
+        sock = self._ctl.pop(shard, None)
+        if sock is not None:
+            sock.close(0)
+
+    def leave(self) -> None:
+        """Tell every shard this rank is done (best effort): the job ends when all have left."""
+        for shard, sess in enumerate(self.sessions):
+            if sess is None:
+                continue
+            try:
+                self._control_timeout, saved = 2.0, self._control_timeout
+                try:
+                    self.call({"type": "leave"}, shard=shard)
+                finally:
+                    self._control_timeout = saved
+            except (PSUnavailable, ValueError):
+                pass
+
+    def close(self, leave: bool = True) -> None:
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=5)
+        if leave:
+            self.leave()
         for sock in self._ctl.values():
             sock.close(0)
         self._ctl.clear()
@@ -270,7 +471,7 @@ class Transport:
         except H.PacketError:
             self.stats.add("bad_packets")
             return None
-        if h.job_id != self.job.job_id or shard is None:
+        if shard is None or h.job_id != self.job.job_id or h.nonce != self.sessions[shard]["nonce"]:
             self.stats.add("bad_packets")
             return None
         return shard, h, bytes(payload)
@@ -280,22 +481,44 @@ class Transport:
         """Send chunks [(offset, count, payload)], of type DATA or NORM; results in chunk order.
 
         Each result is (Header, payload bytes), or None when lost under the `zero` policy.
+        If the PS restarts meanwhile, the phase is resumed with the other ranks (`_resume`).
         """
-        job = self.job
-        nchunks = len(chunks)
-        nshards = len(self.shard_addrs)
+        while True:
+            try:
+                results = self._run_phase_once(kind, chunks, self._phase_no)
+                break
+            except _PSRestarted as exc:
+                self._resume(exc.shard)
+        self._last_phase = (kind, chunks, self._phase_no)
+        self._phase_no += 1
+        return results
+
+    def _place(self, kind: int, nchunks: int, phase_index: int) -> tuple[list, list]:
+        """Where chunk c of a phase goes, [(shard, slot)], and its round there (each use of a
+        slot is its next round, identically in every worker)."""
+        job, nshards = self.job, len(self.shard_addrs)
         if kind == H.NORM:
-            base, span = job.slots, job.norm_slots
-            where = [(0, base + (self._phase_no + c) % span) for c in range(nchunks)]
-            elem_bits, op = 32, H.OP_MAX_U32
+            where = [(0, job.slots + (phase_index + c) % job.norm_slots) for c in range(nchunks)]
         else:
             where = [(c % nshards, (c // nshards) % job.slots) for c in range(nchunks)]
-            elem_bits, op = job.up_bits, job.op
-        self._phase_no += 1
         rounds = []
-        for sh, s in where:
-            self.slot_round[sh, s] += 1
-            rounds.append(int(self.slot_round[sh, s]) & 0xFFFFFFFF)
+        for sh, slot in where:
+            self.slot_round[sh, slot] += 1
+            rounds.append(int(self.slot_round[sh, slot]) & 0xFFFFFFFF)
+        return where, rounds
+
+    def skip_phase(self, kind: int, nchunks: int) -> None:
+        """Advance the slot rounds as if a phase of `nchunks` had run (a rank that rejoins
+        a running job fast-forwards to the others' round this way)."""
+        self._place(kind, nchunks, self._phase_no)
+        self._phase_no += 1
+
+    def _run_phase_once(self, kind: int, chunks: list, phase_index: int) -> list:
+        job = self.job
+        nchunks = len(chunks)
+        where, rounds = self._place(kind, nchunks, phase_index)
+        elem_bits, op = (32, H.OP_MAX_U32) if kind == H.NORM else (job.up_bits, job.op)
+        ids = [(s["nonce"], s["token"]) for s in self.sessions]
         results: list = [None] * nchunks
         done = [False] * nchunks
         pending: dict = {}                 # (shard, slot) -> [chunk, deadline, timeout, tries, packet]
@@ -309,7 +532,10 @@ class Transport:
                 results[c] = value
                 finished += 1
 
+        last_note = time.monotonic()
         while finished < nchunks:
+            if self._restarted:
+                raise _PSRestarted(min(self._restarted))
             # fill the window: every packet that fits goes out in one batch
             out = []
             now = time.monotonic()
@@ -324,7 +550,7 @@ class Transport:
                     continue
                 off, count, payload = chunks[c]
                 pkt = H.build_fast(kind, job.job_id, self.worker_id, job.num_workers, elem_bits, slot,
-                                   rounds[c], off, count, op, payload)
+                                   rounds[c], off, count, op, payload, nonce=ids[sh][0], token=ids[sh][1])
                 out.append((pkt, self.shard_addrs[sh]))
                 pending[(sh, slot)] = [c, now + self.timeout, self.timeout, 0, pkt]
             self._emit(out)
@@ -364,8 +590,12 @@ class Transport:
                     continue
                 dest = self.shard_addrs[pkey[0]]
                 if tries >= self.max_retries:
-                    raise PSUnavailable(f"no reply from PS {dest[0]}:{dest[1]} for slot {pkey[1]} "
-                                        f"round {rounds[c]} after {tries} retransmissions")
+                    self._give_up(f"slot {pkey[1]} round {rounds[c]}", dest, tries)
+                if now - last_note > 5.0 and tries >= 3:
+                    last_note = now
+                    log.warning("worker %d: slot %d round %d unanswered after %d retransmissions; "
+                                "waiting for %s", self.worker_id, pkey[1], rounds[c], tries,
+                                self.waiting_for() or "the PS")
                 resend.append((H.as_retransmission(pkt), dest))
                 self.stats.add("retransmissions")
                 tmo = min(tmo * 2, self.max_timeout)
@@ -373,6 +603,17 @@ class Transport:
             self._emit(resend)
         self._gc_stash()
         return results
+
+    def _give_up(self, what: str, dest, tries: int):
+        """Raise the error that names the real cause: missing ranks, or an unreachable PS."""
+        if self._restarted:
+            raise _PSRestarted(min(self._restarted))
+        waiting = self.waiting_for()
+        if waiting and "PS control plane" not in waiting:
+            raise JobStalled(f"{what} unanswered after {tries} retransmissions: the job is waiting "
+                             f"for {waiting}")
+        raise PSUnavailable(f"no reply from PS {dest[0]}:{dest[1]} for {what} after {tries} "
+                            f"retransmissions" + (f"; {waiting}" if waiting else ""))
 
     def _keep(self, shard: int, h: H.Header, payload: bytes) -> None:
         """A result read ahead of its use (batched reads take whatever is queued): a slot's
@@ -408,9 +649,11 @@ class Transport:
         job = self.job
         dest = self.shard_addrs[0]
         frags = B.fragments(payload, dim, job.elems_per_packet + B.SUB_SIZE)
+        sess = self.sessions[0]
         pkts = [H.build(H.Header(type=H.DATA, job_id=job.job_id, worker_id=self.worker_id,
                                  num_workers=job.num_workers, elem_bits=8, slot=0, round=round_no,
-                                 offset=off, count=len(f) - B.SUB_SIZE, op=H.OP_BLOB), f)
+                                 offset=off, count=len(f) - B.SUB_SIZE, op=H.OP_BLOB,
+                                 nonce=sess["nonce"], token=sess["token"]), f)
                 for off, f in frags]
         result: B.Reassembly | None = None
         last = None
@@ -459,8 +702,10 @@ class Transport:
                     if self.policy == "zero":
                         raise _Lost()
                     if tries >= self.max_retries:
-                        raise PSUnavailable(f"no reply from PS {dest[0]}:{dest[1]} for BLOB round "
-                                            f"{round_no} after {tries} retransmissions")
+                        if self._restarted:
+                            raise PSUnavailable("the PS restarted during a BLOB round; resuming is "
+                                                "supported for the data-plane codecs (thc, none)")
+                        self._give_up(f"BLOB round {round_no}", dest, tries)
                     tries += 1
                     self._emit([(H.as_retransmission(pkt), dest) for pkt in pkts])
                     self.stats.add("retransmissions", len(pkts))
