@@ -15,8 +15,9 @@ ZMQ_MAXMSGSIZE.  Requests and their replies:
   barrier    {name, worker_id, session}       -> ok, once every live rank arrived
   sync_put   {round, worker_id, session, blob} -> ok   (model sync: the sync source's state)
   sync_get   {round, worker_id, session}      -> sync {blob} once it arrived
-  resume     {worker_id, session, phase}      -> resume {phase}: after a PS restart, the
-             phase every worker replays from (the least any rank reached)
+  resume     {worker_id, session, phase}      -> resume {phase, max_phase}: after a PS
+             restart, the least and the greatest phase any rank reached (retransmit replays
+             from the least, zero skips to the greatest)
   stats      {}                               -> stats {stats}
   shutdown   {}                               -> ok, then the PS stops
 Anything else, a field of the wrong type or range, or undecodable bytes, gets

@@ -428,9 +428,10 @@ class PSServer:
             job.resume[m.rank] = msg["phase"]
             job.resume_waiters[m.rank] = ident
             if len(job.resume) == job.config.num_workers:
-                phase = min(job.resume.values())
+                reply = {"type": "resume", "phase": min(job.resume.values()),
+                         "max_phase": max(job.resume.values())}
                 for w in job.resume_waiters.values():
-                    self._reply(w, {"type": "resume", "phase": phase})
+                    self._reply(w, reply)
                 job.resume.clear()
                 job.resume_waiters.clear()
             return None

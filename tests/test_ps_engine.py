@@ -1,4 +1,6 @@
 """The C engine against the reference PS: identical outputs on identical packet sequences."""
+import zlib
+
 import numpy as np
 import pytest
 
@@ -9,6 +11,17 @@ from ps_server.reference import ReferencePS
 from ps_server.server import make_engine
 
 ADDRS = [("127.0.0.1", 5000 + i) for i in range(4)]
+NONCE = 0xC0FFEE42                                  # the job's identity
+TOKENS = [0x1000 + 77 * i for i in range(4)]        # each registration's token
+
+
+def stable_seed(*parts) -> int:
+    """A seed that is the same in every process (hash() of a str is salted per process)."""
+    return zlib.crc32(repr(parts).encode())
+
+
+def engines_for(job):
+    return ReferencePS(job, NONCE), make_engine(job, "c", NONCE)
 
 
 def job_for(codec="thc", quorum=1.0, lane_bits=8, bits=4, granularity=30):
@@ -27,12 +40,12 @@ def data_packet(job, rng, worker, slot, rnd, offset=0, count=16, ptype=H.DATA):
         payload = rng.standard_normal(count).astype(">f4").tobytes()
         bits, op = 32, job.op
     return H.build(H.Header(type=ptype, job_id=job.job_id, worker_id=worker, num_workers=4,
-                            elem_bits=bits, slot=slot, round=rnd, offset=offset, count=count, op=op),
-                   payload)
+                            elem_bits=bits, slot=slot, round=rnd, offset=offset, count=count, op=op,
+                            nonce=NONCE, token=TOKENS[worker]), payload)
 
 
 def corrupt(pkt, rng):
-    kind = rng.integers(0, 9)
+    kind = rng.integers(0, 12)
     b = bytearray(pkt)
     if kind == 0:
         return bytes(b[:int(rng.integers(0, len(b)))])
@@ -50,6 +63,12 @@ def corrupt(pkt, rng):
         b[7] = 7                     # elem bits
     elif kind == 7:
         b[3] = H.RESULT              # workers never send results
+    elif kind == 9:
+        b[32:36] = b"\x0b\xad\xf0\x0d"  # another job's (or a stale) nonce
+    elif kind == 10:
+        b[36:40] = b"\x00\x00\x00\x01"  # a token the sender was not given
+    elif kind == 11:
+        b[12:16] = (int.from_bytes(b[12:16], "big") + H.ROUND_WINDOW + 7).to_bytes(4, "big")  # far ahead
     else:
         b[6] = 3                     # num_workers mismatch
     return bytes(b)
@@ -79,12 +98,16 @@ def sequence(job, seed, length=3000):
     return seq
 
 
-def run(engine, seq):
+def register_all(engine):
     for i, a in enumerate(ADDRS):
-        if hasattr(engine, "workers"):
-            engine.register(i, a)
+        if isinstance(engine, ReferencePS):
+            engine.register(i, a, TOKENS[i])
         else:
-            engine.register(i, a[0], a[1])
+            engine.register(i, a[0], a[1], TOKENS[i])
+
+
+def run(engine, seq):
+    register_all(engine)
     return [engine.process(p, a) for p, a in seq]
 
 
@@ -93,25 +116,25 @@ def run(engine, seq):
     ("thc", 0.5, 32, 2, 10), ("none", 1.0, 8, 4, 30), ("thc", 1.0, 16, 8, 300)])
 def test_c_engine_matches_reference(codec, quorum, lane_bits, bits, g):
     job = job_for(codec, quorum, lane_bits, bits, g)
-    seq = sequence(job, seed=hash((codec, quorum, lane_bits, bits)) % 1000)
-    ref, fast = ReferencePS(job), make_engine(job, "c")
+    seed = stable_seed(codec, quorum, lane_bits, bits)
+    seq = sequence(job, seed=seed)
+    ref, fast = engines_for(job)
     out_ref, out_c = run(ref, seq), run(fast, seq)
-    assert out_ref == out_c
-    assert ref.stats.as_dict() == fast.stats()
+    assert out_ref == out_c, f"sequence seed {seed}"
+    assert ref.stats.as_dict() == fast.stats(), f"sequence seed {seed}"
     s = fast.stats()
     assert s["rounds_completed"] > 20 and s["stragglers_notified"] > 0 and s["results_resent"] > 0
     assert all(s["drops"][k] > 0 for k in ("malformed", "wrong_version", "unknown_job",
                                            "slot_out_of_range", "worker_out_of_range",
-                                           "unregistered", "stale"))
+                                           "unregistered", "stale", "ahead"))
 
 
 @pytest.mark.parametrize("kind", ["c", "python"])
 def test_round_rules(kind):
     """Basic reduction, duplicate, retransmission after completion, stale → straggler, shadow copy."""
     job = job_for()
-    e = make_engine(job, kind)
-    for i, a in enumerate(ADDRS):
-        e.register(i, a) if kind == "python" else e.register(i, *a)
+    e = make_engine(job, kind, NONCE)
+    register_all(e)
     rng = np.random.default_rng(1)
     tab = np.asarray(job.table)
     pkts = [data_packet(job, rng, w, 2, 5) for w in range(4)]
@@ -139,20 +162,21 @@ def test_round_rules(kind):
 
 def test_norm_max_and_float_sum():
     job = job_for("none")
-    e = make_engine(job, "c")
-    for i, a in enumerate(ADDRS):
-        e.register(i, *a)
+    e = make_engine(job, "c", NONCE)
+    register_all(e)
     vals = [np.array([1.5, 2.0, 0.25], np.float32) * (i + 1) for i in range(4)]
     outs = []
     for i in range(4):
         pkt = H.build(H.Header(type=H.NORM, job_id=1, worker_id=i, num_workers=4, elem_bits=32,
-                               slot=job.slots, round=1, count=3, op=H.OP_MAX_U32), vals[i].astype(">f4").tobytes())
+                               slot=job.slots, round=1, count=3, op=H.OP_MAX_U32, nonce=NONCE,
+                               token=TOKENS[i]), vals[i].astype(">f4").tobytes())
         outs = e.process(pkt, ADDRS[i])
     got = np.frombuffer(bytes(H.parse(outs[0][0])[1]), ">f4")
     assert got.tolist() == np.max(vals, axis=0).tolist()
     for i in range(4):
         pkt = H.build(H.Header(type=H.DATA, job_id=1, worker_id=i, num_workers=4, elem_bits=32, slot=0,
-                               round=1, count=3, op=H.OP_FLOAT_SUM), vals[i].astype(">f4").tobytes())
+                               round=1, count=3, op=H.OP_FLOAT_SUM, nonce=NONCE,
+                               token=TOKENS[i]), vals[i].astype(">f4").tobytes())
         outs = e.process(pkt, ADDRS[i])
     assert np.frombuffer(bytes(H.parse(outs[0][0])[1]), ">f4").tolist() == sum(vals).tolist()
 
@@ -181,11 +205,13 @@ def test_random_bytes_never_crash_and_engines_agree(codec):
     for _ in range(4000):
         b = bytearray(rng.bytes(int(rng.integers(0, 200))))
         if rng.random() < 0.5 and len(b) >= H.HEADER_SIZE:
-            b[0:3] = b"TH\x01"
+            b[0:3] = b"TH" + bytes([H.VERSION])
             b[8:10] = job.job_id.to_bytes(2, "big")
+            if rng.random() < 0.5:
+                b[32:36] = NONCE.to_bytes(4, "big")
             b[5] = int(rng.integers(0, 4))
         seq.append((bytes(b), ADDRS[int(rng.integers(0, 4))]))
-    engines = [ReferencePS(job)] + ([make_engine(job, "c")] if not job.blob else [])
+    engines = [ReferencePS(job, NONCE)] + ([make_engine(job, "c", NONCE)] if not job.blob else [])
     outs = [run(e, seq) for e in engines]
     stats = [e.stats.as_dict() if isinstance(e, ReferencePS) else e.stats() for e in engines]
     assert all(o == outs[0] for o in outs) and all(s == stats[0] for s in stats)
@@ -194,3 +220,36 @@ def test_random_bytes_never_crash_and_engines_agree(codec):
     assert s["packets_in"] == len(seq)
     # random payloads can form a valid packet only by vanishing chance; all must be dropped
     assert answered == 0 and sum(s["drops"].values()) == len(seq), s["drops"]
+
+
+@pytest.mark.parametrize("kind", ["c", "python"])
+def test_job_identity_and_round_window(kind):
+    """Only this job's nonce with the sender's own token is aggregated; one far-future round
+    cannot wedge a slot (the reproduction: round 0xFFFFFFFF stopped a slot until restart)."""
+    job = job_for()
+    e = make_engine(job, kind, NONCE)
+    register_all(e)
+    rng = np.random.default_rng(5)
+    stats = (lambda: e.stats.as_dict()) if kind == "python" else e.stats
+
+    def pkt(w, rnd, nonce=NONCE, token=None):
+        b = bytearray(data_packet(job, rng, w, 1, rnd))
+        b[32:36] = nonce.to_bytes(4, "big")
+        b[36:40] = (TOKENS[w] if token is None else token).to_bytes(4, "big")
+        return bytes(b)
+
+    assert e.process(pkt(0, 1, nonce=NONCE ^ 1), ADDRS[0]) == []          # a previous job's packet
+    assert e.process(pkt(0, 1, token=TOKENS[1]), ADDRS[0]) == []          # another rank's token
+    assert e.process(pkt(0, 0xFFFFFFFF), ADDRS[0]) == []                  # far future
+    assert e.process(pkt(0, H.ROUND_WINDOW + 1), ADDRS[0]) == []          # just past the window
+    d = stats()["drops"]
+    assert (d["unknown_job"], d["unregistered"], d["ahead"]) == (1, 1, 2)
+    outs = [e.process(pkt(w, 1), ADDRS[w]) for w in range(4)]             # the slot still works
+    assert outs[:3] == [[], [], []] and len(outs[3]) == 4
+    h, _ = H.parse(outs[3][0][0])
+    assert (h.round, h.contributors, h.nonce, h.token) == (1, 4, NONCE, 0)
+    assert e.process(pkt(2, 1 + H.ROUND_WINDOW), ADDRS[2]) == []          # within the window: accepted
+    assert stats()["drops"]["ahead"] == 2
+    e.unregister(2)                                                        # left, or lease expired
+    assert e.process(pkt(2, 2 + H.ROUND_WINDOW), ADDRS[2]) == []
+    assert stats()["drops"]["unregistered"] == 2

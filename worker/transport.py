@@ -195,6 +195,7 @@ class Transport:
         self._last_phase = None             # (kind, chunks, phase index) of the last completed phase
         self.blob_round = 0
         self.resumes = 0
+        self._skip_until = 0
         if heartbeat:
             self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                                name=f"thc-heartbeat-{worker_id}")
@@ -271,9 +272,12 @@ class Transport:
         return self.call({"type": "status"}).get("sync_source") == self.worker_id
 
     def _resume(self, shard: int) -> None:
-        """After a PS restart: register again, agree with every rank on the phase to replay
-        from (the least any reached), reset the slot rounds there, replay the last phase if
-        this worker had finished it, and let the interrupted phase run again."""
+        """After a PS restart: register again and agree with every rank where to go on.
+
+        retransmit: from the least phase any rank reached — slot rounds reset there, a rank
+        that had finished that phase replays it (from the packets it kept), and the
+        interrupted phase runs again; nothing is lost.  zero: from the greatest phase —
+        ranks behind report the phases in between as lost."""
         if len(self.sessions) > 1:
             raise PSUnavailable(f"PS shard {shard} restarted; resuming is supported with one shard only")
         self._restarted.discard(shard)
@@ -281,11 +285,15 @@ class Transport:
         log.warning("worker %d: the PS restarted; registering again and resuming at phase %d",
                     self.worker_id, self._phase_no)
         self._register(shard)
-        phase = self.call({"type": "resume", "phase": int(self._phase_no)}, shard=shard,
-                          wait=True)["phase"]
+        reply = self.call({"type": "resume", "phase": int(self._phase_no)}, shard=shard, wait=True)
+        phase = reply["phase"]
         self.slot_round[shard, :] = 0
         self._stash.clear()
         self._blob_q = []
+        if self.policy == "zero":
+            # no replay: ranks behind count the phases up to the greatest as lost
+            self._skip_until = reply["max_phase"]
+            return
         if phase < self._phase_no:
             if self._last_phase is None or self._last_phase[2] != phase:
                 raise PSUnavailable(f"the PS restarted and the ranks are more than one phase apart "
@@ -484,6 +492,10 @@ class Transport:
         If the PS restarts meanwhile, the phase is resumed with the other ranks (`_resume`).
         """
         while True:
+            if self._phase_no < self._skip_until:      # zero policy after a PS restart
+                results = [None] * len(chunks)
+                self.stats.add("lost_chunks", len(chunks))
+                break
             try:
                 results = self._run_phase_once(kind, chunks, self._phase_no)
                 break
