@@ -40,23 +40,33 @@ KILLED = 17     # exit status of a worker killed by fault injection (`die_at`)
 
 def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
                 straggler_delay_ms, straggler_prob, timeout_ms, window, report=None, quiet=True,
-                bind_port=0, batched=True, expect=None, propose=None, keys=None, die_at=None):
+                bind_port=0, batched=True, expect=None, propose=None, keys=None, die_at=None,
+                rejoin=False):
     """Run `rounds` allreduces of test gradients against the PS shards [(host, data, control)].
 
     `expect` is the job configuration this worker insists on (a dict of JobConfig fields),
     `propose` the job it proposes to a PS started without one.  A rank that registers into
     a running job in which it held a place before (it crashed and was restarted) rejoins:
     it fast-forwards to the round the other ranks are at.  `die_at` makes the process exit
-    abruptly at the start of that round (fault injection).
+    abruptly at the start of that round (fault injection); `rejoin` (a restarted rank) only
+    joins a job it held a place in, and returns no rounds if that job has ended meanwhile.
     Returns (per-round reports, transport counters, the job as announced by the PS).
     """
     import os
 
     from worker.client import Worker
     from worker.transport import Transport
-    t = Transport(shards[0][0], shards[0][1], worker_id, control_port=shards[0][2], policy=policy,
-                  faults=faults, timeout_ms=timeout_ms, window=window, shards=shards, bind_port=bind_port,
-                  batched=batched, expect=expect, propose=propose, keys=keys)
+    try:
+        t = Transport(shards[0][0], shards[0][1], worker_id, control_port=shards[0][2], policy=policy,
+                      faults=faults, timeout_ms=timeout_ms, window=window, shards=shards,
+                      bind_port=bind_port, batched=batched, expect=expect, propose=propose, keys=keys,
+                      rejoin=rejoin)
+    except ValueError as exc:
+        if not rejoin or "no running job to rejoin" not in str(exc):
+            raise
+        if report is not None:
+            report.put((worker_id, [], {"rejoin_refused": 1}, None))
+        return [], {"rejoin_refused": 1}, None
     w = Worker(t, error_feedback=False, seed=seed, straggler_delay_ms=straggler_delay_ms,
                straggler_prob=straggler_prob, per_round_rng=True)
     out = []
@@ -274,14 +284,15 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
     t0 = time.perf_counter()
     ranks = range(rank_base, rank_base + local_workers)
 
-    def spawn(i, die_at=None):
+    def spawn(i, die_at=None, rejoin=False):
         faults = Faults(drop_out=loss, drop_in=loss, duplicate=duplicate, reorder=reorder, seed=seed)
         delay = straggler_delay_ms if (straggler_rank is None or straggler_rank == i) else 0.0
         args = (shard_list, i, rounds, dim, seed, policy, faults, delay,
                 straggler_prob, timeout_ms, window, q, not verbose)
         proc = ctx.Process(target=_worker_entry, args=args, daemon=True,
                            kwargs={"batched": batched, "expect": expect, "propose": job,
-                                   "keys": None if keys is None else str(keys), "die_at": die_at})
+                                   "keys": None if keys is None else str(keys), "die_at": die_at,
+                                   "rejoin": rejoin})
         proc.start()
         procs[i] = proc
 
@@ -298,7 +309,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
                     if proc.exitcode == KILLED and i not in per_worker:
                         if restart:
                             restarted += 1
-                            spawn(i)
+                            spawn(i, rejoin=True)
                         else:
                             errors.append(f"worker {i}: killed at round {kill[1]} (fault injection)")
                             procs.pop(i)
@@ -312,6 +323,8 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
                 continue
             if ctr is None:
                 errors.append(f"worker {wid}: {out}")
+            elif ctr.get("rejoin_refused"):        # restarted after its job had ended
+                per_worker[wid], counters[wid] = [], ctr
             else:
                 per_worker[wid], counters[wid], announced = out, ctr, ann
     except KeyboardInterrupt:
@@ -331,6 +344,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
     result = check_rounds(used, seed, dim, per_worker) if check else \
         {"rounds": rounds, "exact_rounds": None, "mismatched_chunks": None, "lost_chunks": None}
     total = lambda key: int(sum(c.get(key, 0) for c in counters.values()))
+    per_worker = {i: out for i, out in per_worker.items() if out}
     problems = list(errors)
     if check and result["mismatched_chunks"]:
         problems.append(f"{result['mismatched_chunks']} chunks differ from the reference")
@@ -345,6 +359,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
             "retransmissions": total("retransmissions"), "timeouts": total("timeouts"),
             "lost_chunks_reported": total("lost_chunks"), "straggler_notices": total("straggler_notices"),
             "resynced_chunks": total("resynced_chunks"), "ps_restarts_survived": total("resumes"),
+            "rejoin_refused": total("rejoin_refused"),
             "injected": {k: total(k) for k in ("injected_drops_out", "injected_drops_in",
                                                  "injected_duplicates", "injected_reorders")},
             "drops": ps_stats["drops"] if ps_stats else None, "ps": ps_stats,

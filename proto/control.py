@@ -4,7 +4,7 @@ Every message is a map with a "type" key; every request is checked against SCHEM
 (field types and ranges) before the PS acts on it, and the PS caps message size with
 ZMQ_MAXMSGSIZE.  Requests and their replies:
 
-  register   {worker_id, data_addr: [ip, port], expect?, job?}
+  register   {worker_id, data_addr: [ip, port], expect?, job?, rejoin?}
              -> config {job, nonce, token, session, job_number, lease_s, data_port}
              `expect` lists the job fields the worker insists on (a mismatch is refused,
              naming each differing field); `job` proposes a whole job to a PS that has
@@ -87,6 +87,11 @@ def _addr(name, v):
     _int(0, 65535)(f"{name} port", v[1])
 
 
+def _bool(name, v):
+    if not isinstance(v, bool):
+        raise ControlError(f"{name} must be true or false")
+
+
 def _map(name, v):
     if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
         raise ControlError(f"{name} must be a map with string keys")
@@ -99,7 +104,7 @@ _ROUND = _int(0, (1 << 31) - 1)
 #: type -> {field: (required, check)}
 SCHEMA = {
     "register": {"worker_id": (True, _RANK), "data_addr": (True, _addr), "expect": (False, _map),
-                 "job": (False, _map)},
+                 "job": (False, _map), "rejoin": (False, _bool)},
     "heartbeat": {"worker_id": (True, _RANK), "session": (True, _SESSION),
                   "progress": (False, _int(0, 1 << 62))},
     "status": {},

@@ -299,6 +299,9 @@ class PSServer:
         socket.inet_aton(ip)                       # a dotted IPv4 address, or OSError → error reply
         expect = msg.get("expect", {})
         job = self.job
+        if msg.get("rejoin") and (job is None or rank not in job.members):
+            raise control.ControlError(f"no running job to rejoin as rank {rank} (it ended, or the "
+                                       f"rank never joined it)")
         if job is None:
             if self.fixed_job is not None:
                 config = self.fixed_job

@@ -120,7 +120,7 @@ class Transport:
                  max_retries: int = 60, window: int = 64, faults: Faults | None = None,
                  control_timeout_s: float = 30.0, shards: list | None = None, bind_port: int = 0,
                  batched: bool = True, expect: dict | None = None, propose: JobConfig | None = None,
-                 keys=None, heartbeat: bool = True):
+                 keys=None, heartbeat: bool = True, rejoin: bool = False):
         """Connect to one PS, or to S shards given as [(host, data_port, control_port), ...].
 
         `expect` is the part of the job configuration this worker insists on (the PS refuses
@@ -173,6 +173,7 @@ class Transport:
             from proto.keys import client_keys
             self._curve = client_keys(keys)
         self._expect = dict(expect or {})
+        self._rejoin = rejoin           # a restarted rank: only a running job of ours will do
         self._propose = propose
         self.sessions: list = [None] * len(shards)      # per shard: register reply
         self.job = None
@@ -209,6 +210,8 @@ class Transport:
             msg["expect"] = self._expect
         if self._propose is not None:
             msg["job"] = self._propose.to_msg()
+        if self._rejoin and self.job is None:
+            msg["rejoin"] = True
         deadline = time.monotonic() + self._control_timeout
         while True:
             try:
