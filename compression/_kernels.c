@@ -47,6 +47,11 @@ typedef struct {
     float lo[256], inv[256];
     float m, s, gf, yz;      /* M, g/2M, g; yz = g/2 for an all-zero round (M = 0) */
     int zero;
+    /* for the shuffle path (<= 16 levels, g <= 63): iv[c] as bytes, 16 per 128-bit half and
+     * each half repeated (pshufb looks up within a half); T[j] and 1/(T[j+1]-T[j]) by j */
+    int shuffle;
+    uint8_t ivb[4][32];
+    float tabj[16], invj[16];
 } qtab_t;
 
 static int qtab_init(qtab_t *q, double big_m, int g, const uint8_t *tab, Py_ssize_t levels) {
@@ -58,6 +63,15 @@ static int qtab_init(qtab_t *q, double big_m, int g, const uint8_t *tab, Py_ssiz
         q->iv[c] = j;
         q->lo[c] = tab[j];
         q->inv[c] = 1.0f / (float)(tab[j + 1] - tab[j]);
+    }
+    q->shuffle = levels <= 16 && g <= 63;
+    memset(q->ivb, 0, sizeof q->ivb);
+    memset(q->tabj, 0, sizeof q->tabj);
+    memset(q->invj, 0, sizeof q->invj);
+    for (int c = 0; c <= g && q->shuffle; c++) q->ivb[c >> 4][c & 15] = q->ivb[c >> 4][16 + (c & 15)] = (uint8_t)q->iv[c];
+    for (Py_ssize_t j = 0; j + 1 < levels && j < 16; j++) {
+        q->tabj[j] = tab[j];
+        q->invj[j] = 1.0f / (float)(tab[j + 1] - tab[j]);
     }
     q->zero = !(big_m > 0);
     q->m = (float)big_m;
@@ -275,10 +289,28 @@ static inline __m256i quant8(const qtab_t *q, __m256 a, __m256 u) {
         y = _mm256_max_ps(y, _mm256_setzero_ps());
         y = _mm256_min_ps(y, _mm256_set1_ps(q->gf));
     }
-    __m256i c = _mm256_cvttps_epi32(y);
-    __m256 lo = _mm256_i32gather_ps(q->lo, c, 4);
-    __m256 inv = _mm256_i32gather_ps(q->inv, c, 4);
-    __m256i iv = _mm256_i32gather_epi32(q->iv, c, 4);
+    __m256i c = _mm256_cvttps_epi32(y), iv;
+    __m256 lo, inv;
+    if (q->shuffle) {     /* pshufb/permute lookups instead of three gathers */
+        __m256i idx = _mm256_or_si256(c, _mm256_set1_epi32((int)0x80808000));   /* other bytes -> 0 */
+        __m256i b4 = _mm256_slli_epi32(c, 3), b5 = _mm256_slli_epi32(c, 2);       /* bits 4, 5 -> bit 7 */
+        iv = _mm256_blendv_epi8(_mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)q->ivb[0]), idx),
+                                _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)q->ivb[1]), idx), b4);
+        if (q->gf > 31.f) {
+            __m256i hi = _mm256_blendv_epi8(_mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)q->ivb[2]), idx),
+                                            _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)q->ivb[3]), idx), b4);
+            iv = _mm256_blendv_epi8(iv, hi, b5);
+        }
+        __m256 j8 = _mm256_castsi256_ps(_mm256_slli_epi32(iv, 28));                 /* bit 3 -> sign */
+        lo = _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(q->tabj), iv),
+                              _mm256_permutevar8x32_ps(_mm256_loadu_ps(q->tabj + 8), iv), j8);
+        inv = _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(q->invj), iv),
+                               _mm256_permutevar8x32_ps(_mm256_loadu_ps(q->invj + 8), iv), j8);
+    } else {
+        lo = _mm256_i32gather_ps(q->lo, c, 4);
+        inv = _mm256_i32gather_ps(q->inv, c, 4);
+        iv = _mm256_i32gather_epi32(q->iv, c, 4);
+    }
     __m256 up = _mm256_cmp_ps(u, _mm256_mul_ps(_mm256_sub_ps(y, lo), inv), _CMP_LT_OQ);
     return _mm256_sub_epi32(iv, _mm256_castps_si256(up));     /* true = -1 */
 }
