@@ -22,7 +22,7 @@ import numpy as np
 
 from compression import thc
 from proto import headers as H
-from proto.packing import pack_indices, unpack_lanes
+from proto.packing import unpack_lanes
 from worker.transport import Transport
 
 
@@ -149,8 +149,8 @@ class Worker:
         x = grad + err if err is not None else grad
         norms = self._exchange_norms(thc.block_norms(x, layout))
         report.norms = norms.tolist()
-        z = thc.encode(x, norms, cfg, layout, rn, self.rng.random(layout.padded_dim, dtype=np.float32))
-        chunks = self._chunks(pack_indices(z, cfg.bits).tobytes(), layout.padded_dim, cfg.bits)
+        packed = thc.encode_packed(x, norms, cfg, layout, rn, self.rng.random(layout.padded_dim, dtype=np.float32))
+        chunks = self._chunks(packed.tobytes(), layout.padded_dim, cfg.bits)
         report.bytes_up = sum(len(c[2]) + H.HEADER_SIZE for c in chunks)
         self._maybe_straggle()
         results = self.t.run_phase(H.DATA, chunks)
@@ -162,8 +162,7 @@ class Worker:
                 y_avg[off:off + count] = unpack_lanes(payload, job.lane_bits, count) / h.contributors
         est = thc.decode(y_avg, 1, norms, cfg, layout, rn)
         if self.error_feedback:
-            own = thc.lookup_sum([z], cfg.table.values)
-            self.errors.put(key, x - thc.decode(own, 1, norms, cfg, layout, rn))
+            self.errors.put(key, x - thc.decode_own(packed, norms, cfg, layout, rn, packed=True))
         return est
 
     def _blob_round(self, arr: np.ndarray, key: str, report: RoundReport) -> np.ndarray:
