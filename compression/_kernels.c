@@ -197,15 +197,17 @@ static void rht_scalar(float *w, size_t n, const in_t *in, const epi_t *e) {
 
 #if THC_HAVE_AVX2
 #pragma GCC push_options
-#pragma GCC target("avx2")
-#define SB ((int)0x80000000)
+#pragma GCC target("avx2,fma")
 
 /* Cache blocking: stages 1..32 in registers (64-float leaves), then up to L1_FLOATS in an L1
  * chunk, then up to L2_FLOATS in an L2 chunk, then the long strides over the whole block.
  * The stride stages of a level run strip by strip (rows x STRIP columns, <= 32 KiB), every
  * stage of the level on one strip while it is in L1, so each level reads memory once. */
-static size_t L1_FLOATS = 1 << 9, STRIP_FLOATS = 1 << 13;
-static int LEVEL_BITS = 3;
+static size_t L1_FLOATS = 1 << 9, L2_FLOATS = 1 << 15, STRIP_FLOATS = 1 << 13;
+static int TOP_BITS = 5;
+#ifndef STAGE_BUFFER
+#define STAGE_BUFFER 1
+#endif
 
 static inline void bf(__m256 *a, __m256 *b) {
     __m256 t = *a;
@@ -213,15 +215,16 @@ static inline void bf(__m256 *a, __m256 *b) {
     *b = _mm256_sub_ps(t, *b);
 }
 
-/* Stages h = 1, 2, 4 inside one register: lower lane a+b is (b)+(a), upper lane a−b is
- * a+(−b), the same IEEE results as the scalar butterfly. */
+/* Stages h = 1, 2, 4 inside one register: v·(±1) + permuted v in one FMA.  The product by
+ * ±1 is exact, so the FMA rounds once exactly like the scalar a + b (lower lane, as b + a)
+ * and a − b (upper lane, as −b + a): the same IEEE results, bit for bit. */
 static inline __m256 inreg3(__m256 v) {
-    const __m256 n1 = _mm256_castsi256_ps(_mm256_setr_epi32(0, SB, 0, SB, 0, SB, 0, SB));
-    const __m256 n2 = _mm256_castsi256_ps(_mm256_setr_epi32(0, 0, SB, SB, 0, 0, SB, SB));
-    const __m256 n4 = _mm256_castsi256_ps(_mm256_setr_epi32(0, 0, 0, 0, SB, SB, SB, SB));
-    v = _mm256_add_ps(_mm256_permute_ps(v, 0xB1), _mm256_xor_ps(v, n1));
-    v = _mm256_add_ps(_mm256_permute_ps(v, 0x4E), _mm256_xor_ps(v, n2));
-    v = _mm256_add_ps(_mm256_permute2f128_ps(v, v, 0x01), _mm256_xor_ps(v, n4));
+    const __m256 s1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
+    const __m256 s2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
+    const __m256 s4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+    v = _mm256_fmadd_ps(v, s1, _mm256_permute_ps(v, 0xB1));
+    v = _mm256_fmadd_ps(v, s2, _mm256_permute_ps(v, 0x4E));
+    v = _mm256_fmadd_ps(v, s4, _mm256_permute2f128_ps(v, v, 0x01));
     return v;
 }
 
@@ -358,52 +361,68 @@ static inline void leaf64(float *w, size_t i, const in_t *in) {
     for (int k = 0; k < 8; k++) _mm256_storeu_ps(w + i + 8 * k, r[k]);
 }
 
-/* nst (1..3) stages of strides h0·2^s, h0·2^(s+1), ... on a strip: `rows` rows h0 apart,
- * columns [0, cols) of x (x = the strip's first coordinate, global index ibase). */
-static inline __attribute__((always_inline)) void pass_n(float *x, size_t ibase, size_t h0, size_t rows, int s,
+/* nst (1..3) stages of row strides 2^s, 2^(s+1), ... on a strip of `rows` rows x `cols`
+ * columns, read from src (rows ss floats apart) and written to dst (ds apart) or to the sink;
+ * row r column j is coordinate ibase + r·h0 + j of the block. */
+static inline __attribute__((always_inline)) void pass_n(const float *src, size_t ss, float *dst, size_t ds,
+                                                         size_t ibase, size_t h0, size_t rows, int s,
                                                          const int nst, size_t cols, const epi_t *e) {
-    const size_t h = h0 << s, span = (size_t)1 << (s + nst), lo_n = (size_t)1 << s;
+    const size_t span = (size_t)1 << (s + nst), lo_n = (size_t)1 << s;
+    const size_t sh = ss << s, dh = ds << s, ih = h0 << s;
     for (size_t ihi = 0; ihi < rows; ihi += span)
         for (size_t ilo = 0; ilo < lo_n; ilo++) {
-            float *p = x + (ihi + ilo) * h0;
-            const size_t ip = ibase + (ihi + ilo) * h0;
+            const size_t row = ihi + ilo;
+            const float *sp = src + row * ss;
+            float *dp = dst + row * ds;
+            const size_t ip = ibase + row * h0;
             for (size_t j = 0; j < cols; j += 8) {
                 __m256 r[8];
-                for (int k = 0; k < (1 << nst); k++) r[k] = _mm256_loadu_ps(p + j + k * h);
+                for (int k = 0; k < (1 << nst); k++) r[k] = _mm256_loadu_ps(sp + j + k * sh);
                 radix(r, nst);
                 if (e)
-                    for (int k = 0; k < (1 << nst); k++) epi8(e, p + j + k * h, ip + j + k * h, r[k]);
+                    for (int k = 0; k < (1 << nst); k++) epi8(e, dp + j + k * dh, ip + j + k * ih, r[k]);
                 else
-                    for (int k = 0; k < (1 << nst); k++) _mm256_storeu_ps(p + j + k * h, r[k]);
+                    for (int k = 0; k < (1 << nst); k++) _mm256_storeu_ps(dp + j + k * dh, r[k]);
             }
         }
 }
 
-static void pass(float *x, size_t ibase, size_t h0, size_t rows, int s, int nst, size_t cols, const epi_t *e) {
+static void pass(const float *src, size_t ss, float *dst, size_t ds, size_t ibase, size_t h0, size_t rows, int s,
+                 int nst, size_t cols, const epi_t *e) {
     switch (nst) {
-    case 1: pass_n(x, ibase, h0, rows, s, 1, cols, e); break;
-    case 2: pass_n(x, ibase, h0, rows, s, 2, cols, e); break;
-    default: pass_n(x, ibase, h0, rows, s, 3, cols, e); break;
+    case 1: pass_n(src, ss, dst, ds, ibase, h0, rows, s, 1, cols, e); break;
+    case 2: pass_n(src, ss, dst, ds, ibase, h0, rows, s, 2, cols, e); break;
+    default: pass_n(src, ss, dst, ds, ibase, h0, rows, s, 3, cols, e); break;
     }
 }
 
+#define STRIP_MAX (1 << 14)
+
 /* Stages h0 <= h < h1 of x[0, n) (n a multiple of h1), strip by strip; the sink (if any)
- * takes the last stage's output. */
+ * takes the last stage's output.  A strip that needs several passes is staged through a
+ * contiguous buffer (first pass in, last pass out): rows h0 apart share cache sets, which
+ * more than a few rows would overflow. */
 static void run_stages(float *x, size_t ibase, size_t n, size_t h0, size_t h1, const epi_t *e) {
+    static __thread float buf[STRIP_MAX] __attribute__((aligned(64)));
     const size_t rows = h1 / h0;
     int m = 0;
     while (((size_t)1 << m) < rows) m++;
-    size_t cols = STRIP_FLOATS / rows;
+    size_t cols = (STRIP_FLOATS < STRIP_MAX ? STRIP_FLOATS : STRIP_MAX) / rows;
     if (cols > h0) cols = h0;
     if (cols < 8) cols = 8;
+    const int direct = m <= 3 || rows * cols > STRIP_MAX || !STAGE_BUFFER;
     for (size_t b = 0; b < n; b += h1)
         for (size_t c = 0; c < h0; c += cols) {
-            int s = 0, first = m % 3;
-            if (first) {
-                pass(x + b + c, ibase + b + c, h0, rows, 0, first, cols, m == first ? e : NULL);
-                s = first;
+            float *xs = x + b + c;
+            const size_t ib = ibase + b + c;
+            for (int s = 0; s < m;) {
+                const int nst = s == 0 && m % 3 ? m % 3 : 3, last = s + nst == m;
+                const float *src = direct || s == 0 ? xs : buf;
+                float *dst = direct || last ? xs : buf;
+                pass(src, src == xs ? h0 : cols, dst, dst == xs ? h0 : cols, ib, h0, rows, s, nst, cols,
+                     last ? e : NULL);
+                s += nst;
             }
-            for (; s < m; s += 3) pass(x + b + c, ibase + b + c, h0, rows, s, 3, cols, s + 3 == m ? e : NULL);
         }
 }
 
@@ -418,20 +437,30 @@ static void rht_level(float *w, size_t base, const size_t *bounds, int k, const 
     run_stages(w + base, base, size, sub, size, e);
 }
 
-/* source -> FWHT of n >= 128 coordinates in w -> sink.  Levels: 64-float leaves, an L1 chunk,
- * then chunks LEVEL_BITS stages larger each, up to n. */
+/* source -> FWHT of n >= 128 coordinates in w -> sink.  Levels (chunk sizes): 64-float
+ * leaves; then 3 stages per level (one radix-8 pass each) while the chunk fits L2; above
+ * that as few levels as keep a strip at <= 2^TOP_BITS rows, so that the data beyond L2 is
+ * read and written once per level. */
 static void rht_avx2(float *w, size_t n, const in_t *in, const epi_t *e) {
     size_t bounds[64];
     int k = 0;
     bounds[0] = n < L1_FLOATS ? n : L1_FLOATS;
-    while (bounds[k] < n) {
-        size_t next = bounds[k] << LEVEL_BITS;
+    while (bounds[k] < n && bounds[k] < L2_FLOATS) {
+        size_t next = bounds[k] << 3;
         bounds[k + 1] = next < n ? next : n;
+        k++;
+    }
+    int rest = 0;
+    while ((bounds[k] << rest) < n) rest++;
+    int levels = (rest + TOP_BITS - 1) / TOP_BITS;
+    for (int i = 0; i < levels; i++) {
+        int step = rest / (levels - i);
+        bounds[k + 1] = bounds[k] << step;
+        rest -= step;
         k++;
     }
     rht_level(w, 0, bounds, k, in, e);
 }
-#undef SB
 #pragma GCC pop_options
 #endif
 
@@ -587,11 +616,11 @@ static PyObject *py_apply_signs(PyObject *self, PyObject *args) {
 }
 
 static PyObject *py_tune(PyObject *self, PyObject *args) {
-    Py_ssize_t l1, strip;
-    int lb;
-    if (!PyArg_ParseTuple(args, "nin", &l1, &lb, &strip)) return NULL;
+    Py_ssize_t l1, l2, strip;
+    int tb;
+    if (!PyArg_ParseTuple(args, "nnin", &l1, &l2, &tb, &strip)) return NULL;
 #if THC_HAVE_AVX2
-    L1_FLOATS = (size_t)l1; LEVEL_BITS = lb; STRIP_FLOATS = (size_t)strip;
+    L1_FLOATS = (size_t)l1; L2_FLOATS = (size_t)l2; TOP_BITS = tb; STRIP_FLOATS = (size_t)strip;
 #endif
     Py_RETURN_NONE;
 }
@@ -605,7 +634,7 @@ static PyMethodDef methods[] = {
     {"rht_decode", py_rht_decode, METH_VARARGS, "fused table-domain values + inverse RHT"},
     {"quantize", py_quantize, METH_VARARGS, "clamp + grid map + stochastic rounding to table indices (separate pass)"},
     {"apply_signs", py_apply_signs, METH_VARARGS, "multiply by the Rademacher diagonal given as packed bits"},
-    {"_tune", py_tune, METH_VARARGS, "benchmarking only: (L1 chunk floats, level bits, strip floats)"},
+    {"_tune", py_tune, METH_VARARGS, "benchmarking only: (L1 chunk, L2 chunk, top level bits, strip floats)"},
     {"simd", py_simd, METH_NOARGS, "the path simd=-1 takes: 'avx2' or 'scalar'"},
     {"has_avx2", py_has_avx2, METH_NOARGS, "whether simd=1 is available"},
     {NULL, NULL, 0, NULL}};
@@ -615,7 +644,7 @@ static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_kernels", "THC w
 PyMODINIT_FUNC PyInit__kernels(void) {
 #if THC_HAVE_AVX2
     __builtin_cpu_init();
-    cpu_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    cpu_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
 #endif
     const char *env = getenv("THC_KERNELS");
     auto_simd = cpu_avx2 && !(env && strcmp(env, "scalar") == 0);
