@@ -555,7 +555,8 @@ static PyObject *py_rht_encode(PyObject *self, PyObject *args) {
 
 /* rht_decode(src, kind, c, m, p, signs: bytes, table: bytes, out: float32 writable buf (<= p),
  *            work: float32 writable buf (>= p) or None when out holds p values, simd=-1)
- * kind 0: src float32 values v; 1: packed 4-bit indices (v = T[z]); 2: byte indices.
+ * kind 0: src float32 values v; 1: packed 4-bit indices (v = T[z]); 2: byte indices;
+ * 3: bytes b with table = 256 float32 values (v = table[b], e.g. 8-bit lanes to Y/k).
  * a = v·c − m, then FWHT, 1/sqrt(p), signs; the first len(out) coordinates are written. */
 static PyObject *py_rht_decode(PyObject *self, PyObject *args) {
     Py_buffer s = {0}, sg = {0}, t = {0}, o = {0}, w = {0};
@@ -568,15 +569,19 @@ static PyObject *py_rht_decode(PyObject *self, PyObject *args) {
     if (wobj != Py_None && PyObject_GetBuffer(wobj, &w, PyBUF_WRITABLE) < 0) return fail(bufs, 5, NULL);
     size_t n = (size_t)p, nout = (size_t)o.len / 4;
     size_t need = kind == 0 ? 4 * n : kind == 1 ? (n + 1) / 2 : n;
+    const int ftab = kind == 3;          /* byte source, table of 256 float32 values */
+    if (ftab) kind = 2;
     float *work = w.obj ? w.buf : (nout == n ? o.buf : NULL);
-    if (!is_pow2(n) || kind < 0 || kind > 2 || (size_t)s.len < need || (size_t)sg.len * 8 < n || nout > n ||
-        !work || (w.obj && (size_t)w.len / 4 < n) || (kind == 1 && t.len > 16) || (kind && t.len < 2))
+    if (!is_pow2(n) || kind < 0 || kind > 3 || (size_t)s.len < need || (size_t)sg.len * 8 < n || nout > n ||
+        !work || (w.obj && (size_t)w.len / 4 < n) || (kind == 1 && t.len > 16) || (kind && t.len < 2) ||
+        (ftab && t.len != 1024))
         return fail(bufs, 5, "rht_decode: inconsistent buffer sizes");
     if ((simd = pick_simd(simd)) < 0) return fail(bufs, 5, NULL);
     in_t in = {.kind = kind == 0 ? IN_VALUES : kind == 1 ? IN_NIBBLES : IN_BYTES, .signs = sg.buf,
                .x = s.buf, .idx = s.buf, .c = (float)c, .m = (float)m};
     memset(in.tabf, 0, sizeof in.tabf);
-    for (Py_ssize_t i = 0; i < t.len; i++) in.tabf[i] = ((const uint8_t *)t.buf)[i];
+    if (ftab) memcpy(in.tabf, t.buf, 1024);
+    else for (Py_ssize_t i = 0; i < t.len; i++) in.tabf[i] = ((const uint8_t *)t.buf)[i];
     epi_t e = {.kind = EPI_DECODE, .signs = sg.buf, .dst = o.buf, .ndst = nout};
     Py_BEGIN_ALLOW_THREADS
     rht_run(simd, work, n, &in, &e);

@@ -268,12 +268,13 @@ def lookup_sum(indices, table) -> np.ndarray:
 
 
 def _decode_kernels(src, kind: int, contributors: int, max_norms, cfg: ThcConfig, layout: Layout,
-                    round_no: int) -> np.ndarray:
+                    round_no: int, lut: np.ndarray | None = None) -> np.ndarray:
     """Alg. 3 lines 19-21 per RHT block in one C call: a = v·2M/(g·k) − M from the source
-    (kind 0: float32 values, 1: packed 4-bit indices, 2: byte indices, v = T[z]), then the
+    (kind 0: float32 values, 1: packed 4-bit indices, 2: byte indices, v = T[z]; 3: bytes,
+    v = lut[byte]), then the
     inverse RHT of §5.1 (FWHT, then the signs D)."""
     g, table = cfg.granularity, cfg.table
-    tab8 = bytes(table.values) if kind else b""
+    tab8 = lut.tobytes() if lut is not None else bytes(table.values) if kind else b""
     out = np.empty(layout.dim, dtype=np.float32)
     for j, off in enumerate(layout.padded_offsets()):
         p, s, n = layout.padded[j], layout.starts[j], layout.lengths[j]
@@ -318,6 +319,19 @@ def decode_own(z, max_norms, cfg: ThcConfig, layout: Layout, round_no: int, pack
         z = unpack_indices(np.asarray(z, dtype=np.uint8), cfg.bits, layout.padded_dim)
     own = lookup_sum([z.numpy() if _is_torch(z) else z], cfg.table.values)
     return decode(_asarray(own, z), 1, max_norms, cfg, layout, round_no)
+
+
+def decode_lanes(lanes, contributors: int, max_norms, cfg: ThcConfig, layout: Layout, round_no: int):
+    """x̂ from the PS's 8-bit sum lanes Y (uint8, one per padded coordinate) and k contributors.
+
+    Equal to ``decode((Y / k).astype(float32), 1, ...)`` (Alg. 3 lines 19–21), with the
+    division done by a 256-entry table inside the fused decode.
+    """
+    lut = (np.arange(256, dtype=np.int64) / contributors).astype(np.float32)
+    lanes = np.ascontiguousarray(lanes, dtype=np.uint8)
+    if _kernels is None:
+        return decode(lut[lanes], 1, max_norms, cfg, layout, round_no)
+    return _decode_kernels(lanes, 3, 1, max_norms, cfg, layout, round_no, lut=lut)
 
 
 @dataclass

@@ -182,3 +182,34 @@ def test_same_bytes_in_every_process_and_on_the_scalar_fallback():
     a, b, s = _digest(None), _digest(None), _digest("scalar")
     assert a[0] == ("avx2" if K.has_avx2() else "scalar") and s[0] == "scalar"
     assert a[1] == b[1] == s[1]
+
+
+@pytest.mark.parametrize("case", ["all", "lost", "mixed_k", "lanes16"])
+def test_worker_lanes_decode_equals_per_chunk_average(case):
+    """The worker's fused lanes → Y/k → RHT⁻¹ equals decode() of the per-chunk float32 Y/k,
+    bit for bit; rounds with a lost chunk, mixed k or wide lanes take the per-chunk path."""
+    from types import SimpleNamespace
+    from proto.packing import pack_lanes
+    from worker.client import average_lanes, joined_lanes
+    lane_bits = 16 if case == "lanes16" else 8
+    rng = np.random.default_rng(len(case))
+    cfg = thc.ThcConfig(seed=2, block_log2=12)
+    dim, per = 10000, 1440
+    layout = thc.make_layout(dim, cfg.block_log2)
+    total = layout.padded_dim
+    norms = rng.random(len(layout.starts)) * 50
+    chunks = [(off, min(per, total - off), b"") for off in range(0, total, per)]
+    results = []
+    for i, (off, count, _) in enumerate(chunks):
+        k = int(rng.integers(1, 5)) if case == "mixed_k" else 3
+        if case == "lost" and i % 3 == 1:
+            results.append(None)
+            continue
+        results.append((SimpleNamespace(contributors=k), pack_lanes(rng.integers(0, 30 * k + 1, count), lane_bits)))
+    want = thc.decode(average_lanes(chunks, results, total, 30, lane_bits), 1, norms, cfg, layout, 4)
+    whole = joined_lanes(chunks, results, total, lane_bits)
+    assert (whole is None) == (case != "all")
+    if whole is not None:
+        assert whole[1] == 3
+        got = thc.decode_lanes(whole[0], whole[1], norms, cfg, layout, 4)
+        assert np.array_equal(bits_of(got), bits_of(want))

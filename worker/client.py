@@ -26,6 +26,29 @@ from proto.packing import unpack_lanes
 from worker.transport import Transport
 
 
+def joined_lanes(chunks, results, total: int, lane_bits: int):
+    """(all 8-bit sum lanes as one uint8 vector, k) when every chunk came back with the same
+    number of contributors k — the common round; None otherwise."""
+    if lane_bits != 8 or not results or any(r is None for r in results):
+        return None
+    k = results[0][0].contributors
+    if any(h.contributors != k for h, _ in results):
+        return None
+    lanes = np.frombuffer(b"".join(memoryview(p)[:count] for (_, count, _), (_, p) in zip(chunks, results)),
+                          dtype=np.uint8)
+    return (lanes, k) if lanes.size == total else None
+
+
+def average_lanes(chunks, results, total: int, granularity: int, lane_bits: int) -> np.ndarray:
+    """Y/k per chunk (Alg. 3 line 19) as one float32 vector; a lost chunk stays at g/2, the
+    rotated-domain zero (unpack_lanes(payload) / k cast to float32, as before)."""
+    y_avg = np.full(total, granularity / 2.0, dtype=np.float32)
+    for (off, count, _), r in zip(chunks, results):
+        if r is not None:
+            h, payload = r
+            y_avg[off:off + count] = unpack_lanes(payload, lane_bits, count) / h.contributors
+    return y_avg
+
 @dataclass
 class RoundReport:
     """What one allreduce did, for checks and progress output."""
@@ -155,12 +178,12 @@ class Worker:
         self._maybe_straggle()
         results = self.t.run_phase(H.DATA, chunks)
         self._collect(results, report)
-        y_avg = np.full(layout.padded_dim, cfg.granularity / 2.0, dtype=np.float32)
-        for (off, count, _), r in zip(chunks, results):
-            if r is not None:
-                h, payload = r
-                y_avg[off:off + count] = unpack_lanes(payload, job.lane_bits, count) / h.contributors
-        est = thc.decode(y_avg, 1, norms, cfg, layout, rn)
+        whole = joined_lanes(chunks, results, layout.padded_dim, job.lane_bits)
+        if whole is not None:       # every chunk back, one k: lanes → Y/k inside the fused decode
+            est = thc.decode_lanes(whole[0], whole[1], norms, cfg, layout, rn)
+        else:
+            y_avg = average_lanes(chunks, results, layout.padded_dim, cfg.granularity, job.lane_bits)
+            est = thc.decode(y_avg, 1, norms, cfg, layout, rn)
         if self.error_feedback:
             self.errors.put(key, x - thc.decode_own(packed, norms, cfg, layout, rn, packed=True))
         return est

@@ -1,0 +1,162 @@
+"""Where a THC worker round's time goes: one worker against the C PS in this process, d = 2^k,
+under cProfile; the round before the fused kernels (worker code and kernels of commit
+d92a8a5, rebuilt from what _kernels.c keeps) and after, same run.
+
+    .venv/bin/python bench/profile_round.py [--dim-log2 24] [--rounds 3]
+
+Buckets (cumulative time inside the round, ms per round):
+  encode     RHT + clamp + quantize + 4-bit packing (before: thc.encode + pack_indices)
+  uniforms   the worker's rng.random draws for stochastic rounding
+  norms      block norms + the NORM phase
+  transport  run_phase of the DATA phase (send, PS aggregation in its thread, receive)
+  lanes→Y/k  Y/k into y_avg (before: per-chunk unpack_lanes / k loop; after: average_lanes)
+  decode     RHT⁻¹ of the average
+  own decode the error-feedback term RHT⁻¹(X) (before: lookup_sum + decode)
+  glue       the rest: error-feedback arithmetic, chunking, result bookkeeping
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import numpy as np
+
+from bench.bench_thc import decode_before, encode_before
+from compression import thc
+from proto import headers as H
+from proto.job import JobConfig
+from proto.packing import pack_indices, unpack_lanes
+from ps_server.server import PSServer
+from worker.client import Worker
+from worker.transport import Transport
+
+
+def _encode_before(x, norms, cfg, layout, rn, u):
+    return encode_before(x, norms, cfg, layout, rn, u)
+
+
+def _pack_before(z, bits):
+    return pack_indices(z, bits)
+
+
+def _decode_avg_before(y, k, norms, cfg, layout, rn):
+    return decode_before(y, k, norms, cfg, layout, rn)
+
+
+def _own_before(z, norms, cfg, layout, rn):
+    return decode_before(thc.lookup_sum([z], cfg.table.values), 1, norms, cfg, layout, rn)
+
+
+def _lanes_loop(chunks, results, y_avg, lane_bits):
+    for (off, count, _), r in zip(chunks, results):
+        if r is not None:
+            h, payload = r
+            y_avg[off:off + count] = unpack_lanes(payload, lane_bits, count) / h.contributors
+
+
+def thc_round_before(self, grad, key, rn, report):
+    """Worker._thc_round as of commit d92a8a5 (helpers named for the profile buckets)."""
+    cfg, job = self.cfg, self.job
+    layout = thc.make_layout(grad.size, cfg.block_log2)
+    err = self.errors.get(key, grad) if self.error_feedback else None
+    x = grad + err if err is not None else grad
+    norms = self._exchange_norms(thc.block_norms(x, layout))
+    report.norms = norms.tolist()
+    z = _encode_before(x, norms, cfg, layout, rn, self.rng.random(layout.padded_dim, dtype=np.float32))
+    chunks = self._chunks(_pack_before(z, cfg.bits).tobytes(), layout.padded_dim, cfg.bits)
+    report.bytes_up = sum(len(c[2]) + H.HEADER_SIZE for c in chunks)
+    self._maybe_straggle()
+    results = self.t.run_phase(H.DATA, chunks)
+    self._collect(results, report)
+    y_avg = np.full(layout.padded_dim, cfg.granularity / 2.0, dtype=np.float32)
+    _lanes_loop(chunks, results, y_avg, job.lane_bits)
+    est = _decode_avg_before(y_avg, 1, norms, cfg, layout, rn)
+    if self.error_feedback:
+        self.errors.put(key, x - _own_before(z, norms, cfg, layout, rn))
+    return est
+
+
+class _TimedRng:
+    """The worker's Generator with `random` as a Python frame, so cProfile attributes it."""
+
+    def __init__(self, gen):
+        self._gen = gen
+
+    def random(self, *args, **kwargs):
+        return self._gen.random(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._gen, name)
+
+
+BUCKETS = {
+    "encode": ["encode_packed", "_encode_before", "_pack_before"],
+    "uniforms": ["random"],
+    "norms": ["block_norms", "_exchange_norms"],
+    "transport": ["run_phase"],
+    "decode": ["decode", "_decode_avg_before"],
+    "own decode": ["decode_own", "_own_before"],
+    "lanes→Y/k": ["_lanes_loop", "average_lanes"],
+}
+
+
+def profile(before: bool, dim: int, rounds: int):
+    server = PSServer(JobConfig(num_workers=1), ("127.0.0.1", 0), control_port=0).start()
+    t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port)
+    orig = Worker._thc_round
+    try:
+        if before:
+            Worker._thc_round = thc_round_before
+        w = Worker(t)
+        w.rng = _TimedRng(w.rng)
+        x = np.random.default_rng(0).standard_normal(dim).astype(np.float32)
+        w.allreduce(x)                                   # warm: sockets, workspaces, pages
+        prof = cProfile.Profile()
+        start = time.perf_counter()
+        prof.enable()
+        for _ in range(rounds):
+            w.allreduce(x)
+        prof.disable()
+        wall = (time.perf_counter() - start) / rounds * 1e3
+    finally:
+        Worker._thc_round = orig
+        t.close()
+        server.stop()
+    stats = pstats.Stats(prof).stats
+    cum = {}
+    for (fname, _line, func), (_cc, _nc, _tt, ct, _callers) in stats.items():
+        key = func
+        cum[key] = cum.get(key, 0.0) + ct
+    round_ms = (cum.get("_thc_round", 0) + cum.get("thc_round_before", 0)) / rounds * 1e3
+    out = {"round (profiled)": round_ms}
+    for bucket, names in BUCKETS.items():
+        v = 0.0
+        for nm in names:
+            if nm == "decode":     # thc.decode proper, not decode_own (which calls it in fallbacks)
+                v += sum(st[3] for (f, _l, fn), st in stats.items() if fn == "decode" and f.endswith("thc.py"))
+            else:
+                v += cum.get(nm, 0.0)
+        out[bucket] = v / rounds * 1e3
+    out["glue"] = round_ms - sum(v for k, v in out.items() if k != "round (profiled)")
+    out["allreduce wall (profiled)"] = wall
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dim-log2", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    dim = 1 << args.dim_log2
+    res = {"before": profile(True, dim, args.rounds), "after": profile(False, dim, args.rounds)}
+    print(f"d = 2^{args.dim_log2}, one worker + C PS in this process, {args.rounds} rounds under cProfile, ms per round")
+    print(f"{'bucket':>26} {'before':>9} {'after':>9} {'before/after':>12}")
+    for key in res["before"]:
+        b, a = res["before"][key], res["after"][key]
+        print(f"{key:>26} {b:9.1f} {a:9.1f} {b / a if a > 0 else float('nan'):12.2f}")
+
+
+if __name__ == "__main__":
+    main()
