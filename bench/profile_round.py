@@ -9,8 +9,9 @@ Buckets (cumulative time inside the round, ms per round):
   uniforms   the worker's rng.random draws for stochastic rounding
   norms      block norms + the NORM phase
   transport  run_phase of the DATA phase (send, PS aggregation in its thread, receive)
-  lanes→Y/k  Y/k into y_avg (before: per-chunk unpack_lanes / k loop; after: average_lanes)
-  decode     RHT⁻¹ of the average
+  lanes→Y/k  the sum lanes gathered for decoding (before: per-chunk unpack_lanes / k into y_avg;
+             after: joining the payloads, the division being inside decode)
+  decode     RHT⁻¹ of the average (after: thc.decode_lanes, which includes lanes→Y/k)
   own decode the error-feedback term RHT⁻¹(X) (before: lookup_sum + decode)
   glue       the rest: error-feedback arithmetic, chunking, result bookkeeping
 """
@@ -96,9 +97,9 @@ BUCKETS = {
     "uniforms": ["random"],
     "norms": ["block_norms", "_exchange_norms"],
     "transport": ["run_phase"],
-    "decode": ["decode", "_decode_avg_before"],
+    "decode": ["decode", "decode_lanes", "_decode_avg_before"],
     "own decode": ["decode_own", "_own_before"],
-    "lanes→Y/k": ["_lanes_loop", "average_lanes"],
+    "lanes→Y/k": ["_lanes_loop", "average_lanes", "joined_lanes"],
 }
 
 
@@ -141,14 +142,22 @@ def profile(before: bool, dim: int, rounds: int):
         out[bucket] = v / rounds * 1e3
     out["glue"] = round_ms - sum(v for k, v in out.items() if k != "round (profiled)")
     out["allreduce wall (profiled)"] = wall
+    if TOP:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(TOP)
     return out
+
+
+TOP = 0
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dim-log2", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--top", type=int, default=0, help="also print the top N functions by own time")
     args = ap.parse_args()
+    global TOP
+    TOP = args.top
     dim = 1 << args.dim_log2
     res = {"before": profile(True, dim, args.rounds), "after": profile(False, dim, args.rounds)}
     print(f"d = 2^{args.dim_log2}, one worker + C PS in this process, {args.rounds} rounds under cProfile, ms per round")

@@ -34,8 +34,8 @@ def joined_lanes(chunks, results, total: int, lane_bits: int):
     k = results[0][0].contributors
     if any(h.contributors != k for h, _ in results):
         return None
-    lanes = np.frombuffer(b"".join(memoryview(p)[:count] for (_, count, _), (_, p) in zip(chunks, results)),
-                          dtype=np.uint8)
+    lanes = np.frombuffer(b"".join(p if len(p) == count else memoryview(p)[:count]
+                                   for (_, count, _), (_, p) in zip(chunks, results)), dtype=np.uint8)
     return (lanes, k) if lanes.size == total else None
 
 
@@ -185,7 +185,8 @@ class Worker:
             y_avg = average_lanes(chunks, results, layout.padded_dim, cfg.granularity, job.lane_bits)
             est = thc.decode(y_avg, 1, norms, cfg, layout, rn)
         if self.error_feedback:
-            self.errors.put(key, x - thc.decode_own(packed, norms, cfg, layout, rn, packed=True))
+            own = thc.decode_own(packed, norms, cfg, layout, rn, packed=True)
+            self.errors.put(key, np.subtract(x, own, out=own))     # e = x − RHT⁻¹(X), no new vector
         return est
 
     def _blob_round(self, arr: np.ndarray, key: str, report: RoundReport) -> np.ndarray:
