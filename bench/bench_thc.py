@@ -9,8 +9,10 @@ same run, so the ratio survives a noisy shared machine.
 "before" is the pipeline of commit d92a8a5, rebuilt here from the kernels it used (which
 _kernels.c keeps): copy + apply_signs + scalar FWHT + quantize passes, numpy 4-bit packing;
 decode: numpy affine map + scalar FWHT + apply_signs.  "after" is thc.encode_packed /
-thc.decode (one fused C call per RHT block, AVX2 when the CPU has it).  "own decode" is the
-error-feedback term RHT⁻¹(X) from the packed indices (thc.decode_own).
+thc.decode (one fused C call per RHT block, AVX2 when the CPU has it).  "lanes decode" is
+what the worker now runs on a complete round: 8-bit sum lanes → Y/k → RHT⁻¹ in the fused
+call (thc.decode_lanes).  "own decode" is the error-feedback term RHT⁻¹(X) from the packed
+indices (thc.decode_own).
 """
 from __future__ import annotations
 
@@ -66,7 +68,7 @@ def main():
     cfg = thc.ThcConfig()
     print(f"torch threads {torch.get_num_threads()}, numpy {np.__version__}, torch {torch.__version__}, "
           f"kernels {_kernels.simd()}")
-    print(f"{'d':>4} {'backend':>7} {'stage':>16} {'ms':>9} {'Mcoord/s':>9} {'x copyto':>9} {'after/before':>12}")
+    print(f"{'d':>4} {'backend':>7} {'stage':>17} {'ms':>9} {'Mcoord/s':>9} {'x copyto':>9} {'after/before':>12}")
     for k in args.dims:
         d = 1 << k
         rng = np.random.default_rng(0)
@@ -89,10 +91,11 @@ def main():
             ("torch", "compress", lambda: pack_indices(thc.encode(xt, norms, cfg, layout, 0, ut).numpy(), 4)),
             ("numpy", "decompress before", lambda: decode_before(unpack_lanes(lanes, 8), 4, norms, cfg, layout, 0)),
             ("numpy", "decompress", lambda: thc.decode(unpack_lanes(lanes, 8), 4, norms, cfg, layout, 0)),
+            ("numpy", "lanes decode", lambda: thc.decode_lanes(np.frombuffer(lanes, np.uint8), 4, norms, cfg, layout, 0)),
             ("numpy", "own decode", lambda: thc.decode_own(packed, norms, cfg, layout, 0, packed=True)),
             ("torch", "decompress", lambda: thc.decode(yt, 4, norms, cfg, layout, 0)),
         ]
-        print(f"{k:>4} {'numpy':>7} {'copyto':>16} {copy * 1e3:9.2f} {d / copy / 1e6:9.0f} {1.0:9.1f}")
+        print(f"{k:>4} {'numpy':>7} {'copyto':>17} {copy * 1e3:9.2f} {d / copy / 1e6:9.0f} {1.0:9.1f}")
         before = {}
         for backend, stage, fn in rows:
             fn()
@@ -101,7 +104,7 @@ def main():
                 before[stage.split()[0]] = t
             ratio = before.get(stage) if backend == "numpy" and stage in before else None
             col = f"{ratio / t:12.2f}" if ratio else ""
-            print(f"{k:>4} {backend:>7} {stage:>16} {t * 1e3:9.2f} {d / t / 1e6:9.1f} {t / copy:9.1f} {col}",
+            print(f"{k:>4} {backend:>7} {stage:>17} {t * 1e3:9.2f} {d / t / 1e6:9.1f} {t / copy:9.1f} {col}",
                   flush=True)
 
 
