@@ -1,6 +1,7 @@
 """Where a THC worker round's time goes: one worker against the C PS in this process, d = 2^k,
-under cProfile; the round before the fused kernels (worker code and kernels of commit
-d92a8a5, rebuilt from what _kernels.c keeps) and after, same run.
+under cProfile; the round before the fused kernels (the pieces of commit d92a8a5, rebuilt
+from what _kernels.c keeps, patched in where the worker calls the fused ones) and after,
+same run.
 
     .venv/bin/python bench/profile_round.py [--dim-log2 24] [--rounds 3]
 
@@ -26,57 +27,32 @@ import numpy as np
 
 from bench.bench_thc import decode_before, encode_before
 from compression import thc
-from proto import headers as H
 from proto.job import JobConfig
-from proto.packing import pack_indices, unpack_lanes
+from proto.packing import pack_indices
 from ps_server.server import PSServer
+from worker import client
 from worker.client import Worker
 from worker.transport import Transport
 
 
-def _encode_before(x, norms, cfg, layout, rn, u):
-    return encode_before(x, norms, cfg, layout, rn, u)
+def before_patches() -> dict:
+    """The previous version's pieces, put where the worker now calls the fused ones: separate
+    scalar passes for encode and decode, the error-feedback term as lookup_sum + decode, and
+    the per-chunk lanes loop (joined_lanes declines, so the worker takes average_lanes)."""
+    stash = {}
 
+    def _encode_packed_before(x, norms, cfg, layout, rn, u):
+        stash["z"] = encode_before(x, norms, cfg, layout, rn, u)
+        return pack_indices(stash["z"], cfg.bits)
 
-def _pack_before(z, bits):
-    return pack_indices(z, bits)
+    def _decode_avg_before(y, k, norms, cfg, layout, rn):
+        return decode_before(y, k, norms, cfg, layout, rn)
 
+    def _own_before(packed, norms, cfg, layout, rn, packed_=True, **_kw):
+        return decode_before(thc.lookup_sum([stash.pop("z")], cfg.table.values), 1, norms, cfg, layout, rn)
 
-def _decode_avg_before(y, k, norms, cfg, layout, rn):
-    return decode_before(y, k, norms, cfg, layout, rn)
-
-
-def _own_before(z, norms, cfg, layout, rn):
-    return decode_before(thc.lookup_sum([z], cfg.table.values), 1, norms, cfg, layout, rn)
-
-
-def _lanes_loop(chunks, results, y_avg, lane_bits):
-    for (off, count, _), r in zip(chunks, results):
-        if r is not None:
-            h, payload = r
-            y_avg[off:off + count] = unpack_lanes(payload, lane_bits, count) / h.contributors
-
-
-def thc_round_before(self, grad, key, rn, report):
-    """Worker._thc_round as of commit d92a8a5 (helpers named for the profile buckets)."""
-    cfg, job = self.cfg, self.job
-    layout = thc.make_layout(grad.size, cfg.block_log2)
-    err = self.errors.get(key, grad) if self.error_feedback else None
-    x = grad + err if err is not None else grad
-    norms = self._exchange_norms(thc.block_norms(x, layout))
-    report.norms = norms.tolist()
-    z = _encode_before(x, norms, cfg, layout, rn, self.rng.random(layout.padded_dim, dtype=np.float32))
-    chunks = self._chunks(_pack_before(z, cfg.bits).tobytes(), layout.padded_dim, cfg.bits)
-    report.bytes_up = sum(len(c[2]) + H.HEADER_SIZE for c in chunks)
-    self._maybe_straggle()
-    results = self.t.run_phase(H.DATA, chunks)
-    self._collect(results, report)
-    y_avg = np.full(layout.padded_dim, cfg.granularity / 2.0, dtype=np.float32)
-    _lanes_loop(chunks, results, y_avg, job.lane_bits)
-    est = _decode_avg_before(y_avg, 1, norms, cfg, layout, rn)
-    if self.error_feedback:
-        self.errors.put(key, x - _own_before(z, norms, cfg, layout, rn))
-    return est
+    return {(thc, "encode_packed"): _encode_packed_before, (thc, "decode"): _decode_avg_before,
+            (thc, "decode_own"): _own_before, (client, "joined_lanes"): lambda *a, **k: None}
 
 
 class _TimedRng:
@@ -93,23 +69,24 @@ class _TimedRng:
 
 
 BUCKETS = {
-    "encode": ["encode_packed", "_encode_before", "_pack_before"],
+    "encode": ["encode_packed", "_encode_packed_before"],
     "uniforms": ["random"],
     "norms": ["block_norms", "_exchange_norms"],
     "transport": ["run_phase"],
     "decode": ["decode", "decode_lanes", "_decode_avg_before"],
     "own decode": ["decode_own", "_own_before"],
-    "lanes→Y/k": ["_lanes_loop", "average_lanes", "joined_lanes"],
+    "lanes→Y/k": ["average_lanes", "joined_lanes"],
 }
 
 
 def profile(before: bool, dim: int, rounds: int):
     server = PSServer(JobConfig(num_workers=1), ("127.0.0.1", 0), control_port=0).start()
     t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port)
-    orig = Worker._thc_round
+    patches = before_patches() if before else {}
+    saved = {key: getattr(*key) for key in patches}
     try:
-        if before:
-            Worker._thc_round = thc_round_before
+        for (mod, name), fn in patches.items():
+            setattr(mod, name, fn)
         w = Worker(t)
         w.rng = _TimedRng(w.rng)
         x = np.random.default_rng(0).standard_normal(dim).astype(np.float32)
@@ -122,7 +99,8 @@ def profile(before: bool, dim: int, rounds: int):
         prof.disable()
         wall = (time.perf_counter() - start) / rounds * 1e3
     finally:
-        Worker._thc_round = orig
+        for (mod, name), fn in saved.items():
+            setattr(mod, name, fn)
         t.close()
         server.stop()
     stats = pstats.Stats(prof).stats
@@ -130,7 +108,7 @@ def profile(before: bool, dim: int, rounds: int):
     for (fname, _line, func), (_cc, _nc, _tt, ct, _callers) in stats.items():
         key = func
         cum[key] = cum.get(key, 0.0) + ct
-    round_ms = (cum.get("_thc_round", 0) + cum.get("thc_round_before", 0)) / rounds * 1e3
+    round_ms = cum.get("_thc_round", 0) / rounds * 1e3
     out = {"round (profiled)": round_ms}
     for bucket, names in BUCKETS.items():
         v = 0.0

@@ -508,6 +508,15 @@ static void release(Py_buffer **bufs, int nbufs) {
         if (bufs[i]->obj) PyBuffer_Release(bufs[i]);
 }
 
+/* Run with the GIL released, then release the buffers. */
+static PyObject *run_released(int simd, float *w, size_t n, const in_t *in, epi_t *e, Py_buffer **bufs, int nbufs) {
+    Py_BEGIN_ALLOW_THREADS
+    rht_run(simd, w, n, in, e);
+    Py_END_ALLOW_THREADS
+    release(bufs, nbufs);
+    Py_RETURN_NONE;
+}
+
 /* fwht(x: float32 writable buf, simd=-1): normalized FWHT in place (length a power of two). */
 static PyObject *py_fwht(PyObject *self, PyObject *args) {
     Py_buffer x = {0};
@@ -519,11 +528,7 @@ static PyObject *py_fwht(PyObject *self, PyObject *args) {
     if ((simd = pick_simd(simd)) < 0) return fail(bufs, 1, NULL);
     in_t in = {.kind = IN_INPLACE};
     epi_t e = {.kind = EPI_SCALE};
-    Py_BEGIN_ALLOW_THREADS
-    rht_run(simd, x.buf, n, &in, &e);
-    Py_END_ALLOW_THREADS
-    release(bufs, 1);
-    Py_RETURN_NONE;
+    return run_released(simd, x.buf, n, &in, &e, bufs, 1);
 }
 
 /* rht_encode(x: float32 buf (n <= p values, zero-padded to p), p, signs: bytes, M, g,
@@ -546,11 +551,7 @@ static PyObject *py_rht_encode(PyObject *self, PyObject *args) {
     if ((simd = pick_simd(simd)) < 0) return fail(bufs, 6, NULL);
     in_t in = {.kind = IN_SIGNS, .x = x.buf, .nx = (size_t)x.len / 4, .signs = sg.buf};
     epi_t e = {.kind = EPI_ENCODE, .q = &q, .u = u.buf, .out = o.buf, .packed = packed};
-    Py_BEGIN_ALLOW_THREADS
-    rht_run(simd, w.buf, n, &in, &e);
-    Py_END_ALLOW_THREADS
-    release(bufs, 6);
-    Py_RETURN_NONE;
+    return run_released(simd, w.buf, n, &in, &e, bufs, 6);
 }
 
 /* rht_decode(src, kind, c, m, p, signs: bytes, table: bytes, out: float32 writable buf (<= p),
@@ -583,11 +584,7 @@ static PyObject *py_rht_decode(PyObject *self, PyObject *args) {
     if (ftab) memcpy(in.tabf, t.buf, 1024);
     else for (Py_ssize_t i = 0; i < t.len; i++) in.tabf[i] = ((const uint8_t *)t.buf)[i];
     epi_t e = {.kind = EPI_DECODE, .signs = sg.buf, .dst = o.buf, .ndst = nout};
-    Py_BEGIN_ALLOW_THREADS
-    rht_run(simd, work, n, &in, &e);
-    Py_END_ALLOW_THREADS
-    release(bufs, 5);
-    Py_RETURN_NONE;
+    return run_released(simd, work, n, &in, &e, bufs, 5);
 }
 
 /* quantize(r: float32 buf, M, g, table: bytes, uniforms: float32 buf, out: uint8 buf):

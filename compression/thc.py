@@ -271,8 +271,7 @@ def _decode_kernels(src, kind: int, contributors: int, max_norms, cfg: ThcConfig
                     round_no: int, lut: np.ndarray | None = None) -> np.ndarray:
     """Alg. 3 lines 19-21 per RHT block in one C call: a = v·2M/(g·k) − M from the source
     (kind 0: float32 values, 1: packed 4-bit indices, 2: byte indices, v = T[z]; 3: bytes,
-    v = lut[byte]), then the
-    inverse RHT of §5.1 (FWHT, then the signs D)."""
+    v = lut[byte]), then the inverse RHT of §5.1 (FWHT, then the signs D)."""
     g, table = cfg.granularity, cfg.table
     tab8 = lut.tobytes() if lut is not None else bytes(table.values) if kind else b""
     out = np.empty(layout.dim, dtype=np.float32)

@@ -27,8 +27,9 @@ from worker.transport import Transport
 
 
 def joined_lanes(chunks, results, total: int, lane_bits: int):
-    """(all 8-bit sum lanes as one uint8 vector, k) when every chunk came back with the same
-    number of contributors k — the common round; None otherwise."""
+    """(all 8-bit sum lanes Y as one uint8 vector, k) when every chunk came back with the same
+    number of contributors k — the common round, whose Y/k (Alg. 3 line 19) thc.decode_lanes
+    then computes inside the fused decode; None otherwise."""
     if lane_bits != 8 or not results or any(r is None for r in results):
         return None
     k = results[0][0].contributors
