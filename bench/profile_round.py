@@ -6,7 +6,7 @@ same run.
     .venv/bin/python bench/profile_round.py [--dim-log2 24] [--rounds 3]
 
 Buckets (cumulative time inside the round, ms per round):
-  encode     RHT + clamp + quantize + 4-bit packing (before: thc.encode + pack_indices)
+  encode     RHT + clamp + quantize + 4-bit packing (before: separate passes + pack_indices)
   uniforms   the worker's rng.random draws for stochastic rounding
   norms      block norms + the NORM phase
   transport  run_phase of the DATA phase (send, PS aggregation in its thread, receive)
@@ -48,7 +48,7 @@ def before_patches() -> dict:
     def _decode_avg_before(y, k, norms, cfg, layout, rn):
         return decode_before(y, k, norms, cfg, layout, rn)
 
-    def _own_before(packed, norms, cfg, layout, rn, packed_=True, **_kw):
+    def _own_before(_wire, norms, cfg, layout, rn, **_kw):
         return decode_before(thc.lookup_sum([stash.pop("z")], cfg.table.values), 1, norms, cfg, layout, rn)
 
     return {(thc, "encode_packed"): _encode_packed_before, (thc, "decode"): _decode_avg_before,
