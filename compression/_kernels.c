@@ -1,90 +1,158 @@
 /*
- * Worker-side THC kernels (paper Alg. 3 lines 12-16), fused in one pass each:
- *   quantize:    clamp R to [-M, M], map to the grid y = (R + M) g / 2M, and round
- *                stochastically to the two neighbouring table values (unbiased).
- *   apply_signs: multiply by the Rademacher diagonal D given as packed random bits
- *                (bit i of the stream, MSB first, set = -1), by flipping sign bits.
+ * Worker-side THC kernels: the randomized Hadamard transform (paper §5.1) and the worker's
+ * encode and decode of Alg. 3 (lines 9-16 and 19-22), each fused into one C call.
+ *
+ *   fwht:        normalized Walsh-Hadamard transform in place (§5.1, H of RHT = H·D·x).
+ *   rht_encode:  signs D (packed random bits) + FWHT + 1/sqrt(p) + clamp to [-M, M] + grid map
+ *                y = (R + M) g / 2M + unbiased stochastic rounding to table indices (App. B),
+ *                written as bytes or packed 4-bit (high nibble first).  Lines 9-16.
+ *   rht_decode:  table-domain values (float Y/k, or own indices looked up in T) -> affine map
+ *                m + v (M - m)/g -> FWHT + 1/sqrt(p) -> signs D.  Lines 19-22.
+ *   quantize, apply_signs: the previous separate passes (kept for the "before" benchmark).
+ *
+ * Exactness.  Every path performs the same IEEE float32 operations on every coordinate in
+ * the same order: the FWHT applies its radix-2 stages h = 1, 2, 4, ... in increasing order
+ * (a + b to the lower index, a - b to the upper), whatever the blocking; the scale is one
+ * multiply after the last stage; no FMA contraction (-ffp-contract=off, and the AVX2 code is
+ * compiled without the fma target).  So the AVX2 path is bit-identical to the scalar one and
+ * both are single-threaded: a worker's encode is the same bytes in every process, which the
+ * exact end-to-end checks (every chunk of every round against an in-process reference) need.
+ *
+ * Dispatch: AVX2 when __builtin_cpu_supports("avx2") and THC_KERNELS is not "scalar" in the
+ * environment at import; every entry point also takes simd=0 (scalar) / 1 (AVX2) / -1 (auto).
  * compression/thc.py holds the numpy reference these must match.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <math.h>
 
-/* quantize(r: float32 buf, M: float, g: int, table: bytes (2^b values), uniforms: float32 buf,
- *          out: uint8 buf) */
-static PyObject *quantize(PyObject *self, PyObject *args) {
-    Py_buffer r, t, u, o;
-    double big_m;
-    int g;
-    if (!PyArg_ParseTuple(args, "y*diy*y*w*", &r, &big_m, &g, &t, &u, &o)) return NULL;
-    Py_ssize_t n = r.len / 4;
-    int levels = (int)t.len;
-    const uint8_t *tab = t.buf;
-    if (u.len / 4 < n || o.len < n || levels < 2 || levels > 256 || g < 1 || g > 255 ||
-        tab[0] != 0 || tab[levels - 1] != g) {
-        PyBuffer_Release(&r); PyBuffer_Release(&t); PyBuffer_Release(&u); PyBuffer_Release(&o);
-        PyErr_SetString(PyExc_ValueError, "quantize: inconsistent buffer sizes or table");
-        return NULL;
-    }
-    /* per integer grid cell q in [0, g]: interval index, its lower value and 1/width */
-    uint8_t iv[256];
+#if defined(__x86_64__) && defined(__GNUC__)
+#define THC_HAVE_AVX2 1
+#include <immintrin.h>
+#else
+#define THC_HAVE_AVX2 0
+#endif
+
+static int cpu_avx2 = 0;     /* the CPU has AVX2 */
+static int auto_simd = 0;    /* what simd=-1 means: cpu_avx2 unless THC_KERNELS=scalar */
+
+/* ------------------------------------------------------------------ quantizer tables */
+
+/* Per integer grid cell q in [0, g]: the table interval j it falls in, T[j] and 1/(T[j+1]-T[j]). */
+typedef struct {
+    int32_t iv[256];
     float lo[256], inv[256];
-    for (int q = 0, j = 0; q <= g; q++) {
-        while (j < levels - 2 && tab[j + 1] <= q) j++;
-        iv[q] = (uint8_t)j;
-        lo[q] = tab[j];
-        inv[q] = 1.0f / (float)(tab[j + 1] - tab[j]);
+    float m, s, gf, yz;      /* M, g/2M, g; yz = g/2 for an all-zero round (M = 0) */
+    int zero;
+    /* for the shuffle path (<= 16 levels, g <= 63): iv[c] as bytes, 16 per 128-bit half and
+     * each half repeated (pshufb looks up within a half); T[j] and 1/(T[j+1]-T[j]) by j */
+    int shuffle;
+    uint8_t ivb[4][32];
+    float tabj[16], invj[16];
+} qtab_t;
+
+static int qtab_init(qtab_t *q, double big_m, int g, const uint8_t *tab, Py_ssize_t levels) {
+    if (levels < 2 || levels > 256 || g < 1 || g > 255 || tab[0] != 0 || tab[levels - 1] != g) return -1;
+    for (Py_ssize_t i = 1; i < levels; i++)
+        if (tab[i] <= tab[i - 1]) return -1;
+    for (int c = 0, j = 0; c <= g; c++) {
+        while (j < levels - 2 && tab[j + 1] <= c) j++;
+        q->iv[c] = j;
+        q->lo[c] = tab[j];
+        q->inv[c] = 1.0f / (float)(tab[j + 1] - tab[j]);
     }
-    const float *rv = r.buf, *uv = u.buf;
-    uint8_t *out = o.buf;
-    Py_BEGIN_ALLOW_THREADS
-    if (big_m > 0) {
-        const float m = (float)big_m, s = (float)(g / (2.0 * big_m)), gf = (float)g;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            float a = rv[i];
-            a = a < -m ? -m : (a > m ? m : a);
-            float y = (a + m) * s;
-            y = y < 0.f ? 0.f : (y > gf ? gf : y);
-            int q = (int)y;
-            out[i] = (uint8_t)(iv[q] + (uv[i] < (y - lo[q]) * inv[q]));
-        }
-    } else {
-        const float y = (float)g / 2.0f;
-        int q = (int)y;
-        for (Py_ssize_t i = 0; i < n; i++) out[i] = (uint8_t)(iv[q] + (uv[i] < (y - lo[q]) * inv[q]));
+    q->shuffle = levels <= 16 && g <= 63;
+    memset(q->ivb, 0, sizeof q->ivb);
+    memset(q->tabj, 0, sizeof q->tabj);
+    memset(q->invj, 0, sizeof q->invj);
+    for (int c = 0; c <= g && q->shuffle; c++) q->ivb[c >> 4][c & 15] = q->ivb[c >> 4][16 + (c & 15)] = (uint8_t)q->iv[c];
+    for (Py_ssize_t j = 0; j + 1 < levels && j < 16; j++) {
+        q->tabj[j] = tab[j];
+        q->invj[j] = 1.0f / (float)(tab[j + 1] - tab[j]);
     }
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&r); PyBuffer_Release(&t); PyBuffer_Release(&u); PyBuffer_Release(&o);
-    Py_RETURN_NONE;
+    q->zero = !(big_m > 0);
+    q->m = (float)big_m;
+    q->s = q->zero ? 0.f : (float)(g / (2.0 * big_m));
+    q->gf = (float)g;
+    q->yz = (float)g / 2.0f;
+    return 0;
 }
 
-/* apply_signs(x: float32 writable buf, bits: bytes): x[i] = -x[i] where bit i is set. */
-static PyObject *apply_signs(PyObject *self, PyObject *args) {
-    Py_buffer x, b;
-    if (!PyArg_ParseTuple(args, "w*y*", &x, &b)) return NULL;
-    Py_ssize_t n = x.len / 4;
-    if (b.len * 8 < n) {
-        PyBuffer_Release(&x); PyBuffer_Release(&b);
-        PyErr_SetString(PyExc_ValueError, "apply_signs: not enough sign bits");
-        return NULL;
+/* Alg. 3 lines 12-16 for one coordinate: clamp, grid map, stochastic rounding (App. B). */
+static inline uint8_t quant1(const qtab_t *q, float a, float u) {
+    float y = q->yz;
+    if (!q->zero) {
+        a = a > -q->m ? a : -q->m;       /* the AVX2 max/min below, operand for operand */
+        a = a < q->m ? a : q->m;
+        y = (a + q->m) * q->s;
+        y = y > 0.f ? y : 0.f;
+        y = y < q->gf ? y : q->gf;
     }
-    uint32_t *v = x.buf;
-    const uint8_t *bits = b.buf;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++)
-        v[i] ^= (uint32_t)((bits[i >> 3] >> (7 - (i & 7))) & 1u) << 31;
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&x); PyBuffer_Release(&b);
-    Py_RETURN_NONE;
+    int c = (int)y;
+    return (uint8_t)(q->iv[c] + (u < (y - q->lo[c]) * q->inv[c]));
 }
 
-/* fwht(x: float32 writable buf): normalized Walsh-Hadamard transform in place, length a power
- * of two.  Radix-2 butterflies in a fixed order, single-threaded: the result is bit-identical
- * in every process, which the exactness checks against an in-process reference rely on.
- * Stages with stride < 2^11 run block by block so each block stays in L1/L2. */
-static void fwht_block(float *x, size_t n, size_t h_from, size_t h_to) {
+/* ------------------------------------------------------------------ sources and sinks */
+
+enum { IN_INPLACE, IN_SIGNS, IN_VALUES, IN_NIBBLES, IN_BYTES };
+enum { EPI_SCALE, EPI_ENCODE, EPI_DECODE };
+
+/* What the first pass reads: the block in place, x·D (x zero-padded to the block), or the
+ * decoder's table-domain values a = v·c − m with v a float (Y/k) or T[index]. */
+typedef struct {
+    int kind;
+    const float *x;
+    size_t nx;
+    const uint8_t *signs;
+    const uint8_t *idx;
+    float tabf[256];
+    float c, m;
+} in_t;
+
+/* What the last pass writes (after the 1/sqrt(p) scale): the block in place, table indices
+ * (bytes or packed nibbles), or the decoded coordinates times D, first ndst only. */
+typedef struct {
+    int kind;
+    float scale;
+    const qtab_t *q;
+    const float *u;
+    uint8_t *out;
+    int packed;
+    const uint8_t *signs;
+    float *dst;
+    size_t ndst;
+} epi_t;
+
+static inline uint32_t sign_bit(const uint8_t *bits, size_t i) {
+    return (uint32_t)((bits[i >> 3] >> (7 - (i & 7))) & 1u) << 31;
+}
+
+static inline float flip(float v, uint32_t bit) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    u ^= bit;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+static inline float in1(const in_t *in, const float *w, size_t i) {
+    switch (in->kind) {
+    case IN_SIGNS: return flip(i < in->nx ? in->x[i] : 0.f, sign_bit(in->signs, i));
+    case IN_VALUES: return in->x[i] * in->c - in->m;
+    case IN_NIBBLES: return in->tabf[(in->idx[i >> 1] >> ((i & 1) ? 0 : 4)) & 15] * in->c - in->m;
+    case IN_BYTES: return in->tabf[in->idx[i]] * in->c - in->m;
+    default: return w[i];
+    }
+}
+
+/* ------------------------------------------------------------------ scalar FWHT (reference) */
+
+/* Radix-2 butterflies in a fixed order; stages with stride < 2^11 run block by block so each
+ * block stays in L1/L2.  This is the kernel every other path must equal bit for bit. */
+static void fwht_stages_scalar(float *x, size_t n, size_t h_from, size_t h_to) {
     for (size_t h = h_from; h < h_to; h <<= 1)
         for (size_t i = 0; i < n; i += 2 * h)
             for (size_t j = i; j < i + h; j++) {
@@ -94,33 +162,500 @@ static void fwht_block(float *x, size_t n, size_t h_from, size_t h_to) {
             }
 }
 
-static PyObject *fwht(PyObject *self, PyObject *args) {
-    Py_buffer x;
-    if (!PyArg_ParseTuple(args, "w*", &x)) return NULL;
-    size_t n = (size_t)x.len / 4;
-    if (n == 0 || (n & (n - 1))) {
-        PyBuffer_Release(&x);
-        PyErr_SetString(PyExc_ValueError, "fwht: length must be a power of two");
-        return NULL;
-    }
-    float *v = x.buf;
-    Py_BEGIN_ALLOW_THREADS
+static inline float fwht_scale(size_t n) { return (float)(1.0 / sqrt((double)n)); }
+
+static void fwht_scalar(float *v, size_t n) {
     const size_t blk = n < 2048 ? n : 2048;
-    for (size_t s = 0; s < n; s += blk) fwht_block(v + s, blk, 1, blk);
-    fwht_block(v, n, blk, n);
-    const float scale = (float)(1.0 / sqrt((double)n));
+    for (size_t s = 0; s < n; s += blk) fwht_stages_scalar(v + s, blk, 1, blk);
+    fwht_stages_scalar(v, n, blk, n);
+    const float scale = fwht_scale(n);
     for (size_t i = 0; i < n; i++) v[i] *= scale;
+}
+
+/* source -> scalar FWHT -> sink, three plain loops (the fallback without AVX2). */
+static void rht_scalar(float *w, size_t n, const in_t *in, const epi_t *e) {
+    if (in->kind != IN_INPLACE)
+        for (size_t i = 0; i < n; i++) w[i] = in1(in, w, i);
+    fwht_scalar(w, n);
+    switch (e->kind) {
+    case EPI_ENCODE:
+        if (e->packed)
+            for (size_t i = 0; i < n; i += 2)
+                e->out[i >> 1] = (uint8_t)(quant1(e->q, w[i], e->u[i]) << 4 | quant1(e->q, w[i + 1], e->u[i + 1]));
+        else
+            for (size_t i = 0; i < n; i++) e->out[i] = quant1(e->q, w[i], e->u[i]);
+        break;
+    case EPI_DECODE:
+        for (size_t i = 0; i < e->ndst; i++) e->dst[i] = flip(w[i], sign_bit(e->signs, i));
+        break;
+    default:
+        break;
+    }
+}
+
+/* ------------------------------------------------------------------ AVX2 FWHT */
+
+#if THC_HAVE_AVX2
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+/* Cache blocking, depth first: stages 1..32 in registers (64-float leaves); the rest of an
+ * L1 chunk (L1_FLOATS); 3 more stages per level (one radix-8 pass) up to L2_FLOATS; above
+ * that, levels of <= TOP_BITS stages.  A level's stages run strip by strip (rows x cols,
+ * <= STRIP_FLOATS), all of them on one strip before the next, so data beyond a cache is read
+ * and written once per level; the first pass of a strip prefetches the next strip.  Tuned
+ * on the 2-core EPYC (48 KiB L1d, 1 MiB L2) against fht-cpu at 2^20 and 2^24. */
+static size_t L1_FLOATS = 1 << 12, L2_FLOATS = 1 << 15, STRIP_FLOATS = 1 << 14;
+static int TOP_BITS = 5;
+#ifndef PREFETCH
+#define PREFETCH 1
+#endif
+#ifndef STAGE_BUFFER
+#define STAGE_BUFFER 1
+#endif
+
+static inline void bf(__m256 *a, __m256 *b) {
+    __m256 t = *a;
+    *a = _mm256_add_ps(t, *b);
+    *b = _mm256_sub_ps(t, *b);
+}
+
+/* Stages h = 1, 2, 4 inside one register: v·(±1) + permuted v in one FMA.  The product by
+ * ±1 is exact, so the FMA rounds once exactly like the scalar a + b (lower lane, as b + a)
+ * and a − b (upper lane, as −b + a): the same IEEE results, bit for bit. */
+static inline __m256 inreg3(__m256 v) {
+    const __m256 s1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
+    const __m256 s2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
+    const __m256 s4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+    v = _mm256_fmadd_ps(v, s1, _mm256_permute_ps(v, 0xB1));
+    v = _mm256_fmadd_ps(v, s2, _mm256_permute_ps(v, 0x4E));
+    v = _mm256_fmadd_ps(v, s4, _mm256_permute2f128_ps(v, v, 0x01));
+    return v;
+}
+
+static inline void radix(__m256 *r, const int nst) {
+    if (nst >= 1) { bf(r + 0, r + 1); if (nst >= 2) { bf(r + 2, r + 3); } if (nst >= 3) { bf(r + 4, r + 5); bf(r + 6, r + 7); } }
+    if (nst >= 2) { bf(r + 0, r + 2); bf(r + 1, r + 3); if (nst >= 3) { bf(r + 4, r + 6); bf(r + 5, r + 7); } }
+    if (nst >= 3) { bf(r + 0, r + 4); bf(r + 1, r + 5); bf(r + 2, r + 6); bf(r + 3, r + 7); }
+}
+
+static inline __m256 signmask8(uint8_t byte) {
+    const __m256i sel = _mm256_setr_epi32(128, 64, 32, 16, 8, 4, 2, 1);
+    __m256i m = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(byte), sel), sel);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(m, 31));
+}
+
+/* 8 table values T[idx] as floats: two 8-entry permutes and a blend for tables of <= 16. */
+static inline __m256 lookup8(const in_t *in, __m256i idx) {
+    __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(in->tabf), idx);
+    __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(in->tabf + 8), idx);
+    __m256i sel = _mm256_slli_epi32(idx, 28);          /* bit 3 -> sign bit for blendv */
+    return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(sel));
+}
+
+static inline __m256 in8(const in_t *in, const float *w, size_t i) {
+    const __m256 c = _mm256_set1_ps(in->c), m = _mm256_set1_ps(in->m);
+    switch (in->kind) {
+    case IN_SIGNS: {
+        __m256 v;
+        if (i + 8 <= in->nx) v = _mm256_loadu_ps(in->x + i);
+        else {
+            float t[8] = {0};
+            if (i < in->nx) memcpy(t, in->x + i, (in->nx - i) * 4);
+            v = _mm256_loadu_ps(t);
+        }
+        return _mm256_xor_ps(v, signmask8(in->signs[i >> 3]));
+    }
+    case IN_VALUES:
+        return _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(in->x + i), c), m);
+    case IN_NIBBLES: {
+        uint32_t word;
+        memcpy(&word, in->idx + (i >> 1), 4);
+        __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word),
+                                                         _mm256_setr_epi32(4, 0, 12, 8, 20, 16, 28, 24)),
+                                       _mm256_set1_epi32(15));
+        return _mm256_sub_ps(_mm256_mul_ps(lookup8(in, idx), c), m);
+    }
+    case IN_BYTES: {
+        __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(in->idx + i)));
+        return _mm256_sub_ps(_mm256_mul_ps(_mm256_i32gather_ps(in->tabf, idx, 4), c), m);
+    }
+    default:
+        return _mm256_loadu_ps(w + i);
+    }
+}
+
+/* quant1 on 8 lanes: the same max/min/add/mul/sub/compare, indices as int32. */
+static inline __m256i quant8(const qtab_t *q, __m256 a, __m256 u) {
+    __m256 y;
+    if (q->zero) y = _mm256_set1_ps(q->yz);
+    else {
+        const __m256 m = _mm256_set1_ps(q->m);
+        a = _mm256_max_ps(a, _mm256_set1_ps(-q->m));
+        a = _mm256_min_ps(a, m);
+        y = _mm256_mul_ps(_mm256_add_ps(a, m), _mm256_set1_ps(q->s));
+        y = _mm256_max_ps(y, _mm256_setzero_ps());
+        y = _mm256_min_ps(y, _mm256_set1_ps(q->gf));
+    }
+    __m256i c = _mm256_cvttps_epi32(y), iv;
+    __m256 lo, inv;
+    if (q->shuffle) {     /* pshufb/permute lookups instead of three gathers */
+        __m256i idx = _mm256_or_si256(c, _mm256_set1_epi32((int)0x80808000));   /* other bytes -> 0 */
+        __m256i b4 = _mm256_slli_epi32(c, 3), b5 = _mm256_slli_epi32(c, 2);       /* bits 4, 5 -> bit 7 */
+        iv = _mm256_blendv_epi8(_mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)q->ivb[0]), idx),
+                                _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)q->ivb[1]), idx), b4);
+        if (q->gf > 31.f) {
+            __m256i hi = _mm256_blendv_epi8(_mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)q->ivb[2]), idx),
+                                            _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)q->ivb[3]), idx), b4);
+            iv = _mm256_blendv_epi8(iv, hi, b5);
+        }
+        __m256 j8 = _mm256_castsi256_ps(_mm256_slli_epi32(iv, 28));                 /* bit 3 -> sign */
+        lo = _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(q->tabj), iv),
+                              _mm256_permutevar8x32_ps(_mm256_loadu_ps(q->tabj + 8), iv), j8);
+        inv = _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(q->invj), iv),
+                               _mm256_permutevar8x32_ps(_mm256_loadu_ps(q->invj + 8), iv), j8);
+    } else {
+        lo = _mm256_i32gather_ps(q->lo, c, 4);
+        inv = _mm256_i32gather_ps(q->inv, c, 4);
+        iv = _mm256_i32gather_epi32(q->iv, c, 4);
+    }
+    __m256 up = _mm256_cmp_ps(u, _mm256_mul_ps(_mm256_sub_ps(y, lo), inv), _CMP_LT_OQ);
+    return _mm256_sub_epi32(iv, _mm256_castps_si256(up));     /* true = -1 */
+}
+
+static inline void epi8(const epi_t *e, float *p, size_t i, __m256 v) {
+    v = _mm256_mul_ps(v, _mm256_set1_ps(e->scale));
+    switch (e->kind) {
+    case EPI_ENCODE: {
+        __m256i z = quant8(e->q, v, _mm256_loadu_ps(e->u + i));
+        if (e->packed) {   /* pair (2k, 2k+1) -> low byte of 64-bit lane k: z0 << 4 | z1 */
+            __m256i t = _mm256_or_si256(_mm256_slli_epi64(z, 4), _mm256_srli_epi64(z, 32));
+            t = _mm256_shuffle_epi8(t, _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                        0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+            uint32_t word = (uint32_t)_mm_cvtsi128_si32(_mm256_castsi256_si128(t)) |
+                            (uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(t, 1)) << 16;
+            memcpy(e->out + (i >> 1), &word, 4);
+        } else {
+            __m256i t = _mm256_shuffle_epi8(z, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+            uint64_t word = (uint32_t)_mm_cvtsi128_si32(_mm256_castsi256_si128(t)) |
+                            (uint64_t)(uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(t, 1)) << 32;
+            memcpy(e->out + i, &word, 8);
+        }
+        break;
+    }
+    case EPI_DECODE:
+        v = _mm256_xor_ps(v, signmask8(e->signs[i >> 3]));
+        if (i + 8 <= e->ndst) _mm256_storeu_ps(e->dst + i, v);
+        else if (i < e->ndst) {
+            float t[8];
+            _mm256_storeu_ps(t, v);
+            memcpy(e->dst + i, t, (e->ndst - i) * 4);
+        }
+        break;
+    default:
+        _mm256_storeu_ps(p, v);
+    }
+}
+
+/* Stages 1..32 of 64 consecutive coordinates, reading them from the source. */
+static inline void leaf64(float *w, size_t i, const in_t *in) {
+    __m256 r[8];
+    for (int k = 0; k < 8; k++) r[k] = inreg3(in8(in, w, i + 8 * k));
+    radix(r, 3);
+    for (int k = 0; k < 8; k++) _mm256_storeu_ps(w + i + 8 * k, r[k]);
+}
+
+/* nst (1..3) stages of row strides 2^s, 2^(s+1), ... on a strip of `rows` rows x `cols`
+ * columns, read from src (rows ss floats apart) and written to dst (ds apart) or to the sink;
+ * row r column j is coordinate ibase + r·h0 + j of the block. */
+static inline __attribute__((always_inline)) void pass_n(const float *src, size_t ss, float *dst, size_t ds,
+                                                         size_t ibase, size_t h0, size_t rows, int s,
+                                                         const int nst, size_t cols, size_t pf, const epi_t *e) {
+    const size_t span = (size_t)1 << (s + nst), lo_n = (size_t)1 << s;
+    const size_t sh = ss << s, dh = ds << s, ih = h0 << s;
+    for (size_t ihi = 0; ihi < rows; ihi += span)
+        for (size_t ilo = 0; ilo < lo_n; ilo++) {
+            const size_t row = ihi + ilo;
+            const float *sp = src + row * ss;
+            float *dp = dst + row * ds;
+            const size_t ip = ibase + row * h0;
+            for (size_t j = 0; j < cols; j += 8) {
+                __m256 r[8];
+                if (PREFETCH && pf && !(j & 15))     /* the next strip's line of each row */
+                    for (int k = 0; k < (1 << nst); k++) _mm_prefetch((const char *)(sp + j + k * sh + pf), _MM_HINT_T0);
+                for (int k = 0; k < (1 << nst); k++) r[k] = _mm256_loadu_ps(sp + j + k * sh);
+                radix(r, nst);
+                if (e)
+                    for (int k = 0; k < (1 << nst); k++) epi8(e, dp + j + k * dh, ip + j + k * ih, r[k]);
+                else
+                    for (int k = 0; k < (1 << nst); k++) _mm256_storeu_ps(dp + j + k * dh, r[k]);
+            }
+        }
+}
+
+static void pass(const float *src, size_t ss, float *dst, size_t ds, size_t ibase, size_t h0, size_t rows, int s,
+                 int nst, size_t cols, size_t pf, const epi_t *e) {
+    switch (nst) {
+    case 1: pass_n(src, ss, dst, ds, ibase, h0, rows, s, 1, cols, pf, e); break;
+    case 2: pass_n(src, ss, dst, ds, ibase, h0, rows, s, 2, cols, pf, e); break;
+    default: pass_n(src, ss, dst, ds, ibase, h0, rows, s, 3, cols, pf, e); break;
+    }
+}
+
+#define STRIP_MAX (1 << 14)
+
+/* Stages h0 <= h < h1 of x[0, n) (n a multiple of h1), strip by strip; the sink (if any)
+ * takes the last stage's output.  A strip that needs several passes is staged through a
+ * contiguous buffer (first pass in, last pass out): rows h0 apart share cache sets, which
+ * more than a few rows would overflow. */
+static void run_stages(float *x, size_t ibase, size_t n, size_t h0, size_t h1, const epi_t *e) {
+    static __thread float buf[STRIP_MAX] __attribute__((aligned(64)));
+    const size_t rows = h1 / h0;
+    int m = 0;
+    while (((size_t)1 << m) < rows) m++;
+    size_t cols = (STRIP_FLOATS < STRIP_MAX ? STRIP_FLOATS : STRIP_MAX) / rows;
+    if (cols > h0) cols = h0;
+    if (cols < 8) cols = 8;
+    const int direct = m <= 3 || rows * cols > STRIP_MAX || !STAGE_BUFFER;
+    for (size_t b = 0; b < n; b += h1)
+        for (size_t c = 0; c < h0; c += cols) {
+            float *xs = x + b + c;
+            const size_t ib = ibase + b + c;
+            for (int s = 0; s < m;) {
+                const int nst = s == 0 && m % 3 ? m % 3 : 3, last = s + nst == m;
+                const float *src = direct || s == 0 ? xs : buf;
+                float *dst = direct || last ? xs : buf;
+                pass(src, src == xs ? h0 : cols, dst, dst == xs ? h0 : cols, ib, h0, rows, s, nst, cols,
+                     s == 0 && c + cols < h0 ? cols : 0, last ? e : NULL);
+                s += nst;
+            }
+        }
+}
+
+/* All stages below bounds[k] of the chunk w[base, base + bounds[k]): the chunks of the level
+ * below first, then this level's stages strip by strip.  Only the top level has a sink. */
+static void rht_level(float *w, size_t base, const size_t *bounds, int k, const in_t *in, const epi_t *e) {
+    const size_t size = bounds[k], sub = k ? bounds[k - 1] : 64;
+    if (k == 0)
+        for (size_t i = base; i < base + size; i += 64) leaf64(w, i, in);
+    else
+        for (size_t b = base; b < base + size; b += sub) rht_level(w, b, bounds, k - 1, in, NULL);
+    run_stages(w + base, base, size, sub, size, e);
+}
+
+/* source -> FWHT of n >= 128 coordinates in w -> sink.  Levels (chunk sizes): 64-float
+ * leaves; then 3 stages per level (one radix-8 pass each) while the chunk fits L2; above
+ * that as few levels as keep a strip at <= 2^TOP_BITS rows, so that the data beyond L2 is
+ * read and written once per level. */
+static void rht_avx2(float *w, size_t n, const in_t *in, const epi_t *e) {
+    size_t bounds[64];
+    int k = 0;
+    bounds[0] = n < L1_FLOATS ? n : L1_FLOATS;
+    while (bounds[k] < n && bounds[k] < L2_FLOATS) {
+        size_t next = bounds[k] << 3;
+        bounds[k + 1] = next < n ? next : n;
+        k++;
+    }
+    int rest = 0;
+    while ((bounds[k] << rest) < n) rest++;
+    int levels = (rest + TOP_BITS - 1) / TOP_BITS;
+    for (int i = 0; i < levels; i++) {
+        int step = rest / (levels - i);
+        bounds[k + 1] = bounds[k] << step;
+        rest -= step;
+        k++;
+    }
+    rht_level(w, 0, bounds, k, in, e);
+}
+#pragma GCC pop_options
+#endif
+
+/* One entry for both paths; n a power of two. */
+static void rht_run(int simd, float *w, size_t n, const in_t *in, epi_t *e) {
+    e->scale = fwht_scale(n);
+#if THC_HAVE_AVX2
+    if (simd && n >= 128) {
+        rht_avx2(w, n, in, e);
+        return;
+    }
+#endif
+    rht_scalar(w, n, in, e);
+}
+
+/* ------------------------------------------------------------------ Python entry points */
+
+static int pick_simd(int simd) {
+    if (simd < 0) return auto_simd;
+    if (simd > 0 && !cpu_avx2) {
+        PyErr_SetString(PyExc_RuntimeError, "simd=1: this CPU (or build) has no AVX2");
+        return -1;
+    }
+    return simd > 0;
+}
+
+static int is_pow2(size_t n) { return n && !(n & (n - 1)); }
+
+static PyObject *fail(Py_buffer **bufs, int nbufs, const char *msg) {
+    for (int i = 0; i < nbufs; i++)
+        if (bufs[i]->obj) PyBuffer_Release(bufs[i]);
+    if (msg) PyErr_SetString(PyExc_ValueError, msg);
+    return NULL;
+}
+
+static void release(Py_buffer **bufs, int nbufs) {
+    for (int i = 0; i < nbufs; i++)
+        if (bufs[i]->obj) PyBuffer_Release(bufs[i]);
+}
+
+/* Run with the GIL released, then release the buffers. */
+static PyObject *run_released(int simd, float *w, size_t n, const in_t *in, epi_t *e, Py_buffer **bufs, int nbufs) {
+    Py_BEGIN_ALLOW_THREADS
+    rht_run(simd, w, n, in, e);
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&x);
+    release(bufs, nbufs);
     Py_RETURN_NONE;
 }
 
+/* fwht(x: float32 writable buf, simd=-1): normalized FWHT in place (length a power of two). */
+static PyObject *py_fwht(PyObject *self, PyObject *args) {
+    Py_buffer x = {0};
+    int simd = -1;
+    if (!PyArg_ParseTuple(args, "w*|i", &x, &simd)) return NULL;
+    Py_buffer *bufs[] = {&x};
+    size_t n = (size_t)x.len / 4;
+    if (!is_pow2(n)) return fail(bufs, 1, "fwht: length must be a power of two");
+    if ((simd = pick_simd(simd)) < 0) return fail(bufs, 1, NULL);
+    in_t in = {.kind = IN_INPLACE};
+    epi_t e = {.kind = EPI_SCALE};
+    return run_released(simd, x.buf, n, &in, &e, bufs, 1);
+}
+
+/* rht_encode(x: float32 buf (n <= p values, zero-padded to p), p, signs: bytes, M, g,
+ *            table: bytes, uniforms: float32 buf, out: uint8 buf, packed: bool,
+ *            work: float32 writable buf (>= p), simd=-1) */
+static PyObject *py_rht_encode(PyObject *self, PyObject *args) {
+    Py_buffer x = {0}, sg = {0}, t = {0}, u = {0}, o = {0}, w = {0};
+    Py_ssize_t p;
+    double big_m;
+    int g, packed, simd = -1;
+    if (!PyArg_ParseTuple(args, "y*ny*diy*y*w*pw*|i", &x, &p, &sg, &big_m, &g, &t, &u, &o, &packed, &w, &simd))
+        return NULL;
+    Py_buffer *bufs[] = {&x, &sg, &t, &u, &o, &w};
+    size_t n = (size_t)p;
+    if (!is_pow2(n) || (size_t)x.len / 4 > n || (size_t)sg.len * 8 < n || (size_t)u.len / 4 < n ||
+        (size_t)w.len / 4 < n || (size_t)o.len < (packed ? (n + 1) / 2 : n) || (packed && (t.len > 16 || n < 2)))
+        return fail(bufs, 6, "rht_encode: inconsistent buffer sizes");
+    qtab_t q;
+    if (qtab_init(&q, big_m, g, t.buf, t.len) < 0) return fail(bufs, 6, "rht_encode: bad table");
+    if ((simd = pick_simd(simd)) < 0) return fail(bufs, 6, NULL);
+    in_t in = {.kind = IN_SIGNS, .x = x.buf, .nx = (size_t)x.len / 4, .signs = sg.buf};
+    epi_t e = {.kind = EPI_ENCODE, .q = &q, .u = u.buf, .out = o.buf, .packed = packed};
+    return run_released(simd, w.buf, n, &in, &e, bufs, 6);
+}
+
+/* rht_decode(src, kind, c, m, p, signs: bytes, table: bytes, out: float32 writable buf (<= p),
+ *            work: float32 writable buf (>= p) or None when out holds p values, simd=-1)
+ * kind 0: src float32 values v; 1: packed 4-bit indices (v = T[z]); 2: byte indices;
+ * 3: bytes b with table = 256 float32 values (v = table[b], e.g. 8-bit lanes to Y/k).
+ * a = v·c − m, then FWHT, 1/sqrt(p), signs; the first len(out) coordinates are written. */
+static PyObject *py_rht_decode(PyObject *self, PyObject *args) {
+    Py_buffer s = {0}, sg = {0}, t = {0}, o = {0}, w = {0};
+    PyObject *wobj;
+    int kind, simd = -1;
+    double c, m;
+    Py_ssize_t p;
+    if (!PyArg_ParseTuple(args, "y*iddny*y*w*O|i", &s, &kind, &c, &m, &p, &sg, &t, &o, &wobj, &simd)) return NULL;
+    Py_buffer *bufs[] = {&s, &sg, &t, &o, &w};
+    if (wobj != Py_None && PyObject_GetBuffer(wobj, &w, PyBUF_WRITABLE) < 0) return fail(bufs, 5, NULL);
+    size_t n = (size_t)p, nout = (size_t)o.len / 4;
+    size_t need = kind == 0 ? 4 * n : kind == 1 ? (n + 1) / 2 : n;
+    const int ftab = kind == 3;          /* byte source, table of 256 float32 values */
+    if (ftab) kind = 2;
+    float *work = w.obj ? w.buf : (nout == n ? o.buf : NULL);
+    if (!is_pow2(n) || kind < 0 || kind > 3 || (size_t)s.len < need || (size_t)sg.len * 8 < n || nout > n ||
+        !work || (w.obj && (size_t)w.len / 4 < n) || (kind == 1 && t.len > 16) || (kind && t.len < 2) ||
+        (ftab && t.len != 1024))
+        return fail(bufs, 5, "rht_decode: inconsistent buffer sizes");
+    if ((simd = pick_simd(simd)) < 0) return fail(bufs, 5, NULL);
+    in_t in = {.kind = kind == 0 ? IN_VALUES : kind == 1 ? IN_NIBBLES : IN_BYTES, .signs = sg.buf,
+               .x = s.buf, .idx = s.buf, .c = (float)c, .m = (float)m};
+    memset(in.tabf, 0, sizeof in.tabf);
+    if (ftab) memcpy(in.tabf, t.buf, 1024);
+    else for (Py_ssize_t i = 0; i < t.len; i++) in.tabf[i] = ((const uint8_t *)t.buf)[i];
+    epi_t e = {.kind = EPI_DECODE, .signs = sg.buf, .dst = o.buf, .ndst = nout};
+    return run_released(simd, work, n, &in, &e, bufs, 5);
+}
+
+/* quantize(r: float32 buf, M, g, table: bytes, uniforms: float32 buf, out: uint8 buf):
+ * the separate quantizer pass of the previous pipeline (scalar). */
+static PyObject *py_quantize(PyObject *self, PyObject *args) {
+    Py_buffer r = {0}, t = {0}, u = {0}, o = {0};
+    double big_m;
+    int g;
+    if (!PyArg_ParseTuple(args, "y*diy*y*w*", &r, &big_m, &g, &t, &u, &o)) return NULL;
+    Py_buffer *bufs[] = {&r, &t, &u, &o};
+    Py_ssize_t n = r.len / 4;
+    qtab_t q;
+    if (u.len / 4 < n || o.len < n || qtab_init(&q, big_m, g, t.buf, t.len) < 0)
+        return fail(bufs, 4, "quantize: inconsistent buffer sizes or table");
+    const float *rv = r.buf, *uv = u.buf;
+    uint8_t *out = o.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) out[i] = quant1(&q, rv[i], uv[i]);
+    Py_END_ALLOW_THREADS
+    release(bufs, 4);
+    Py_RETURN_NONE;
+}
+
+/* apply_signs(x: float32 writable buf, bits: bytes): x[i] = -x[i] where bit i is set. */
+static PyObject *py_apply_signs(PyObject *self, PyObject *args) {
+    Py_buffer x = {0}, b = {0};
+    if (!PyArg_ParseTuple(args, "w*y*", &x, &b)) return NULL;
+    Py_buffer *bufs[] = {&x, &b};
+    size_t n = (size_t)x.len / 4;
+    if ((size_t)b.len * 8 < n) return fail(bufs, 2, "apply_signs: not enough sign bits");
+    float *v = x.buf;
+    const uint8_t *bits = b.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t i = 0; i < n; i++) v[i] = flip(v[i], sign_bit(bits, i));
+    Py_END_ALLOW_THREADS
+    release(bufs, 2);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_tune(PyObject *self, PyObject *args) {
+    Py_ssize_t l1, l2, strip;
+    int tb;
+    if (!PyArg_ParseTuple(args, "nnin", &l1, &l2, &tb, &strip)) return NULL;
+#if THC_HAVE_AVX2
+    L1_FLOATS = (size_t)l1; L2_FLOATS = (size_t)l2; TOP_BITS = tb; STRIP_FLOATS = (size_t)strip;
+#endif
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_simd(PyObject *self, PyObject *args) { return PyUnicode_FromString(auto_simd ? "avx2" : "scalar"); }
+static PyObject *py_has_avx2(PyObject *self, PyObject *args) { return PyBool_FromLong(cpu_avx2); }
+
 static PyMethodDef methods[] = {
-    {"fwht", fwht, METH_VARARGS, "normalized in-place fast Walsh-Hadamard transform (deterministic)"},
-    {"quantize", quantize, METH_VARARGS, "fused clamp + grid map + stochastic rounding to table indices"},
-    {"apply_signs", apply_signs, METH_VARARGS, "multiply by the Rademacher diagonal given as packed bits"},
+    {"fwht", py_fwht, METH_VARARGS, "fwht(x, simd=-1): normalized in-place fast Walsh-Hadamard transform (deterministic)"},
+    {"rht_encode", py_rht_encode, METH_VARARGS, "fused signs + FWHT + clamp + stochastic quantization (+ 4-bit packing)"},
+    {"rht_decode", py_rht_decode, METH_VARARGS, "fused table-domain values + inverse RHT"},
+    {"quantize", py_quantize, METH_VARARGS, "clamp + grid map + stochastic rounding to table indices (separate pass)"},
+    {"apply_signs", py_apply_signs, METH_VARARGS, "multiply by the Rademacher diagonal given as packed bits"},
+    {"_tune", py_tune, METH_VARARGS, "benchmarking only: (L1 chunk, L2 chunk, top level bits, strip floats)"},
+    {"simd", py_simd, METH_NOARGS, "the path simd=-1 takes: 'avx2' or 'scalar'"},
+    {"has_avx2", py_has_avx2, METH_NOARGS, "whether simd=1 is available"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_kernels", "THC worker kernels", -1, methods};
 
-PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&moduledef); }
+PyMODINIT_FUNC PyInit__kernels(void) {
+#if THC_HAVE_AVX2
+    __builtin_cpu_init();
+    cpu_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+#endif
+    const char *env = getenv("THC_KERNELS");
+    auto_simd = cpu_avx2 && !(env && strcmp(env, "scalar") == 0);
+    return PyModule_Create(&moduledef);
+}

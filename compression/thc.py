@@ -22,6 +22,7 @@ deterministic; numpy arrays and torch tensors are both accepted.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -33,7 +34,7 @@ try:   # fused C kernels for the numpy path; the numpy code below stays the refe
     from compression import _kernels
 except ImportError:  # pragma: no cover - source checkout without a build
     _kernels = None
-from proto.packing import check_lane_capacity
+from proto.packing import check_lane_capacity, pack_indices, unpack_indices
 from proto.tables import Table, identity_table, lower_interval_index, parse_p, solve_table
 
 #: The authors cap one transform at 2^23 coordinates (prior-art §1.2).
@@ -175,20 +176,42 @@ def _scale(max_norm: float, padded: int, tp: float) -> float:
     return tp * max_norm / math.sqrt(padded) if max_norm > 0 else 0.0
 
 
+_tls = threading.local()
+
+
+def _workspace(n: int) -> np.ndarray:
+    """A per-thread float32 scratch block of n floats, reused across calls (no page faults)."""
+    w = getattr(_tls, "work", None)
+    if w is None or w.size < n:
+        w = np.empty(n, dtype=np.float32)
+        _tls.work = w
+    return w[:n]
+
+
+def _kernel_ok(x, cfg: ThcConfig) -> bool:
+    return _kernels is not None and not _is_torch(x) and cfg.granularity <= 255
+
+
+def _packs_per_block(cfg: ThcConfig, layout: Layout) -> bool:
+    """4-bit indices whose nibble pairs never straddle two RHT blocks (every block even)."""
+    return cfg.bits == 4 and all(p % 2 == 0 for p in layout.padded)
+
+
 def _encode_kernels(x: np.ndarray, max_norms, cfg: ThcConfig, layout: Layout, round_no: int,
-                    uniforms: np.ndarray) -> np.ndarray:
-    """The numpy-input path through the fused C kernels; equal to the reference below."""
+                    uniforms: np.ndarray, packed: bool = False) -> np.ndarray:
+    """Alg. 3 lines 9-16 per RHT block in one C call (§5.1 signs + FWHT, clamp, stochastic
+    rounding, optional 4-bit packing); equal to the reference below."""
     table = cfg.table
     tab8 = bytes(table.values)
-    out = np.empty(layout.padded_dim, dtype=np.uint8)
+    out = np.empty(layout.padded_dim // 2 if packed else layout.padded_dim, dtype=np.uint8)
     u = np.ascontiguousarray(uniforms, dtype=np.float32)
+    x = np.ascontiguousarray(x, dtype=np.float32)
     for j, off in enumerate(layout.padded_offsets()):
-        p = layout.padded[j]
-        xb = np.array(_block_padded(x, layout, j), dtype=np.float32, copy=True)
-        _kernels.apply_signs(xb, rademacher_bits(cfg.seed, round_no, j, p))
-        r = np.ascontiguousarray(fwht(xb))
+        p, s, n = layout.padded[j], layout.starts[j], layout.lengths[j]
         big_m = _scale(float(max_norms[j]), p, table.t_p)
-        _kernels.quantize(r, big_m, cfg.granularity, tab8, u[off:off + p], out[off:off + p])
+        o = out[off // 2:(off + p) // 2] if packed else out[off:off + p]
+        _kernels.rht_encode(x[s:s + n], p, rademacher_bits(cfg.seed, round_no, j, p), big_m,
+                            cfg.granularity, tab8, u[off:off + p], o, packed, _workspace(p))
     return out
 
 
@@ -197,7 +220,7 @@ def encode(x, max_norms, cfg: ThcConfig, layout: Layout, round_no: int, uniforms
 
     `uniforms` holds layout.padded_dim draws from U[0, 1) (the worker's own RNG).
     """
-    if use_kernels and _kernels is not None and not _is_torch(x) and cfg.granularity <= 255:
+    if use_kernels and _kernel_ok(x, cfg):
         return _encode_kernels(x, max_norms, cfg, layout, round_no, uniforms)
     table = cfg.table
     tab = table.as_array()
@@ -221,6 +244,17 @@ def encode(x, max_norms, cfg: ThcConfig, layout: Layout, round_no: int, uniforms
     return np.concatenate(parts)
 
 
+def encode_packed(x, max_norms, cfg: ThcConfig, layout: Layout, round_no: int, uniforms) -> np.ndarray:
+    """The wire form of :func:`encode`: b-bit indices packed MSB first (proto.packing), uint8.
+
+    For b = 4 on numpy input the packing happens in the same C pass as the quantization.
+    """
+    if _kernel_ok(x, cfg) and _packs_per_block(cfg, layout):
+        return _encode_kernels(x, max_norms, cfg, layout, round_no, uniforms, packed=True)
+    z = encode(x, max_norms, cfg, layout, round_no, uniforms)
+    return pack_indices(z.numpy() if _is_torch(z) else z, cfg.bits)
+
+
 def lookup_sum(indices, table) -> np.ndarray:
     """PS arithmetic (Alg. 2 line 13): Y = Σ_i T[Z_i] over the given workers, int64."""
     tab = np.asarray(table, dtype=np.int64)
@@ -233,27 +267,70 @@ def lookup_sum(indices, table) -> np.ndarray:
     return total
 
 
+def _decode_kernels(src, kind: int, contributors: int, max_norms, cfg: ThcConfig, layout: Layout,
+                    round_no: int, lut: np.ndarray | None = None) -> np.ndarray:
+    """Alg. 3 lines 19-21 per RHT block in one C call: a = v·2M/(g·k) − M from the source
+    (kind 0: float32 values, 1: packed 4-bit indices, 2: byte indices, v = T[z]; 3: bytes,
+    v = lut[byte]), then the inverse RHT of §5.1 (FWHT, then the signs D)."""
+    g, table = cfg.granularity, cfg.table
+    tab8 = lut.tobytes() if lut is not None else bytes(table.values) if kind else b""
+    out = np.empty(layout.dim, dtype=np.float32)
+    for j, off in enumerate(layout.padded_offsets()):
+        p, s, n = layout.padded[j], layout.starts[j], layout.lengths[j]
+        big_m = _scale(float(max_norms[j]), p, table.t_p)
+        seg = src[off // 2:(off + p) // 2] if kind == 1 else src[off:off + p]
+        _kernels.rht_decode(seg, kind, 2.0 * big_m / (g * contributors), big_m, p,
+                            rademacher_bits(cfg.seed, round_no, j, p), tab8, out[s:s + n],
+                            None if n == p else _workspace(p))
+    return out
+
+
 def decode(sums, contributors: int, max_norms, cfg: ThcConfig, layout: Layout, round_no: int):
     """x̂ = RHT⁻¹(m + (Y/k)·(M − m)/g) (Alg. 3 lines 19–21), length layout.dim, float32."""
     if contributors <= 0:
         raise ValueError(f"contributors must be positive, got {contributors}")
+    if _kernels is not None and not _is_torch(sums):
+        return _decode_kernels(np.ascontiguousarray(sums, dtype=np.float32), 0, contributors,
+                               max_norms, cfg, layout, round_no)
     g, tp = cfg.granularity, cfg.table.t_p
-    like = sums if _is_torch(sums) else np.zeros(0, np.float32)
-    out = _zeros(layout.dim, like)
+    out = _zeros(layout.dim, sums)
     for j, off in enumerate(layout.padded_offsets()):
         p, s, n = layout.padded[j], layout.starts[j], layout.lengths[j]
         big_m = _scale(float(max_norms[j]), p, tp)
         yj = sums[off:off + p]
         yj = yj.float() if _is_torch(yj) else yj.astype(np.float32)
         a = yj * (2.0 * big_m / (g * contributors)) - big_m
-        if _kernels is not None and not _is_torch(a):
-            r = np.ascontiguousarray(fwht(a))
-            _kernels.apply_signs(r, rademacher_bits(cfg.seed, round_no, j, p))
-            out[s:s + n] = r[:n]
-        else:
-            signs = rademacher_signs(cfg.seed, round_no, j, p)
-            out[s:s + n] = (fwht(a) * _asarray(signs, a))[:n]
+        signs = rademacher_signs(cfg.seed, round_no, j, p)
+        out[s:s + n] = (fwht(a) * _asarray(signs, a))[:n]
     return out
+
+
+def decode_own(z, max_norms, cfg: ThcConfig, layout: Layout, round_no: int, packed: bool = False):
+    """RHT⁻¹(X) of this worker's own indices (the error-feedback term of Alg. 3 line 22).
+
+    Equal to ``decode(lookup_sum([z], T), 1, ...)``; on numpy input the table lookup is
+    fused into the inverse transform.  `packed`: z is the wire form of :func:`encode_packed`.
+    """
+    if _kernel_ok(z, cfg) and (not packed or _packs_per_block(cfg, layout)):
+        return _decode_kernels(np.ascontiguousarray(z, dtype=np.uint8), 1 if packed else 2, 1,
+                               max_norms, cfg, layout, round_no)
+    if packed:
+        z = unpack_indices(np.asarray(z, dtype=np.uint8), cfg.bits, layout.padded_dim)
+    own = lookup_sum([z.numpy() if _is_torch(z) else z], cfg.table.values)
+    return decode(_asarray(own, z), 1, max_norms, cfg, layout, round_no)
+
+
+def decode_lanes(lanes, contributors: int, max_norms, cfg: ThcConfig, layout: Layout, round_no: int):
+    """x̂ from the PS's 8-bit sum lanes Y (uint8, one per padded coordinate) and k contributors.
+
+    Equal to ``decode((Y / k).astype(float32), 1, ...)`` (Alg. 3 lines 19–21), with the
+    division done by a 256-entry table inside the fused decode.
+    """
+    lut = (np.arange(256, dtype=np.int64) / contributors).astype(np.float32)
+    lanes = np.ascontiguousarray(lanes, dtype=np.uint8)
+    if _kernels is None:
+        return decode(lut[lanes], 1, max_norms, cfg, layout, round_no)
+    return _decode_kernels(lanes, 3, 1, max_norms, cfg, layout, round_no, lut=lut)
 
 
 @dataclass
@@ -271,9 +348,7 @@ def compress_with_feedback(grad, error, max_norms, cfg, layout, round_no, unifor
     """
     x = grad + error if error is not None else grad
     z = encode(x, max_norms, cfg, layout, round_no, uniforms)
-    own = lookup_sum([z.numpy() if _is_torch(z) else z], cfg.table.values)
-    own = _asarray(own, x)
-    return ThcRound(z, x - decode(own, 1, max_norms, cfg, layout, round_no))
+    return ThcRound(z, x - decode_own(z, max_norms, cfg, layout, round_no))
 
 
 # ----------------------------------------------------------------------------- uniform THC

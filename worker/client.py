@@ -22,9 +22,33 @@ import numpy as np
 
 from compression import thc
 from proto import headers as H
-from proto.packing import pack_indices, unpack_lanes
+from proto.packing import unpack_lanes
 from worker.transport import Transport
 
+
+def joined_lanes(chunks, results, total: int, lane_bits: int):
+    """(all 8-bit sum lanes Y as one uint8 vector, k) when every chunk came back with the same
+    number of contributors k — the common round, whose Y/k (Alg. 3 line 19) thc.decode_lanes
+    then computes inside the fused decode; None otherwise."""
+    if lane_bits != 8 or not results or any(r is None for r in results):
+        return None
+    k = results[0][0].contributors
+    if any(h.contributors != k for h, _ in results):
+        return None
+    lanes = np.frombuffer(b"".join(p if len(p) == count else memoryview(p)[:count]
+                                   for (_, count, _), (_, p) in zip(chunks, results)), dtype=np.uint8)
+    return (lanes, k) if lanes.size == total else None
+
+
+def average_lanes(chunks, results, total: int, granularity: int, lane_bits: int) -> np.ndarray:
+    """Y/k per chunk (Alg. 3 line 19) as one float32 vector; a lost chunk stays at g/2, the
+    rotated-domain zero (unpack_lanes(payload) / k cast to float32, as before)."""
+    y_avg = np.full(total, granularity / 2.0, dtype=np.float32)
+    for (off, count, _), r in zip(chunks, results):
+        if r is not None:
+            h, payload = r
+            y_avg[off:off + count] = unpack_lanes(payload, lane_bits, count) / h.contributors
+    return y_avg
 
 @dataclass
 class RoundReport:
@@ -180,21 +204,22 @@ class Worker:
         x = grad + err if err is not None else grad
         norms = self._exchange_norms(thc.block_norms(x, layout))
         report.norms = norms.tolist()
-        z = thc.encode(x, norms, cfg, layout, rn, self.round_rng(rn).random(layout.padded_dim, dtype=np.float32))
-        chunks = self._chunks(pack_indices(z, cfg.bits).tobytes(), layout.padded_dim, cfg.bits)
+        packed = thc.encode_packed(x, norms, cfg, layout, rn,
+                                   self.round_rng(rn).random(layout.padded_dim, dtype=np.float32))
+        chunks = self._chunks(packed.tobytes(), layout.padded_dim, cfg.bits)
         report.bytes_up = sum(len(c[2]) + H.HEADER_SIZE for c in chunks)
         self._maybe_straggle()
         results = self.t.run_phase(H.DATA, chunks)
         self._collect(results, report)
-        y_avg = np.full(layout.padded_dim, cfg.granularity / 2.0, dtype=np.float32)
-        for (off, count, _), r in zip(chunks, results):
-            if r is not None:
-                h, payload = r
-                y_avg[off:off + count] = unpack_lanes(payload, job.lane_bits, count) / h.contributors
-        est = thc.decode(y_avg, 1, norms, cfg, layout, rn)
+        whole = joined_lanes(chunks, results, layout.padded_dim, job.lane_bits)
+        if whole is not None:       # every chunk back, one k: lanes → Y/k inside the fused decode
+            est = thc.decode_lanes(whole[0], whole[1], norms, cfg, layout, rn)
+        else:
+            y_avg = average_lanes(chunks, results, layout.padded_dim, cfg.granularity, job.lane_bits)
+            est = thc.decode(y_avg, 1, norms, cfg, layout, rn)
         if self.error_feedback:
-            own = thc.lookup_sum([z], cfg.table.values)
-            self.errors.put(key, x - thc.decode(own, 1, norms, cfg, layout, rn))
+            own = thc.decode_own(packed, norms, cfg, layout, rn, packed=True)
+            self.errors.put(key, np.subtract(x, own, out=own))     # e = x − RHT⁻¹(X), no new vector
         return est
 
     def _blob_round(self, arr: np.ndarray, key: str, report: RoundReport) -> np.ndarray:

@@ -63,8 +63,7 @@ def allreduce_thc(state: THCHookState, flat: torch.Tensor, key) -> torch.Tensor:
     y_avg = (values.numpy().astype(np.int64) / state.world_size).astype(np.float32)
     est = thc.decode(y_avg, 1, max_norms, cfg, layout, rn)
     if state.error_feedback:
-        own = thc.lookup_sum([z], cfg.table.values)
-        state.errors.put(key, x - thc.decode(own, 1, max_norms, cfg, layout, rn))
+        state.errors.put(key, x - thc.decode_own(z, max_norms, cfg, layout, rn))
     state.round_no = rn + 1
     return torch.from_numpy(est).to(flat.dtype).view_as(flat)
 

@@ -1,0 +1,215 @@
+"""The fused worker kernels (compression/_kernels.c): AVX2 and scalar paths bit for bit, the
+fused encode/decode against the separate passes they replace, and identity across processes."""
+import hashlib
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from compression import _kernels as K
+from compression import thc
+from compression.hadamard import fwht, rademacher_bits
+from proto.packing import pack_indices
+from proto.tables import solve_table
+
+SIMD = [0, 1] if K.has_avx2() else [0]
+needs_avx2 = pytest.mark.skipif(not K.has_avx2(), reason="CPU without AVX2: only the scalar path runs")
+
+
+def bits_of(a):
+    return np.ascontiguousarray(a).view(np.uint32 if a.dtype == np.float32 else np.uint8)
+
+
+def ugly(n, seed):
+    """Heavy-tailed values with exact zeros, ties and huge magnitudes mixed in."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * rng.lognormal(0, 2, n)).astype(np.float32)
+    x[::7] = 0.0
+    x[1::11] = x[0]
+    return x
+
+
+@needs_avx2
+@pytest.mark.parametrize("n", [1, 2, 8, 64, 128, 256, 512, 1024, 4096, 1 << 13, 1 << 15, 1 << 17, 1 << 19])
+def test_fwht_avx2_equals_scalar_bitwise(n):
+    x = ugly(n, n)
+    a, b = x.copy(), x.copy()
+    K.fwht(a, 0)
+    K.fwht(b, 1)
+    assert np.array_equal(bits_of(a), bits_of(b))
+
+
+@pytest.mark.parametrize("simd", SIMD)
+@pytest.mark.parametrize("n", [128, 1 << 12, 1 << 16])
+def test_fwht_each_path_is_orthogonal_and_involutive(simd, n):
+    x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    y = x.copy()
+    K.fwht(y, simd)
+    assert np.linalg.norm(y) == pytest.approx(np.linalg.norm(x), rel=1e-5)
+    assert np.allclose(y, fwht(x, exact=False), atol=1e-5)      # the BLAS matrix form
+    K.fwht(y, simd)
+    assert np.allclose(y, x, atol=1e-5)                         # H·H = I
+
+
+def _encode_both(x, p, signs, big_m, g, tab, u, packed, simd):
+    out = np.empty(p // 2 if packed else p, np.uint8)
+    K.rht_encode(x, p, signs, big_m, g, tab, u, out, packed, np.empty(p, np.float32), simd)
+    return out
+
+
+@pytest.mark.parametrize("bits,g", [(4, 30), (4, 51), (4, 63), (3, 36), (2, 36), (4, 100), (5, 120), (4, 255)])
+@pytest.mark.parametrize("p,n", [(128, 128), (1 << 14, 1 << 14), (1 << 14, 9000), (1 << 17, 1 << 17), (64, 5)])
+def test_rht_encode_paths_equal_separate_passes(bits, g, p, n):
+    """Fused encode (AVX2 and scalar) == apply_signs + fwht + quantize, every index."""
+    tab = bytes(solve_table(bits, g, "1/32").values)
+    rng = np.random.default_rng(p + n + g)
+    x = ugly(n, g)
+    if n == 5:            # non-finite input: every output NaN, clamped like the scalar loop
+        x[1], x[2], x[3] = np.inf, -np.inf, np.nan
+    u = rng.random(p, dtype=np.float32)
+    signs = rademacher_bits(9, 2, 0, p)
+    big_m = 2.5 * float(np.linalg.norm(x[np.isfinite(x)])) / np.sqrt(p)
+    padded = np.zeros(p, np.float32)
+    padded[:n] = x
+    ref = np.empty(p, np.uint8)
+    K.apply_signs(padded, signs)
+    K.fwht(padded, 0)
+    K.quantize(padded, big_m, g, tab, u, ref)
+    for simd in SIMD:
+        got = _encode_both(x, p, signs, big_m, g, tab, u, False, simd)
+        assert np.array_equal(got, ref)
+        if bits == 4:
+            assert np.array_equal(_encode_both(x, p, signs, big_m, g, tab, u, True, simd), pack_indices(ref, 4))
+        # an all-zero round (M = 0): every coordinate at y = g/2
+        zero = _encode_both(x, p, signs, 0.0, g, tab, u, False, simd)
+        K.quantize(padded, 0.0, g, tab, u, ref)
+        assert np.array_equal(zero, ref)
+        K.quantize(padded, big_m, g, tab, u, ref)
+    assert ref.max() < len(tab)
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2])
+@pytest.mark.parametrize("p,nout", [(128, 128), (1 << 15, 1 << 15), (1 << 15, 20000), (1 << 18, 1 << 18), (64, 3)])
+def test_rht_decode_paths_equal_separate_passes(kind, p, nout):
+    tab = solve_table(4, 30, "1/32").values
+    rng = np.random.default_rng(p + kind)
+    z = rng.integers(0, 16, p).astype(np.uint8)
+    v = rng.random(p, dtype=np.float32) * 30 if kind == 0 else np.asarray(tab, np.float32)[z]
+    src = v if kind == 0 else pack_indices(z, 4) if kind == 1 else z
+    signs = rademacher_bits(4, 1, 0, p)
+    c, m = 2.0 * 0.37 / (30 * 3), 0.37
+    a = v * np.float32(c) - np.float32(m)
+    K.fwht(a, 0)
+    K.apply_signs(a, signs)
+    for simd in SIMD:
+        out = np.full(nout, np.nan, np.float32)
+        K.rht_decode(src, kind, c, m, p, signs, bytes(tab), out, None if nout == p else np.empty(p, np.float32), simd)
+        assert np.array_equal(bits_of(out), bits_of(a[:nout]))
+
+
+def test_kernel_argument_checks():
+    x = np.zeros(100, np.float32)
+    with pytest.raises(ValueError):
+        K.fwht(x)
+    tab = bytes(solve_table(4, 30, "1/32").values)
+    u = np.zeros(128, np.float32)
+    with pytest.raises(ValueError):      # output too small
+        K.rht_encode(x, 128, bytes(16), 1.0, 30, tab, u, np.empty(10, np.uint8), False, np.empty(128, np.float32))
+    with pytest.raises(ValueError):      # input longer than the block
+        K.rht_encode(np.zeros(200, np.float32), 128, bytes(16), 1.0, 30, tab, u, np.empty(128, np.uint8), False,
+                     np.empty(128, np.float32))
+    with pytest.raises(ValueError):      # table that does not end at g
+        K.rht_encode(x, 128, bytes(16), 1.0, 31, tab, u, np.empty(128, np.uint8), False, np.empty(128, np.float32))
+    with pytest.raises(ValueError):      # fewer outputs than p need a work buffer
+        K.rht_decode(u, 0, 1.0, 0.0, 128, bytes(16), b"", np.empty(100, np.float32), None)
+    assert K.simd() in ("avx2", "scalar")
+
+
+@pytest.mark.parametrize("dim,block_log2,bits,g", [(1, 23, 4, 30), (3, 23, 4, 30), (1000, 23, 4, 30),
+                                                   (70000, 14, 4, 30), (5000, 10, 3, 36), (300001, 17, 2, 36)])
+def test_thc_fused_equals_reference_and_packing(dim, block_log2, bits, g):
+    cfg = thc.ThcConfig(bits=bits, granularity=g, block_log2=block_log2, seed=5)
+    rng = np.random.default_rng(dim)
+    x = ugly(dim, dim)
+    layout = thc.make_layout(dim, block_log2)
+    norms = thc.block_norms(x, layout)
+    u = rng.random(layout.padded_dim, dtype=np.float32)
+    z = thc.encode(x, norms, cfg, layout, 3, u)
+    zp = thc.encode_packed(x, norms, cfg, layout, 3, u)
+    assert np.array_equal(zp, pack_indices(z, bits))
+    ref = thc.encode(x, norms, cfg, layout, 3, u, use_kernels=False)   # numpy ops, BLAS-free C FWHT
+    assert (z != ref).mean() < 1e-4
+    y = thc.lookup_sum([z], cfg.table.values)
+    own = thc.decode(y, 1, norms, cfg, layout, 3)
+    for got in (thc.decode_own(z, norms, cfg, layout, 3), thc.decode_own(zp, norms, cfg, layout, 3, packed=True)):
+        assert np.array_equal(bits_of(got), bits_of(own))
+    t = thc.decode_own(torch.from_numpy(z), norms, cfg, layout, 3).numpy()
+    assert np.allclose(t, own, atol=1e-4 * max(1e-30, np.abs(own).max()))
+
+
+_DIGEST = """
+import hashlib, numpy as np
+from compression import _kernels, thc
+cfg = thc.ThcConfig(seed=7, block_log2=16)
+rng = np.random.default_rng(1)
+x = (rng.standard_normal(200000) * rng.lognormal(0, 2, 200000)).astype(np.float32)
+layout = thc.make_layout(x.size, cfg.block_log2)
+norms = thc.block_norms(x, layout)
+zp = thc.encode_packed(x, norms, cfg, layout, 4, rng.random(layout.padded_dim, dtype=np.float32))
+y = thc.lookup_sum([thc.encode(x, norms, cfg, layout, 4, rng.random(layout.padded_dim, dtype=np.float32))] * 3,
+                   cfg.table.values)
+d = thc.decode(y, 3, norms, cfg, layout, 4)
+own = thc.decode_own(zp, norms, cfg, layout, 4, packed=True)
+print(_kernels.simd(), hashlib.sha256(zp.tobytes() + d.tobytes() + own.tobytes()).hexdigest())
+"""
+
+
+def _digest(env_kernels):
+    env = dict(os.environ)
+    env.pop("THC_KERNELS", None)
+    if env_kernels:
+        env["THC_KERNELS"] = env_kernels
+    out = subprocess.run([sys.executable, "-c", _DIGEST], capture_output=True, text=True, check=True, env=env)
+    return out.stdout.split()
+
+
+def test_same_bytes_in_every_process_and_on_the_scalar_fallback():
+    """Two fresh processes on the default path and one forced to the scalar fallback produce
+    the same packed indices, decoded average and error-feedback term, byte for byte."""
+    a, b, s = _digest(None), _digest(None), _digest("scalar")
+    assert a[0] == ("avx2" if K.has_avx2() else "scalar") and s[0] == "scalar"
+    assert a[1] == b[1] == s[1]
+
+
+@pytest.mark.parametrize("case", ["all", "lost", "mixed_k", "lanes16"])
+def test_worker_lanes_decode_equals_per_chunk_average(case):
+    """The worker's fused lanes → Y/k → RHT⁻¹ equals decode() of the per-chunk float32 Y/k,
+    bit for bit; rounds with a lost chunk, mixed k or wide lanes take the per-chunk path."""
+    from types import SimpleNamespace
+    from proto.packing import pack_lanes
+    from worker.client import average_lanes, joined_lanes
+    lane_bits = 16 if case == "lanes16" else 8
+    rng = np.random.default_rng(len(case))
+    cfg = thc.ThcConfig(seed=2, block_log2=12)
+    dim, per = 10000, 1440
+    layout = thc.make_layout(dim, cfg.block_log2)
+    total = layout.padded_dim
+    norms = rng.random(len(layout.starts)) * 50
+    chunks = [(off, min(per, total - off), b"") for off in range(0, total, per)]
+    results = []
+    for i, (off, count, _) in enumerate(chunks):
+        k = int(rng.integers(1, 5)) if case == "mixed_k" else 3
+        if case == "lost" and i % 3 == 1:
+            results.append(None)
+            continue
+        results.append((SimpleNamespace(contributors=k), pack_lanes(rng.integers(0, 30 * k + 1, count), lane_bits)))
+    want = thc.decode(average_lanes(chunks, results, total, 30, lane_bits), 1, norms, cfg, layout, 4)
+    whole = joined_lanes(chunks, results, total, lane_bits)
+    assert (whole is None) == (case != "all")
+    if whole is not None:
+        assert whole[1] == 3
+        got = thc.decode_lanes(whole[0], whole[1], norms, cfg, layout, 4)
+        assert np.array_equal(bits_of(got), bits_of(want))
