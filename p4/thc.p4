@@ -8,7 +8,7 @@ const bit<16> ETH_IPV4 = 0x0800;
 const bit<8>  IP_UDP = 17;
 const bit<16> THC_PORT = 9000;
 const bit<16> THC_MAGIC = 0x5448;
-const bit<8>  THC_VERSION = 1;
+const bit<8>  THC_VERSION = 2;
 const bit<8>  T_DATA = 1;
 const bit<8>  T_RESULT = 2;
 const bit<8>  T_STRAGGLER = 3;
@@ -20,7 +20,8 @@ const bit<8>  OP_MAX_U32 = 3;
 const bit<16> LANES = 32;
 const bit<16> IDX_BYTES = 16;
 const bit<16> SUM_BYTES = 32;
-const bit<16> HDR_BYTES = 32;
+const bit<16> HDR_BYTES = 40;
+const bit<32> ROUND_WINDOW = 1024;
 
 // verdicts of the slot update
 const bit<8> V_DROP_MALFORMED = 0;
@@ -31,6 +32,7 @@ const bit<8> V_DUP = 4;
 const bit<8> V_LATE = 5;
 const bit<8> V_RESEND_PREV = 6;
 const bit<8> V_STALE = 7;
+const bit<8> V_AHEAD = 8;
 
 // drop/event counter indices (names as in ps_server/reference.py)
 const bit<32> C_MALFORMED = 0;
@@ -45,6 +47,7 @@ const bit<32> C_LATE = 8;
 const bit<32> C_ROUNDS = 9;
 const bit<32> C_PARTIAL = 10;
 const bit<32> C_RESENT = 11;
+const bit<32> C_AHEAD = 12;
 
 header ethernet_t { bit<48> dst; bit<48> src; bit<16> ether_type; }
 header ipv4_t {
@@ -54,10 +57,25 @@ header ipv4_t {
 }
 header udp_t { bit<16> src_port; bit<16> dst_port; bit<16> length; bit<16> checksum; }
 header thc_t {
-    bit<16> magic; bit<8> version; bit<8> type; bit<8> flags; bit<8> worker_id;
-    bit<8> num_workers; bit<8> elem_bits; bit<16> job_id; bit<16> slot; bit<32> round;
-    bit<32> offset; bit<16> count; bit<16> payload_len; bit<32> bitmap; bit<8> contributors;
-    bit<8> op; bit<16> reserved;
+    bit<16> magic;
+    bit<8> version;
+    bit<8> type;
+    bit<8> flags;
+    bit<8> worker_id;
+    bit<8> num_workers;
+    bit<8> elem_bits;
+    bit<16> job_id;
+    bit<16> slot;
+    bit<32> round;
+    bit<32> offset;
+    bit<16> count;
+    bit<16> payload_len;
+    bit<32> bitmap;
+    bit<8> contributors;
+    bit<8> op;
+    bit<16> reserved;
+    bit<32> nonce;
+    bit<32> token;
 }
 header idx_t {
     bit<4> z0;
@@ -134,7 +152,7 @@ struct headers_t {
 }
 
 struct metadata_t {
-    bit<16> job; bit<8> n; bit<8> quorum; bit<16> data_slots; bit<16> norm_slots;
+    bit<16> job; bit<32> nonce; bit<8> n; bit<8> quorum; bit<16> data_slots; bit<16> norm_slots;
     bit<48> ps_mac; bit<1> configured;
     bit<8> worker; bit<1> registered;
     bit<8> verdict; bit<1> first; bit<1> add;
@@ -233,15 +251,16 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
     counter(16, CounterType.packets) events;
 
     action drop_with(bit<32> reason) { events.count(reason); mark_to_drop(sm); }
-    action set_config(bit<16> job, bit<8> n, bit<8> quorum, bit<16> data_slots, bit<16> norm_slots,
-                      bit<48> ps_mac) {
-        meta.job = job; meta.n = n; meta.quorum = quorum; meta.data_slots = data_slots;
+    action set_config(bit<16> job, bit<32> nonce, bit<8> n, bit<8> quorum, bit<16> data_slots,
+                      bit<16> norm_slots, bit<48> ps_mac) {
+        meta.job = job; meta.nonce = nonce; meta.n = n; meta.quorum = quorum; meta.data_slots = data_slots;
         meta.norm_slots = norm_slots; meta.ps_mac = ps_mac; meta.configured = 1;
     }
     table thc_config { actions = { set_config; NoAction; } default_action = NoAction(); }
     action set_worker(bit<8> wid) { meta.worker = wid; meta.registered = 1; }
+    // a registration: source address, port and the token the control plane handed out
     table workers {
-        key = { hdr.ipv4.src: exact; hdr.udp.src_port: exact; }
+        key = { hdr.ipv4.src: exact; hdr.udp.src_port: exact; hdr.thc.token: exact; }
         actions = { set_worker; NoAction; } size = 64; default_action = NoAction();
     }
     action forward(bit<9> port) { sm.egress_spec = port; }
@@ -327,7 +346,10 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
         meta.first = 0;
         meta.add = 0;
         meta.reg_idx = (slot << 1) | (bit<32>)pr[0:0];
-        if (act == 0 || pr > r) {
+        bit<32> base = (act == 0) ? 32w0 : r;
+        if (pr > base + ROUND_WINDOW) {
+            meta.verdict = V_AHEAD;       // no single packet may move a slot out of reach
+        } else if (act == 0 || pr > r) {
             if (act == 1 && c >= meta.quorum && pr == r + 1) {
                 pv = 1; pc = c; pbm = bm; poff = off;
             } else {
@@ -652,7 +674,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
         }
         if (hdr.thc.version != THC_VERSION) { drop_with(C_WRONG_VERSION); return; }
         if (hdr.thc.type != T_DATA && hdr.thc.type != T_NORM) { drop_with(C_MALFORMED); return; }
-        if (hdr.thc.job_id != meta.job) { drop_with(C_UNKNOWN_JOB); return; }
+        if (hdr.thc.job_id != meta.job || hdr.thc.nonce != meta.nonce) { drop_with(C_UNKNOWN_JOB); return; }
         if (hdr.thc.worker_id >= meta.n) { drop_with(C_WORKER_RANGE); return; }
         workers.apply();
         if (meta.registered == 0 || meta.worker != hdr.thc.worker_id) { drop_with(C_UNREGISTERED); return; }
@@ -677,6 +699,8 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
         bit<8> v = meta.verdict;
         if (v == V_DROP_MALFORMED) { drop_with(C_MALFORMED); return; }
         if (v == V_DUP) { drop_with(C_DUPLICATE); return; }
+        if (v == V_AHEAD) { drop_with(C_AHEAD); return; }
+        hdr.thc.token = 0;              // replies carry the job's nonce, never a token
         if (v == V_STALE) {
             events.count(C_STALE);
             to_straggler();
