@@ -209,8 +209,14 @@ def cmd_train(args):
         slim["bytes_up"], slim["bytes_down"] = doc["run"]["bytes_up"], doc["run"]["bytes_down"]
         if "baseline" in doc:
             slim["baseline_epochs"] = doc["baseline"]["epochs"]
+        lost = sum(e.get("lost_chunks", 0) for e in doc["run"]["epochs"])
+        slim["ok"] = not (lost and cfg.loss_policy == "retransmit")
+        slim["problems"] = [] if slim["ok"] else [f"{lost} chunks lost under retransmit"]
         return slim
     train.print_comparison(doc)
+    lost = sum(e.get("lost_chunks", 0) for e in doc["run"]["epochs"])
+    if lost and cfg.loss_policy == "retransmit":
+        return {"ok": False, "problems": [f"{lost} chunks lost under retransmit"]}
     return None
 
 

@@ -61,7 +61,7 @@ def _evaluate(model, x, y, batch=1000) -> tuple[float, float]:
     return correct / len(x), loss / len(x)
 
 
-def worker_main(cfg: TrainConfig, rank: int, shards: list, q) -> None:
+def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | None = None) -> None:
     """One worker process: train, report per-epoch metrics on the queue."""
     try:
         import torch
@@ -82,8 +82,11 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q) -> None:
         model = MODELS[cfg.model]()
         opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
         faults = Faults(drop_out=cfg.loss, drop_in=cfg.loss, seed=cfg.seed)
+        from proto.job import JobConfig
+        job = JobConfig.from_msg(job_msg) if job_msg else None
         t = Transport(shards[0][0], shards[0][1], rank, control_port=shards[0][2], policy=cfg.loss_policy,
-                      faults=faults, timeout_ms=cfg.timeout_ms, shards=shards)
+                      faults=faults, timeout_ms=cfg.timeout_ms, shards=shards,
+                      expect=job_msg, propose=job)       # the PS must run this job (or start it)
         w = Worker(t, seed=cfg.seed, straggler_delay_ms=cfg.straggler_delay_ms,
                    straggler_prob=cfg.straggler_prob, straggler_count=cfg.straggler_count)
         sync = GradientSync(w, model, per_tensor=cfg.per_tensor)
@@ -152,7 +155,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
     single_threaded_children()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=worker_main, args=(cfg, r, shards, q), daemon=True)
+    procs = [ctx.Process(target=worker_main, args=(cfg, r, shards, q, job.to_msg()), daemon=True)
              for r in range(cfg.workers)]
     for proc in procs:
         proc.start()

@@ -148,3 +148,26 @@ def test_train_json_summary_tiny():
     assert 0 <= doc["final_test_accuracy"] <= 1 and 0 <= doc["baseline_final_test_accuracy"] <= 1
     assert doc["compression_up"] > 5 and doc["compression_down"] > 3
     assert len(doc["epochs"]) == 1 and "epoch 1/1" in proc.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz")
+                    and not os.environ.get("THC_FASHION_MNIST"),
+                    reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+def test_train_twice_against_one_long_lived_ps_is_identical():
+    """Reproduction: `thc train --ps` twice against one PS gave 0.759, then 0.1315 (chance)."""
+    from ps_server.server import PSServer
+    server = PSServer(None, ("127.0.0.1", 0)).start()
+    try:
+        cmd = [sys.executable, "-m", "deploy.cli", "train", "--workers", "2", "--epochs", "1",
+               "--train-limit", "512", "--test-limit", "256", "--model", "mlp", "--json",
+               "--ps", f"127.0.0.1:{server.data_addr[1]}"]
+        docs = []
+        for _ in range(2):
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, proc.stderr
+            docs.append(json.loads([ln for ln in proc.stdout.splitlines() if ln.strip()][-1]))
+        assert docs[0]["final_test_accuracy"] > 0.3
+        assert docs[1]["final_test_accuracy"] == docs[0]["final_test_accuracy"]   # nothing leaked
+        assert server.stats()["jobs_started"] == 2 and server.job is None
+    finally:
+        server.stop()
