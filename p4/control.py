@@ -189,8 +189,11 @@ class SwitchEngine:
         return 0
 
     def stats(self) -> dict:
-        ev = self.cli.events()
-        drops = {k: ev[k] for k in EVENTS[:9]}
-        return {"rounds_completed": ev["rounds_completed"], "partial_rounds": ev["partial_rounds"],
-                "results_resent": ev["results_resent"], "stragglers_notified": ev["stale"],
-                "drops": drops, "engine": "bmv2"}
+        return engine_stats(self.cli.events())
+
+
+def engine_stats(ev: dict) -> dict:
+    """The switch's event counters in the shape of the software PS's stats."""
+    return {"rounds_completed": ev["rounds_completed"], "partial_rounds": ev["partial_rounds"],
+            "results_resent": ev["results_resent"], "stragglers_notified": ev["stale"],
+            "drops": {k: ev[k] for k in EVENTS[:9]}, "engine": "bmv2"}
