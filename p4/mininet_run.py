@@ -101,7 +101,16 @@ def _children(pid: int) -> list[int]:
 
 def teardown(proc: subprocess.Popen | None, ns: str, grace: float = 30.0) -> None:
     """Stop the harness (SIGINT to it, so Mininet stops its hosts; then SIGKILL to unshare,
-    which kills the PID namespace), kill whatever is left in the network namespace, delete it."""
+    which kills the PID namespace), kill whatever is left in the network namespace, delete it.
+    A second Ctrl-C does not interrupt this."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _teardown(proc, ns, grace)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _teardown(proc: subprocess.Popen | None, ns: str, grace: float) -> None:
     if proc is not None and proc.poll() is None:
         for child in _children(proc.pid):           # the harness: PID 1 of the new namespace
             try:
