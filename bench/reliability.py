@@ -76,10 +76,16 @@ def stranger(server: PSServer, stop: threading.Event, counts: dict, seed: int) -
             sock.connect(f"tcp://127.0.0.1:{server.control_port}")
         counts["control_sent"] += 1
         for _ in range(20):
-            b = bytearray(rng.bytes(int(rng.integers(0, 120))))
-            if len(b) >= H.HEADER_SIZE and rng.random() < 0.7:
-                b[0:3] = b"TH" + bytes([H.VERSION])
-                b[3] = H.DATA
+            if rng.random() < 0.5:     # well formed, with a guessed nonce and token
+                r = lambda bits: int(rng.integers(0, 1 << bits))
+                h = H.Header(type=H.DATA, job_id=1, worker_id=r(2), num_workers=r(2) + 1, elem_bits=4,
+                             slot=r(9), round=r(32), count=64, op=H.OP_LOOKUP_SUM, nonce=r(32), token=r(32))
+                b = H.build(h, rng.bytes(32))
+            else:
+                b = bytearray(rng.bytes(int(rng.integers(0, 120))))
+                if len(b) >= H.HEADER_SIZE and rng.random() < 0.7:
+                    b[0:3] = b"TH" + bytes([H.VERSION])
+                    b[3] = H.DATA
             udp.sendto(bytes(b), server.data_addr)
             counts["datagrams_sent"] += 1
         time.sleep(0.01)

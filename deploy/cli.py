@@ -168,12 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--seed", type=_seed, default=0, help="seed (default 0)")
     ex.set_defaults(func=commands.cmd_experiment)
 
-    p4 = sub.add_parser("p4", help="the P4 switch program: generate, compile, run under bmv2",
-                        description="gen: write p4/thc.p4 from p4/gen_p4.py; build: compile it with "
-                                    "p4c-bm2-ss; run: start simple_switch on interfaces, program the job "
-                                    "and serve the workers' control plane.")
-    p4.add_argument("action", choices=("gen", "build", "run"))
-    p4.add_argument("--out", default="build/p4", help="build: output directory (default build/p4)")
+    p4 = sub.add_parser("p4", help="the P4 switch program: check tools, generate, compile, run under bmv2, "
+                                   "run workers through it in Mininet",
+                        description="doctor: find and check the P4 tools (PATH, /opt/p4tools/bin, "
+                                    "$THC_P4_TOOLS) and Debian's mininet, nft, ethtool, ip; exit 0 when "
+                                    "simple_switch, simple_switch_CLI and p4c-bm2-ss work. gen: write "
+                                    "p4/thc.p4 from p4/gen_p4.py; build: compile it with p4c-bm2-ss; run: "
+                                    "start simple_switch on interfaces, program the job and serve the "
+                                    "workers' control plane; mininet: one bmv2 switch and N hosts running "
+                                    "real `thc worker`s, every chunk checked exactly (root).")
+    p4.add_argument("action", choices=("doctor", "gen", "build", "run", "mininet"))
+    p4.add_argument("--json", action="store_true", help="doctor, mininet: one JSON document")
+    p4.add_argument("--out", default="build/p4", help="build, mininet: output directory (default build/p4)")
     p4.add_argument("--check", action="store_true", help="gen: only check that p4/thc.p4 is current")
     p4.add_argument("--iface", action="append", default=[], metavar="PORT=IFACE",
                     help="run: switch port number and interface, repeatable")
@@ -187,10 +193,23 @@ def build_parser() -> argparse.ArgumentParser:
     p4.add_argument("--attach", action="store_true",
                     help="run: program a simple_switch that is already running (e.g. started by Mininet) "
                          "on --thrift-port instead of compiling and starting one")
-    p4.add_argument("--workers", type=_workers, default=4)
+    p4.add_argument("--workers", type=_workers, default=4, help="run, mininet: workers (default 4)")
     p4.add_argument("--quorum", type=_quorum, default=1.0)
     p4.add_argument("--granularity", type=_granularity, default=30)
     p4.add_argument("--p", type=_p_arg, default="1/32")
+    p4.add_argument("--rounds", type=_rounds, default=20, help="mininet: rounds (default 20)")
+    p4.add_argument("--dim", type=_dim, default=4096, help="mininet: coordinates per round (default 4096)")
+    p4.add_argument("--loss", type=_probability, default=0.0,
+                    help="mininet: packet loss each way on every host link (nftables drops; default 0)")
+    p4.add_argument("--straggler-delay-ms", type=_delay_ms, default=0.0, help="mininet: delay of a straggling round")
+    p4.add_argument("--straggler-rank", type=_int_in(0, 31, "a rank"), default=None,
+                    help="mininet: which worker straggles (default: all)")
+    p4.add_argument("--loss-policy", choices=("retransmit", "zero"), default="retransmit")
+    p4.add_argument("--timeout-ms", type=_timeout_ms, default=200.0,
+                    help="mininet: the workers' first retransmission timeout (default 200)")
+    p4.add_argument("--control-mode", choices=("static", "p4run"), default="static",
+                    help="mininet: job preprogrammed with a registration-only control host (static), or "
+                         "`thc p4 run --attach` programming it as workers register (p4run)")
     p4.set_defaults(func=commands.cmd_p4)
 
     b = sub.add_parser("bench", help="benchmarks: `thc bench codecs` compares every codec in one run")

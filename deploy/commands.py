@@ -253,8 +253,42 @@ def cmd_bench(args) -> None:
     print(f"wrote {path}")
 
 
+def _p4_doctor(args):
+    import json
+
+    from p4 import tools
+    report = tools.doctor()
+    if args.json:
+        print(json.dumps(tools.doctor_json(report)))
+    else:
+        print(tools.doctor_text(report))
+    if not report["bmv2_complete"]:
+        raise SystemExit(1)
+
+
+def _p4_mininet(args):
+    import json
+
+    from p4 import mininet_run
+    log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
+    doc = mininet_run.run(workers=args.workers, rounds=args.rounds, dim=args.dim, loss=args.loss,
+                          straggler_delay_ms=args.straggler_delay_ms, straggler_rank=args.straggler_rank,
+                          quorum=args.quorum, granularity=args.granularity, p=str(args.p),
+                          policy=args.loss_policy, control=args.control_mode, timeout_ms=args.timeout_ms,
+                          build_dir=args.out, log=log)
+    print(json.dumps(doc) if args.json else mininet_run.summary_text(doc), flush=True)
+    why = mininet_run.failed(doc)
+    if why:
+        print(f"thc p4 mininet: FAILED: {why}", file=sys.stderr)
+        raise SystemExit(1)
+
+
 def cmd_p4(args):
     from p4 import control, gen_p4
+    if args.action == "doctor":
+        return _p4_doctor(args)
+    if args.action == "mininet":
+        return _p4_mininet(args)
     if args.action == "gen":
         rc = gen_p4.main(["--check"] if args.check else [])
         if rc:

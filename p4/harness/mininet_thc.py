@@ -1,12 +1,15 @@
-"""Mininet end-to-end: one bmv2 switch aggregates, four hosts run real `thc worker`s.
+"""Mininet end-to-end: one bmv2 switch aggregates, N hosts run real `thc worker`s.
 
-Runs under Debian's python3 (Mininet 2.3.0 lives there), inside a network namespace the
-caller created, so nothing is left behind in the machine's own namespace.  It imports
-nothing from the project: the switch's table entries come precomputed in a commands file
-(from the venv side), and the workers are started with the venv's python.
+Runs under Debian's python3 (Mininet 2.3.0 lives there), inside a network namespace and a
+PID namespace that the caller (p4/mininet_run.py, `thc p4 mininet`) created, so nothing
+outlives it.  It imports nothing from the project: the tool paths, the switch's table
+entries (a commands file) and the loss rules (an nftables ruleset) come from the venv
+side, and the workers are started with the venv's python.
 
-    ip netns exec NS /usr/bin/python3 p4/harness/mininet_thc.py --json thc.json \
-        --commands cmds.txt --python /repo/.venv/bin/python --repo /repo --out DIR
+    ip netns exec NS unshare --pid --fork --kill-child --mount-proc /usr/bin/python3 \
+        p4/harness/mininet_thc.py --json thc.json --commands cmds.txt \
+        --simple-switch PATH --simple-switch-cli PATH --python /repo/.venv/bin/python \
+        --repo /repo --out DIR
 
 Control plane, `--control-mode`:
   static  the commands file programs the whole job; a control-plane host answers the
@@ -14,28 +17,34 @@ Control plane, `--control-mode`:
   p4run   the commands file holds only L2 entries; `thc p4 run --attach` on a host in the
           switch's namespace (so it reaches the Thrift port) programs the job, and each
           worker's entries when that worker registers — the path a user runs.
+
+Loss (`--loss-rules FILE`): the ruleset is loaded with `nft -f` in every worker host's
+namespace (real kernel drops on the host links); stragglers: `--straggler-delay-ms` for
+`--straggler-rank` (or every worker when it is -1).  The last stdout line is one JSON
+object: the workers' exit status and output, the switch CLI's counter output, the control
+plane's output and each worker host's nftables counters.
 """
 import argparse
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
 
+from mininet.log import setLogLevel
 from mininet.net import Mininet
 from mininet.node import Switch
-from mininet.log import setLogLevel
 
 PS_IP, PS_MAC, PS_PORT = "10.0.0.254", "00:00:00:00:00:fe", 9000
-CTRL_IP, CTRL_PORT = "10.0.0.100", 9001
+CTRL_IP, CTRL_MAC, CTRL_PORT = "10.0.0.100", "00:00:00:00:00:64", 9001
+THRIFT_PORT = 9090
 
 
 class Bmv2Switch(Switch):
     """A Mininet switch that is simple_switch on its interfaces (no controller, no OVS)."""
 
-    def __init__(self, name, json_path=None, thrift_port=9090, simple_switch="simple_switch", **kw):
+    def __init__(self, name, json_path=None, thrift_port=THRIFT_PORT, simple_switch="simple_switch", **kw):
         Switch.__init__(self, name, **kw)
         self.json_path, self.thrift_port, self.binary = json_path, thrift_port, simple_switch
         self.proc = None
@@ -56,94 +65,121 @@ class Bmv2Switch(Switch):
         Switch.stop(self, deleteIntfs)
 
 
-def cli(binary, thrift_port, commands):
-    out = subprocess.run([binary, "--thrift-port", str(thrift_port)], input="\n".join(commands) + "\n",
+def cli(binary, commands, check=True):
+    out = subprocess.run([binary, "--thrift-port", str(THRIFT_PORT)], input="\n".join(commands) + "\n",
                          capture_output=True, text=True, timeout=120)
-    if "Error" in out.stdout or "Invalid" in out.stdout:
+    if check and ("Error" in out.stdout or "Invalid" in out.stdout):
         raise RuntimeError("switch CLI: " + "; ".join(l for l in out.stdout.splitlines() if "Error" in l)[:500])
     return out.stdout
+
+
+def wait_for_switch(binary, tries=75):
+    for _ in range(tries):
+        try:
+            if "thc_config" in cli(binary, ["show_tables"], check=False):
+                return
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"simple_switch did not answer on Thrift port {THRIFT_PORT} within {tries * 0.2:.0f} s")
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", required=True)
     ap.add_argument("--commands", required=True, help="switch CLI commands (job, workers, l2)")
+    ap.add_argument("--simple-switch", required=True)
+    ap.add_argument("--simple-switch-cli", required=True)
     ap.add_argument("--python", required=True, help="the venv python that runs thc")
     ap.add_argument("--repo", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--dim", type=int, default=4096)
-    ap.add_argument("--tools", default="/opt/p4tools/bin")
+    ap.add_argument("--quorum", type=float, default=1.0)
+    ap.add_argument("--granularity", type=int, default=30)
+    ap.add_argument("--p", default="1/32")
+    ap.add_argument("--loss-policy", choices=("retransmit", "zero"), default="retransmit")
+    ap.add_argument("--loss-rules", default=None, help="nftables ruleset loaded in every worker host")
+    ap.add_argument("--straggler-delay-ms", type=float, default=0.0)
+    ap.add_argument("--straggler-rank", type=int, default=-1, help="-1: every worker")
+    ap.add_argument("--timeout-ms", type=float, default=200.0)
+    ap.add_argument("--worker-timeout-s", type=float, default=600.0)
     ap.add_argument("--control-mode", choices=("static", "p4run"), default="static")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, _terminate)
     setLogLevel("warning")
-    ss = shutil.which("simple_switch") or os.path.join(args.tools, "simple_switch")
-    sscli = shutil.which("simple_switch_CLI") or os.path.join(args.tools, "simple_switch_CLI")
     net = Mininet(topo=None, controller=None, autoSetMacs=False, build=False)
-    sw = net.addSwitch("s1", cls=Bmv2Switch, json_path=args.json, simple_switch=ss, dpid="1")
+    sw = net.addSwitch("s1", cls=Bmv2Switch, json_path=args.json, simple_switch=args.simple_switch, dpid="1")
     hosts = []
     for i in range(args.workers):
         h = net.addHost(f"h{i + 1}", ip=f"10.0.0.{i + 1}/24", mac=f"00:00:00:00:00:{i + 1:02x}")
         net.addLink(h, sw, port2=i + 1)
         hosts.append(h)
-    ctrl = net.addHost("h0", ip=f"{CTRL_IP}/24", mac="00:00:00:00:00:64",
-                       inNamespace=args.control_mode == "static")
+    ctrl = net.addHost("h0", ip=f"{CTRL_IP}/24", mac=CTRL_MAC, inNamespace=args.control_mode == "static")
     net.addLink(ctrl, sw, port2=args.workers + 1)
-    net.build()
-    net.start()
     procs = []
     try:
+        net.build()
+        net.start()
         for h in hosts + [ctrl]:
             h.cmd("sysctl -q -w net.ipv6.conf.all.disable_ipv6=1")
             h.cmd(f"ethtool -K {h.defaultIntf().name} tx off rx off")
         net.staticArp()
         for h in hosts:
             h.setARP(PS_IP, PS_MAC)
-        for _ in range(50):
-            try:
-                if "thc_config" in cli(sscli, 9090, ["show_tables"]):
-                    break
-            except Exception:
-                pass
-            time.sleep(0.2)
+            if args.loss_rules:
+                out = h.cmd(f"nft -f {args.loss_rules} && echo nft-ok")
+                if "nft-ok" not in out:
+                    raise RuntimeError(f"nft -f failed in {h.name}: {out.strip()[-300:]}")
+        wait_for_switch(args.simple_switch_cli)
         with open(args.commands) as f:
-            cli(sscli, 9090, [l.strip() for l in f if l.strip()])
+            cli(args.simple_switch_cli, [l.strip() for l in f if l.strip()])
         env = dict(os.environ, PYTHONPATH=args.repo, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+        env["PATH"] = os.path.dirname(args.simple_switch_cli) + os.pathsep + env.get("PATH", "")
+        job = ["--quorum", str(args.quorum), "--granularity", str(args.granularity), "--p", args.p]
         if args.control_mode == "static":
             expect = sum((["--expect", f"10.0.0.{i + 1}:{5000 + i}"] for i in range(args.workers)), [])
             cmd = [args.python, "-m", "p4.harness.static_control", "--bind", f"{CTRL_IP}:{CTRL_PORT}",
-                   "--workers", str(args.workers)] + expect
+                   "--workers", str(args.workers)] + job + expect
         else:
             attach = sum((["--worker-port", f"10.0.0.{i + 1}={i + 1},00:00:00:00:00:{i + 1:02x}"]
                           for i in range(args.workers)), [])
-            cmd = [args.python, "-m", "deploy.cli", "p4", "run", "--attach", "--thrift-port", "9090",
+            cmd = [args.python, "-m", "deploy.cli", "p4", "run", "--attach", "--thrift-port", str(THRIFT_PORT),
                    "--control", f"{CTRL_IP}:{CTRL_PORT}", "--workers", str(args.workers),
-                   "--ps-ip", PS_IP, "--ps-mac", PS_MAC] + attach
-        env["PATH"] = args.tools + os.pathsep + env.get("PATH", "")
+                   "--ps-ip", PS_IP, "--ps-mac", PS_MAC] + job + attach
         control = ctrl.popen(cmd, cwd=args.repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(control)
         time.sleep(2.0)
         for i, h in enumerate(hosts):
+            delay = args.straggler_delay_ms if args.straggler_rank in (-1, i) else 0.0
             report = os.path.join(args.out, f"worker{i}.json")
             procs.append(h.popen([args.python, "-m", "deploy.cli", "worker", "--ps", f"{PS_IP}:{PS_PORT}",
                                   "--control-host", CTRL_IP, "--control-port", str(CTRL_PORT),
                                   "--rank", str(i), "--rounds", str(args.rounds), "--dim", str(args.dim),
-                                  "--bind-port", str(5000 + i), "--timeout-ms", "200", "--report", report],
+                                  "--bind-port", str(5000 + i), "--timeout-ms", str(args.timeout_ms),
+                                  "--loss-policy", args.loss_policy, "--straggler-delay-ms", str(delay),
+                                  "--report", report],
                                  cwd=args.repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
         results = []
+        deadline = time.monotonic() + args.worker_timeout_s
         for i, p in enumerate(procs[1:]):
-            out, err = p.communicate(timeout=600)
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             results.append({"rank": i, "rc": p.returncode, "stdout": out.decode()[-2000:],
                             "stderr": err.decode()[-2000:]})
-        counters = cli(sscli, 9090, [f"counter_read ThcIngress.events {k}" for k in range(12)])
+        counters = cli(args.simple_switch_cli, [f"counter_read ThcIngress.events {k}" for k in range(12)])
+        nft = [h.cmd("nft list table inet thcloss") if args.loss_rules else "" for h in hosts]
         control.send_signal(signal.SIGINT)
         try:
             control_out = control.communicate(timeout=20)[0].decode()[-3000:]
         except subprocess.TimeoutExpired:
             control.kill()
             control_out = control.communicate()[0].decode()[-3000:]
-        print(json.dumps({"workers": results, "counters": counters, "control": control_out}))
+        print(json.dumps({"workers": results, "counters": counters, "control": control_out, "nft": nft}))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -152,4 +188,11 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted; Mininet stopped", file=sys.stderr)
+        sys.exit(130)
+    except Exception as exc:     # one line for the caller; Mininet is already stopped
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -37,13 +37,17 @@ def main():
     ap.add_argument("--workers", type=int, required=True)
     ap.add_argument("--expect", action="append", default=[], help="IP:PORT of worker i, in rank order")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quorum", type=float, default=1.0)
+    ap.add_argument("--granularity", type=int, default=30)
+    ap.add_argument("--p", default="1/32")
     args = ap.parse_args()
     host, port = args.bind.rsplit(":", 1)
     expected = {}
     for i, item in enumerate(args.expect):
         h, p = item.rsplit(":", 1)
         expected[i] = (h, int(p))
-    job = switch_job(args.workers, seed=args.seed)
+    job = switch_job(args.workers, seed=args.seed, quorum=args.quorum, granularity=args.granularity,
+                     p=args.p)
     server = PSServer(job, (host, 0), control_port=int(port), engine=StaticEngine(expected)).start()
     print("control plane up", flush=True)
     server.wait()

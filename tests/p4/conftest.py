@@ -1,23 +1,29 @@
-"""bmv2 tests: skipped with a one-line reason when the P4 tools are absent."""
+"""P4 tests.  Those marked `bmv2` need p4lang's tools (found by p4/tools.py) and skip with a
+one-line reason naming what is missing; every test here that builds namespaces needs root."""
 import os
 
 import pytest
 
-from p4.control import compile_program, missing_tools
+from p4 import tools
+from p4.control import compile_program
 
-MISSING = missing_tools("simple_switch", "simple_switch_CLI", "p4c-bm2-ss")
+MISSING = tools.missing_tools(*tools.BMV2_HALF)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "bmv2: needs simple_switch, simple_switch_CLI and p4c-bm2-ss")
+    config.addinivalue_line("markers", "root: needs root (veth pairs, network namespaces)")
 
 
 def pytest_collection_modifyitems(config, items):
-    reason = None
-    if MISSING:
-        reason = f"P4 tools not found on PATH or /opt/p4tools/bin: {', '.join(MISSING)}"
-    elif os.geteuid() != 0:
-        reason = "bmv2 tests need root (veth pairs, network namespaces)"
-    if reason:
-        for item in items:
-            if "/tests/p4/" in str(item.fspath):
-                item.add_marker(pytest.mark.skip(reason=reason))
+    for item in items:
+        if "/tests/p4/" not in str(item.fspath):
+            continue
+        if item.get_closest_marker("bmv2") and MISSING:
+            item.add_marker(pytest.mark.skip(reason=f"P4 tools not found on {tools.where_text()}: "
+                                                    f"{', '.join(MISSING)} (see `thc p4 doctor`)"))
+        elif (item.get_closest_marker("bmv2") or item.get_closest_marker("root")) and os.geteuid() != 0:
+            item.add_marker(pytest.mark.skip(reason="needs root (veth pairs, network namespaces)"))
 
 
 @pytest.fixture(scope="session")

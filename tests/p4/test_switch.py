@@ -12,6 +12,8 @@ from proto.packing import pack_indices
 from proto.scapy_layers import THC
 from ps_server.reference import ReferencePS
 
+pytestmark = pytest.mark.bmv2
+
 N = 4
 PS_IP, PS_MAC, PS_PORT = "10.0.0.254", "00:00:00:00:00:fe", 9000
 WORKERS = [WorkerPort(i, f"10.0.0.{i + 1}", 5000 + i, f"00:00:00:00:00:{i + 1:02x}", i + 1) for i in range(N)]

@@ -1,0 +1,241 @@
+"""Finding and checking the P4 tools: the one place that knows where they live.
+
+p4lang's bmv2 (`simple_switch`, `simple_switch_CLI`) and p4c (`p4c-bm2-ss`, optionally
+`p4c-barefoot`) are not shipped by any registry here; users build and install them as
+p4lang documents.  They are looked up on PATH, then in /opt/p4tools/bin, then in the
+directory named by $THC_P4_TOOLS.  The Mininet harness also needs Debian's `mininet` (in
+Debian's /usr/bin/python3, not the venv) and `ethtool`; kernel loss needs `nft`.
+
+`doctor()` reports, per tool, its path and version, whether that is the version the tests
+ran with, and where a missing one comes from (`thc p4 doctor`).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SYSTEM_DIR = "/opt/p4tools/bin"
+ENV_VAR = "THC_P4_TOOLS"
+DEBIAN_PYTHON = "/usr/bin/python3"
+
+BMV2 = ("simple_switch", "simple_switch_CLI")
+P4C = ("p4c-bm2-ss",)
+BMV2_HALF = BMV2 + P4C           # what the switch tests need
+
+BMV2_README = "p4lang's behavioral-model (build and install as https://github.com/p4lang/behavioral-model#readme says)"
+P4C_README = "p4lang's p4c (build and install as https://github.com/p4lang/p4c#readme says)"
+
+# Versions the tests ran with (docs/p4.md says when and why).
+TESTED = {
+    "simple_switch": "1.15.5",
+    "simple_switch_CLI": "1.15.5",
+    "p4c-bm2-ss": "1.2.4.8",
+    "p4c-barefoot": "1.2.4.8",
+    "mininet": "2.3.0",
+    "nft": "1.0.6",
+    "ethtool": "6.1",
+    "ip": "6.1.0",
+}
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    source: str              # where a missing one comes from
+    optional: bool = False
+    needed_for: str = ""
+
+
+SPECS = (
+    ToolSpec("simple_switch", BMV2_README, needed_for="bmv2 switch"),
+    ToolSpec("simple_switch_CLI", BMV2_README, needed_for="bmv2 switch (table programming)"),
+    ToolSpec("p4c-bm2-ss", P4C_README, needed_for="compiling p4/thc.p4"),
+    ToolSpec("p4c-barefoot", P4C_README, optional=True, needed_for="the Tofino sketch"),
+    ToolSpec("mininet", "Debian package mininet (apt-get install --no-install-recommends mininet)",
+             needed_for="thc p4 mininet, the Mininet test"),
+    ToolSpec("nft", "Debian package nftables", needed_for="kernel packet loss"),
+    ToolSpec("ethtool", "Debian package ethtool", needed_for="checksum offload off on Mininet links"),
+    ToolSpec("ip", "Debian package iproute2", needed_for="namespaces and veths"),
+)
+SOURCES = {s.name: s.source for s in SPECS}
+SYSTEM_SBIN = ("/usr/sbin", "/sbin")     # Debian's nft/ethtool/ip when PATH lacks sbin
+
+
+_DEFAULT = object()
+
+
+def search_dirs(path: str | None = None, system_dir=_DEFAULT, env: dict | None = None) -> list[str]:
+    """Directories searched, in order: PATH, /opt/p4tools/bin, $THC_P4_TOOLS (arguments
+    replace each part: `path` for $PATH, `system_dir` (None: none), `env` for os.environ)."""
+    env = os.environ if env is None else env
+    path = env.get("PATH", os.defpath) if path is None else path
+    system_dir = SYSTEM_DIR if system_dir is _DEFAULT else system_dir
+    dirs = [d for d in path.split(os.pathsep) if d]
+    if system_dir:
+        dirs.append(system_dir)
+    if env.get(ENV_VAR):
+        dirs.append(env[ENV_VAR])
+    return dirs
+
+
+def find_tool(name: str, **where) -> str | None:
+    """Full path of `name` in search_dirs(**where), else None."""
+    for d in search_dirs(**where):
+        p = Path(d) / name
+        if p.is_file() and os.access(p, os.X_OK):
+            return str(p)
+    return None
+
+
+def missing_tools(*names: str, **where) -> list[str]:
+    return [n for n in names if find_tool(n, **where) is None]
+
+
+def where_text() -> str:
+    return f"PATH, {SYSTEM_DIR} or ${ENV_VAR}"
+
+
+def require(name: str, **where) -> str:
+    """Path of a P4 tool, or FileNotFoundError naming where it comes from."""
+    found = find_tool(name, **where)
+    if found is None:
+        raise FileNotFoundError(f"{name} not found on {where_text()}: it comes from {SOURCES[name]}")
+    return found
+
+
+def system_tool(name: str) -> str | None:
+    """A Debian system tool (nft, ethtool, ip): PATH, then /usr/sbin and /sbin."""
+    return shutil.which(name) or next((str(Path(d) / name) for d in SYSTEM_SBIN
+                                       if os.access(Path(d) / name, os.X_OK)), None)
+
+
+def mininet_python(python: str = DEBIAN_PYTHON) -> str | None:
+    """Debian's python3 when it imports mininet, else None."""
+    if not os.access(python, os.X_OK):
+        return None
+    try:
+        ok = subprocess.run([python, "-c", "import mininet.net"], capture_output=True,
+                            timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return python if ok else None
+
+
+# --------------------------------------------------------------------------- doctor
+
+VERSION_RE = re.compile(r"(\d+\.\d+(?:\.\d+)*)")
+
+
+def _run(cmd: list, timeout: float = 30) -> tuple[int, str]:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return 127, str(exc)
+    return proc.returncode, (proc.stdout + proc.stderr).strip()
+
+
+def _version(text: str) -> str | None:
+    m = VERSION_RE.search(text)
+    return m.group(1) if m else None
+
+
+@dataclass
+class ToolStatus:
+    name: str
+    status: str              # ok | untested-version | missing | broken
+    path: str | None
+    version: str | None
+    tested_version: str
+    optional: bool
+    needed_for: str
+    detail: str              # source when missing, the error when broken, "" otherwise
+
+    @property
+    def usable(self) -> bool:
+        return self.status in ("ok", "untested-version")
+
+    def line(self) -> str:
+        head = f"{self.name:<18} {self.status:<16}"
+        if self.status == "missing":
+            opt = f" (optional: {self.needed_for})" if self.optional else ""
+            return f"{head} not found{opt}; from {self.detail}"
+        tested = ("tests ran with this version" if self.status == "ok"
+                  else f"tests ran with {self.tested_version}")
+        if self.status == "broken":
+            return f"{head} {self.path}: {self.detail}"
+        return f"{head} {self.path} {self.version or '?'} ({tested})"
+
+
+def _status(spec: ToolSpec, path: str | None, version: str | None, error: str = "") -> ToolStatus:
+    tested = TESTED.get(spec.name, "")
+    if path is None:
+        return ToolStatus(spec.name, "missing", None, None, tested, spec.optional, spec.needed_for,
+                          spec.source)
+    if error:
+        return ToolStatus(spec.name, "broken", path, version, tested, spec.optional, spec.needed_for, error)
+    status = "ok" if version == tested else "untested-version"
+    return ToolStatus(spec.name, status, path, version, tested, spec.optional, spec.needed_for, "")
+
+
+def _check_cli(path: str) -> str:
+    """'' when simple_switch_CLI starts (its Python modules import), else the last error line."""
+    rc, out = _run([path, "--help"])
+    if rc == 0 and "thrift" in out.lower():
+        return ""
+    last = [line for line in out.splitlines() if line.strip()]
+    return "its Python modules do not import: " + (last[-1] if last else f"exit status {rc}")
+
+
+def check(spec: ToolSpec, *, python: str = DEBIAN_PYTHON, **where) -> ToolStatus:
+    if spec.name == "mininet":
+        if not os.access(python, os.X_OK):
+            return _status(spec, None, None)
+        rc, out = _run([python, "-c", "import mininet.net as n, os; print(n.VERSION, os.path.dirname(n.__file__))"])
+        if rc != 0:
+            return _status(spec, None, None)
+        version, _, where_mod = out.splitlines()[-1].partition(" ")
+        return _status(spec, f"{python} ({where_mod})", version)
+    if spec.name in ("nft", "ethtool", "ip"):
+        path = system_tool(spec.name)
+        if path is None:
+            return _status(spec, None, None)
+        rc, out = _run([path, "-V" if spec.name == "ip" else "--version"])
+        return _status(spec, path, _version(out.split("iproute2-")[-1]) if rc == 0 else None,
+                       "" if rc == 0 else f"--version failed: {out[-200:]}")
+    path = find_tool(spec.name, **where)
+    if path is None:
+        return _status(spec, None, None)
+    if spec.name == "simple_switch_CLI":
+        ss = find_tool("simple_switch", **where)      # the CLI has no version of its own
+        version = _version(_run([ss, "--version"])[1]) if ss else None
+        return _status(spec, path, version, _check_cli(path))
+    rc, out = _run([path, "--version"])
+    if rc != 0:
+        return _status(spec, path, None, f"--version failed (status {rc}): {out[-200:]}")
+    return _status(spec, path, _version(out))
+
+
+def doctor(*, python: str = DEBIAN_PYTHON, **where) -> dict:
+    """Every tool's status; bmv2_complete when the switch tests can run."""
+    tools = [check(s, python=python, **where) for s in SPECS]
+    complete = all(t.usable for t in tools if t.name in BMV2_HALF)
+    return {"tools": tools, "bmv2_complete": complete}
+
+
+def doctor_json(report: dict) -> dict:
+    return {"bmv2_complete": report["bmv2_complete"],
+            "tools": [dict(asdict(t), usable=t.usable) for t in report["tools"]]}
+
+
+def doctor_text(report: dict) -> str:
+    lines = [t.line() for t in report["tools"]]
+    if report["bmv2_complete"]:
+        lines.append("bmv2 half complete: the switch tests and `thc p4` can run")
+    else:
+        missing = [t.name for t in report["tools"] if t.name in BMV2_HALF and not t.usable]
+        lines.append(f"bmv2 half incomplete ({', '.join(missing)}): the switch tests skip")
+    return "\n".join(lines)

@@ -1,0 +1,181 @@
+"""p4/tools.py and `thc p4 doctor` with fake tool directories (no p4lang tools needed), and
+the Makefile's installation of the Debian test packages with a fake apt-get."""
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from deploy import cli
+from p4 import tools
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tool(d: Path, name: str, body: str, mode: int = 0o755) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    p = d / name
+    p.write_text("#!/bin/sh\n" + body + "\n")
+    p.chmod(mode)
+    return p
+
+
+def fake_tools(d: Path, *, ss_version=None, p4c_version=None, cli_ok=True, skip=()) -> Path:
+    """simple_switch, simple_switch_CLI, p4c-bm2-ss that answer --version/--help like p4lang's."""
+    ss_version = ss_version or tools.TESTED["simple_switch"]
+    p4c_version = p4c_version or tools.TESTED["p4c-bm2-ss"]
+    if "simple_switch" not in skip:
+        _tool(d, "simple_switch", f'[ "$1" = --version ] && echo "{ss_version}-abcdef" && exit 0; exit 3')
+    if "simple_switch_CLI" not in skip:
+        _tool(d, "simple_switch_CLI", 'echo "usage: simple_switch_CLI [--thrift-port THRIFT_PORT]"' if cli_ok else
+              'echo "Traceback (most recent call last):" >&2\n'
+              'echo "ModuleNotFoundError: No module named \'runtime_CLI\'" >&2; exit 1')
+    if "p4c-bm2-ss" not in skip:
+        _tool(d, "p4c-bm2-ss", f'echo p4c-bm2-ss; echo "Version {p4c_version} (SHA: 0000)"')
+    return d
+
+
+def where(d: Path) -> dict:
+    """Search only `d` (as PATH): no /opt/p4tools/bin, no $THC_P4_TOOLS."""
+    return {"path": str(d), "system_dir": None, "env": {}}
+
+
+def test_search_order_path_then_system_dir_then_env(tmp_path):
+    a, b, c = tmp_path / "path", tmp_path / "opt", tmp_path / "env"
+    for d in (a, b, c):
+        _tool(d, "simple_switch", "true")
+    env = {"THC_P4_TOOLS": str(c)}
+    assert tools.find_tool("simple_switch", path=str(a), system_dir=str(b), env=env) == str(a / "simple_switch")
+    assert tools.find_tool("simple_switch", path="", system_dir=str(b), env=env) == str(b / "simple_switch")
+    assert tools.find_tool("simple_switch", path="", system_dir=str(tmp_path / "none"), env=env) == \
+        str(c / "simple_switch")
+    assert tools.find_tool("simple_switch", path="", system_dir=None, env={}) is None
+
+
+def test_non_executable_is_not_a_tool(tmp_path):
+    _tool(tmp_path, "p4c-bm2-ss", "true", mode=0o644)
+    assert tools.find_tool("p4c-bm2-ss", **where(tmp_path)) is None
+    assert tools.missing_tools("p4c-bm2-ss", "simple_switch", **where(tmp_path)) == ["p4c-bm2-ss", "simple_switch"]
+
+
+def test_require_names_where_a_missing_tool_comes_from(tmp_path):
+    with pytest.raises(FileNotFoundError) as exc:
+        tools.require("p4c-bm2-ss", **where(tmp_path))
+    assert "p4lang's p4c" in str(exc.value) and "THC_P4_TOOLS" in str(exc.value)
+    with pytest.raises(FileNotFoundError, match="behavioral-model"):
+        tools.require("simple_switch_CLI", **where(tmp_path))
+
+
+def by_name(report):
+    return {t.name: t for t in report["tools"]}
+
+
+def test_doctor_complete_with_tested_versions(tmp_path):
+    d = fake_tools(tmp_path)
+    report = tools.doctor(**where(d))
+    t = by_name(report)
+    assert report["bmv2_complete"]
+    for name in tools.BMV2_HALF:
+        assert t[name].status == "ok" and t[name].path == str(d / name)
+    assert t["simple_switch"].version == tools.TESTED["simple_switch"]
+    assert t["p4c-bm2-ss"].version == tools.TESTED["p4c-bm2-ss"]
+    assert t["p4c-barefoot"].status == "missing" and t["p4c-barefoot"].optional
+    text = tools.doctor_text(report).splitlines()
+    assert len(text) == len(tools.SPECS) + 1            # one line per tool, then the verdict
+    assert text[0].startswith("simple_switch ") and str(d / "simple_switch") in text[0]
+    assert "tests ran with this version" in text[0]
+    assert "optional" in text[3] and "p4c#readme" in text[3]
+    assert "complete" in text[-1] and "incomplete" not in text[-1]
+
+
+def test_doctor_reports_an_untested_version_but_stays_complete(tmp_path):
+    report = tools.doctor(**where(fake_tools(tmp_path, ss_version="1.11.0", p4c_version="1.2.3.0")))
+    t = by_name(report)
+    assert report["bmv2_complete"]
+    assert (t["simple_switch"].status, t["simple_switch"].version) == ("untested-version", "1.11.0")
+    assert t["p4c-bm2-ss"].status == "untested-version"
+    assert f"tests ran with {tools.TESTED['p4c-bm2-ss']}" in t["p4c-bm2-ss"].line()
+
+
+def test_doctor_cli_whose_python_modules_do_not_import_is_broken(tmp_path):
+    report = tools.doctor(**where(fake_tools(tmp_path, cli_ok=False)))
+    t = by_name(report)["simple_switch_CLI"]
+    assert not report["bmv2_complete"]
+    assert t.status == "broken" and "runtime_CLI" in t.line()
+
+
+def test_doctor_missing_compiler_names_its_source(tmp_path):
+    report = tools.doctor(**where(fake_tools(tmp_path, skip=("p4c-bm2-ss",))))
+    line = by_name(report)["p4c-bm2-ss"].line()
+    assert not report["bmv2_complete"]
+    assert "missing" in line and "https://github.com/p4lang/p4c#readme" in line
+    assert "p4c-bm2-ss" in tools.doctor_text(report).splitlines()[-1]
+
+
+def test_doctor_debian_tools_name_their_packages(tmp_path):
+    report = tools.doctor(python=str(tmp_path / "no-python3"), **where(tmp_path))
+    assert by_name(report)["mininet"].status == "missing"
+    assert "Debian package mininet" in by_name(report)["mininet"].line()
+    specs = {s.name: s for s in tools.SPECS}
+    for name, pkg in (("nft", "nftables"), ("ethtool", "ethtool"), ("ip", "iproute2")):
+        assert f"Debian package {pkg}" in tools._status(specs[name], None, None).line()
+
+
+def exit_code(argv) -> int:
+    try:
+        return cli.main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+@pytest.mark.parametrize("complete", [True, False])
+def test_thc_p4_doctor_exit_status_and_json(tmp_path, monkeypatch, capsys, complete):
+    d = fake_tools(tmp_path, skip=() if complete else ("simple_switch",))
+    monkeypatch.setenv("PATH", f"{d}{os.pathsep}{os.environ['PATH']}" if complete else str(d))
+    monkeypatch.setattr(tools, "SYSTEM_DIR", str(tmp_path / "no-such-dir"))
+    monkeypatch.delenv("THC_P4_TOOLS", raising=False)
+    assert exit_code(["p4", "doctor"]) == (0 if complete else 1)
+    text = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in text[:len(tools.SPECS)]] == [s.name for s in tools.SPECS]
+    assert exit_code(["p4", "doctor", "--json"]) == (0 if complete else 1)
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["bmv2_complete"] is complete
+    ss = next(t for t in doc["tools"] if t["name"] == "simple_switch")
+    assert ss["usable"] is complete and (ss["path"] == str(d / "simple_switch")) is complete
+
+
+# ---------------------------------------------------------------- Makefile: Debian test packages
+
+def make_test_deps(tmp_path, installed, uid="0", stale_lists=True):
+    """`make test-deps` with fake dpkg-query/apt-get/id; returns (make result, apt-get calls)."""
+    fake = tmp_path / "bin"
+    log = tmp_path / "apt.log"
+    _tool(fake, "id", f'echo {uid}')
+    _tool(fake, "dpkg-query", 'for p in ' + " ".join(installed) +
+          '; do [ "$p" = "$3" ] && { printf "install ok installed"; exit 0; }; done; exit 1')
+    _tool(fake, "apt-get", f'echo "$*" >> {log}\n'
+          + (f'[ "$1" = install ] && ! grep -q "^update" {log} && exit 100\n' if stale_lists else "")
+          + 'exit 0')
+    proc = subprocess.run(["make", "-s", "-C", str(ROOT), "test-deps"], capture_output=True, text=True,
+                          env={**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}, timeout=60)
+    calls = log.read_text().splitlines() if log.exists() else []
+    return proc, calls
+
+
+def test_make_installs_missing_debian_packages_without_recommends(tmp_path):
+    proc, calls = make_test_deps(tmp_path, installed=("mininet", "iproute2"))
+    assert proc.returncode == 0, proc.stderr
+    install = "install -y -q --no-install-recommends nftables ethtool"
+    assert calls == [install, "update -q", install]      # apt-get update only after a failure
+
+
+def test_make_installs_nothing_when_everything_is_there(tmp_path):
+    proc, calls = make_test_deps(tmp_path, installed=("mininet", "nftables", "ethtool", "iproute2"))
+    assert proc.returncode == 0 and calls == [] and proc.stdout.strip() == ""
+
+
+def test_make_as_non_root_names_the_command_and_goes_on(tmp_path):
+    proc, calls = make_test_deps(tmp_path, installed=("nftables", "ethtool", "iproute2"), uid="1000")
+    assert proc.returncode == 0 and calls == []
+    assert "apt-get install --no-install-recommends mininet" in proc.stdout
