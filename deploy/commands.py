@@ -325,7 +325,7 @@ def cmd_p4(args):
         from ps_server.server import PSServer
         host, cport = args.control
         server = PSServer(job, (host, 0), control_port=cport,
-                          engine=control.SwitchEngine(job, cli, topology),
+                          engine=control.SwitchEngine(job, cli, topology, args.ps_mac),
                           log=lambda m: print(m, flush=True)).start()
         where = f"{len(ports)} ports" if proc else f"attached to the switch on Thrift port {args.thrift_port}"
         print(f"switch up: PS address {args.ps_ip}:{gen_p4.PORT}, control tcp://{host}:{cport}, {where}",

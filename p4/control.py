@@ -23,7 +23,9 @@ REGISTERS = (["active_reg", "round_reg", "count_reg", "bitmap_reg", "offset_reg"
              + [f"acc{i}" for i in range(LANES)])
 EVENTS = ("malformed", "wrong_version", "unknown_job", "slot_out_of_range", "worker_out_of_range",
           "unregistered", "stale", "duplicate", "late", "rounds_completed", "partial_rounds",
-          "results_resent")
+          "results_resent", "ahead")
+#: the drop reasons among EVENTS, in the software PS's names
+DROPS = EVENTS[:9] + ("ahead",)
 ING = "ThcIngress"
 
 
@@ -50,11 +52,16 @@ class WorkerPort:
     switch_port: int
 
 
-def job_commands(job: JobConfig, ps_mac: str) -> list[str]:
+def config_command(job: JobConfig, ps_mac: str, nonce: int = 0) -> str:
+    """The job's identity and shape: the one default action of thc_config."""
+    return (f"table_set_default {ING}.thc_config set_config {job.job_id} {nonce} {job.num_workers} "
+            f"{job.quorum_count} {job.slots} {job.norm_slots} {ps_mac}")
+
+
+def job_commands(job: JobConfig, ps_mac: str, nonce: int = 0) -> list[str]:
     if job.elems_per_packet != LANES or job.lane_bits != 8 or job.bits != 4 or job.codec != "thc":
         raise ValueError(f"the switch needs codec thc, b=4, 8-bit lanes and {LANES} elements per packet")
-    cmds = [f"table_set_default {ING}.thc_config set_config {job.job_id} {job.num_workers} "
-            f"{job.quorum_count} {job.slots} {job.norm_slots} {ps_mac}"]
+    cmds = [config_command(job, ps_mac, nonce)]
     for lane in range(LANES):
         for z, v in enumerate(job.table):
             cmds.append(f"table_add {ING}.lut{lane} {ING}.set_v{lane} {z} => {v}")
@@ -62,9 +69,14 @@ def job_commands(job: JobConfig, ps_mac: str) -> list[str]:
     return cmds
 
 
-def worker_commands(w: WorkerPort, node_handle: int) -> list[str]:
+def registration_command(w: WorkerPort, token: int) -> str:
+    """The data-plane half of a registration: (source address, port, token) → rank."""
+    return f"table_add {ING}.workers {ING}.set_worker {w.ip} {w.udp_port} {token} => {w.worker_id}"
+
+
+def worker_commands(w: WorkerPort, node_handle: int, token: int = 0) -> list[str]:
     rid = w.worker_id + 1
-    return [f"table_add {ING}.workers {ING}.set_worker {w.ip} {w.udp_port} => {w.worker_id}",
+    return [registration_command(w, token),
             f"mc_node_create {rid} {w.switch_port}",
             f"mc_node_associate 1 {node_handle}",
             f"table_add ThcEgress.replica_dest ThcEgress.set_dest {rid} => {w.mac} {w.ip} {w.udp_port}"]
@@ -166,23 +178,55 @@ def start_switch(json_path: Path, ports: dict, thrift_port: int = 9090, netns: s
     raise RuntimeError("simple_switch did not start (Thrift port never answered)")
 
 
+def _handle(cli_output: str) -> int:
+    found = re.findall(r"handle (\d+)", cli_output)
+    if not found:
+        raise RuntimeError(f"simple_switch_CLI did not report an entry handle: {cli_output[-300:]}")
+    return int(found[-1])
+
+
 class SwitchEngine:
-    """Stands in for the PS engine in PSServer: the switch aggregates, this programs it."""
+    """Stands in for the PS engine in PSServer: the switch aggregates, this programs it.
 
-    def __init__(self, job: JobConfig, cli: SwitchCLI, topology: dict):
-        self.job, self.cli, self.topology = job, cli, topology
+    Each job: clean registers and counters and the job's nonce in thc_config.  Each
+    registration: a workers entry keyed by (address, port, token), replaced when the rank
+    registers again; the rank's multicast node and egress rewrite are made once."""
+
+    def __init__(self, job: JobConfig, cli: SwitchCLI, topology: dict, ps_mac: str = "00:00:00:00:00:fe"):
+        self.job, self.cli, self.topology, self.ps_mac = job, cli, topology, ps_mac
         self._nodes = 0
-        self._registered: dict = {}
+        self._placed: dict = {}          # rank -> (ip, port) of its multicast node and rewrite
+        self._entries: dict = {}         # rank -> workers table handle
 
-    def register(self, worker_id: int, ip: str, port: int) -> None:
-        if (ip, port) == self._registered.get(worker_id):
-            return
+    def start_job(self, job: JobConfig, nonce: int) -> None:
+        self.job = job
+        self.cli.run(reset_commands() + [f"table_clear {ING}.workers", config_command(job, self.ps_mac, nonce)])
+        self._entries.clear()
+
+    def register(self, worker_id: int, ip: str, port: int, token: int = 0) -> None:
         if ip not in self.topology:
             raise ValueError(f"worker address {ip} is not attached to the switch")
         switch_port, mac = self.topology[ip]
-        self.cli.run(worker_commands(WorkerPort(worker_id, ip, port, mac, switch_port), self._nodes))
-        self._nodes += 1
-        self._registered[worker_id] = (ip, port)
+        w = WorkerPort(worker_id, ip, port, mac, switch_port)
+        placed = self._placed.get(worker_id)
+        if placed is not None and placed != (ip, port):
+            raise ValueError(f"rank {worker_id} moved from {placed[0]}:{placed[1]} to {ip}:{port}; "
+                             f"the switch's multicast node is fixed until `thc p4 run` restarts")
+        self.unregister(worker_id)
+        if placed is None:
+            cmds = worker_commands(w, self._nodes, token)
+            self._nodes += 1
+            self._placed[worker_id] = (ip, port)
+        else:
+            cmds = [registration_command(w, token)]
+        self._entries[worker_id] = _handle(self.cli.run(cmds[:1]))
+        if len(cmds) > 1:
+            self.cli.run(cmds[1:])
+
+    def unregister(self, worker_id: int) -> None:
+        handle = self._entries.pop(worker_id, None)
+        if handle is not None:
+            self.cli.run([f"table_delete {ING}.workers {handle}"])
 
     def serve(self, fd: int, duration_ms: int) -> int:
         time.sleep(duration_ms / 1e3)
@@ -196,4 +240,4 @@ def engine_stats(ev: dict) -> dict:
     """The switch's event counters in the shape of the software PS's stats."""
     return {"rounds_completed": ev["rounds_completed"], "partial_rounds": ev["partial_rounds"],
             "results_resent": ev["results_resent"], "stragglers_notified": ev["stale"],
-            "drops": {k: ev[k] for k in EVENTS[:9]}, "engine": "bmv2"}
+            "drops": {k: ev[k] for k in DROPS}, "engine": "bmv2"}

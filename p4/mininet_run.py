@@ -42,15 +42,21 @@ def worker_ports(n: int) -> list:
     return [WorkerPort(i, f"10.0.0.{i + 1}", 5000 + i, f"00:00:00:00:00:{i + 1:02x}", i + 1) for i in range(n)]
 
 
-def switch_commands(job, mode: str) -> list[str]:
-    """L2 entries for every host; with mode 'static' also the job and every worker's entries
-    (with 'p4run', `thc p4 run --attach` programs those)."""
+def static_identity(n: int) -> tuple[int, list]:
+    """A random job nonce and worker tokens for a switch programmed before registration."""
+    import secrets
+    return secrets.randbits(32) or 1, [secrets.randbits(32) for _ in range(n)]
+
+
+def switch_commands(job, mode: str, nonce: int = 0, tokens: list | None = None) -> list[str]:
+    """L2 entries for every host; with mode 'static' also the job (with its nonce) and every
+    worker's entries (with its token); with 'p4run', `thc p4 run --attach` programs those."""
     workers = worker_ports(job.num_workers)
     cmds = l2_commands({w.mac: w.switch_port for w in workers} | {CTRL_MAC: job.num_workers + 1})
     if mode == "static":
-        cmds += job_commands(job, PS_MAC)
+        cmds += job_commands(job, PS_MAC, nonce)
         for handle, w in enumerate(workers):
-            cmds += worker_commands(w, handle)
+            cmds += worker_commands(w, handle, (tokens or [0] * len(workers))[handle])
     return cmds
 
 
@@ -148,7 +154,8 @@ def run(*, workers: int = 4, rounds: int = 20, dim: int = 4096, loss: float = 0.
     with tempfile.TemporaryDirectory(prefix="thc-mininet-") as tmp:
         tmpd = Path(tmp)
         os.chmod(tmpd, 0o755)
-        (tmpd / "cmds.txt").write_text("\n".join(switch_commands(job, control)) + "\n")
+        nonce, tokens = static_identity(workers)
+        (tmpd / "cmds.txt").write_text("\n".join(switch_commands(job, control, nonce, tokens)) + "\n")
         cmd = [found["python"], str(HARNESS), "--json", str(Path(json_path).resolve()),
                "--commands", str(tmpd / "cmds.txt"), "--simple-switch", found["simple_switch"],
                "--simple-switch-cli", found["simple_switch_CLI"], "--python", sys.executable,
@@ -158,7 +165,8 @@ def run(*, workers: int = 4, rounds: int = 20, dim: int = 4096, loss: float = 0.
                "--straggler-delay-ms", str(straggler_delay_ms),
                "--straggler-rank", str(-1 if straggler_rank is None else straggler_rank),
                "--timeout-ms", str(timeout_ms), "--worker-timeout-s", str(worker_timeout_s),
-               "--control-mode", control]
+               "--control-mode", control, "--nonce", str(nonce),
+               "--tokens", ",".join(map(str, tokens)), "--events", str(len(EVENTS))]
         if loss > 0:
             (tmpd / "loss.nft").write_text(loss_ruleset(loss))
             cmd += ["--loss-rules", str(tmpd / "loss.nft")]

@@ -190,7 +190,8 @@ class PSServer:
 
     def _start_job(self, config: JobConfig) -> Job:
         self._jobs_started += 1
-        nonce = secrets.randbits(32)
+        # a switch programmed in advance (p4/harness/static_control.py) carries its own nonce
+        nonce = getattr(self.engine_kind, "fixed_nonce", None) or secrets.randbits(32)
         job = Job(self._jobs_started, config, nonce, make_engine(config, self.engine_kind, nonce))
         self._control["jobs_started"] += 1
         self.job = job
@@ -331,7 +332,9 @@ class PSServer:
                                        f"(heard from {now - old.last_seen:.1f} s ago); pick another "
                                        f"rank, or wait {self.lease_s:g} s after that worker stopped")
         rejoin = old is not None
-        token, session = secrets.randbits(32), secrets.token_bytes(control.SESSION_BYTES)
+        token = getattr(self.engine_kind, "fixed_tokens", {}).get(rank)
+        token = secrets.randbits(32) if token is None else token
+        session = secrets.token_bytes(control.SESSION_BYTES)
         m = Member(rank, (ip, port), token, session, now)
         job.members[rank] = m
         eng = job.engine

@@ -108,6 +108,9 @@ def main():
     ap.add_argument("--straggler-delay-ms", type=float, default=0.0)
     ap.add_argument("--straggler-rank", type=int, default=-1, help="-1: every worker")
     ap.add_argument("--timeout-ms", type=float, default=200.0)
+    ap.add_argument("--nonce", type=int, default=0, help="static mode: the job nonce programmed")
+    ap.add_argument("--tokens", default="", help="static mode: worker tokens programmed, in rank order")
+    ap.add_argument("--events", type=int, default=13, help="event counters to read")
     ap.add_argument("--worker-timeout-s", type=float, default=600.0)
     ap.add_argument("--control-mode", choices=("static", "p4run"), default="static")
     args = ap.parse_args()
@@ -143,9 +146,10 @@ def main():
         env["PATH"] = os.path.dirname(args.simple_switch_cli) + os.pathsep + env.get("PATH", "")
         job = ["--quorum", str(args.quorum), "--granularity", str(args.granularity), "--p", args.p]
         if args.control_mode == "static":
-            expect = sum((["--expect", f"10.0.0.{i + 1}:{5000 + i}"] for i in range(args.workers)), [])
+            tokens = args.tokens.split(",") if args.tokens else ["0"] * args.workers
+            expect = sum((["--expect", f"10.0.0.{i + 1}:{5000 + i}:{tokens[i]}"] for i in range(args.workers)), [])
             cmd = [args.python, "-m", "p4.harness.static_control", "--bind", f"{CTRL_IP}:{CTRL_PORT}",
-                   "--workers", str(args.workers)] + job + expect
+                   "--workers", str(args.workers), "--nonce", str(args.nonce)] + job + expect
         else:
             attach = sum((["--worker-port", f"10.0.0.{i + 1}={i + 1},00:00:00:00:00:{i + 1:02x}"]
                           for i in range(args.workers)), [])
@@ -171,7 +175,7 @@ def main():
             out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             results.append({"rank": i, "rc": p.returncode, "stdout": out.decode()[-2000:],
                             "stderr": err.decode()[-2000:]})
-        counters = cli(args.simple_switch_cli, [f"counter_read ThcIngress.events {k}" for k in range(12)])
+        counters = cli(args.simple_switch_cli, [f"counter_read ThcIngress.events {k}" for k in range(args.events)])
         nft = [h.cmd("nft list table inet thcloss") if args.loss_rules else "" for h in hosts]
         control.send_signal(signal.SIGINT)
         try:

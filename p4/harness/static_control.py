@@ -14,12 +14,15 @@ from ps_server.server import PSServer
 
 
 class StaticEngine:
-    """Registration only checks that the worker is the one the switch was programmed for."""
+    """Registration only checks that the worker is the one the switch was programmed for; the
+    job's nonce and the workers' tokens are the ones programmed in advance (fixed_*)."""
 
-    def __init__(self, expected: dict):
-        self.expected = expected
+    def __init__(self, expected: dict, nonce: int = 0):
+        self.expected = {w: (ip, port) for w, (ip, port, _) in expected.items()}
+        self.fixed_tokens = {w: token for w, (_, _, token) in expected.items()}
+        self.fixed_nonce = nonce
 
-    def register(self, worker_id: int, ip: str, port: int) -> None:
+    def register(self, worker_id: int, ip: str, port: int, token: int = 0) -> None:
         if self.expected.get(worker_id) != (ip, port):
             raise ValueError(f"worker {worker_id} at {ip}:{port} is not the address the switch expects")
 
@@ -35,7 +38,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--bind", required=True)
     ap.add_argument("--workers", type=int, required=True)
-    ap.add_argument("--expect", action="append", default=[], help="IP:PORT of worker i, in rank order")
+    ap.add_argument("--expect", action="append", default=[],
+                    help="IP:PORT:TOKEN of worker i, in rank order (as the switch was programmed)")
+    ap.add_argument("--nonce", type=int, default=0, help="the job nonce the switch was programmed with")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quorum", type=float, default=1.0)
     ap.add_argument("--granularity", type=int, default=30)
@@ -44,11 +49,11 @@ def main():
     host, port = args.bind.rsplit(":", 1)
     expected = {}
     for i, item in enumerate(args.expect):
-        h, p = item.rsplit(":", 1)
-        expected[i] = (h, int(p))
+        h, p, token = item.split(":")
+        expected[i] = (h, int(p), int(token))
     job = switch_job(args.workers, seed=args.seed, quorum=args.quorum, granularity=args.granularity,
                      p=args.p)
-    server = PSServer(job, (host, 0), control_port=int(port), engine=StaticEngine(expected)).start()
+    server = PSServer(job, (host, 0), control_port=int(port), engine=StaticEngine(expected, args.nonce)).start()
     print("control plane up", flush=True)
     server.wait()
     server.stop()

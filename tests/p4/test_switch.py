@@ -5,7 +5,7 @@ import pytest
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
-from p4.control import WorkerPort, job_commands, l2_commands, switch_job, worker_commands
+from p4.control import WorkerPort, config_command, job_commands, l2_commands, switch_job, worker_commands
 from p4.harness.veth_switch import VethSwitch
 from proto import headers as H
 from proto.packing import pack_indices
@@ -18,21 +18,23 @@ N = 4
 PS_IP, PS_MAC, PS_PORT = "10.0.0.254", "00:00:00:00:00:fe", 9000
 WORKERS = [WorkerPort(i, f"10.0.0.{i + 1}", 5000 + i, f"00:00:00:00:00:{i + 1:02x}", i + 1) for i in range(N)]
 OTHER_MAC = "00:00:00:00:00:99"     # a plain host on port N + 1
+NONCE = 0x5EED1234                  # the job's identity, as the control plane would draw it
+TOKENS = [0x7000 + 13 * i for i in range(N)]
 
 
 def make_switch(thc_json, job):
     sw = VethSwitch(thc_json, N + 1)
-    cmds = job_commands(job, PS_MAC) + l2_commands({OTHER_MAC: N + 1, WORKERS[0].mac: 1})
+    cmds = job_commands(job, PS_MAC, NONCE) + l2_commands({OTHER_MAC: N + 1, WORKERS[0].mac: 1})
     for handle, w in enumerate(WORKERS):
-        cmds += worker_commands(w, handle)
+        cmds += worker_commands(w, handle, TOKENS[handle])
     sw.cli.run(cmds)
     return sw
 
 
 def reference(job):
-    ps = ReferencePS(job)
+    ps = ReferencePS(job, NONCE)
     for w in WORKERS:
-        ps.register(w.worker_id, (w.ip, w.udp_port))
+        ps.register(w.worker_id, (w.ip, w.udp_port), TOKENS[w.worker_id])
     return ps
 
 
@@ -41,11 +43,11 @@ def datagram(job, worker, slot, rnd, rng, offset=0, kind=H.DATA):
         payload = H.float_to_ordered(np.array([rng.random() * 10], np.float32)).astype(">u4").tobytes()
         return H.build(H.Header(type=H.NORM, job_id=job.job_id, worker_id=worker, num_workers=N,
                                 elem_bits=32, slot=slot, round=rnd, offset=offset, count=1,
-                                op=H.OP_MAX_U32), payload)
+                                op=H.OP_MAX_U32, nonce=NONCE, token=TOKENS[worker]), payload)
     z = rng.integers(0, 16, job.elems_per_packet).astype(np.uint8)
     return H.build(H.Header(type=H.DATA, job_id=job.job_id, worker_id=worker, num_workers=N, elem_bits=4,
                             slot=slot, round=rnd, offset=offset, count=job.elems_per_packet,
-                            op=H.OP_LOOKUP_SUM), pack_indices(z, 4).tobytes())
+                            op=H.OP_LOOKUP_SUM, nonce=NONCE, token=TOKENS[worker]), pack_indices(z, 4).tobytes())
 
 
 def frame(worker, dgram):
@@ -139,8 +141,7 @@ def test_partial_aggregation_at_quorum(env):
     sw, _ = env
     job = switch_job(N, slots=8, norm_slots=2, quorum=0.75)
     sw.reset()
-    sw.cli.run([f"table_set_default ThcIngress.thc_config set_config {job.job_id} {N} {job.quorum_count} "
-                f"{job.slots} {job.norm_slots} {PS_MAC}"])
+    sw.cli.run([config_command(job, PS_MAC, NONCE)])
     ps, rng = reference(job), np.random.default_rng(1)
     try:
         both(sw, ps, 0, datagram(job, 0, 0, 1, rng))
@@ -150,7 +151,7 @@ def test_partial_aggregation_at_quorum(env):
         late = both(sw, ps, 3, datagram(job, 3, 0, 1, rng))
         assert len(late) == 1 and late[0][0] == WORKERS[3].ip
     finally:
-        sw.cli.run(job_commands(switch_job(N, slots=8, norm_slots=2), PS_MAC)[:1])
+        sw.cli.run([config_command(switch_job(N, slots=8, norm_slots=2), PS_MAC, NONCE)])
 
 
 def test_slot_reuse_and_shadow_copy(fresh):
@@ -209,3 +210,22 @@ def test_differential_random_sequence(fresh):
         got = both(sw, ps, w, datagram(job, w, slot, max(r, 1), rng, offset=32 * (max(r, 1) % 3)))
         compared += len(got)
     assert compared > 20
+
+
+def test_job_nonce_token_and_round_window(fresh):
+    """The switch checks the job identity like the software PS: another job's nonce, another
+    rank's token and a round beyond the window are dropped and counted; the slot still works."""
+    sw, job, ps, rng = fresh
+
+    def patched(dgram, at, value):
+        return dgram[:at] + value.to_bytes(4, "big") + dgram[at + 4:]
+    good = datagram(job, 0, 2, 1, rng)
+    assert both(sw, ps, 0, patched(good, 32, NONCE ^ 0xFF)) == []          # a previous job's nonce
+    assert both(sw, ps, 0, patched(good, 36, TOKENS[1])) == []             # rank 1's token
+    assert both(sw, ps, 0, patched(good, 12, 0xFFFFFFFF)) == []            # far-future round
+    ev = sw.cli.events()
+    assert (ev["unknown_job"], ev["unregistered"], ev["ahead"]) == (1, 1, 1)
+    for w in range(N):
+        out = both(sw, ps, w, datagram(job, w, 2, 1, rng))
+    h, _ = H.parse(out[0][2])
+    assert len(out) == N and (h.nonce, h.token, h.contributors) == (NONCE, 0, N)
