@@ -58,6 +58,16 @@ def error(message: str) -> dict:
     return {"type": "error", "message": message}
 
 
+def describe_missing(missing: list) -> str:
+    """A status reply's `missing` list as text: 'ranks 1, 3 (1: never registered; 3: no
+    heartbeat for 5.2 s)' — the PS's barrier errors and the workers' stall messages."""
+    if not missing:
+        return "no ranks"
+    ranks = ", ".join(str(m["rank"]) for m in missing)
+    why = "; ".join(f"{m['rank']}: {m['why']}" for m in missing)
+    return f"rank{'s' if len(missing) > 1 else ''} {ranks} ({why})"
+
+
 # ---------------------------------------------------------------------- validation
 def _int(lo: int, hi: int):
     def check(name, v):

@@ -131,15 +131,6 @@ class Job:
         return out
 
 
-def describe_missing(missing: list) -> str:
-    """'ranks 1, 3 (1: never registered; 3: no heartbeat for 5.2 s)' for error messages."""
-    if not missing:
-        return "no ranks"
-    ranks = ", ".join(str(m["rank"]) for m in missing)
-    why = "; ".join(f"{m['rank']}: {m['why']}" for m in missing)
-    return f"rank{'s' if len(missing) > 1 else ''} {ranks} ({why})"
-
-
 class PSServer:
     """One PS shard: `start()` returns once both planes listen; `stop()` joins everything.
 
@@ -376,7 +367,7 @@ class PSServer:
         if dead_long and len(live) < job.config.quorum_count:
             why = (f"barrier {name!r} cannot complete: job {job.number} needs "
                    f"{job.config.quorum_count} live ranks and is missing "
-                   f"{describe_missing(job.missing(now))}")
+                   f"{control.describe_missing(job.missing(now))}")
             for ident in job.barriers.pop(name).values():
                 self._reply(ident, control.error(why))
 

@@ -31,6 +31,12 @@ def at(server) -> dict:
     return {"ps": f"127.0.0.1:{server.data_addr[1]}", "ps_control_port": server.control_port}
 
 
+def transports(server, n, **kw) -> list:
+    """Ranks 0..n-1 registered with `server`."""
+    return [Transport("127.0.0.1", server.data_addr[1], r, control_port=server.control_port, **kw)
+            for r in range(n)]
+
+
 def req_socket(server, curve=None):
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
@@ -95,8 +101,7 @@ def test_barrier_counts_distinct_live_ranks():
     """Reproduction: three `end` requests from one client released a barrier of 4."""
     server = ps(JobConfig(num_workers=3))
     try:
-        ts = [Transport("127.0.0.1", server.data_addr[1], r, control_port=server.control_port)
-              for r in range(3)]
+        ts = transports(server, 3)
         socks = []
         for rank in (0, 0, 0, 1):                  # rank 0 three times, from three connections
             sock = req_socket(server)
@@ -153,8 +158,7 @@ def test_model_sync_source_is_the_lowest_live_rank():
     """Reproduction: a stranger overwrote model-sync state."""
     server = ps(JobConfig(num_workers=2))
     try:
-        ts = [Transport("127.0.0.1", server.data_addr[1], r, control_port=server.control_port)
-              for r in range(2)]
+        ts = transports(server, 2)
         with pytest.raises(ValueError, match="not the model-sync source"):
             ts[1].call({"type": "sync_put", "round": 0, "blob": b"evil"})
         ts[0].call({"type": "sync_put", "round": 0, "blob": b"good"})
@@ -188,8 +192,7 @@ def test_killed_worker_is_named_when_the_job_needs_it():
     """Reproduction: survivors blamed 'no reply from PS' after 58 s; the PS knew who was missing."""
     server = ps(JobConfig(num_workers=3), lease_s=0.5)
     try:
-        ts = [Transport("127.0.0.1", server.data_addr[1], r, control_port=server.control_port,
-                        timeout_ms=20, max_timeout_ms=100, max_retries=40) for r in range(3)]
+        ts = transports(server, 3, timeout_ms=20, max_timeout_ms=100, max_retries=40)
         ws = [Worker(t, error_feedback=False) for t in ts]
         ts[2].close(leave=False)                       # rank 2 dies without a word
         errors = []

@@ -64,15 +64,6 @@ class _PSRestarted(Exception):
         self.shard = shard
 
 
-def describe_missing(missing: list) -> str:
-    """'ranks 1, 3 (1: never registered; 3: no heartbeat for 5.2 s)' from a status reply."""
-    if not missing:
-        return "no ranks"
-    ranks = ", ".join(str(m["rank"]) for m in missing)
-    why = "; ".join(f"{m['rank']}: {m['why']}" for m in missing)
-    return f"rank{'s' if len(missing) > 1 else ''} {ranks} ({why})"
-
-
 @dataclass
 class Faults:
     """Injected faults, each a probability per packet, from a seeded RNG."""
@@ -267,7 +258,7 @@ class Transport:
         if self.sessions[0] and silent > 2 * self.sessions[0]["lease_s"]:
             return f"the PS control plane at {self._endpoints[0]} (no heartbeat reply for {silent:.0f} s)"
         if st and st.get("missing"):
-            return describe_missing(st["missing"])
+            return control.describe_missing(st["missing"])
         return ""
 
     def is_sync_source(self) -> bool:
@@ -348,7 +339,7 @@ class Transport:
             if never and waited > self._control_timeout:
                 self._drop_socket(shard)
                 raise JobStalled(f"{msg['type']} {msg.get('name', '')} not done after {waited:.0f} s: "
-                                 f"waiting for {describe_missing(never)}".replace("  ", " "))
+                                 f"waiting for {control.describe_missing(never)}".replace("  ", " "))
         reply = control.decode(sock.recv())
         if reply.get("type") == "error":
             raise ValueError(f"PS refused {msg['type']}: {reply.get('message')}")
