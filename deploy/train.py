@@ -8,6 +8,7 @@ end.  The same run is then repeated uncompressed for the comparison.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -44,6 +45,10 @@ class TrainConfig:
     ps: str = ""              # use a running PS "host:port[,host:port…]" instead of starting one
     curve_every: int = 20     # steps per point of the train-loss curve
     per_tensor: bool = False  # one PS round per parameter tensor instead of one per model
+    kill_rank: int = -1       # fault injection: this rank's process dies at kill_at_step ...
+    kill_at_step: int = 0
+    restart: bool = False     # ... and is started again: it rejoins at the next model sync
+    lease_s: float = 5.0      # the PS this starts
 
 
 def _evaluate(model, x, y, batch=1000) -> tuple[float, float]:
@@ -61,7 +66,8 @@ def _evaluate(model, x, y, batch=1000) -> tuple[float, float]:
     return correct / len(x), loss / len(x)
 
 
-def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | None = None) -> None:
+def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | None = None,
+                rejoin: bool = False) -> None:
     """One worker process: train, report per-epoch metrics on the queue."""
     try:
         import torch
@@ -69,7 +75,8 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
 
         from worker import data
         from worker.client import Worker
-        from worker.training import MODELS, GradientSync, flat_params, sync_model
+        from deploy.launch import KILLED
+        from worker.training import MODELS, GradientSync, flat_params, rejoin_training, sync_model
         from worker.transport import Faults, Transport
         torch.set_num_threads(1)
         torch.manual_seed(cfg.seed)                      # identical initial models
@@ -84,22 +91,36 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
         faults = Faults(drop_out=cfg.loss, drop_in=cfg.loss, seed=cfg.seed)
         from proto.job import JobConfig
         job = JobConfig.from_msg(job_msg) if job_msg else None
-        t = Transport(shards[0][0], shards[0][1], rank, control_port=shards[0][2], policy=cfg.loss_policy,
-                      faults=faults, timeout_ms=cfg.timeout_ms, shards=shards,
-                      expect=job_msg, propose=job)       # the PS must run this job (or start it)
+        try:
+            t = Transport(shards[0][0], shards[0][1], rank, control_port=shards[0][2],
+                          policy=cfg.loss_policy, faults=faults, timeout_ms=cfg.timeout_ms, shards=shards,
+                          expect=job_msg, propose=job,   # the PS must run this job (or start it)
+                          rejoin=rejoin)
+        except ValueError as exc:
+            if rejoin and "no running job to rejoin" in str(exc):   # the others already finished
+                q.put(("done", rank, {"rejoin_refused": 1}))
+                return
+            raise
         w = Worker(t, seed=cfg.seed, straggler_delay_ms=cfg.straggler_delay_ms,
                    straggler_prob=cfg.straggler_prob, straggler_count=cfg.straggler_count)
         sync = GradientSync(w, model, per_tensor=cfg.per_tensor)
-        t.barrier("start")
-        step = 0
-        for epoch in range(cfg.epochs):
+        steps = (len(xtr) // cfg.workers) // cfg.batch     # the same in every rank
+        first = 0
+        if t.rejoined:
+            first = rejoin_training(sync, model, steps, cfg.sync_every)
+        else:
+            t.barrier("start")
+        step = first * steps
+        for epoch in range(first, cfg.epochs):
             idx = data.shard(len(xtr), rank, cfg.workers, cfg.seed, epoch)
-            steps = len(idx) // cfg.batch
             t0 = time.perf_counter()
             comm, up, down, losses, lost, curve = 0.0, 0, 0, [], 0, []
             for s in range(steps):
                 b = idx[s * cfg.batch:(s + 1) * cfg.batch]
                 xb, yb = torch.from_numpy(xtr[b]), torch.from_numpy(ytr[b])
+                t.progress = step
+                if rank == cfg.kill_rank and step == cfg.kill_at_step and not rejoin:
+                    os._exit(KILLED)
                 opt.zero_grad()
                 loss = F.cross_entropy(model(xb), yb)
                 loss.backward()
@@ -116,6 +137,7 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
                     curve.append((step, float(np.mean(losses[-cfg.curve_every:]))))
             if cfg.sync_every and (epoch + 1) % cfg.sync_every == 0:
                 sync_model(w, model, epoch)
+            t.progress = step
             acc, test_loss = _evaluate(model, xte, yte)
             digest = float(np.abs(flat_params(model)).sum())
             q.put(("epoch", rank, {"epoch": epoch + 1, "train_loss": float(np.mean(losses)),
@@ -134,6 +156,17 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
         q.put(("error", rank, f"{type(exc).__name__}: {exc}"))
 
 
+def _log_epoch(cfg: TrainConfig, e: dict, log) -> None:
+    """One progress line from the ranks' reports of an epoch."""
+    r0 = e[min(e)]
+    ranks = "" if len(e) == cfg.workers else f" ({len(e)} of {cfg.workers} ranks reported)"
+    log(f"[{cfg.codec}] epoch {r0['epoch']}/{cfg.epochs}: train loss {r0['train_loss']:.4f}, "
+        f"test acc {r0['test_accuracy']:.4f}, round {r0['mean_round_ms']:.1f} ms, "
+        f"up {r0['bytes_up'] / 1e6:.2f} MB, down {r0['bytes_down'] / 1e6:.2f} MB per worker, "
+        f"lost chunks {sum(e[r]['lost_chunks'] for r in e)}, "
+        f"models identical: {_identical(e)}{ranks}")
+
+
 def run(cfg: TrainConfig, log=print) -> dict:
     """Train once with cfg; returns the per-epoch history (rank 0's metrics) and totals."""
     from proto.job import JobConfig
@@ -150,23 +183,33 @@ def run(cfg: TrainConfig, log=print) -> dict:
             host, _, port = item.strip().rpartition(":")
             shards.append((host, int(port), int(port) + 1))
     else:
-        server = PSServer(job, ("127.0.0.1", 0), control_port=0).start()
+        server = PSServer(job, ("127.0.0.1", 0), control_port=0, lease_s=cfg.lease_s).start()
         shards = [("127.0.0.1", server.data_addr[1], server.control_port)]
+    from deploy.launch import KILLED
     single_threaded_children()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=worker_main, args=(cfg, r, shards, q, job.to_msg()), daemon=True)
-             for r in range(cfg.workers)]
-    for proc in procs:
+
+    def spawn(r, rejoin=False):
+        proc = ctx.Process(target=worker_main, args=(cfg, r, shards, q, job.to_msg(), rejoin), daemon=True)
         proc.start()
+        return proc
+    procs = [spawn(r) for r in range(cfg.workers)]
     history: dict = {}
-    done, counters = set(), {}
+    done, counters, printed = set(), {}, set()
+    restarted = 0
     t0 = time.perf_counter()
     try:
         while len(done) < cfg.workers:
             try:
-                kind, rank, body = q.get(timeout=5)
+                kind, rank, body = q.get(timeout=1)
             except Exception:
+                for r, proc in enumerate(procs):
+                    if proc.exitcode == KILLED and cfg.restart and not restarted:
+                        log(f"[{cfg.codec}] rank {r} died (fault injection); restarting it: it rejoins "
+                            f"at the next model sync")
+                        restarted += 1
+                        procs[r] = spawn(r, rejoin=True)
                 if not any(p.is_alive() for p in procs):
                     raise RuntimeError("worker processes exited without reporting") from None
                 continue
@@ -177,15 +220,13 @@ def run(cfg: TrainConfig, log=print) -> dict:
                 counters[rank] = body
                 continue
             history.setdefault(body["epoch"], {})[rank] = body
-            if len(history[body["epoch"]]) == cfg.workers:
-                e = history[body["epoch"]]
-                r0 = e[0]
-                digests = [e[r]["param_digest"] for r in e]
-                log(f"[{cfg.codec}] epoch {r0['epoch']}/{cfg.epochs}: train loss {r0['train_loss']:.4f}, "
-                    f"test acc {r0['test_accuracy']:.4f}, round {r0['mean_round_ms']:.1f} ms, "
-                    f"up {r0['bytes_up'] / 1e6:.2f} MB, down {r0['bytes_down'] / 1e6:.2f} MB per worker, "
-                    f"lost chunks {sum(e[r]['lost_chunks'] for r in e)}, "
-                    f"models identical: {max(digests) - min(digests) < 1e-6 * max(digests)}")
+            for ep in sorted(history):
+                # an epoch is complete when every rank reported it, or when a later one began
+                # (a rank that died during it never will)
+                if ep not in printed and (len(history[ep]) == cfg.workers or
+                                          any(later > ep for later in history)):
+                    printed.add(ep)
+                    _log_epoch(cfg, history[ep], log)
     finally:
         for proc in procs:
             proc.join(timeout=10)
@@ -194,11 +235,19 @@ def run(cfg: TrainConfig, log=print) -> dict:
         ps_stats = server.stats() if server is not None else counters.get(0, {}).pop("ps_stats", None)
         if server is not None:
             server.stop()
-    epochs = [history[e][0] for e in sorted(history)]
+    for ep in sorted(set(history) - printed):
+        _log_epoch(cfg, history[ep], log)
+    epochs = [history[e][min(history[e])] for e in sorted(history)]      # rank 0's, or the lowest
     return {"config": asdict(cfg), "epochs": epochs, "seconds": time.perf_counter() - t0,
             "final_test_accuracy": epochs[-1]["test_accuracy"],
             "bytes_up": sum(e["bytes_up"] for e in epochs), "bytes_down": sum(e["bytes_down"] for e in epochs),
-            "ps": ps_stats, "transport": counters}
+            "ps": ps_stats, "transport": counters, "restarted_workers": restarted,
+            "final_params_identical": _identical(history[max(history)]) if history else None}
+
+
+def _identical(reports: dict) -> bool:
+    digests = [r["param_digest"] for r in reports.values()]
+    return max(digests) - min(digests) < 1e-6 * max(digests)
 
 
 def run_with_baseline(cfg: TrainConfig, log=print, baseline: bool = True) -> dict:

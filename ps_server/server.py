@@ -98,6 +98,7 @@ class Member:
     state: str = "live"            # live | left | dead
     died: float = 0.0
     progress: int = -1             # the worker's own step counter (heartbeats carry it)
+    joining: bool = False          # rejoined, and not yet synchronized (never the sync source)
 
 
 @dataclass
@@ -110,6 +111,7 @@ class Job:
     engine: object
     members: dict = field(default_factory=dict)          # rank -> Member
     barriers: dict = field(default_factory=dict)         # name -> {rank: ident}
+    released: list = field(default_factory=list)         # recent released barrier names
     sync: dict = field(default_factory=dict)             # round -> blob
     sync_waiters: dict = field(default_factory=dict)     # round -> [ident]
     resume: dict = field(default_factory=dict)           # rank -> phase (after a PS restart)
@@ -118,6 +120,11 @@ class Job:
 
     def live(self) -> list:
         return sorted(r for r, m in self.members.items() if m.state == "live")
+
+    def sync_source(self):
+        """The rank whose state model sync distributes: the lowest live rank that is not
+        rejoining (a rejoining rank is the one that needs the state)."""
+        return next((r for r in self.live() if not self.members[r].joining), None)
 
     def missing(self, now: float) -> list:
         """Ranks the job is waiting for: never registered, dead, with how long they are silent."""
@@ -197,7 +204,8 @@ class PSServer:
         _add_stats(self._totals, _stats(job.engine))
         for r in list(job.members):
             self._unregister(job, r)
-        for waiters in (list(job.sync_waiters.values()) + [list(b.values()) for b in job.barriers.values()]
+        for waiters in ([[w for w, _ in ws] for ws in job.sync_waiters.values()]
+                        + [list(b.values()) for b in job.barriers.values()]
                         + [list(job.resume_waiters.values())]):
             for ident in waiters:
                 self._reply(ident, control.error(f"job {job.number} ended ({why})"))
@@ -326,7 +334,7 @@ class PSServer:
         token = getattr(self.engine_kind, "fixed_tokens", {}).get(rank)
         token = secrets.randbits(32) if token is None else token
         session = secrets.token_bytes(control.SESSION_BYTES)
-        m = Member(rank, (ip, port), token, session, now)
+        m = Member(rank, (ip, port), token, session, now, joining=rejoin)
         job.members[rank] = m
         eng = job.engine
         if isinstance(eng, ReferencePS):
@@ -351,7 +359,7 @@ class PSServer:
         return {"type": "status", "job_number": job.number, "incarnation": self.incarnation,
                 "num_workers": job.config.num_workers, "live": live, "missing": job.missing(now),
                 "progress": {str(r): m.progress for r, m in job.members.items() if m.state == "live"},
-                "sync_source": live[0] if live else None,
+                "sync_source": job.sync_source(),
                 "age_s": now - job.started}
 
     def _try_release(self, job: Job, name: str, now: float) -> None:
@@ -361,6 +369,7 @@ class PSServer:
         if everyone and live and set(live) <= set(arrived) and len(live) >= job.config.quorum_count:
             for ident in job.barriers.pop(name).values():
                 self._reply(ident, {"type": "ok"})
+            job.released = (job.released + [name])[-64:]
             return
         dead_long = [m for m in job.members.values()
                      if m.state == "dead" and now - m.died > self.rejoin_grace_s]
@@ -405,21 +414,25 @@ class PSServer:
                     self._try_release(job, name, time.monotonic())
             return {"type": "ok"}
         if kind == "barrier":
+            if msg["name"] in job.released:         # a rank that rejoined after it was released
+                return {"type": "ok"}
             job.barriers.setdefault(msg["name"], {})[m.rank] = ident
             self._try_release(job, msg["name"], time.monotonic())
             return None
         if kind == "sync_put":
-            live = job.live()
-            if m.rank != live[0]:
-                raise control.ControlError(f"rank {m.rank} is not the model-sync source (rank {live[0]} is)")
+            source = job.sync_source()
+            if m.rank != source:
+                raise control.ControlError(f"rank {m.rank} is not the model-sync source (rank {source} is)")
             job.sync = {msg["round"]: msg["blob"]}
-            for w in job.sync_waiters.pop(msg["round"], []):
+            for w, rank in job.sync_waiters.pop(msg["round"], []):
+                job.members[rank].joining = False
                 self._reply(w, {"type": "sync", "blob": msg["blob"]})
             return {"type": "ok"}
         if kind == "sync_get":
             if msg["round"] in job.sync:
+                m.joining = False
                 return {"type": "sync", "blob": job.sync[msg["round"]]}
-            job.sync_waiters.setdefault(msg["round"], []).append(ident)
+            job.sync_waiters.setdefault(msg["round"], []).append((ident, m.rank))
             return None
         if kind == "resume":
             job.resume[m.rank] = msg["phase"]

@@ -171,3 +171,24 @@ def test_train_twice_against_one_long_lived_ps_is_identical():
         assert server.stats()["jobs_started"] == 2 and server.job is None
     finally:
         server.stop()
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz")
+                    and not os.environ.get("THC_FASHION_MNIST"),
+                    reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+def test_training_survives_a_crashed_worker_that_rejoins():
+    """Quorum 0.75: rank 2 dies in epoch 1, the others go on; restarted, it rejoins at the next
+    model sync (gets the model, fast-forwards its rounds) and the job ends with every rank's
+    model identical."""
+    from deploy import train
+    # every step takes >= 0.4 s, so the others are still training when the restarted rank is back
+    cfg = train.TrainConfig(workers=4, epochs=4, model="mlp", train_limit=2048, test_limit=256,
+                            quorum=0.75, kill_rank=2, kill_at_step=3, restart=True, lease_s=0.5,
+                            straggler_delay_ms=400, straggler_prob=1.0)
+    lines = []
+    doc = train.run(cfg, log=lines.append)
+    assert doc["restarted_workers"] == 1 and doc["ps"]["rejoins"] == 1
+    assert doc["ps"]["leases_expired"] == 1 and doc["ps"]["partial_rounds"] > 0
+    assert doc["final_params_identical"] and doc["final_test_accuracy"] > 0.3
+    assert any("3 of 4 ranks reported" in ln for ln in lines)     # epoch 1 without rank 2
+    assert sum("models identical: True" in ln for ln in lines) >= 2

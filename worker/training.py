@@ -99,6 +99,12 @@ class GradientSync:
             last = self._merge(last, self.worker.last)
         self.worker.last = last
 
+    def skip_step(self) -> None:
+        """Advance the slot rounds as one step's allreduces would, sending nothing."""
+        dims = [p.numel() for p in self.params] if self.per_tensor else [sum(p.numel() for p in self.params)]
+        for d in dims:
+            self.worker.skip_rounds(1, d)
+
     @staticmethod
     def _merge(acc, rep):
         """One report for the whole step (time and bytes summed over the tensors)."""
@@ -109,6 +115,28 @@ class GradientSync:
         acc.bytes_down += rep.bytes_down
         acc.lost += rep.lost
         return acc
+
+
+def rejoin_training(sync: GradientSync, model: nn.Module, steps_per_epoch: int, sync_every: int) -> int:
+    """A restarted rank joins a running training job (quorum < 1: the others went on without
+    it): it waits for the next model sync, takes that model, fast-forwards its slot rounds
+    to the step after the sync, and returns the epoch to continue with."""
+    t = sync.worker.t
+    if not sync_every:
+        raise ValueError("a rank can rejoin a training job only if the job synchronizes the model "
+                         "(--sync-every > 0)")
+    progress = t.call({"type": "status"}).get("progress", {})
+    step = max((v for k, v in progress.items() if int(k) != t.worker_id and v >= 0), default=0)
+    epoch = step // max(steps_per_epoch, 1)
+    while (epoch + 1) % sync_every:
+        epoch += 1
+    blob = t.call({"type": "sync_get", "round": epoch}, wait=True)["blob"]
+    load_flat_params(model, np.frombuffer(blob, dtype=np.float32).copy())
+    for _ in range((epoch + 1) * steps_per_epoch):
+        sync.skip_step()
+    t.progress = (epoch + 1) * steps_per_epoch
+    t.barrier(f"sync-{epoch}")
+    return epoch + 1
 
 
 def sync_model(worker: Worker, model: nn.Module, epoch: int) -> None:
