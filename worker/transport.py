@@ -327,8 +327,10 @@ class Transport:
                 if waited < self._control_timeout:
                     continue
                 self._drop_socket(shard)
+                hint = ("; if that PS runs with --keys, this worker needs --keys too (a CURVE server "
+                        "does not answer clients without its keys)") if self._curve is None else ""
                 raise PSUnavailable(f"no reply from the PS control plane at {self._endpoints[shard]} "
-                                    f"within {self._control_timeout:.0f} s ({msg['type']})")
+                                    f"within {self._control_timeout:.0f} s ({msg['type']}){hint}")
             silent = time.monotonic() - self._hb_ok[shard]
             missing = (self.status[shard] or {}).get("missing") or []
             never = [m for m in missing if m["why"] == "never registered"]
