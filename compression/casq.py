@@ -296,6 +296,7 @@ class CASQCodec(Codec):
     """
 
     name = "casq"
+    label = "CASQ"
     homomorphic = False
 
     def __init__(self, bits: int = 2, sketch_ratio: float = 0.005, refit_every: int = 100,
@@ -330,11 +331,11 @@ class CASQCodec(Codec):
     def _encode(self, x: np.ndarray, state: dict, rng, ctx: Context) -> bytes:
         if not np.isfinite(x).all():
             raise CodecError("CASQ: cannot encode non-finite values")
-        err = state.get("e") if self.error_feedback else None
-        xe = (x + err).astype(np.float32) if err is not None and err.shape == x.shape else x
+        memory = self.memory(state) if self.error_feedback else None
+        xe = memory.compensate("e", x).astype(np.float32, copy=False) if memory else x
         if x.size < self.min_numel:
-            if self.error_feedback:
-                state["e"] = np.zeros_like(x)
+            if memory:
+                memory.update("e", np.zeros_like(x))
             return pack_raw(xe)
         step = state.get("t", 0)
         if "fit" not in state or step % self.refit_every == 0:
@@ -348,8 +349,8 @@ class CASQCodec(Codec):
         sizes = state["fit"]["sizes"]
         ids = assign(xe, state["fit"]["centers"], self.sign_split)
         avg = sketch(xe, ids, sizes, seed)
-        if self.error_feedback:
-            state["e"] = (xe - unsketch(ids, avg, sizes, seed)).astype(np.float32)
+        if memory:
+            memory.update("e", (xe - unsketch(ids, avg, sizes, seed)).astype(np.float32))
         return pack(self.bits, seed, ids, sizes, avg)
 
     def encode(self, x, state, rng, ctx: Context) -> bytes:
@@ -360,12 +361,7 @@ class CASQCodec(Codec):
 
     def aggregate(self, payloads, ps_state, ctx: Context) -> bytes:
         """Decode every payload, average over len(payloads), re-encode the mean (spec §3.7)."""
-        if not payloads:
-            raise CodecError("CASQ: nothing to aggregate")
-        total = np.zeros(ctx.dim, dtype=np.float64)
-        for p in payloads:
-            total += decode_message(p, ctx.dim)
-        mean = (total / len(payloads)).astype(np.float32)
+        mean = self.decoded_mean(payloads, ctx).astype(np.float32)
         if self.downlink == "float32":
             return pack_raw(mean)
         rng = ps_state.setdefault("rng", np.random.default_rng([self.seed, 0x5053]))

@@ -375,6 +375,7 @@ class FastSGDCodec(Codec):
     """
 
     name = "fastsgd"
+    label = "FastSGD"
     homomorphic = False
 
     def __init__(self, b: float = 1.1, tau: int = 128, l: int = 2, error_feedback: bool = False,
@@ -386,7 +387,7 @@ class FastSGDCodec(Codec):
         self.error_feedback, self.reduce = bool(error_feedback), reduce
 
     def new_state(self) -> dict:
-        return {"residual": None} if self.error_feedback else {}
+        return {"e": None} if self.error_feedback else {}
 
     def _encode_dense(self, x: np.ndarray) -> bytes:
         return encode_dense(x, self.b, self.tau, self.l)
@@ -408,26 +409,17 @@ class FastSGDCodec(Codec):
             raise ValueError(f"FastSGD: tensor has {x.size} coordinates, context says {ctx.dim}")
         if not self.error_feedback:
             return self._encode_dense(x)
-        comp = x.astype(np.float64)
-        if state.get("residual") is not None:
-            comp += state["residual"]
+        memory = self.memory(state)
+        comp = memory.compensate("e", x, dtype=np.float64)
         payload = self._encode_dense(comp)
         keys, vals = self._sparse(payload, x.size)
         comp[keys] -= vals
-        state["residual"] = comp
+        memory.update("e", comp)
         return payload
 
     def aggregate(self, payloads, ps_state, ctx: Context) -> bytes:
         """Decode every payload, sum exactly in float64, take the mean (or sum), and re-encode (spec §1.8)."""
-        if not payloads:
-            raise CodecError("FastSGD: nothing to aggregate")
-        acc = np.zeros(ctx.dim, dtype=np.float64)
-        for p in payloads:
-            keys, vals = self._sparse(p, ctx.dim)
-            acc[keys] += vals
-        if self.reduce == "mean":
-            acc /= len(payloads)
-        return self._encode_dense(acc)
+        return self._encode_dense(self.decoded_mean(payloads, ctx, mean=self.reduce == "mean"))
 
     def decode(self, payload, ctx: Context) -> np.ndarray:
         keys, vals = self._sparse(payload, ctx.dim)

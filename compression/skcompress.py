@@ -405,10 +405,7 @@ class SKCompressCodec(Codec):
         return self._encode_dense(np.asarray(x))
 
     def aggregate(self, payloads, ps_state, ctx: Context) -> bytes:
-        total = np.zeros(ctx.dim, np.float64)
-        for p in payloads:
-            total += self._dense(p, ctx.dim)
-        return self._encode_dense(total / len(payloads))
+        return self._encode_dense(self.decoded_mean(payloads, ctx, dense=self._dense))
 
     def decode(self, payload, ctx: Context) -> np.ndarray:
         return self._dense(payload, ctx.dim).astype(np.float32)

@@ -365,6 +365,7 @@ class ThreeLCCodec(Codec):
     """
 
     name = "3lc"
+    label = "3LC"
     homomorphic = False
 
     def __init__(self, s: float = 1.0, use_zre: bool = True, min_elements: int = 0,
@@ -391,7 +392,9 @@ class ThreeLCCodec(Codec):
             if not np.isfinite(x).all():
                 raise ValueError("3LC: input holds NaN or Inf")
             return pack_raw(x)
-        q, m, ctx_state["e"] = quantize(x, ctx_state.get("e"), self.s)
+        memory = self.memory(ctx_state)
+        q, m, e = quantize(x, memory.get("e"), self.s)
+        memory.update("e", e)
         return pack(q, m, self.use_zre, self.layout)
 
     def encode(self, x, state, rng, ctx: Context) -> bytes:
@@ -403,12 +406,7 @@ class ThreeLCCodec(Codec):
     def aggregate(self, payloads, ps_state, ctx: Context) -> bytes:
         """Decode every push, average over len(payloads) (spec A14), compress the mean ONCE with
         the shared pull context; every worker pulls these same bytes (§3, spec §2.8)."""
-        if not payloads:
-            raise CodecError("3LC: nothing to aggregate")
-        total = np.zeros(ctx.dim, dtype=np.float64)
-        for p in payloads:
-            total += unpack(p, ctx.dim)
-        mean = (total / len(payloads)).astype(np.float32)
+        mean = self.decoded_mean(payloads, ctx).astype(np.float32)
         out = self.compress(mean, ps_state)
         ps_state["encodes"] = ps_state.get("encodes", 0) + 1
         return out

@@ -34,7 +34,7 @@ import numpy as np
 from proto import blob as B
 from proto import headers as H
 from proto.job import JobConfig
-from proto.packing import unpack_indices
+from proto.packing import LANE_DTYPES, unpack_indices
 
 DROP_REASONS = ("malformed", "wrong_version", "unknown_job", "slot_out_of_range",
                 "worker_out_of_range", "unregistered", "stale", "duplicate", "late", "codec_error",
@@ -146,7 +146,7 @@ class ReferencePS:
             return acc.astype(">u4").tobytes()
         if self.job.op == H.OP_FLOAT_SUM:
             return acc.astype(">f4").tobytes()
-        return acc.astype({8: ">u1", 16: ">u2", 32: ">u4"}[self.job.lane_bits]).tobytes()
+        return acc.astype(LANE_DTYPES[self.job.lane_bits]).tobytes()
 
     def _result_packet(self, slot: int, res: _Result, data_type: int, dest: int | None) -> bytes:
         norm = data_type == H.NORM

@@ -507,7 +507,7 @@ def test_error_feedback_extension_telescopes_per_tensor():
             sent[key] += codec.decode(codec.encode(g, states[key], None, ctx), ctx)
             total[key] += g
     for key in dims:
-        np.testing.assert_allclose(sent[key] + states[key]["residual"], total[key], rtol=0, atol=1e-9)
+        np.testing.assert_allclose(sent[key] + states[key]["e"], total[key], rtol=0, atol=1e-9)
     # a tensor's stream with its own state alone reproduces the same residual
     rng = np.random.default_rng(7)
     solo = codec.new_state()
@@ -516,4 +516,4 @@ def test_error_feedback_extension_telescopes_per_tensor():
             g = rng.standard_normal(n).astype(np.float32)
             if key == "b":
                 codec.encode(g, solo, None, Context(key, n, t))
-    np.testing.assert_array_equal(solo["residual"], states["b"]["residual"])
+    np.testing.assert_array_equal(solo["e"], states["b"]["e"])
