@@ -38,6 +38,7 @@ from proto import blob as B
 from proto import control
 from proto import headers as H
 from proto.job import JobConfig
+from proto.sockets import set_buffer
 
 try:
     from worker import _batchio      # sendmmsg/recvmmsg, built by `pip install`
@@ -158,10 +159,7 @@ class Transport:
         self._by_addr = {a: i for i, a in enumerate(self.shard_addrs)}
         self.ps = self.shard_addrs[0]
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            self.sock.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)   # SO_RCVBUFFORCE (root)
-        except OSError:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        set_buffer(self.sock, 8 << 20)
         self.sock.bind((local_ip_towards(*self.shard_addrs[0]), bind_port))
         self.sock.setblocking(False)
         self._ctx = zmq.Context.instance()
