@@ -171,7 +171,8 @@ class PSServer:
                          "registrations_refused": 0, "control_errors": 0, "leases_expired": 0,
                          "rejoins": 0}
         self.incarnation = secrets.randbits(32)
-        self.log = log or (lambda m: log_info(m))
+        # event lines: to `log` when given (thc ps prints them), else this module's logger
+        self.log = log or _log_event
         if keys is None and bind[0] in ("0.0.0.0", "::", ""):
             self.log("WARNING: control plane bound to every interface WITHOUT keys: anyone who "
                      "reaches it can join or stop jobs. Use --keys DIR (make them with `thc keys DIR`) "
@@ -496,8 +497,12 @@ class PSServer:
             self._auth.stop()
 
 
-def log_info(message: str) -> None:
-    log.info(message)
+def _log_event(message: str) -> None:
+    """The default sink of PSServer's event lines: the module logger, WARNING lines as warnings."""
+    if message.startswith("WARNING: "):
+        log.warning(message[len("WARNING: "):])
+    else:
+        log.info(message)
 
 
 # -------------------------------------------------------------------- keys (CURVE)
