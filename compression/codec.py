@@ -1,4 +1,4 @@
-"""The codec interface every compressor implements (GRACE/DDP-hook shape, prior-art §3).
+"""The codec interface every compressor implements (GRACE/DDP-hook shape, docs/prior-art.md §3).
 
 A codec is pure apart from the RNG and the explicit state objects passed in:
 

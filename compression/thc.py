@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - source checkout without a build
 from proto.packing import check_lane_capacity, pack_indices, unpack_indices
 from proto.tables import Table, identity_table, lower_interval_index, parse_p, solve_table
 
-#: The authors cap one transform at 2^23 coordinates (prior-art §1.2).
+#: The authors cap one transform at 2^23 coordinates (docs/prior-art.md §1.2).
 DEFAULT_BLOCK_LOG2 = 23
 
 

@@ -3,7 +3,7 @@
 The C engine (`ps_server/_fastpath.c`) implements exactly the same rules and is
 tested against this class on identical packet sequences.
 
-Per slot (THC paper Pseudocode 1, with SwitchML's loss handling, prior-art §2.1):
+Per slot (THC paper Pseudocode 1, with SwitchML's loss handling, docs/prior-art.md §2.1):
   round, contributor count, worker bitmap, the accumulated lanes, and a kept
   copy of the completed result plus the previous round's result (shadow copy).
 

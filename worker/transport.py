@@ -5,7 +5,7 @@ chunk.  Chunk c of a phase uses slot base + (c mod slots); every use of a slot
 increments that slot's round, identically in every worker (they all issue the
 same sequence of phases), so round numbers never need agreeing on.
 
-Loss handling (THC §6.1 and SwitchML, prior-art §2.1):
+Loss handling (THC §6.1 and SwitchML, docs/prior-art.md §2.1):
   retransmit  resend after a timeout with exponential backoff; the PS answers a
               resend of a completed chunk with its kept result; nothing is lost
               (default).  After `max_retries` the PS is declared unreachable.
