@@ -418,7 +418,8 @@ class FastSGDCodec(Codec):
         return payload
 
     def aggregate(self, payloads, ps_state, ctx: Context) -> bytes:
-        """Decode every payload, sum exactly in float64, take the mean (or sum), and re-encode (docs/codec-fastsgd.md note 1.8)."""
+        """Decode every payload, sum exactly in float64, take the mean (or sum), and re-encode
+        (docs/codec-fastsgd.md note 1.8)."""
         return self._encode_dense(self.decoded_mean(payloads, ctx, mean=self.reduce == "mean"))
 
     def decode(self, payload, ctx: Context) -> np.ndarray:

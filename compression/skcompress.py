@@ -122,7 +122,7 @@ def huffman_decode_py(buf: bytes, lengths: np.ndarray, count: int) -> np.ndarray
     maxlen = order[-1][0]
     first, index, syms = {}, {}, [s for _, s in order]
     code, prev, pos = 0, 0, 0
-    for l, s in order:
+    for l, _ in order:
         code <<= (l - prev)
         if l not in first:
             first[l], index[l] = code, pos

@@ -56,7 +56,7 @@ class ThcConfig:
         object.__setattr__(self, "p", parse_p(self.p))
         if not 0 <= self.block_log2 <= 30:
             raise ValueError(f"block_log2 must be in 0..30, got {self.block_log2}")
-        self.table  # validates (b, g)
+        _ = self.table  # validates (b, g)
 
     @property
     def table(self) -> Table:

@@ -46,6 +46,10 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MAGIC = 0x5448
 VERSION = 2

@@ -95,7 +95,7 @@ def test_key_stream_matches_reference_and_round_trips(keys, l):
 
 def test_random_key_sets_match_reference():
     rng = np.random.default_rng(11)
-    for trial in range(20):
+    for _ in range(20):
         d = int(rng.integers(1, 400))
         hi = int(rng.choice([d + 1, 10**4, 10**6, 2**32]))
         keys = np.sort(rng.choice(hi, d, replace=False)).tolist()
