@@ -30,7 +30,8 @@ def test_p4_package_and_p4runtime_import_together():
         assert proc.stdout.strip() == "ok", (cwd, proc.stderr[-2000:])
 
 
-def test_p4_path_is_extended_from_the_checkout():
-    proc = subprocess.run([sys.executable, "-c", "import p4; print(len(p4.__path__))"],
+def test_p4_from_the_checkout_is_this_projects():
+    """From a checkout, `p4` is this project's package (the generator and control plane)."""
+    proc = subprocess.run([sys.executable, "-c", "import p4, p4.gen_p4; print(p4.__path__[0])"],
                           capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 0 and int(proc.stdout) >= 1, proc.stderr
+    assert proc.returncode == 0 and Path(proc.stdout.strip()) == ROOT / "p4", proc.stderr
