@@ -9,7 +9,6 @@ ratio column divides each time by a plain copy of the same packed bytes (memory 
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 

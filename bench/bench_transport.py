@@ -32,7 +32,7 @@ def receiver(mode, port_q, result_q, size, idle_ms):
                     t0 = time.perf_counter()
                 n += 1
                 b += len(data)
-        except socket.timeout:
+        except TimeoutError:
             pass
         result_q.put((n, b))
         return

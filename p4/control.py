@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from p4.gen_p4 import LANES, PORT, SLOTS
+from p4.gen_p4 import LANES, SLOTS
 from p4.tools import require
 from proto.job import JobConfig
 from ps_server.engine import wait

@@ -154,7 +154,7 @@ class JobConfig:
         return out
 
     @classmethod
-    def from_msg(cls, msg: dict) -> "JobConfig":
+    def from_msg(cls, msg: dict) -> JobConfig:
         known = {f for f in cls.__dataclass_fields__}
         unknown = set(msg) - known
         if unknown:

@@ -242,7 +242,7 @@ class PSServer:
                 continue
             try:
                 data, addr = self.sock.recvfrom(65536)
-            except (socket.timeout, BlockingIOError, ConnectionRefusedError):
+            except (TimeoutError, BlockingIOError, ConnectionRefusedError):
                 continue
             except OSError:
                 if self._stop.is_set():
@@ -466,7 +466,7 @@ class PSServer:
         time.sleep(0.05)
 
     # ---------------------------------------------------------------- lifecycle
-    def start(self) -> "PSServer":
+    def start(self) -> PSServer:
         for fn in (self._data_loop, self._control_loop):
             t = threading.Thread(target=fn, daemon=True)
             t.start()

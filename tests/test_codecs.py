@@ -14,7 +14,7 @@ from proto import headers as H
 from proto.job import JobConfig
 from ps_server.server import PSServer
 from worker.client import Worker
-from worker.transport import Faults, Transport
+from worker.transport import Transport
 
 from tests.helpers import run_threads
 

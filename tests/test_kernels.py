@@ -1,6 +1,5 @@
 """The fused worker kernels (compression/_kernels.c): AVX2 and scalar paths bit for bit, the
 fused encode/decode against the separate passes they replace, and identity across processes."""
-import hashlib
 import os
 import subprocess
 import sys
