@@ -1,9 +1,9 @@
 """3LC Table 2 trend: payload bits per value and compression ratio for s = 1.0 … 1.9.
 
-Two workloads from the spec: (a) clipped Gaussian single shot (spec §7.13), and (b) real
+Two workloads (docs/codec-3lc.md notes 7.13 and 7.15): (a) clipped Gaussian single shot (docs/codec-3lc.md note 7.13), and (b) real
 gradients: a small CNN trained on Fashion-MNIST for --steps steps, each step's gradient
 pushed through a 3LC context with error accumulation (the paper averages over training,
-pushes and pulls; here pushes).  Payload-only accounting (spec §6 A8), as Table 2.
+pushes and pulls; here pushes).  Payload-only accounting (docs/codec-3lc.md A8), as Table 2.
 
     .venv/bin/python bench/bench_3lc.py [--steps 150]
 """

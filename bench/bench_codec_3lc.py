@@ -1,19 +1,19 @@
-"""3LC on the spec's workloads (specs/3lc.md §7.13–7.15): compression ratio, the Table 2
+"""3LC on the workloads of docs/codec-3lc.md notes 7.13–7.15: compression ratio, the Table 2
 trend over s, and encode/decode speed.
 
-(a) Table 2 trend, single shot (spec §7.13): x = clip(N(0,1), −4, 4) float32, E = 0.
-    Payload-only bits per value and ratio 32/bits (the paper's accounting, spec A8), plus
+(a) Table 2 trend, single shot (docs/codec-3lc.md note 7.13): x = clip(N(0,1), −4, 4) float32, E = 0.
+    Payload-only bits per value and ratio 32/bits (the paper's accounting, docs/codec-3lc.md A8), plus
     wire bits (14-byte header included), for s = 1.0, 1.5, 1.75, 1.9 and "No ZRE".
-(b) Table 2 trend with error feedback, push and pull (spec §2.8, §3.2): K workers push
+(b) Table 2 trend with error feedback, push and pull (docs/codec-3lc.md note 2.8, note 3.2): K workers push
     gradients through their own contexts; the PS averages and re-encodes with the shared
     pull context (`run_round`). Bits averaged over all rounds, pushes and pulls separately
     and together (K pushes + 1 shared pull per round), as Table 2 averages over a run.
-    (b1) i.i.d. N(0,1) per worker (spec §7.15); (b2) a component shared by all workers in
+    (b1) i.i.d. N(0,1) per worker (docs/codec-3lc.md note 7.15); (b2) a component shared by all workers in
     the round plus i.i.d. noise (workers' gradients agree in part, as real ones do).
 (c) Speed at --dim values (s = 1): MB/s of float32 input for encode (accumulate + quantize
     + base-3^5 + ZRE) and decode (ZRE + base-3^5 + dequantize), per stage and end to end,
-    on the clipped Gaussian (sparse output), the dense U(−1,1) case (spec §7.14) and the
-    error-feedback steady state (spec §7.15). Best of --reps.
+    on the clipped Gaussian (sparse output), the dense U(−1,1) case (docs/codec-3lc.md note 7.14) and the
+    error-feedback steady state (docs/codec-3lc.md note 7.15). Best of --reps.
 
     .venv/bin/python bench/bench_codec_3lc.py [--dim 1048576] [--workers 4] [--rounds 30] [--reps 5]
 """
@@ -33,7 +33,7 @@ from compression.codec import Context, run_round  # noqa: E402
 
 S_VALUES = (1.0, 1.5, 1.75, 1.9)
 PAPER = {None: (20.0, 1.60), 1.0: (39.4, 0.812), 1.5: (70.9, 0.451), 1.75: (107, 0.298), 1.9: (160, 0.200)}
-SPEC_713 = {None: 1.6, 1.0: 0.606, 1.5: 0.145, 1.75: 0.120, 1.9: 0.116}    # spec §7.13 [ours]
+SPEC_713 = {None: 1.6, 1.0: 0.606, 1.5: 0.145, 1.75: 0.120, 1.9: 0.116}    # docs/codec-3lc.md note 7.13 [ours]
 
 
 def clipped_gaussian(n, seed=0):
@@ -45,7 +45,7 @@ def table2_single_shot(n):
     ctx = Context("t", n)
     print(f"(a) Table 2 trend, single shot: clip(N(0,1), -4, 4), n = {n}, E = 0")
     print(f"{'s':>7}{'nonzero %':>11}{'bits/value':>12}{'ratio':>8}{'wire bits':>11}"
-          f"{'spec §7.13':>12}{'paper bits':>12}{'paper ratio':>13}")
+          f"{'note 7.13':>12}{'paper bits':>12}{'paper ratio':>13}")
     for s in (None,) + S_VALUES:
         codec = T.ThreeLCCodec(s=s or 1.0, use_zre=s is not None)
         st = T.message_stats(codec.encode(x, codec.new_state(), None, ctx))
@@ -115,7 +115,7 @@ def speed(n, reps):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dim", type=int, default=1 << 20)
-    ap.add_argument("--table-dim", type=int, default=10**6, help="n for (a), spec §7.13 uses 10^6")
+    ap.add_argument("--table-dim", type=int, default=10**6, help="n for (a), docs/codec-3lc.md note 7.13 uses 10^6")
     ap.add_argument("--ef-dim", type=int, default=1 << 18)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=30)

@@ -1,8 +1,8 @@
-"""CASQ on the spec's synthetic workload (specs/casq.md §8): NMSE, bits per coordinate,
+"""CASQ on the synthetic workload of docs/codec-casq.md note 8: NMSE, bits per coordinate,
 compression ratio and encode/decode speed, beside unbiased uniform stochastic quantizers
 (the paper's Fig 5 comparison: "CASQ-2bit below every 3-bit baseline").
 
-Inputs (spec §8 table): N(0,1), Laplace(0,1), Student-t ν=3, signed lognormal σ=1.5; one vector
+Inputs (docs/codec-casq.md note 8 table): N(0,1), Laplace(0,1), Student-t ν=3, signed lognormal σ=1.5; one vector
 each of --dim coordinates, ρ = 0.5%, 10% K-means sample.  NMSE = ‖ĝ − g‖²/‖g‖² of one
 encode/decode (CASQ is deterministic given the hash; the uniform quantizers are stochastic, one
 draw).  Bits count everything on the wire for CASQ (ids + bucket floats + header) and only the

@@ -1,4 +1,4 @@
-"""FastSGD on the spec's workloads (specs/fastsgd.md §2.2, §6 items 8 and 10).
+"""FastSGD on the workloads of docs/codec-fastsgd.md notes 2.2 and 6.
 
 1. Speed. Encode and decode MB/s. The pure key-value API is timed on D N(0,1) nonzeros on
    random keys in Dm = 54,686,452 (KDD12's feature count). The dense codec path is timed on a
@@ -6,7 +6,7 @@
    linear-time check: dense encode at 10^6 and 10^7. MB/s counts the uncompressed input, which
    is 8 bytes per key-value pair for the sparse API and 4 bytes per coordinate for dense tensors.
 2. Compression ratio against dimension. Seeded inputs: dense N(0,1), dense signed
-   lognormal(σ=2), and sparse N(0,1) at 2% density (Dm = 50·D). The spec §2.2 ratios are shown
+   lognormal(σ=2), and sparse N(0,1) at 2% density (Dm = 50·D). The docs/codec-fastsgd.md note 2.2 ratios are shown
    next to how much of the signal survives: the kept share of S = Σ|v|, and the NMSE of the
    decoded vector against the input (1 = everything lost). 2b is a Fig. 4(b)-style component ablation.
 3. Bits per key against l (paper Table VI) on heavy-tailed gaps ⌊Pareto(1.2) + 1⌋ ≤ 10^6, beside a
@@ -22,6 +22,10 @@ import time
 
 import numpy as np
 
+import sys as _sys  # noqa: E402
+from pathlib import Path as _Path  # noqa: E402
+
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))   # `bench` is not installed: run from a checkout
 from bench.common import best
 from compression import fastsgd as F
 from compression import registry

@@ -9,6 +9,10 @@ import argparse
 
 import numpy as np
 
+import sys as _sys  # noqa: E402
+from pathlib import Path as _Path  # noqa: E402
+
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))   # `bench` is not installed: run from a checkout
 from bench.common import best
 from compression import skcompress as S
 

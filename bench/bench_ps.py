@@ -9,10 +9,13 @@ ratio column divides each time by a plain copy of the same packed bytes (memory 
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
+import sys as _sys  # noqa: E402
+from pathlib import Path as _Path  # noqa: E402
+
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))   # `bench` is not installed: run from a checkout
 from bench.common import best
 
 from proto.packing import unpack_indices

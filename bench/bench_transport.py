@@ -16,11 +16,9 @@ import time
 
 def receiver(mode, port_q, result_q, size, idle_ms):
     from ps_server._fastpath import udp_drain
+    from proto.sockets import set_buffer
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        s.setsockopt(socket.SOL_SOCKET, 33, 32 << 20)
-    except OSError:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 20)
+    set_buffer(s, 32 << 20)
     s.bind(("127.0.0.1", 0))
     port_q.put(s.getsockname()[1])
     if mode == "python":
@@ -34,7 +32,7 @@ def receiver(mode, port_q, result_q, size, idle_ms):
                     t0 = time.perf_counter()
                 n += 1
                 b += len(data)
-        except socket.timeout:
+        except TimeoutError:
             pass
         result_q.put((n, b))
         return

@@ -25,6 +25,10 @@ import time
 
 import numpy as np
 
+import sys as _sys  # noqa: E402
+from pathlib import Path as _Path  # noqa: E402
+
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))   # `bench` is not installed: run from a checkout
 from bench.bench_thc import decode_before, encode_before
 from compression import thc
 from proto.job import JobConfig

@@ -1,23 +1,23 @@
-"""CASQ: cluster-aware sketch quantization (Ge et al., Sci China Inf Sci 2023), per specs/casq.md.
+"""CASQ: cluster-aware sketch quantization (Ge et al., Sci China Inf Sci 2023); readings in docs/codec-casq.md.
 
-Per worker and tensor (paper §3.2–3.4, Alg. 1; spec §3):
+Per worker and tensor (paper §3.2–3.4, Alg. 1; docs/codec-casq.md note 3):
   * sign-aware 1-D K-means, K = 2^b: K/2 centers fitted on the non-positive and K/2 on the
-    positive values of a 10% sample, quantile-initialised Lloyd (spec §3.2 [REC]); refit every
-    τ steps and at the first step (spec A2), on the error-compensated vector (spec A1);
+    positive values of a 10% sample, quantile-initialised Lloyd (docs/codec-casq.md note 3.2); refit every
+    τ steps and at the first step (docs/codec-casq.md A2), on the error-compensated vector (docs/codec-casq.md A1);
   * bucket allocation m_k = round(m·H_k·μ_k / Σ H_i·μ_i), m = ⌈ρN⌉, floored at m_min = 10 and
-    capped at max(1, N̂_k) (§3.2, spec §3.2.6), H_k the entropy of cluster k on a common 64-bin
-    grid (spec A3), μ_k its share of the sample (spec A4, literal reading);
+    capped at max(1, N̂_k) (§3.2, docs/codec-casq.md note 3.2.6), H_k the entropy of cluster k on a common 64-bin
+    grid (docs/codec-casq.md A3), μ_k its share of the sample (docs/codec-casq.md A4, literal reading);
   * the message carries the cluster id of every coordinate (b bits) and, per cluster, the average
-    of the values whose index hashes (murmur3 fmix32 of i ⊕ seed, mod m_k; spec §3.4) into each
-    bucket, as float32 (§3.2 step 3, spec §3.5);
-  * decode ĝ(i) = S_{C(i)}[h_{C(i)}(i)] (eq. 2, spec §3.6): the orthogonal projection onto the
+    of the values whose index hashes (murmur3 fmix32 of i ⊕ seed, mod m_k; docs/codec-casq.md note 3.4) into each
+    bucket, as float32 (§3.2 step 3, docs/codec-casq.md note 3.5);
+  * decode ĝ(i) = S_{C(i)}[h_{C(i)}(i)] (eq. 2, docs/codec-casq.md note 3.6): the orthogonal projection onto the
     vectors constant on every (cluster, bucket) cell — sum-preserving, ‖ĝ‖ ≤ ‖g‖, sign-safe;
-  * optional error feedback e ← g̃ − ĝ (Alg. 1 line 9; on by default, spec A11).
+  * optional error feedback e ← g̃ − ĝ (Alg. 1 line 9; on by default, docs/codec-casq.md A11).
 The PS decodes every worker, averages, and re-encodes the mean with its own CASQ context and
 its own error feedback (the decode–sum–re-encode baseline); `downlink="float32"` instead sends
-the mean uncompressed, as the paper's server broadcasts full-precision parameters (spec §3.7).
+the mean uncompressed, as the paper's server broadcasts full-precision parameters (docs/codec-casq.md note 3.7).
 
-Message (spec §5, little-endian): u8 magic 0x43 ('C'), u8 kind (1 = sketch, 2 = raw float32),
+Message (docs/codec-casq.md note 5, little-endian): u8 magic 0x43 ('C'), u8 kind (1 = sketch, 2 = raw float32),
 u8 b, u32 N, u32 hash seed, u32 × K bucket counts m_k, ids as one contiguous LSB-first b-bit
 stream of ⌈N·b/8⌉ bytes, float32 bucket averages S_0 ‖ … ‖ S_{K−1}.  A raw message (tensors
 with N < min_numel, or the float32 downlink) is the 11-byte header with b = 0 and seed = 0,
@@ -33,14 +33,14 @@ import numpy as np
 from compression.codec import Codec, CodecError, Context, header_bytes
 
 MAGIC, KIND_SKETCH, KIND_RAW = 0x43, 1, 2
-HEAD = struct.Struct("<BBBII")          # magic, kind, b, N, seed: 11 bytes (spec §5)
+HEAD = struct.Struct("<BBBII")          # magic, kind, b, N, seed: 11 bytes (docs/codec-casq.md note 5)
 ALLOCS = ("paper", "even", "center_entropy", "variance")
 
 
 # ----------------------------------------------------------------------------- hashing (§3.4)
 
 def fmix32(x: np.ndarray) -> np.ndarray:
-    """murmur3's 32-bit finaliser, elementwise on uint32 (spec §3.4 [REC])."""
+    """murmur3's 32-bit finaliser, elementwise on uint32 (docs/codec-casq.md note 3.4)."""
     x = np.asarray(x, dtype=np.uint32).copy()
     x ^= x >> np.uint32(16)
     x *= np.uint32(0x85EBCA6B)
@@ -51,12 +51,12 @@ def fmix32(x: np.ndarray) -> np.ndarray:
 
 
 def index_hash(n: int, seed: int) -> np.ndarray:
-    """h(i) = fmix32(i ⊕ seed) for i < n, as int64; bucket = h mod m_k (spec §3.4, A6)."""
+    """h(i) = fmix32(i ⊕ seed) for i < n, as int64; bucket = h mod m_k (docs/codec-casq.md note 3.4, A6)."""
     return fmix32(np.arange(n, dtype=np.uint32) ^ np.uint32(seed & 0xFFFFFFFF)).astype(np.int64)
 
 
 def tensor_seed(key: str, seed: int = 0, round_no: int = 0, reseed: bool = False) -> int:
-    """One 32-bit hash seed per tensor, from its name (spec §3.4); optionally per round too."""
+    """One 32-bit hash seed per tensor, from its name (docs/codec-casq.md note 3.4); optionally per round too."""
     s = (zlib.crc32(key.encode()) ^ seed) & 0xFFFFFFFF
     if reseed:
         s = int(fmix32(np.array([s ^ (round_no * 0x9E3779B9 & 0xFFFFFFFF)]))[0])
@@ -66,10 +66,10 @@ def tensor_seed(key: str, seed: int = 0, round_no: int = 0, reseed: bool = False
 # ------------------------------------------------------------------------- clustering (§3.2–3.3)
 
 def kmeans1d(values: np.ndarray, k: int, iters: int = 300) -> np.ndarray:
-    """Lloyd's 1-D K-means with quantile initialisation (j+0.5)/k, sorted centers (spec §3.2.4).
+    """Lloyd's 1-D K-means with quantile initialisation (j+0.5)/k, sorted centers (docs/codec-casq.md note 3.2.4).
 
     On the sorted sample every cluster is a contiguous run, so one iteration is k binary
-    searches plus prefix sums.  An empty input gives k dummy centers at 0 (spec §3.2.3).
+    searches plus prefix sums.  An empty input gives k dummy centers at 0 (docs/codec-casq.md note 3.2.3).
     """
     if values.size == 0:
         return np.zeros(k)
@@ -98,7 +98,7 @@ def fit_centers(sample: np.ndarray, bits: int, sign_split: bool = True) -> np.nd
 
 
 def assign(x: np.ndarray, centers: np.ndarray, sign_split: bool = True) -> np.ndarray:
-    """Cluster id: nearest center, of the same sign with sign_split (paper §3.2 step 1, spec §3.3).
+    """Cluster id: nearest center, of the same sign with sign_split (paper §3.2 step 1, docs/codec-casq.md note 3.3).
 
     Zeros go to the non-positive side; ids are ordered negative side then positive side.
     """
@@ -112,7 +112,7 @@ def assign(x: np.ndarray, centers: np.ndarray, sign_split: bool = True) -> np.nd
 
 
 def cluster_entropies(sample: np.ndarray, lab: np.ndarray, k: int, bins: int = 64) -> np.ndarray:
-    """H_k = −Σ_j f_j log2 f_j over a common equal-width grid on [min, max] (paper §3.2, spec A3)."""
+    """H_k = −Σ_j f_j log2 f_j over a common equal-width grid on [min, max] (paper §3.2, docs/codec-casq.md A3)."""
     lo, hi = float(sample.min()), float(sample.max())
     width = (hi - lo) / bins if hi > lo else 1.0
     b = np.minimum(((sample - lo) / width).astype(np.int64), bins - 1)
@@ -125,7 +125,7 @@ def cluster_entropies(sample: np.ndarray, lab: np.ndarray, k: int, bins: int = 6
 
 def allocate(n: int, rho: float, mu: np.ndarray, ent: np.ndarray, centers: np.ndarray, ss: np.ndarray,
              alloc: str = "paper", m_min: int = 10) -> np.ndarray:
-    """Bucket counts m_k (paper §3.2; spec §3.2.6 and A4).
+    """Bucket counts m_k (paper §3.2; docs/codec-casq.md note 3.2.6 and A4).
 
     m = ⌈ρN⌉ split by weight w_k, rounded, floored at m_min, capped at max(1, N̂_k = μ_k·N):
       paper: H_k·μ_k (μ_k = the cluster's share, literal reading); even: 1 per non-empty cluster;
@@ -156,7 +156,7 @@ def allocate(n: int, rho: float, mu: np.ndarray, ent: np.ndarray, centers: np.nd
 
 def fit(x: np.ndarray, bits: int, rng: np.random.Generator, *, rho: float = 0.005, sample_ratio: float = 0.1,
         bins: int = 64, m_min: int = 10, alloc: str = "paper", sign_split: bool = True) -> dict:
-    """init_casq (spec §3.2, §3.9): centers and bucket counts from a uniform sample of x.
+    """init_casq (docs/codec-casq.md note 3.2, note 3.9): centers and bucket counts from a uniform sample of x.
 
     Sample size max(1000, round(ratio·N)) without replacement (all of x if that is N or more).
     """
@@ -178,7 +178,7 @@ def fit(x: np.ndarray, bits: int, rng: np.random.Generator, *, rho: float = 0.00
 # --------------------------------------------------------------------------- sketch (§3.5–3.6)
 
 def cell_keys(ids: np.ndarray, sizes: np.ndarray, seed: int) -> np.ndarray:
-    """Flat cell index offset[C(i)] + h(i) mod m_{C(i)} (spec §3.5)."""
+    """Flat cell index offset[C(i)] + h(i) mod m_{C(i)} (docs/codec-casq.md note 3.5)."""
     off = np.concatenate([[0], np.cumsum(sizes)])
     ids = ids.astype(np.int64)
     return off[ids] + index_hash(ids.size, seed) % sizes[ids]
@@ -201,7 +201,7 @@ def unsketch(ids: np.ndarray, avg: np.ndarray, sizes: np.ndarray, seed: int) -> 
 # ------------------------------------------------------------------------------ wire (§5)
 
 def pack_ids(ids: np.ndarray, bits: int) -> bytes:
-    """Contiguous LSB-first stream of b-bit ids, ⌈N·b/8⌉ bytes, zero padding (spec §5)."""
+    """Contiguous LSB-first stream of b-bit ids, ⌈N·b/8⌉ bytes, zero padding (docs/codec-casq.md note 5)."""
     planes = (ids.astype(np.uint8)[:, None] >> np.arange(bits, dtype=np.uint8)) & 1
     return np.packbits(planes.ravel(), bitorder="little").tobytes()
 
@@ -216,18 +216,18 @@ def unpack_ids(buf: bytes, n: int, bits: int) -> np.ndarray:
 
 
 def pack(bits: int, seed: int, ids: np.ndarray, sizes: np.ndarray, avg: np.ndarray) -> bytes:
-    """One sketch message (spec §5 layout)."""
+    """One sketch message (docs/codec-casq.md note 5 layout)."""
     return (HEAD.pack(MAGIC, KIND_SKETCH, bits, ids.size, seed) + np.asarray(sizes, dtype="<u4").tobytes()
             + pack_ids(ids, bits) + np.asarray(avg, dtype="<f4").tobytes())
 
 
 def pack_raw(x: np.ndarray) -> bytes:
-    """Raw float32 message: small tensors (spec §5, A8) and the float32 downlink."""
+    """Raw float32 message: small tensors (docs/codec-casq.md note 5, A8) and the float32 downlink."""
     return HEAD.pack(MAGIC, KIND_RAW, 0, x.size, 0) + np.asarray(x, dtype="<f4").tobytes()
 
 
 def message_size(n: int, bits: int, sizes) -> int:
-    """Bytes of a sketch message: 11 + 4K + ⌈N·b/8⌉ + 4·Σm_k (spec §5)."""
+    """Bytes of a sketch message: 11 + 4K + ⌈N·b/8⌉ + 4·Σm_k (docs/codec-casq.md note 5)."""
     return HEAD.size + 4 * (1 << bits) + -(-n * bits // 8) + 4 * int(np.sum(sizes))
 
 
@@ -269,7 +269,7 @@ def parse(payload: bytes, n_expected: int):
 
 
 def decode_message(payload: bytes, n_expected: int) -> np.ndarray:
-    """Dense float32 ĝ from a validated message (stateless; spec §9)."""
+    """Dense float32 ĝ from a validated message (stateless; docs/codec-casq.md note 9)."""
     kind, body = parse(payload, n_expected)
     if kind == "raw":
         return body
@@ -278,7 +278,7 @@ def decode_message(payload: bytes, n_expected: int) -> np.ndarray:
 
 
 def bits_per_coordinate(payload: bytes) -> float:
-    """Everything on the wire (ids, bucket floats, header) per coordinate (spec §5)."""
+    """Everything on the wire (ids, bucket floats, header) per coordinate (docs/codec-casq.md note 5)."""
     n = HEAD.unpack_from(payload)[3]
     return 8.0 * len(payload) / n if n else 0.0
 
@@ -288,14 +288,15 @@ def bits_per_coordinate(payload: bytes) -> float:
 class CASQCodec(Codec):
     """CASQ with per-(worker, tensor) centers, bucket counts, step counter and EF residual in the state.
 
-    Parameters (spec §2, §9): bits b per cluster id; sketch_ratio ρ (m = ⌈ρN⌉); refit_every τ;
+    Parameters (docs/codec-casq.md note 2, note 9): bits b per cluster id; sketch_ratio ρ (m = ⌈ρN⌉); refit_every τ;
     sample_ratio for the K-means sample; m_min; entropy_bins; alloc (see `allocate`);
-    sign_split; min_numel (smaller tensors go raw, spec A8); error_feedback; seed (xored into
+    sign_split; min_numel (smaller tensors go raw, docs/codec-casq.md A8); error_feedback; seed (xored into
     the per-tensor hash seed); reseed (new hash every round, off: not in the paper);
-    fit_on "compensated" (g + e, spec A1) or "raw" (g); downlink "casq" or "float32".
+    fit_on "compensated" (g + e, docs/codec-casq.md A1) or "raw" (g); downlink "casq" or "float32".
     """
 
     name = "casq"
+    label = "CASQ"
     homomorphic = False
 
     def __init__(self, bits: int = 2, sketch_ratio: float = 0.005, refit_every: int = 100,
@@ -330,11 +331,11 @@ class CASQCodec(Codec):
     def _encode(self, x: np.ndarray, state: dict, rng, ctx: Context) -> bytes:
         if not np.isfinite(x).all():
             raise CodecError("CASQ: cannot encode non-finite values")
-        err = state.get("e") if self.error_feedback else None
-        xe = (x + err).astype(np.float32) if err is not None and err.shape == x.shape else x
+        memory = self.memory(state) if self.error_feedback else None
+        xe = memory.compensate("e", x).astype(np.float32, copy=False) if memory else x
         if x.size < self.min_numel:
-            if self.error_feedback:
-                state["e"] = np.zeros_like(x)
+            if memory:
+                memory.update("e", np.zeros_like(x))
             return pack_raw(xe)
         step = state.get("t", 0)
         if "fit" not in state or step % self.refit_every == 0:
@@ -348,8 +349,8 @@ class CASQCodec(Codec):
         sizes = state["fit"]["sizes"]
         ids = assign(xe, state["fit"]["centers"], self.sign_split)
         avg = sketch(xe, ids, sizes, seed)
-        if self.error_feedback:
-            state["e"] = (xe - unsketch(ids, avg, sizes, seed)).astype(np.float32)
+        if memory:
+            memory.update("e", (xe - unsketch(ids, avg, sizes, seed)).astype(np.float32))
         return pack(self.bits, seed, ids, sizes, avg)
 
     def encode(self, x, state, rng, ctx: Context) -> bytes:
@@ -359,13 +360,8 @@ class CASQCodec(Codec):
         return self._encode(x, state, rng, ctx)
 
     def aggregate(self, payloads, ps_state, ctx: Context) -> bytes:
-        """Decode every payload, average over len(payloads), re-encode the mean (spec §3.7)."""
-        if not payloads:
-            raise CodecError("CASQ: nothing to aggregate")
-        total = np.zeros(ctx.dim, dtype=np.float64)
-        for p in payloads:
-            total += decode_message(p, ctx.dim)
-        mean = (total / len(payloads)).astype(np.float32)
+        """Decode every payload, average over len(payloads), re-encode the mean (docs/codec-casq.md note 3.7)."""
+        mean = self.decoded_mean(payloads, ctx).astype(np.float32)
         if self.downlink == "float32":
             return pack_raw(mean)
         rng = ps_state.setdefault("rng", np.random.default_rng([self.seed, 0x5053]))
@@ -375,7 +371,7 @@ class CASQCodec(Codec):
         return decode_message(payload, ctx.dim)
 
 
-# ------------------------------------------------- comparison quantizers (paper §2.2, spec §8.11)
+# ------------------------------------------------- comparison quantizers (paper §2.2, docs/codec-casq.md note 8.11)
 
 def uniform_sq(x: np.ndarray, bits: int, rng: np.random.Generator, *, scheme: str = "symmetric",
                bucket: int | None = 512) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The codec interface every compressor implements (GRACE/DDP-hook shape, prior-art §3).
+"""The codec interface every compressor implements (GRACE/DDP-hook shape, docs/prior-art.md §3).
 
 A codec is pure apart from the RNG and the explicit state objects passed in:
 
@@ -57,6 +57,42 @@ class Context:
     contributors: int = 1
 
 
+class ErrorFeedback:
+    """Error-feedback memory, one residual e per key (GRACE's ``Memory``, BytePS's
+    error-feedback decorator): ``compensate`` gives x + e before compression, ``update``
+    keeps the new residual (what the compressed message missed of x + e).
+
+    A residual whose shape differs from the new input is not applied (the tensor under that
+    key changed; it starts again from zero).  `store` is the mapping the residuals live in:
+    the worker keeps one per tensor name; a codec's per-tensor state dict is its own store
+    (key "e"), so ``state["e"]`` is the residual.
+    """
+
+    def __init__(self, store: dict | None = None):
+        self.errors = {} if store is None else store
+
+    def get(self, key, like=None):
+        """The residual kept under `key` if it has the shape of `like` (any shape when `like`
+        is None: the caller checks it, as 3LC's accumulate does), else None."""
+        e = self.errors.get(key)
+        if e is None or (like is not None and np.shape(e) != np.shape(like)):
+            return None
+        return e
+
+    def compensate(self, key, x, dtype=None):
+        """x + e (x itself, converted to `dtype` if given, when no matching residual is kept)."""
+        if dtype is not None:
+            x = x.astype(dtype)
+        e = self.get(key, x)
+        return x if e is None else x + e
+
+    def update(self, key, residual) -> None:
+        """Keep `residual` as the error of `key` for the next round."""
+        self.errors[key] = residual
+
+    put = update
+
+
 class Codec:
     """Base class; subclasses set `name`, `homomorphic` and implement the methods."""
 
@@ -86,6 +122,26 @@ class Codec:
 
     def bits_per_coordinate(self, payload: bytes, dim: int) -> float:
         return 8.0 * len(payload) / dim
+
+    #: the codec's name in messages ("CASQ: nothing to aggregate")
+    label = None
+
+    @staticmethod
+    def memory(state: dict) -> ErrorFeedback:
+        """The error feedback of one tensor's worker (or PS) state: residual in ``state["e"]``."""
+        return ErrorFeedback(state)
+
+    def decoded_mean(self, payloads, ctx: Context, *, dense=None, mean: bool = True) -> np.ndarray:
+        """The first half of decode–average–re-encode (THC §2.2's bidirectional baseline): the
+        float64 sum of every payload decoded (by `dense(payload, dim)`, default
+        ``self.decode``), divided by the number of payloads unless `mean` is False.  The
+        codec re-encodes the result for the downlink."""
+        if not payloads:
+            raise CodecError(f"{self.label or self.name}: nothing to aggregate")
+        total = np.zeros(ctx.dim, dtype=np.float64)
+        for p in payloads:
+            total += dense(p, ctx.dim) if dense is not None else self.decode(p, ctx)
+        return total / len(payloads) if mean else total
 
 
 def combine_preliminary(stats: list) -> Any:

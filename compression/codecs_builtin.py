@@ -13,9 +13,8 @@ import numpy as np
 
 from compression import baselines, thc
 from compression.codec import Codec, CodecError, Context
-from proto.packing import (lane_bits_for, pack_indices, packed_size, unpack_indices)
-
-_LANE = {8: ">u1", 16: ">u2", 32: ">u4"}
+from proto.packing import LANE_DTYPES as _LANE
+from proto.packing import lane_bits_for, pack_indices, packed_size, unpack_indices
 
 
 def _need(payload: bytes, n: int, what: str) -> None:
@@ -48,19 +47,16 @@ class ThcCodec(Codec):
         self.error_feedback = error_feedback
 
     def preliminary(self, x, state):
-        err = state.get("e") if self.error_feedback else None
-        xe = x + err if err is not None and err.shape == x.shape else x
-        state["x"] = xe
-        return thc.block_norms(xe, thc.make_layout(x.size, self.cfg.block_log2)).astype(np.float32)
+        rnd = state["round"] = thc.WorkerRound(self.cfg, x, self.memory(state) if self.error_feedback else None, "e")
+        return rnd.norms().astype(np.float32)
 
     def encode(self, x, state, rng, ctx: Context) -> bytes:
-        xe = state.pop("x", x)
-        layout = thc.make_layout(ctx.dim, self.cfg.block_log2)
-        norms = np.asarray(ctx.shared, dtype=np.float64)
-        z = thc.encode(xe, norms, self.cfg, layout, ctx.round_no, rng.random(layout.padded_dim, dtype=np.float32))
-        if self.error_feedback:
-            own = thc.lookup_sum([z], self.cfg.table.values)
-            state["e"] = xe - thc.decode(own, 1, norms, self.cfg, layout, ctx.round_no)
+        rnd = state.pop("round", None)
+        if rnd is None:     # no preliminary stage: x as given, the residual still kept
+            rnd = thc.WorkerRound(self.cfg, x, self.memory(state) if self.error_feedback else None, "e",
+                                  compensate=False)
+        z = rnd.encode(np.asarray(ctx.shared, dtype=np.float64), rng, ctx.round_no)
+        rnd.feedback()
         return pack_indices(z, self.cfg.bits).tobytes()
 
     def aggregate(self, payloads, ps_state, ctx: Context) -> bytes:
@@ -173,13 +169,13 @@ class TopKCodec(Codec):
         return idx, vals
 
     def encode(self, x, state, rng, ctx):
-        err = state.get("e") if self.error_feedback else None
-        xe = x + err if err is not None and err.shape == x.shape else x
+        memory = self.memory(state) if self.error_feedback else None
+        xe = memory.compensate("e", x) if memory else x
         idx, vals = baselines.topk_encode(xe, baselines.topk_count(ctx.dim, self.fraction))
-        if self.error_feedback:
+        if memory:
             e = xe.copy()
             e[idx] = 0.0
-            state["e"] = e
+            memory.update("e", e)
         return self.pack(idx, vals)
 
     def aggregate(self, payloads, ps_state, ctx):

@@ -1,22 +1,22 @@
-"""FastSGD key–value gradient codec (Yang, Chen, Zeng, Gao), per shared/specs/fastsgd.md.
+"""FastSGD key–value gradient codec (Yang, Chen, Zeng, Gao); readings in docs/codec-fastsgd.md.
 
-Values (paper §3.2, Alg. 1).  S = Σ|v| over all D nonzeros, sent as float32 (spec §1.9).
+Values (paper §3.2, Alg. 1).  S = Σ|v| over all D nonzeros, sent as float32 (docs/codec-fastsgd.md note 1.9).
 The reciprocal mapping R = S/|v| (Eq. 2) and the log code L = ⌈log_b R⌉ (Eq. 3) follow. The
 ceiling makes the decoded S·b^−L never exceed |v|. The threshold filter keeps L ≤ τ, i.e.
-|v| ≥ S/b^τ, so d ≤ ⌊b^τ⌋. Each kept value costs one byte: sign bit plus L−1 (spec A1/A2,
+|v| ≥ S/b^τ, so d ≤ ⌊b^τ⌋. Each kept value costs one byte: sign bit plus L−1 (docs/codec-fastsgd.md A1/A2,
 with L clamped to ≥ 1).
 
 Keys (paper §3.3, Alg. 2).  Delta keys Δ₁ = k₁ − base and Δ_j = k_j − k_{j−1} (Eq. 4).
-M = bit width of max Δ (spec A4: bit_length, at least 1). There are 2^l width classes
-w_i = ⌈i·M/2^l⌉ (spec A5). Each key is coded as its l-bit class flag followed by Δ in w bits,
+M = bit width of max Δ (docs/codec-fastsgd.md A4: bit_length, at least 1). There are 2^l width classes
+w_i = ⌈i·M/2^l⌉ (docs/codec-fastsgd.md A5). Each key is coded as its l-bit class flag followed by Δ in w bits,
 MSB first. The entries are interleaved in order, and the stream is zero-padded to a byte.
 
-No error feedback in the paper (spec §1.7). `error_feedback=True` is a labelled extension.
+No error feedback in the paper (docs/codec-fastsgd.md note 1.7). `error_feedback=True` is a labelled extension.
 The PS decodes every worker, averages in float64, and re-encodes the mean's nonzeros with
-the same (b, τ, l) (spec §1.8).
+the same (b, τ, l) (docs/codec-fastsgd.md note 1.8).
 
-Message (spec §2.1, little-endian): u8 tag, u8 l, u8 M, u8 τ−1, u32 d, f32 S, f64 b. A frame
-(tag 'f', spec §1.8 item 5) then has a u32 base key. After that come d value bytes and the key
+Message (docs/codec-fastsgd.md note 2.1, little-endian): u8 tag, u8 l, u8 M, u8 τ−1, u32 d, f32 S, f64 b. A frame
+(tag 'f', docs/codec-fastsgd.md note 1.8 item 5) then has a u32 base key. After that come d value bytes and the key
 bitstream.
 """
 from __future__ import annotations
@@ -29,10 +29,10 @@ import numpy as np
 from compression.codec import Codec, CodecError, Context
 
 TAG_WHOLE = 0x46          # 'F': one message per gradient
-TAG_FRAME = 0x66          # 'f': one frame of a framed gradient, with a base key (spec §1.8 item 5)
+TAG_FRAME = 0x66          # 'f': one frame of a framed gradient, with a base key (docs/codec-fastsgd.md note 1.8 item 5)
 HEAD = struct.Struct("<BBBBIfd")        # 20 bytes
 BASE = struct.Struct("<I")
-KEY_LIMIT = 1 << 32                     # keys are uint32 (spec §1.1, A13)
+KEY_LIMIT = 1 << 32                     # keys are uint32 (docs/codec-fastsgd.md note 1.1, A13)
 MAX_TAU, MAX_L, MAX_M = 128, 5, 32
 
 
@@ -47,7 +47,7 @@ def check_params(b: float, tau: int, l: int) -> None:
 
 
 def kept_cap(b: float, tau: int) -> int:
-    """⌊b^τ⌋: kept magnitudes sum to at most S and each is ≥ S/b^τ (spec §1.2)."""
+    """⌊b^τ⌋: kept magnitudes sum to at most S and each is ≥ S/b^τ (docs/codec-fastsgd.md note 1.2)."""
     return math.floor(b ** tau)
 
 
@@ -61,8 +61,8 @@ def log_codes(mag: np.ndarray, s: float, b: float, tau: int) -> tuple[np.ndarray
     in the input's precision (float32 stays float32), so the full-length passes stay cheap. The log is then
     computed only for the candidates. L is corrected in both directions to the smallest integer
     with b^L ≥ R in float64, so the ceiling survives fp error in log(). The test L ≤ τ is the
-    authoritative filter (spec A12). L = 0 only when the message has a single nonzero, and it is
-    clamped to 1 (spec A2).
+    authoritative filter (docs/codec-fastsgd.md A12). L = 0 only when the message has a single nonzero, and it is
+    clamped to 1 (docs/codec-fastsgd.md A2).
     """
     mag = np.asarray(mag)
     if mag.dtype not in (np.float32, np.float64):
@@ -81,12 +81,12 @@ def log_codes(mag: np.ndarray, s: float, b: float, tau: int) -> tuple[np.ndarray
 
 
 def value_bytes(code: np.ndarray, negative: np.ndarray) -> np.ndarray:
-    """One byte per kept value: bit 7 = sign (1 = negative), bits 0–6 = L − 1 (spec §1.3, A1)."""
+    """One byte per kept value: bit 7 = sign (1 = negative), bits 0–6 = L − 1 (docs/codec-fastsgd.md note 1.3, A1)."""
     return ((np.asarray(negative, np.uint8) << 7) | (np.asarray(code) - 1).astype(np.uint8)).astype(np.uint8)
 
 
 def value_decode(vbytes: np.ndarray, s: float, b: float) -> np.ndarray:
-    """Inverse of Eqs. 2–3: ±S·b^−L from a 128-entry float64 table (spec §1.6).
+    """Inverse of Eqs. 2–3: ±S·b^−L from a 128-entry float64 table (docs/codec-fastsgd.md note 1.6).
 
     The float32 cast rounds toward zero. For float32 inputs the decoded magnitude therefore never
     exceeds |v|, which is the underestimate property of §3.2, now after the cast as well.
@@ -102,14 +102,14 @@ def value_decode(vbytes: np.ndarray, s: float, b: float) -> np.ndarray:
 # ----------------------------------------------------------------------------- keys (Alg. 2)
 
 def width_classes(m: int, l: int) -> np.ndarray:
-    """w_i = ⌈i·M/2^l⌉ for i = 1..2^l (spec A5; M/4, M/2, 3M/4, M for l = 2 and 4 | M)."""
+    """w_i = ⌈i·M/2^l⌉ for i = 1..2^l (docs/codec-fastsgd.md A5; M/4, M/2, 3M/4, M for l = 2 and 4 | M)."""
     k = 1 << l
     return np.array([-(-i * m // k) for i in range(1, k + 1)], dtype=np.int64)
 
 
 def key_fields(delta: np.ndarray, l: int) -> tuple[int, np.ndarray, np.ndarray]:
     """Phase 5: (M, codes, lengths). Each code is flag(i−1) ‖ Δ in w_i bits, where i is the
-    smallest class with Δ < 2^{w_i} (Alg. 2 getLengthFlag, spec §1.4)."""
+    smallest class with Δ < 2^{w_i} (Alg. 2 getLengthFlag, docs/codec-fastsgd.md note 1.4)."""
     delta = np.asarray(delta, dtype=np.int64)
     if delta.size == 0:
         return 0, np.zeros(0, np.uint64), np.zeros(0, np.int64)
@@ -165,7 +165,7 @@ def encode_keys(keys: np.ndarray, l: int, base: int = 0) -> tuple[int, bytes, in
 def decode_keys(stream: bytes, d: int, m: int, l: int, base: int = 0) -> tuple[np.ndarray, int]:
     """Inverse of encode_keys: (keys int64, key bits). Raises CodecError if the stream is malformed.
 
-    The flags tell where each next entry starts, so the walk is sequential (spec §1.6). The flag and
+    The flags tell where each next entry starts, so the walk is sequential (docs/codec-fastsgd.md note 1.6). The flag and
     the step l + w(flag) are computed with numpy at every bit position. Python then walks the d
     steps, and numpy reads all payloads at once through 64-bit windows. That is O(bits + d).
     """
@@ -215,9 +215,9 @@ def decode_keys(stream: bytes, d: int, m: int, l: int, base: int = 0) -> tuple[n
 # ----------------------------------------------------------------------------- messages
 
 def _sum_abs(mag: np.ndarray) -> np.float32:
-    """S = Σ|v| in float64, rounded to the float32 that goes on the wire (spec §1.9).
+    """S = Σ|v| in float64, rounded to the float32 that goes on the wire (docs/codec-fastsgd.md note 1.9).
 
-    S is finite exactly when every value is finite, so this also rejects NaN/Inf (spec §1.9)."""
+    S is finite exactly when every value is finite, so this also rejects NaN/Inf (docs/codec-fastsgd.md note 1.9)."""
     s = float(mag.sum(dtype=np.float64))
     if not math.isfinite(s):
         raise ValueError("FastSGD: NaN or Inf in the gradient values")
@@ -255,7 +255,7 @@ def _filter(keys, vals, b, tau):
 
 def _filter_dense(x, b, tau):
     """Phases 1–3 over a dense vector: the keys are flatnonzero(x), but zeros can never pass the
-    filter (spec §1.1), so the kept keys come straight from the prefilter without listing them."""
+    filter (docs/codec-fastsgd.md note 1.1), so the kept keys come straight from the prefilter without listing them."""
     x = _float_values(x).ravel()
     mag = np.abs(x)
     s = _sum_abs(mag)
@@ -269,15 +269,15 @@ def _message(kept, vb, s, b, tau, l) -> bytes:
 
 
 def encode(keys, vals, b: float = 1.1, tau: int = 128, l: int = 2) -> bytes:
-    """One FastSGD message of a sparse gradient with strictly increasing uint32 keys (spec §1.5).
+    """One FastSGD message of a sparse gradient with strictly increasing uint32 keys (docs/codec-fastsgd.md note 1.5).
 
-    Deterministic: there is no randomness anywhere (spec §3 property 11)."""
+    Deterministic: there is no randomness anywhere (docs/codec-fastsgd.md note 3 property 11)."""
     check_params(b, tau, l)
     return _message(*_filter(keys, vals, b, tau), b, tau, l)
 
 
 def encode_dense(x, b: float = 1.1, tau: int = 128, l: int = 2) -> bytes:
-    """encode(flatnonzero(x), x[flatnonzero(x)]) in three passes over x (spec §1.1, dense input)."""
+    """encode(flatnonzero(x), x[flatnonzero(x)]) in three passes over x (docs/codec-fastsgd.md note 1.1, dense input)."""
     check_params(b, tau, l)
     x = np.asarray(x)
     if x.size > KEY_LIMIT:
@@ -286,7 +286,7 @@ def encode_dense(x, b: float = 1.1, tau: int = 128, l: int = 2) -> bytes:
 
 
 def encode_frames(keys, vals, b: float = 1.1, tau: int = 128, l: int = 2, max_bytes: int = 1400) -> list[bytes]:
-    """Framed mode (spec §1.8 item 5): S and the filter use the whole gradient, and the kept entries are
+    """Framed mode (docs/codec-fastsgd.md note 1.8 item 5): S and the filter use the whole gradient, and the kept entries are
     split into self-contained frames of at most `max_bytes` each. A lost frame loses only its own entries.
 
     Each frame carries the global S, its own d and M, and base key = its first key (so Δ₁ = 0).
@@ -314,7 +314,7 @@ def encode_frames(keys, vals, b: float = 1.1, tau: int = 128, l: int = 2, max_by
 def decode(msg: bytes):
     """(keys int64 ascending, values float32, header dict) of one message or frame.
 
-    Every inconsistency raises CodecError (spec §6 item 6): bad tag, l, τ, M, b or S, a d that
+    Every inconsistency raises CodecError (docs/codec-fastsgd.md note 6 item 6): bad tag, l, τ, M, b or S, a d that
     disagrees with the length, codes above τ, a truncated stream, trailing bytes, nonzero padding,
     zero deltas, or keys ≥ 2^32."""
     msg = bytes(msg)
@@ -352,7 +352,7 @@ def decode(msg: bytes):
 
 
 def message_stats(msg: bytes, nonzeros: int, dim: int) -> dict:
-    """The spec §2.2 numbers for one message: d/D, bits/key, CR_kv, CR_payload and CR_dense."""
+    """The docs/codec-fastsgd.md note 2.2 numbers for one message: d/D, bits/key, CR_kv, CR_payload and CR_dense."""
     _, _, h = decode(msg)
     d, size = h["d"], len(msg)
     payload_bits = 8 * d + h["key_bits"]
@@ -365,16 +365,17 @@ def message_stats(msg: bytes, nonzeros: int, dim: int) -> dict:
 # ----------------------------------------------------------------------------- codec
 
 class FastSGDCodec(Codec):
-    """FastSGD in THC-PS: a dense float32 tensor comes in, and its nonzeros are the keys (spec §1.1).
+    """FastSGD in THC-PS: a dense float32 tensor comes in, and its nonzeros are the keys (docs/codec-fastsgd.md note 1.1).
 
-    error_feedback: off by default, because the paper keeps no residual (spec §1.7). When it is on
+    error_feedback: off by default, because the paper keeps no residual (docs/codec-fastsgd.md note 1.7). When it is on
         (a labelled extension), the worker encodes g + e and keeps e ← (g + e) − ĝ, where ĝ is
         exactly what the PS decodes.
     reduce: "mean" (default; the Codec contract) or "sum". This is what the PS re-encodes
-        (spec §1.8 item 2).
+        (docs/codec-fastsgd.md note 1.8 item 2).
     """
 
     name = "fastsgd"
+    label = "FastSGD"
     homomorphic = False
 
     def __init__(self, b: float = 1.1, tau: int = 128, l: int = 2, error_feedback: bool = False,
@@ -386,7 +387,7 @@ class FastSGDCodec(Codec):
         self.error_feedback, self.reduce = bool(error_feedback), reduce
 
     def new_state(self) -> dict:
-        return {"residual": None} if self.error_feedback else {}
+        return {"e": None} if self.error_feedback else {}
 
     def _encode_dense(self, x: np.ndarray) -> bytes:
         return encode_dense(x, self.b, self.tau, self.l)
@@ -408,26 +409,18 @@ class FastSGDCodec(Codec):
             raise ValueError(f"FastSGD: tensor has {x.size} coordinates, context says {ctx.dim}")
         if not self.error_feedback:
             return self._encode_dense(x)
-        comp = x.astype(np.float64)
-        if state.get("residual") is not None:
-            comp += state["residual"]
+        memory = self.memory(state)
+        comp = memory.compensate("e", x, dtype=np.float64)
         payload = self._encode_dense(comp)
         keys, vals = self._sparse(payload, x.size)
         comp[keys] -= vals
-        state["residual"] = comp
+        memory.update("e", comp)
         return payload
 
     def aggregate(self, payloads, ps_state, ctx: Context) -> bytes:
-        """Decode every payload, sum exactly in float64, take the mean (or sum), and re-encode (spec §1.8)."""
-        if not payloads:
-            raise CodecError("FastSGD: nothing to aggregate")
-        acc = np.zeros(ctx.dim, dtype=np.float64)
-        for p in payloads:
-            keys, vals = self._sparse(p, ctx.dim)
-            acc[keys] += vals
-        if self.reduce == "mean":
-            acc /= len(payloads)
-        return self._encode_dense(acc)
+        """Decode every payload, sum exactly in float64, take the mean (or sum), and re-encode
+        (docs/codec-fastsgd.md note 1.8)."""
+        return self._encode_dense(self.decoded_mean(payloads, ctx, mean=self.reduce == "mean"))
 
     def decode(self, payload, ctx: Context) -> np.ndarray:
         keys, vals = self._sparse(payload, ctx.dim)

@@ -50,12 +50,11 @@ def one_round(codec: str, grads, rng, *, bits=4, granularity=30, p="1/32", topk=
         lanes = lane_bits or lane_bits_for(n, granularity)
         cfg = thc.ThcConfig(bits=bits, granularity=granularity, p=p, lane_bits=lanes, seed=seed)
         cfg.check_workers(n)
-        layout = thc.make_layout(d, cfg.block_log2)
-        norms = np.max([thc.block_norms(g, layout) for g in grads], axis=0)
-        zs = [thc.encode(g, norms, cfg, layout, round_no, rng.random(layout.padded_dim, dtype=np.float32))
-              for g in grads]
-        est = thc.decode(thc.lookup_sum(zs, cfg.table.values), n, norms, cfg, layout, round_no)
-        pad = layout.padded_dim / d
+        rounds = [thc.WorkerRound(cfg, g) for g in grads]
+        norms = np.max([r.norms() for r in rounds], axis=0)
+        zs = [r.encode(norms, rng, round_no) for r in rounds]
+        est = rounds[0].decode(thc.lookup_sum(zs, cfg.table.values), n)
+        pad = rounds[0].layout.padded_dim / d
         return est, (bits * pad, lanes * pad)
     if codec == "uhc":
         from proto.packing import lane_bits_for

@@ -1,13 +1,13 @@
-"""SKCompress (Jiang et al.), sparse key–value gradient codec, per shared/specs/skcompress.md.
+"""SKCompress (Jiang et al.), sparse key–value gradient codec; readings in docs/codec-skcompress.md.
 
 Values (paper §4): sign separation (§4.2 Solution 1), exact equal-population quantile splits
-per side (spec §3.3 [REC]), bucket midpoints as values, ranks grouped in G = q/r (§4.2
+per side (docs/codec-skcompress.md note 3.3), bucket midpoints as values, ranks grouped in G = q/r (§4.2
 Solution 2), one MinMaxSketch per (side, group): s hash rows of t_g = ⌈0.2·n_g⌉ cells, insert
 keeps the minimum, query takes the maximum (never overestimates), cells Huffman-coded (§4.3,
-canonical code, spec §3.7).
+canonical code, docs/codec-skcompress.md note 3.7).
 Keys (paper §5): per (side, group) delta keys, interval encoding with the adaptive prefix
 (§5.2): m_int ∈ {2,4,8,16}, fixed (A) or Huffman (B) prefix, chosen by exact bit count.
-Container (spec §4): little-endian integers, MSB-first bit streams, padded to a byte.
+Container (docs/codec-skcompress.md note 4): little-endian integers, MSB-first bit streams, padded to a byte.
 """
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ def huffman_decode_py(buf: bytes, lengths: np.ndarray, count: int) -> np.ndarray
     maxlen = order[-1][0]
     first, index, syms = {}, {}, [s for _, s in order]
     code, prev, pos = 0, 0, 0
-    for l, s in order:
+    for l, _ in order:
         code <<= (l - prev)
         if l not in first:
             first[l], index[l] = code, pos
@@ -257,7 +257,7 @@ def minmax_build(keys: np.ndarray, ranks: np.ndarray, s: int, t: int, top: int, 
         cols = sketch_columns(keys, i, t, seed)
         np.minimum.at(table[i], cols, ranks)
         touched[i, cols] = True
-    if touched.any() and not touched.all():           # spec [REC]: untouched → most frequent
+    if touched.any() and not touched.all():           # docs/codec-skcompress.md note 3.7: untouched → most frequent
         table[~touched] = np.bincount(table[touched]).argmax()
     return table
 
@@ -405,10 +405,7 @@ class SKCompressCodec(Codec):
         return self._encode_dense(np.asarray(x))
 
     def aggregate(self, payloads, ps_state, ctx: Context) -> bytes:
-        total = np.zeros(ctx.dim, np.float64)
-        for p in payloads:
-            total += self._dense(p, ctx.dim)
-        return self._encode_dense(total / len(payloads))
+        return self._encode_dense(self.decoded_mean(payloads, ctx, dense=self._dense))
 
     def decode(self, payload, ctx: Context) -> np.ndarray:
         return self._dense(payload, ctx.dim).astype(np.float32)

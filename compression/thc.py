@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - source checkout without a build
 from proto.packing import check_lane_capacity, pack_indices, unpack_indices
 from proto.tables import Table, identity_table, lower_interval_index, parse_p, solve_table
 
-#: The authors cap one transform at 2^23 coordinates (prior-art §1.2).
+#: The authors cap one transform at 2^23 coordinates (docs/prior-art.md §1.2).
 DEFAULT_BLOCK_LOG2 = 23
 
 
@@ -56,7 +56,7 @@ class ThcConfig:
         object.__setattr__(self, "p", parse_p(self.p))
         if not 0 <= self.block_log2 <= 30:
             raise ValueError(f"block_log2 must be in 0..30, got {self.block_log2}")
-        self.table  # validates (b, g)
+        _ = self.table  # validates (b, g)
 
     @property
     def table(self) -> Table:
@@ -333,22 +333,60 @@ def decode_lanes(lanes, contributors: int, max_norms, cfg: ThcConfig, layout: La
     return _decode_kernels(lanes, 3, 1, max_norms, cfg, layout, round_no, lut=lut)
 
 
-@dataclass
-class ThcRound:
-    """One worker's product of a round: what goes on the wire and the new error."""
+class WorkerRound:
+    """One worker's THC round (Alg. 3), the steps every caller shares; only the exchange of
+    norms and of indices/sums (PS over UDP, torch all-reduce, in-process sum) differs:
 
-    indices: object
-    error: object
+        rnd = WorkerRound(cfg, grad, memory, key)   x = ∇ + e (error feedback, line 4)
+        rnd.norms()                                 ‖x_j‖ per RHT block → max over workers
+        rnd.encode(max_norms, rng, round_no)        Z (b-bit indices; packed=True: wire form)
+        rnd.decode(sums, k) / rnd.decode_lanes(Y, k) x̂ from the aggregate (lines 19-21)
+        rnd.feedback()                              e ← x − RHT⁻¹(X) into `memory` (line 22)
 
-
-def compress_with_feedback(grad, error, max_norms, cfg, layout, round_no, uniforms) -> ThcRound:
-    """Encode x = ∇ + e and return the indices and the new error e' = x − RHT⁻¹(X) (Alg. 3 l.22).
-
-    RHT⁻¹(X) is the worker's own decode with k = 1, so clamping error is carried too.
+    `memory` is a :class:`compression.codec.ErrorFeedback` (None: no error feedback);
+    `compensate=False` keeps x = ∇ but still records the new residual.  The uniforms of the
+    stochastic rounding are one ``rng.random(padded_dim, float32)`` draw per encode.
     """
-    x = grad + error if error is not None else grad
-    z = encode(x, max_norms, cfg, layout, round_no, uniforms)
-    return ThcRound(z, x - decode_own(z, max_norms, cfg, layout, round_no))
+
+    def __init__(self, cfg: ThcConfig, grad, memory=None, key=None, *, compensate: bool = True):
+        self.cfg, self.memory, self.key = cfg, memory, key
+        self.layout = make_layout(grad.numel() if _is_torch(grad) else grad.size, cfg.block_log2)
+        self.x = memory.compensate(key, grad) if memory is not None and compensate else grad
+        self.max_norms = self.z = self.round_no = None
+        self.packed = False
+
+    def norms(self) -> np.ndarray:
+        """‖x_j‖ per RHT block (the preliminary stage's message, float64)."""
+        return block_norms(self.x, self.layout)
+
+    def encode(self, max_norms, rng, round_no: int, *, packed: bool = False):
+        """Z for this round with the shared norms: uint8 indices, or packed MSB first."""
+        self.max_norms, self.round_no, self.packed = max_norms, round_no, packed
+        uniforms = rng.random(self.layout.padded_dim, dtype=np.float32)
+        fn = encode_packed if packed else encode
+        self.z = fn(self.x, max_norms, self.cfg, self.layout, round_no, uniforms)
+        return self.z
+
+    def decode(self, sums, contributors: int = 1):
+        """x̂ from Σ T[Z] over k contributors (or from Y/k with contributors=1)."""
+        return decode(sums, contributors, self.max_norms, self.cfg, self.layout, self.round_no)
+
+    def decode_lanes(self, lanes, contributors: int):
+        """x̂ from the PS's 8-bit lanes Y and k, Y/k inside the fused decode."""
+        return decode_lanes(lanes, contributors, self.max_norms, self.cfg, self.layout, self.round_no)
+
+    def residual(self):
+        """e' = x − RHT⁻¹(X): this worker's own decode with k = 1, so the clamping error is
+        carried too (Alg. 3 line 22)."""
+        own = decode_own(self.z, self.max_norms, self.cfg, self.layout, self.round_no, packed=self.packed)
+        if isinstance(self.x, np.ndarray) and isinstance(own, np.ndarray) and self.x.dtype == own.dtype:
+            return np.subtract(self.x, own, out=own)        # no new vector
+        return self.x - own
+
+    def feedback(self) -> None:
+        """Keep the residual in `memory` under `key` (nothing without a memory)."""
+        if self.memory is not None:
+            self.memory.update(self.key, self.residual())
 
 
 # ----------------------------------------------------------------------------- uniform THC
@@ -386,19 +424,3 @@ def uhc_encode(x: np.ndarray, lo: float, hi: float, cfg: UhcConfig, uniforms: np
 def uhc_decode(sums: np.ndarray, contributors: int, lo: float, hi: float, cfg: UhcConfig) -> np.ndarray:
     """m + (X/k)·(M − m)/(2^b − 1) (Alg. 1 line 21)."""
     return (lo + sums.astype(np.float64) / contributors * ((hi - lo) / cfg.granularity)).astype(np.float32)
-
-
-@dataclass
-class ErrorFeedback:
-    """Per-tensor error-feedback memory, keyed by a stable tensor/bucket name."""
-
-    errors: dict = field(default_factory=dict)
-
-    def get(self, key, like):
-        e = self.errors.get(key)
-        if e is None or e.shape != like.shape:
-            return None
-        return e
-
-    def put(self, key, value):
-        self.errors[key] = value

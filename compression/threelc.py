@@ -1,26 +1,26 @@
-"""3LC (Lim, Andersen, Kaminsky, MLSys 2019), per shared/specs/3lc.md.
+"""3LC (Lim, Andersen, Kaminsky, MLSys 2019); readings in docs/codec-3lc.md.
 
-Three stages (paper §3, spec §2.2):
+Three stages (paper §3, docs/codec-3lc.md note 2.2):
   1. 3-value quantization with sparsity multiplication and error accumulation (§3.1):
      A = E + x, M = max|A|, m = s·M, q = round(A/m) ∈ {−1, 0, 1}, E ← A − m·q.
   2. Base-3^5 encoding (§3.2): 5 trits per byte, values 0..242. Default layout is planar
      (byte j holds elements j, j+L, …, j+4L), and the pad digit is 0, applied after the +1
-     shift (spec §6 A4/A5). A flag bit selects the alternative consecutive layout.
+     shift (docs/codec-3lc.md A4/A5). A flag bit selects the alternative consecutive layout.
   3. Zero-run encoding (§3.3): k ≥ 2 consecutive 121 bytes (all-zero quintuples) become
-     243 + k − 2. Runs longer than 14 are split greedily into 14-chunks (spec A6). The decoder
+     243 + k − 2. Runs longer than 14 are split greedily into 14-chunks (docs/codec-3lc.md A6). The decoder
      accepts any valid split.
 
-Directions (spec §2.8): every worker has a push context per tensor (the error buffer in the
+Directions (docs/codec-3lc.md note 2.8): every worker has a push context per tensor (the error buffer in the
 worker `state`). The PS keeps ONE pull context per tensor (`ps_state`), shared by all workers.
 `aggregate` decodes the pushes, averages them, compresses the mean once with that context,
 and every worker gets the same bytes. THC-PS keeps no model on the PS, so the averaged
 gradient takes the place of the paper's model delta. Under plain SGD the two differ only by
-the learning-rate factor, and error feedback makes the stream equal to W − W̃ (spec A11).
+the learning-rate factor, and error feedback makes the stream equal to W − W̃ (docs/codec-3lc.md A11).
 
-Wire framing (spec §3.1, little-endian, 14-byte header):
+Wire framing (docs/codec-3lc.md note 3.1, little-endian, 14-byte header):
   u8 codec id (3) | u8 flags | u32 n | f32 m | u32 payload length | payload
-  flags: bit0 ZRE applied, bit1 raw float32 fallback (excluded tensor, spec A12),
-         bit2 consecutive base-3^5 layout (clear = planar, spec A4). Other bits must be 0.
+  flags: bit0 ZRE applied, bit1 raw float32 fallback (excluded tensor, docs/codec-3lc.md A12),
+         bit2 consecutive base-3^5 layout (clear = planar, docs/codec-3lc.md A4). Other bits must be 0.
 """
 from __future__ import annotations
 
@@ -40,12 +40,12 @@ MAX_RUN = RUN_MAX - RUN_MIN + 2    # 14
 LAYOUTS = ("planar", "consecutive")
 _F32_MAX = np.float32(np.finfo(np.float32).max)
 
-# _DIGITS[b] = the five base-3 digits of byte b, most significant (P0) first (spec §2.5 decode).
+# _DIGITS[b] = the five base-3 digits of byte b, most significant (P0) first (docs/codec-3lc.md note 2.5 decode).
 _DIGITS = np.stack([(np.arange(243) // p) % 3 for p in (81, 27, 9, 3, 1)], axis=1).astype(np.uint8)
 
 
 def check_s(s: float) -> float:
-    """The sparsity multiplier must satisfy 1 ≤ s < 2 (§3.1, spec §2.3)."""
+    """The sparsity multiplier must satisfy 1 ≤ s < 2 (§3.1, docs/codec-3lc.md note 2.3)."""
     if not (isinstance(s, (int, float, np.floating, np.integer)) and 1.0 <= s < 2.0):
         raise ValueError(f"3LC: sparsity multiplier s must satisfy 1 <= s < 2, got {s!r}")
     return float(s)
@@ -54,7 +54,7 @@ def check_s(s: float) -> float:
 # ----------------------------------------------------------------------------- stage 1
 
 def accumulate(x: np.ndarray, error: np.ndarray | None) -> np.ndarray:
-    """Step [1] of Fig. 2: A = E + x in float32, flattened row-major (spec §2.2, A7)."""
+    """Step [1] of Fig. 2: A = E + x in float32, flattened row-major (docs/codec-3lc.md note 2.2, A7)."""
     a = np.asarray(x, dtype=np.float32).ravel()
     if error is None:
         return a.copy()
@@ -64,9 +64,9 @@ def accumulate(x: np.ndarray, error: np.ndarray | None) -> np.ndarray:
 
 
 def scale(a: np.ndarray, s: float) -> np.float32:
-    """m = s · max|A| as float32 (§3.1, spec A3/A7); 0 for an all-zero or empty A (spec A2).
+    """m = s · max|A| as float32 (§3.1, docs/codec-3lc.md A3/A7); 0 for an all-zero or empty A (docs/codec-3lc.md A2).
 
-    Non-finite A is refused (spec A2). If s·M overflows float32 (our choice, not in the paper),
+    Non-finite A is refused (docs/codec-3lc.md A2). If s·M overflows float32 (our choice, not in the paper),
     m is clamped to the largest float32: then M ≤ m < s·M, so M/m > 1/s > 1/2, q stays
     ternary, the largest element is still sent and |A − m·q| ≤ m/2 < M still holds.
     """
@@ -83,9 +83,9 @@ def scale(a: np.ndarray, s: float) -> np.float32:
 def quantize(x: np.ndarray, error: np.ndarray | None, s: float):
     """One compression step on the sender: returns (q int8, m float32, new error buffer).
 
-    q = rint(A/m) (half to even, spec A1) with A = E + x and m = scale(A, s); the new buffer
+    q = rint(A/m) (half to even, docs/codec-3lc.md A1) with A = E + x and m = scale(A, s); the new buffer
     is the exact float32 residual A − m·q, added back at coefficient 1 next step (§3.1,
-    spec §2.4). For m = 0, q = 0 and E = A = 0 (spec A2).
+    docs/codec-3lc.md note 2.4). For m = 0, q = 0 and E = A = 0 (docs/codec-3lc.md A2).
     """
     s = check_s(s)
     a = accumulate(x, error)
@@ -111,10 +111,10 @@ def _check_layout(layout: str) -> str:
 
 
 def base35_encode(q: np.ndarray, layout: str = "planar") -> np.ndarray:
-    """Base-3^5 bytes of trits q (§3.2, spec §2.5): ceil(n/5) bytes, each 0..242.
+    """Base-3^5 bytes of trits q (§3.2, docs/codec-3lc.md note 2.5): ceil(n/5) bytes, each 0..242.
 
     d = q + 1, zero-padded to 5L. Planar: byte j = Σ_k 3^(4−k)·d[kL + j], so P0 = d[0:L] is the
-    most significant digit. Consecutive (spec A4 alternative): byte j = digits d[5j..5j+4].
+    most significant digit. Consecutive (docs/codec-3lc.md A4 alternative): byte j = digits d[5j..5j+4].
     uint8 arithmetic cannot overflow: the running sum never exceeds 242.
     """
     _check_layout(layout)
@@ -151,12 +151,12 @@ def base35_digits(b: np.ndarray, n: int, layout: str = "planar") -> np.ndarray:
 
 
 def base35_decode(b: np.ndarray, n: int, layout: str = "planar") -> np.ndarray:
-    """Inverse of base35_encode: n trits as int8 (pad digits dropped, spec A5)."""
+    """Inverse of base35_encode: n trits as int8 (pad digits dropped, docs/codec-3lc.md A5)."""
     return base35_digits(b, n, layout).astype(np.int8) - np.int8(1)
 
 
 def base35_dequantize(b: np.ndarray, n: int, m: np.float32, layout: str = "planar") -> np.ndarray:
-    """m·q straight from base-3^5 bytes (spec §2.7 steps 3–4 fused): a 243×5 float32 table of
+    """m·q straight from base-3^5 bytes (docs/codec-3lc.md note 2.7 steps 3–4 fused): a 243×5 float32 table of
     {−m, 0, m} per digit position, gathered once per plane, so no digit array is built."""
     b = _checked_base35(b, n, layout)
     table = np.array([-m, 0.0, m], dtype=np.float32)[_DIGITS]          # (243, 5)
@@ -171,9 +171,9 @@ def base35_dequantize(b: np.ndarray, n: int, m: np.float32, layout: str = "plana
 # ----------------------------------------------------------------------------- stage 3
 
 def zre_encode(b: np.ndarray) -> np.ndarray:
-    """Zero-run encoding (§3.3, spec §2.6), vectorised over runs; same bytes as the serial
+    """Zero-run encoding (§3.3, docs/codec-3lc.md note 2.6), vectorised over runs; same bytes as the serial
     greedy encoder: a run of k bytes 121 becomes ⌊k/14⌋ × 255, then 121 if k mod 14 = 1 or
-    243 + (k mod 14) − 2 if k mod 14 ≥ 2. That is ceil(k/14) bytes, the minimum (spec A6)."""
+    243 + (k mod 14) − 2 if k mod 14 ≥ 2. That is ceil(k/14) bytes, the minimum (docs/codec-3lc.md A6)."""
     b = np.asarray(b, dtype=np.uint8).ravel()
     z = b == ZERO_BYTE
     if not z.any():
@@ -205,7 +205,7 @@ def zre_counts(c: np.ndarray) -> np.ndarray:
 
 def zre_decode(c: np.ndarray, expected: int | None = None) -> np.ndarray:
     """Expand run bytes 243..255 into c − 241 copies of 121 (§3.3). Any valid split of a run
-    is accepted (spec §2.6: [243,243], [121,121], [250,255] …). With `expected`, a stream
+    is accepted (docs/codec-3lc.md note 2.6: [243,243], [121,121], [250,255] …). With `expected`, a stream
     that would expand to a different length is refused before anything is allocated."""
     c = np.asarray(c, dtype=np.uint8).ravel()
     counts = zre_counts(c)
@@ -223,7 +223,7 @@ def _zero_len(byte: int) -> int:
 
 
 def zre_encode_parallel(b: np.ndarray, parts: int) -> np.ndarray:
-    """Parallel ZRE as sketched in §3.3 (spec §2.6): encode `parts` contiguous chunks
+    """Parallel ZRE as sketched in §3.3 (docs/codec-3lc.md note 2.6): encode `parts` contiguous chunks
     independently, then coalesce each boundary: if the last byte of one chunk and the first
     byte of the next both stand for zeros and their run lengths add up to 2..14, they become
     one byte. Output decodes to b and is at most parts − 1 bytes longer than zre_encode(b)."""
@@ -245,7 +245,7 @@ def zre_encode_parallel(b: np.ndarray, parts: int) -> np.ndarray:
 
 
 def zre_decode_parallel(c: np.ndarray, parts: int) -> np.ndarray:
-    """Parallel ZRE decode (spec §2.6, A9): split the stream, place each piece at the prefix
+    """Parallel ZRE decode (docs/codec-3lc.md note 2.6, A9): split the stream, place each piece at the prefix
     sum of the pieces' expanded lengths, decode the pieces independently."""
     if parts < 1:
         raise ValueError("3LC: parts must be >= 1")
@@ -267,7 +267,7 @@ class Header(NamedTuple):
 
 
 def pack(q: np.ndarray, m: np.float32, use_zre: bool = True, layout: str = "planar") -> bytes:
-    """One 3LC message for trits q with scale m (spec §3.1 framing)."""
+    """One 3LC message for trits q with scale m (docs/codec-3lc.md note 3.1 framing)."""
     b = base35_encode(q, layout)
     body = zre_encode(b) if use_zre else b
     flags = (F_ZRE if use_zre else 0) | (F_CONSECUTIVE if layout == "consecutive" else 0)
@@ -275,7 +275,7 @@ def pack(q: np.ndarray, m: np.float32, use_zre: bool = True, layout: str = "plan
 
 
 def pack_raw(x: np.ndarray) -> bytes:
-    """Uncompressed float32 message for an excluded tensor (spec §2.8, A12)."""
+    """Uncompressed float32 message for an excluded tensor (docs/codec-3lc.md note 2.8, A12)."""
     body = np.asarray(x, dtype="<f4").ravel().tobytes()
     return HEAD.pack(CODEC_ID, F_RAW, len(body) // 4, 0.0, len(body)) + body
 
@@ -310,7 +310,7 @@ def _layout(flags: int) -> str:
 
 
 def unpack_trits(payload: bytes, n_expected: int | None = None) -> tuple[np.ndarray, np.float32]:
-    """(q int8, m) of a quantized (non-raw) message, fully validated (spec §2.7)."""
+    """(q int8, m) of a quantized (non-raw) message, fully validated (docs/codec-3lc.md note 2.7)."""
     head, body = parse(payload, n_expected)
     if head.flags & F_RAW:
         raise CodecError("3LC: raw float32 message has no trits")
@@ -322,7 +322,7 @@ def unpack_trits(payload: bytes, n_expected: int | None = None) -> tuple[np.ndar
 
 
 def unpack(payload: bytes, n_expected: int) -> np.ndarray:
-    """Decode one 3LC message to float32 values: m·q, or the raw fallback (spec §2.7)."""
+    """Decode one 3LC message to float32 values: m·q, or the raw fallback (docs/codec-3lc.md note 2.7)."""
     head, body = parse(payload, n_expected)
     if head.flags & F_RAW:
         out = body.view("<f4").astype(np.float32)
@@ -336,8 +336,8 @@ def unpack(payload: bytes, n_expected: int) -> np.ndarray:
 
 
 def message_stats(payload: bytes) -> dict:
-    """Per-message stats (spec §8): values, scale, nonzero fraction, payload-only bits per
-    value (the paper's Table 2 accounting, spec A8) and wire bits per value (header included)."""
+    """Per-message stats (docs/codec-3lc.md note 8): values, scale, nonzero fraction, payload-only bits per
+    value (the paper's Table 2 accounting, docs/codec-3lc.md A8) and wire bits per value (header included)."""
     head, _ = parse(payload)
     raw = bool(head.flags & F_RAW)
     nz = 1.0 if raw else (float(np.count_nonzero(unpack_trits(payload)[0])) / head.n if head.n else 0.0)
@@ -348,7 +348,7 @@ def message_stats(payload: bytes) -> dict:
 
 
 def payload_bits_per_value(payload: bytes) -> float:
-    """Payload-only bits per value (Table 2 accounting: no m, header or raw tensors; spec A8)."""
+    """Payload-only bits per value (Table 2 accounting: no m, header or raw tensors; docs/codec-3lc.md A8)."""
     head, _ = parse(payload)
     return 8.0 * head.length / head.n if head.n else 0.0
 
@@ -360,11 +360,12 @@ class ThreeLCCodec(Codec):
 
     s: sparsity multiplier, 1 ≤ s < 2 (default 1.0, §3.1). use_zre: zero-run encoding on
     (off gives the fixed 1.6-bit "No ZRE" variant of Table 2). min_elements: tensors with
-    fewer values travel as raw float32, as the paper does for batch-norm layers (spec A12;
+    fewer values travel as raw float32, as the paper does for batch-norm layers (docs/codec-3lc.md A12;
     default 0 compresses everything). layout: base-3^5 grouping, planar as in §3.2.
     """
 
     name = "3lc"
+    label = "3LC"
     homomorphic = False
 
     def __init__(self, s: float = 1.0, use_zre: bool = True, min_elements: int = 0,
@@ -377,7 +378,7 @@ class ThreeLCCodec(Codec):
         self.layout = _check_layout(layout)
 
     def new_state(self) -> dict:
-        """Push context: the worker's error buffer E for one tensor (starts at 0, spec §2.1)."""
+        """Push context: the worker's error buffer E for one tensor (starts at 0, docs/codec-3lc.md note 2.1)."""
         return {"e": None}
 
     def new_ps_state(self) -> dict:
@@ -385,13 +386,15 @@ class ThreeLCCodec(Codec):
         return {"e": None, "encodes": 0}
 
     def compress(self, x: np.ndarray, ctx_state: dict) -> bytes:
-        """Compress x with one compression context (spec §2.2); updates ctx_state['e']."""
+        """Compress x with one compression context (docs/codec-3lc.md note 2.2); updates ctx_state['e']."""
         x = np.asarray(x, dtype=np.float32).ravel()
         if x.size < self.min_elements:
             if not np.isfinite(x).all():
                 raise ValueError("3LC: input holds NaN or Inf")
             return pack_raw(x)
-        q, m, ctx_state["e"] = quantize(x, ctx_state.get("e"), self.s)
+        memory = self.memory(ctx_state)
+        q, m, e = quantize(x, memory.get("e"), self.s)
+        memory.update("e", e)
         return pack(q, m, self.use_zre, self.layout)
 
     def encode(self, x, state, rng, ctx: Context) -> bytes:
@@ -401,14 +404,9 @@ class ThreeLCCodec(Codec):
         return self.compress(x, state)
 
     def aggregate(self, payloads, ps_state, ctx: Context) -> bytes:
-        """Decode every push, average over len(payloads) (spec A14), compress the mean ONCE with
-        the shared pull context; every worker pulls these same bytes (§3, spec §2.8)."""
-        if not payloads:
-            raise CodecError("3LC: nothing to aggregate")
-        total = np.zeros(ctx.dim, dtype=np.float64)
-        for p in payloads:
-            total += unpack(p, ctx.dim)
-        mean = (total / len(payloads)).astype(np.float32)
+        """Decode every push, average over len(payloads) (docs/codec-3lc.md A14), compress the mean ONCE with
+        the shared pull context; every worker pulls these same bytes (§3, docs/codec-3lc.md note 2.8)."""
+        mean = self.decoded_mean(payloads, ctx).astype(np.float32)
         out = self.compress(mean, ps_state)
         ps_state["encodes"] = ps_state.get("encodes", 0) + 1
         return out

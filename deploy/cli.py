@@ -74,98 +74,183 @@ def _rate_list(value: str) -> tuple:
     return tuple(rates)
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default printed by the formatter, except where there is none to print
+    (None: decided later, e.g. by the PS; flags)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _command(sub, name, **kwargs):
+    """A subcommand whose help shows the defaults."""
+    return sub.add_parser(name, formatter_class=_Formatter, **kwargs)
+
+
+#: The job options shared by ps, launch, worker, train, nmse, experiment and table: one
+#: declaration each (type, range check, help); each command picks its subset and defaults.
+JOB_OPTIONS = {
+    "workers": dict(type=None, help="number of workers n (at most 32: the contributor bitmap's width)"),
+    "bits": dict(type=None, help="bits b per table index"),
+    "granularity": dict(type=None, help="granularity g: the table's values lie on the grid 0..g"),
+    "p": dict(type=None, help="support fraction p (the table covers all but p of the normal), e.g. 1/32"),
+    "lane-bits": dict(type=int, choices=(8, 16, 32), help="bits per aggregated value; n*g must fit"),
+    "quorum": dict(type=None, help="fraction of the workers after which a slot's result is sent "
+                                   "(partial aggregation)"),
+    "seed": dict(type=None, help="the job's seed (RHT signs; test gradients)"),
+}
+JOB_DEFAULTS = {"workers": 4, "bits": 4, "granularity": 30, "p": "1/32", "lane-bits": 8, "quorum": 1.0,
+                "seed": 0}
+
+
+def _job_types() -> dict:
+    return {"workers": _workers, "bits": _bits, "granularity": _granularity, "p": _p_arg,
+            "quorum": _quorum, "seed": _seed}
+
+
+def job_parent(*names, stated: bool = False, helps: dict | None = None, **defaults) -> argparse.ArgumentParser:
+    """A parent parser with the job options `names` (default: all of JOB_OPTIONS).
+
+    Defaults are JOB_DEFAULTS unless given (keyword with "_" for "-", e.g. lane_bits=16).
+    stated=True (`thc worker`): every default is None, and the options given are what the
+    worker insists on (the PS refuses it when its job differs).  A fresh parser per command,
+    so one command's defaults never leak into another's."""
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_argument_group("job options")
+    types = _job_types()
+    for name in names or JOB_OPTIONS:
+        spec = dict(JOB_OPTIONS[name])
+        spec["type"] = spec["type"] or types[name]
+        key = name.replace("-", "_")
+        spec["default"] = None if stated else defaults.get(key, JOB_DEFAULTS[name])
+        spec["help"] = (helps or {}).get(key, spec["help"])
+        if stated:
+            spec["help"] += " (stated: the PS must run the same; without it, the PS's)"
+        group.add_argument(f"--{name}", **spec)
+    return parent
+
+
+def _codec_arg(p, stated: bool = False):
+    if stated:
+        p.add_argument("--codec", choices=commands.job_codecs(), default=None,
+                       help="the job's codec (stated: the PS must run the same)")
+        return
+    p.add_argument("--codec", choices=commands.job_codecs(), default="thc",
+                   help="thc (lookup-and-sum in C), none (float32 sums), or a codec the PS "
+                        "decodes, sums and re-encodes")
+
+
+def _slots_arg(p):
+    p.add_argument("--slots", type=_int_in(1, 65000, "a slot count"), default=512, help="aggregator slots")
+
+
+def _policies():
+    from worker.transport import POLICIES
+    return POLICIES
+
+
+def _policy_arg(p):
+    p.add_argument("--loss-policy", choices=_policies(), default=_policies()[0],
+                   help="retransmit (nothing lost) or zero (a lost chunk is a zero update, paper §6.1)")
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("thc-ps")
+    except Exception:   # a source checkout that was never installed
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="thc", description="THC-PS: Tensor Homomorphic Compression parameter server.")
+        prog="thc", description="THC-PS: Tensor Homomorphic Compression parameter server.",
+        formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default=None,
+                        help="log messages at this level and above, on stderr (default: info for "
+                             "`thc ps`, warning otherwise)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    t = sub.add_parser("table", help="solve the optimal lookup table for (b, g, p) and print JSON",
-                       description="Exact App. B optimum over all strictly increasing tables.")
-    t.add_argument("--bits", type=_bits, default=4, help="bit budget b per index (1-8, default 4)")
-    t.add_argument("--granularity", type=_granularity, default=30, help="granularity g (default 30)")
-    t.add_argument("--p", type=_p_arg, default="1/32", help="support fraction p, e.g. 1/32 (default)")
+    t = _command(sub, "table", help="solve the optimal lookup table for (b, g, p) and print JSON",
+                 description="Exact App. B optimum over all strictly increasing tables.",
+                 parents=[job_parent("bits", "granularity", "p")])
     t.set_defaults(func=commands.cmd_table)
 
-    n = sub.add_parser("nmse", help="NMSE of one aggregation round of a codec, as JSON",
-                       description="NMSE = ||x_hat - x_mean||^2 / ||x_mean||^2 averaged over trials "
-                                   "(THC paper App. C.1 method with --copies).")
-    n.add_argument("--codec", default="thc", choices=commands.nmse_codecs(), help="codec (default thc)")
-    n.add_argument("--workers", type=_workers, default=2, help="number of workers n (default 2)")
-    n.add_argument("--dim", type=_dim, default=1 << 20, help="gradient dimension d (default 2^20)")
+    n = _command(sub, "nmse", help="NMSE of one aggregation round of a codec, as JSON",
+                 description="NMSE = ||x_hat - x_mean||^2 / ||x_mean||^2 averaged over trials "
+                             "(THC paper App. C.1 method with --copies).",
+                 parents=[job_parent("workers", "bits", "granularity", "p", "seed", workers=2)])
+    n.add_argument("--codec", default="thc", choices=commands.nmse_codecs(), help="codec")
+    n.add_argument("--dim", type=_dim, default=1 << 20, help="gradient dimension d")
     n.add_argument("--dist", default="lognormal", choices=("lognormal", "normal", "laplace"),
-                   help="gradient distribution (default lognormal)")
+                   help="gradient distribution")
     mode = n.add_mutually_exclusive_group()
     mode.add_argument("--copies", dest="copies", action="store_true", default=True,
-                      help="one gradient copied to every worker (default, App. C.1)")
+                      help="one gradient copied to every worker (the default, App. C.1)")
     mode.add_argument("--independent", dest="copies", action="store_false",
                       help="an independent gradient per worker")
-    n.add_argument("--bits", type=_bits, default=4, help="bits per index b (default 4)")
-    n.add_argument("--granularity", type=_granularity, default=30, help="granularity g (default 30)")
-    n.add_argument("--p", type=_p_arg, default="1/32", help="support fraction p (default 1/32)")
-    n.add_argument("--topk", type=_float_in(0, 1, lo_open=True, hi_open=False, what="a fraction"), default=0.1, help="TopK kept fraction (default 0.1)")
-    n.add_argument("--trials", type=_rounds, default=10, help="rounds averaged (default 10)")
-    n.add_argument("--seed", type=_seed, default=0, help="RNG seed (default 0)")
+    n.add_argument("--topk", type=_float_in(0, 1, lo_open=True, hi_open=False, what="a fraction"), default=0.1,
+                   help="TopK kept fraction")
+    n.add_argument("--trials", type=_rounds, default=10, help="rounds averaged")
     n.set_defaults(func=commands.cmd_nmse)
 
     _add_cluster_commands(sub)
 
-    tr = sub.add_parser("train", help="train a model on Fashion-MNIST through a local PS + N workers",
-                        description="Starts a PS and N worker processes on this host, trains with the "
-                                    "chosen codec over UDP, prints per-epoch progress, then repeats the "
-                                    "run uncompressed and prints the comparison.")
-    tr.add_argument("--workers", type=_workers, default=4, help="workers (default 4)")
-    tr.add_argument("--epochs", type=_int_in(1, 10000, "epochs"), default=3, help="epochs (default 3)")
-    tr.add_argument("--codec", choices=commands.job_codecs(), default="thc", help="codec (default thc)")
-    tr.add_argument("--bits", type=_bits, default=4, help="index bits b (default 4)")
-    tr.add_argument("--granularity", type=_granularity, default=30, help="granularity g (default 30)")
-    tr.add_argument("--p", type=_p_arg, default="1/32", help="support fraction p (default 1/32)")
-    tr.add_argument("--lane-bits", type=int, choices=(8, 16, 32), default=8, help="sum lane width (default 8)")
-    tr.add_argument("--model", choices=("cnn", "mlp"), default="cnn", help="model (default cnn)")
-    tr.add_argument("--batch", type=_int_in(1, 65536, "a batch size"), default=64, help="per-worker batch (default 64)")
-    tr.add_argument("--lr", type=_float_in(0, 10, lo_open=True, hi_open=False, what="a learning rate"), default=0.05, help="SGD learning rate (default 0.05)")
+    tr = _command(sub, "train", help="train a model on Fashion-MNIST through a local PS + N workers",
+                  description="Starts a PS and N worker processes on this host, trains with the "
+                              "chosen codec over UDP, prints per-epoch progress, then repeats the "
+                              "run uncompressed and prints the comparison.",
+                  parents=[job_parent()])
+    tr.add_argument("--epochs", type=_int_in(1, 10000, "epochs"), default=3, help="epochs")
+    tr.add_argument("--codec", choices=commands.job_codecs(), default="thc", help="codec")
+    tr.add_argument("--model", choices=("cnn", "mlp"), default="cnn", help="model")
+    tr.add_argument("--batch", type=_int_in(1, 65536, "a batch size"), default=64, help="per-worker batch")
+    tr.add_argument("--lr", type=_float_in(0, 10, lo_open=True, hi_open=False, what="a learning rate"),
+                    default=0.05, help="SGD learning rate")
     tr.add_argument("--loss", type=_probability, default=0.0, help="injected packet loss each way")
-    tr.add_argument("--loss-policy", choices=("retransmit", "zero"), default="retransmit",
-                    help="retransmit (nothing lost) or zero (paper §6.1)")
-    tr.add_argument("--quorum", type=_quorum, default=1.0, help="partial aggregation quorum (default 1.0)")
+    _policy_arg(tr)
     tr.add_argument("--straggler-delay-ms", type=_delay_ms, default=0.0, help="delay of a straggling round")
     tr.add_argument("--straggler-prob", type=_probability, default=0.0,
                     help="probability that a worker straggles in a round")
     tr.add_argument("--straggler-count", type=_int_in(0, 31, "a worker count"), default=0,
                     help="k random stragglers per round, all workers agree which (paper §8.3)")
-    tr.add_argument("--sync-every", type=_int_in(0, 1 << 20, "epochs"), default=1, help="model sync period in epochs (0: never)")
+    tr.add_argument("--sync-every", type=_int_in(0, 1 << 20, "epochs"), default=1,
+                    help="model sync period in epochs (0: never)")
     tr.add_argument("--ps", type=str, default="",
                     help="use a running PS at HOST:PORT[,HOST:PORT...] (implies --no-baseline)")
-    tr.add_argument("--seed", type=_seed, default=0, help="seed (default 0)")
-    tr.add_argument("--train-limit", type=_count, default=0, help="use only the first N training images")
-    tr.add_argument("--test-limit", type=_count, default=0, help="use only the first N test images")
+    tr.add_argument("--train-limit", type=_count, default=0, help="use only the first N training images (0: all)")
+    tr.add_argument("--test-limit", type=_count, default=0, help="use only the first N test images (0: all)")
     tr.add_argument("--per-tensor", action="store_true",
                     help="one PS round per parameter tensor (per-layer scales, as 3LC and CASQ expect)")
     tr.add_argument("--no-baseline", action="store_true", help="skip the uncompressed comparison run")
     tr.add_argument("--json", action="store_true", help="print one JSON summary line at the end")
     tr.set_defaults(func=commands.cmd_train)
 
-    ex = sub.add_parser("experiment", help="rerun the paper's loss/straggler/scale/bandwidth experiments",
-                        description="Each writes docs/experiments/NAME.md (table) and NAME.png (plots).")
-    ex.add_argument("name", choices=("loss", "stragglers", "scale", "bandwidth", "codecs"))
-    ex.add_argument("--workers", type=_workers, default=None,
-                    help="workers (default 4; 10 for stragglers)")
-    ex.add_argument("--epochs", type=_int_in(1, 10000, "epochs"), default=3)
-    ex.add_argument("--model", choices=("cnn", "mlp"), default="cnn")
-    ex.add_argument("--train-limit", type=_count, default=30000, help="training images used (default 30000)")
-    ex.add_argument("--test-limit", type=_count, default=5000, help="test images used (default 5000)")
-    ex.add_argument("--bits", type=_bits, default=4)
-    ex.add_argument("--granularity", type=_granularity, default=None, help="default 30 (20 for stragglers)")
-    ex.add_argument("--p", type=_p_arg, default=None, help="default 1/32 (1/512 for stragglers)")
+    ex = _command(sub, "experiment", help="rerun the paper's loss/straggler/scale/bandwidth experiments",
+                  description="Each writes docs/experiments/NAME.md (table) and NAME.png (plots).",
+                  parents=[job_parent("workers", "bits", "granularity", "p", "seed",
+                                      workers=None, granularity=None, p=None,
+                                      helps={"workers": "workers (default 4; 10 for stragglers)",
+                                             "granularity": "granularity g (default 30; 20 for stragglers)",
+                                             "p": "support fraction p (default 1/32; 1/512 for stragglers)"})])
+    ex.add_argument("name", choices=("loss", "stragglers", "scale", "bandwidth", "codecs"),
+                    help="which experiment")
+    ex.add_argument("--epochs", type=_int_in(1, 10000, "epochs"), default=3, help="epochs per training run")
+    ex.add_argument("--model", choices=("cnn", "mlp"), default="cnn", help="model")
+    ex.add_argument("--train-limit", type=_count, default=30000, help="training images used")
+    ex.add_argument("--test-limit", type=_count, default=5000, help="test images used")
     ex.add_argument("--kernel-loss", action="store_true",
                     help="loss: also drop real packets with nftables between namespaces (root)")
     ex.add_argument("--delay-ms", type=_delay_ms, default=30.0, help="stragglers: delay per straggling round")
     ex.add_argument("--codecs", type=_codec_list, default=("none", "thc"),
-                    help="bandwidth: comma list of codecs (default none,thc)")
+                    help="bandwidth: comma list of codecs")
     ex.add_argument("--rates", type=_rate_list, default=(100, 1000, None),
-                    help="bandwidth: comma list of link rates in Mbit/s, 0 = unlimited (default 100,1000,0)")
+                    help="bandwidth: comma list of link rates in Mbit/s, 0 = unlimited (None)")
     ex.add_argument("--per-tensor", action="store_true",
                     help="one PS round per parameter tensor (as 3LC and CASQ are meant to run)")
-    ex.add_argument("--seed", type=_seed, default=0, help="seed (default 0)")
     ex.set_defaults(func=commands.cmd_experiment)
 
     p4 = sub.add_parser("p4", help="the P4 switch program: check tools, generate, compile, run under bmv2, "
@@ -212,21 +297,23 @@ def build_parser() -> argparse.ArgumentParser:
                          "`thc p4 run --attach` programming it as workers register (p4run)")
     p4.set_defaults(func=commands.cmd_p4)
 
-    b = sub.add_parser("bench", help="benchmarks: `thc bench codecs` compares every codec in one run")
-    b.add_argument("what", choices=("codecs",))
-    b.add_argument("--workers", type=_workers, default=4)
-    b.add_argument("--dims", type=_int_in(4, 26, "log2 of a dimension"), nargs="+", default=[20, 24], help="log2 of d (default 20 24)")
-    b.add_argument("--e2e-dims", type=_int_in(4, 26, "log2 of a dimension"), nargs="*", default=[20, 24],
-                   help="log2 of d for the end-to-end UDP round time (default 20 24; about 3 of the "
-                        "5 minutes on 2 cores are the 2^24 rounds, `--e2e-dims 20` skips them)")
-    b.add_argument("--rounds", type=_rounds, default=2)
-    b.add_argument("--out", default="docs", help="where codecs-table.md and codecs.png go")
-    b.set_defaults(func=commands.cmd_bench)
+    b = _command(sub, "bench", help="benchmarks: `thc bench codecs` compares every codec in one run")
+    bsub = b.add_subparsers(dest="what", metavar="BENCH", required=True)
+    bc = _command(bsub, "codecs", help="every codec side by side: ratios, NMSE, speed, PS time, UDP round time",
+                  parents=[job_parent("workers")])
+    bc.add_argument("--dims", type=_int_in(4, 26, "log2 of a dimension"), nargs="+", default=[20, 24],
+                    help="log2 of d")
+    bc.add_argument("--e2e-dims", type=_int_in(4, 26, "log2 of a dimension"), nargs="*", default=[20, 24],
+                    help="log2 of d for the end-to-end UDP round time (about 3 of the 5 minutes on 2 "
+                         "cores are the 2^24 rounds, `--e2e-dims 20` skips them)")
+    bc.add_argument("--rounds", type=_rounds, default=2, help="rounds per measurement")
+    bc.add_argument("--out", default="docs", help="where codecs-table.md and codecs.png go")
+    bc.set_defaults(func=commands.cmd_bench)
 
-    d = sub.add_parser("demo-nmse", help="print the NMSE comparison of all codecs (quick look)")
-    d.add_argument("--workers", type=_workers, default=4)
-    d.add_argument("--dim", type=_dim, default=1 << 18)
-    d.add_argument("--trials", type=_rounds, default=3)
+    d = _command(sub, "demo-nmse", help="print the NMSE comparison of all codecs (quick look)",
+                 parents=[job_parent("workers")])
+    d.add_argument("--dim", type=_dim, default=1 << 18, help="gradient dimension d")
+    d.add_argument("--trials", type=_rounds, default=3, help="rounds averaged")
     d.set_defaults(func=commands.cmd_demo_nmse)
     return parser
 
@@ -263,91 +350,76 @@ def _addr_list(value: str):
     return [_addr(v.strip()) for v in value.split(",") if v.strip()]
 
 
-def _job_args(p, workers_default=4, stated=False):
-    """The job options.  stated=True (`thc worker`): every default is None, and the options
-    given are what the worker insists on (the PS refuses it when its job differs)."""
-    if stated:
-        p.add_argument("--workers", type=_workers, default=None, help="number of workers n")
-        p.add_argument("--codec", choices=commands.job_codecs(), default=None, help="the job's codec")
-        p.add_argument("--bits", type=_bits, default=None, help="index bits b")
-        p.add_argument("--granularity", type=_granularity, default=None, help="granularity g")
-        p.add_argument("--p", type=_p_arg, default=None, help="support fraction p")
-        p.add_argument("--lane-bits", type=int, choices=(8, 16, 32), default=None, help="sum lane bits")
-        p.add_argument("--quorum", type=_quorum, default=None, help="partial aggregation quorum")
-        return
-    p.add_argument("--workers", type=_workers, default=workers_default,
-                   help="number of workers n" + (" (without it, the PS accepts the job its first worker "
-                                                 "proposes)" if workers_default is None else ""))
-    p.add_argument("--codec", choices=commands.job_codecs(), default="thc",
-                   help="thc (lookup-and-sum in C), none (float32 sums), or a codec the PS "
-                        "decodes, sums and re-encodes")
-    p.add_argument("--bits", type=_bits, default=4, help="index bits b (default 4)")
-    p.add_argument("--granularity", type=_granularity, default=30, help="granularity g (default 30)")
-    p.add_argument("--p", type=_p_arg, default="1/32", help="support fraction p (default 1/32)")
-    p.add_argument("--lane-bits", type=int, choices=(8, 16, 32), default=8,
-                   help="bits per aggregated value; n*g must fit (default 8)")
-    p.add_argument("--quorum", type=_quorum, default=1.0,
-                   help="fraction of workers after which a slot is multicast (default 1.0)")
-    p.add_argument("--slots", type=_int_in(1, 65000, "a slot count"), default=512, help="aggregator slots (default 512)")
-    p.add_argument("--seed", type=_seed, default=0, help="job seed (RHT signs, gradients)")
-
-
 def _add_cluster_commands(sub):
-    ps = sub.add_parser("ps", help="run one software PS process (per host)",
-                        description="Software PS: UDP data plane (C engine) on ADDR:PORT, ZeroMQ "
-                                    "control plane on PORT+1 (or --control-port).")
-    ps.add_argument("--bind", type=_addr, default=("127.0.0.1", 9000), help="ADDR:PORT (default 127.0.0.1:9000)")
+    ps = _command(sub, "ps", help="run one software PS process (per host)",
+                  description="Software PS: UDP data plane (C engine) on ADDR:PORT, ZeroMQ "
+                              "control plane on PORT+1 (or --control-port).",
+                  parents=[job_parent(workers=None, helps={
+                      "workers": "number of workers n (without it, the PS accepts the job its first "
+                                 "worker proposes)"})])
+    _codec_arg(ps)
+    _slots_arg(ps)
+    ps.add_argument("--bind", type=_addr, default=("127.0.0.1", 9000), help="ADDR:PORT of the data plane")
     ps.add_argument("--control-port", type=_port, default=None, help="control port (default PORT+1)")
     ps.add_argument("--shards", type=_int_in(1, 16, "a shard count"), default=1,
                     help="PS shards in this process splitting the slot space (data ports PORT, PORT+2, ...)")
-    ps.add_argument("--engine", choices=("c", "python"), default="c", help="aggregation engine (default c)")
+    ps.add_argument("--engine", choices=("c", "python"), default="c", help="aggregation engine")
     ps.add_argument("--keys", default=None, metavar="DIR",
                     help="CURVE key directory from `thc keys DIR`: authenticated, encrypted control plane")
     ps.add_argument("--lease-s", type=_float_in(0.2, 3600, lo_open=False, hi_open=False, what="seconds"),
                     default=5.0, help="a rank without a heartbeat for this long is reported missing "
-                                      "and may be claimed again (default 5)")
-    ps.add_argument("--stats-every", type=_float_in(0, 86400, lo_open=False, hi_open=False, what="seconds"), default=10.0, help="seconds between stats lines (0: off)")
-    _job_args(ps, workers_default=None)
+                                      "and may be claimed again")
+    ps.add_argument("--stats-every", type=_float_in(0, 86400, lo_open=False, hi_open=False, what="seconds"),
+                    default=10.0, help="seconds between stats lines (0: off)")
     ps.set_defaults(func=commands.cmd_ps)
 
-    w = sub.add_parser("worker", help="run one worker process: R rounds of test gradients through a PS",
-                       description="Connects to a running `thc ps`, registers as --rank, runs rounds.")
+    w = _command(sub, "worker", help="run one worker process: R rounds of test gradients through a PS",
+                 description="Connects to a running `thc ps`, registers as --rank, runs rounds. The "
+                             "job options given are what it insists on.",
+                 parents=[job_parent("workers", "bits", "granularity", "p", "lane-bits", "quorum",
+                                     stated=True)])
+    _codec_arg(w, stated=True)
     w.add_argument("--ps", type=_addr_list, required=True,
                    help="the PS data address HOST:PORT, or a comma list of shards (chunk c -> shard c mod S)")
-    w.add_argument("--rank", type=_int_in(0, 31, "a rank"), default=None, help="worker id (default: $RANK from torchrun, else 0)")
-    w.add_argument("--rounds", type=_rounds, default=10)
-    w.add_argument("--dim", type=_dim, default=1 << 16)
+    w.add_argument("--rank", type=_int_in(0, 31, "a rank"), default=None,
+                   help="worker id (default: $RANK from torchrun, else 0)")
+    w.add_argument("--rounds", type=_rounds, default=10, help="rounds")
+    w.add_argument("--dim", type=_dim, default=1 << 16, help="coordinates per round")
     w.add_argument("--loss", type=_probability, default=0.0, help="injected loss each way")
-    w.add_argument("--loss-policy", choices=("retransmit", "zero"), default="retransmit")
+    _policy_arg(w)
     w.add_argument("--straggler-delay-ms", type=_delay_ms, default=0.0, help="delay before each round's data phase")
-    w.add_argument("--seed", type=_seed, default=0, help="test-gradient seed (default 0)")
+    # not stated: the seed of the test gradients, and of the job when this worker proposes it
+    w.add_argument("--seed", type=_seed, default=0, help=JOB_OPTIONS["seed"]["help"])
     w.add_argument("--control-host", default=None, help="control plane host if not the PS data host")
     w.add_argument("--control-port", type=_port, default=None, help="control port (default data port + 1)")
-    w.add_argument("--bind-port", type=_any_port, default=0, help="local UDP port (default: any)")
+    w.add_argument("--bind-port", type=_any_port, default=0, help="local UDP port (0: any)")
     w.add_argument("--timeout-ms", type=_timeout_ms, default=50.0, help="first retransmission timeout")
-    w.add_argument("--report", type=_report_path, default=None, help="write every round's report (digests, k, bitmaps) as JSON")
+    w.add_argument("--report", type=_report_path, default=None,
+                   help="write every round's report (digests, k, bitmaps) as JSON")
     w.add_argument("--keys", default=None, metavar="DIR",
                    help="key directory with client.key_secret and server.key (`thc keys`)")
-    _job_args(w, stated=True)
     w.set_defaults(func=commands.cmd_worker)
 
-    la = sub.add_parser("launch", help="start a PS and N workers here, run rounds, check every one",
-                        description="Local cluster with an exactness check of every chunk of every "
-                                    "round against an in-process reference.")
-    _job_args(la)
-    la.add_argument("--rounds", type=_rounds, default=10, help="rounds (default 10)")
-    la.add_argument("--dim", type=_dim, default=1 << 16, help="coordinates per round (default 2^16)")
-    la.add_argument("--loss", type=_probability, default=0.0, help="injected loss each way (default 0)")
+    la = _command(sub, "launch", help="start a PS and N workers here, run rounds, check every one",
+                  description="Local cluster with an exactness check of every chunk of every "
+                              "round against an in-process reference.",
+                  parents=[job_parent()])
+    _codec_arg(la)
+    _slots_arg(la)
+    la.add_argument("--rounds", type=_rounds, default=10, help="rounds")
+    la.add_argument("--dim", type=_dim, default=1 << 16, help="coordinates per round")
+    la.add_argument("--loss", type=_probability, default=0.0, help="injected loss each way")
     la.add_argument("--duplicate", type=_probability, default=0.0, help="injected duplicates")
     la.add_argument("--reorder", type=_probability, default=0.0, help="injected reordering")
     la.add_argument("--straggler-delay-ms", type=_delay_ms, default=0.0, help="delay of the straggler per round")
-    la.add_argument("--straggler-rank", type=_int_in(0, 31, "a rank"), default=None, help="which worker straggles (default: all)")
-    la.add_argument("--loss-policy", choices=("retransmit", "zero"), default="retransmit")
+    la.add_argument("--straggler-rank", type=_int_in(0, 31, "a rank"), default=None,
+                    help="which worker straggles (default: all)")
+    _policy_arg(la)
     la.add_argument("--timeout-ms", type=_timeout_ms, default=50.0, help="first retransmission timeout")
-    la.add_argument("--engine", choices=("c", "python"), default="c")
+    la.add_argument("--engine", choices=("c", "python"), default="c", help="the started PS's aggregation engine")
     la.add_argument("--ps", type=str, default=None,
                     help="use a running PS at HOST:PORT (or a comma list of shards) instead of starting one")
-    la.add_argument("--shards", type=_int_in(1, 16, "a shard count"), default=1, help="PS shards to start (default 1)")
+    la.add_argument("--shards", type=_int_in(1, 16, "a shard count"), default=1, help="PS shards to start")
     la.add_argument("--local-workers", "--nproc-per-node", dest="local_workers",
                     type=_workers, default=None,
                     help="how many of the job's ranks this host runs (default: all of them)")
@@ -363,20 +435,23 @@ def _add_cluster_commands(sub):
     la.add_argument("--kill-rank", type=_int_in(0, 31, "a rank"), default=None,
                     help="fault injection: this rank's process dies at --kill-at-round")
     la.add_argument("--kill-at-round", type=_int_in(0, 1 << 30, "a round"), default=0,
-                    help="the round at whose start --kill-rank dies (default 0)")
+                    help="the round at whose start --kill-rank dies")
     la.add_argument("--restart-killed", action="store_true",
                     help="start a killed rank again: it rejoins the running job")
     la.add_argument("--json", action="store_true", help="print one JSON summary line")
     la.add_argument("--verbose", action="store_true", help="per-round progress from every worker")
     la.set_defaults(func=commands.cmd_launch)
 
-    k = sub.add_parser("keys", help="make a CURVE key directory for the control plane",
-                       description="Writes DIR/server.key(_secret), DIR/client.key(_secret) and "
-                                   "DIR/authorized/client.key.  The PS host needs the directory "
-                                   "(thc ps --keys DIR); worker hosts need client.key_secret and "
-                                   "server.key (thc worker --keys DIR).")
+    k = _command(sub, "keys", help="make a CURVE key directory for the control plane",
+                 description="Writes DIR/server.key(_secret), DIR/client.key(_secret) and "
+                             "DIR/authorized/client.key.  The PS host needs the directory "
+                             "(thc ps --keys DIR); worker hosts need client.key_secret and "
+                             "server.key (thc worker --keys DIR).")
     k.add_argument("dir", help="directory to create")
     k.set_defaults(func=commands.cmd_keys)
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _sigterm(signum, frame):
@@ -389,7 +464,9 @@ def main(argv=None) -> int:
     import signal
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    level = (args.log_level or ("info" if args.command == "ps" else "warning")).upper()
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(message)s" if args.log_level is None else "%(levelname)s %(name)s: %(message)s")
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _sigterm)      # a service manager's stop = Ctrl-C
     try:

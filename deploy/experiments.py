@@ -9,7 +9,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 from deploy.procs import stop_gracefully
@@ -305,7 +305,7 @@ def codecs(base: TrainConfig, command: str, log=print, sparse_steps: int = 60) -
     out.mkdir(parents=True, exist_ok=True)
     base_up = next(r["bytes_up"] for r in sparse_rows if r["codec"] == "none")
     lines = ["# Codecs on the papers' workloads\n", f"Command: `{command}`\n",
-             f"## Sparse logistic regression (SKCompress/FastSGD workload)\n",
+             "## Sparse logistic regression (SKCompress/FastSGD workload)\n",
              f"Generated KDD-like data: {sparse_rows[0]['features']:,} features with Zipf({sparse_rows[0]['zipf']}) "
              f"frequencies, {sparse_rows[0]['active']} active features per sample, {sparse_rows[0]['samples']:,} "
              f"samples (80/20 split); {base.workers} workers × batch {sparse_rows[0]['batch']}, Adam, "

@@ -21,7 +21,7 @@ from deploy.procs import single_threaded_children
 
 from compression import thc
 from proto.job import JobConfig
-from proto.packing import pack_indices
+from proto.packing import LANE_DTYPES
 
 
 def gradient(seed: int, round_no: int, worker: int, dim: int) -> np.ndarray:
@@ -130,17 +130,14 @@ def reference_digests(job: JobConfig, seed: int, round_no: int, dim: int, report
         payloads = None
     else:
         from worker.client import round_rng
-        cfg = thc.ThcConfig(bits=job.bits, granularity=job.granularity, p=job.p,
-                            lane_bits=job.lane_bits, block_log2=job.block_log2, seed=job.seed)
-        layout = thc.make_layout(dim, cfg.block_log2)
+        cfg = job.thc_config()
         tab = np.asarray(job.table, dtype=np.int64)
         shared = next(r["norms"] for r in reports.values() if r.get("norms") is not None)
         # a rank encodes with the norms it ended up with (its own, if it lost the NORM result)
         norms = [np.asarray(reports[i]["norms"] if i in reports else shared) for i in range(n)]
-        payloads = [tab[thc.encode(grads[i], norms[i], cfg, layout, round_no,
-                                   round_rng(seed, i, round_no).random(layout.padded_dim, dtype=np.float32))]
+        payloads = [tab[thc.WorkerRound(cfg, grads[i]).encode(norms[i], round_rng(seed, i, round_no), round_no)]
                     for i in range(n)]
-    lane = {8: ">u1", 16: ">u2", 32: ">u4"}[job.lane_bits]
+    lane = LANE_DTYPES[job.lane_bits]
     results = []
     total_len = payloads[0].size if payloads is not None else dim
     for c, off in enumerate(range(0, total_len, per)):

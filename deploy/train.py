@@ -11,33 +11,40 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
 from deploy.procs import single_threaded_children
+from proto.job import JobConfig
+
+#: the job's defaults, from the one definition (proto.job.JobConfig)
+_JOB = {f.name: f.default for f in fields(JobConfig)}
 
 
 @dataclass
 class TrainConfig:
+    """A training run: the job's options (named as JobConfig's, `workers` = num_workers; their
+    defaults are JobConfig's) and the training's own."""
+
     workers: int = 4
     epochs: int = 3
-    codec: str = "thc"
-    bits: int = 4
-    granularity: int = 30
-    p: str = "1/32"
-    lane_bits: int = 8
+    codec: str = _JOB["codec"]
+    bits: int = _JOB["bits"]
+    granularity: int = _JOB["granularity"]
+    p: str = _JOB["p"]
+    lane_bits: int = _JOB["lane_bits"]
     model: str = "cnn"
     batch: int = 64
     lr: float = 0.05
     momentum: float = 0.9
     loss: float = 0.0
     loss_policy: str = "retransmit"
-    quorum: float = 1.0
+    quorum: float = _JOB["quorum"]
     straggler_delay_ms: float = 0.0
     straggler_prob: float = 0.0
     sync_every: int = 1
-    seed: int = 0
+    seed: int = _JOB["seed"]
     train_limit: int = 0      # 0: the whole training set
     test_limit: int = 0
     timeout_ms: float = 50.0
@@ -49,6 +56,12 @@ class TrainConfig:
     kill_at_step: int = 0
     restart: bool = False     # ... and is started again: it rejoins at the next model sync
     lease_s: float = 5.0      # the PS this starts
+
+    def job(self) -> JobConfig:
+        """The job this training runs (validated: n·g must fit the lane, ...)."""
+        return JobConfig(num_workers=self.workers, codec=self.codec, bits=self.bits,
+                         granularity=self.granularity, p=self.p, lane_bits=self.lane_bits,
+                         quorum=self.quorum, seed=self.seed)
 
 
 def _evaluate(model, x, y, batch=1000) -> tuple[float, float]:
@@ -89,7 +102,6 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
         model = MODELS[cfg.model]()
         opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
         faults = Faults(drop_out=cfg.loss, drop_in=cfg.loss, seed=cfg.seed)
-        from proto.job import JobConfig
         job = JobConfig.from_msg(job_msg) if job_msg else None
         try:
             t = Transport(shards[0][0], shards[0][1], rank, control_port=shards[0][2],
@@ -169,13 +181,10 @@ def _log_epoch(cfg: TrainConfig, e: dict, log) -> None:
 
 def run(cfg: TrainConfig, log=print) -> dict:
     """Train once with cfg; returns the per-epoch history (rank 0's metrics) and totals."""
-    from proto.job import JobConfig
     from ps_server.server import PSServer
     from worker import data
     data.load("test")   # fail early, with the install hint, if the dataset is missing
-    job = JobConfig(num_workers=cfg.workers, codec=cfg.codec, bits=cfg.bits,
-                    granularity=cfg.granularity, p=cfg.p, lane_bits=cfg.lane_bits,
-                    quorum=cfg.quorum, seed=cfg.seed)
+    job = cfg.job()
     server = None
     if cfg.ps:
         shards = []

@@ -13,9 +13,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from p4.gen_p4 import LANES, PORT, SLOTS
+from p4.gen_p4 import LANES, SLOTS
 from p4.tools import require
 from proto.job import JobConfig
+from ps_server.engine import wait
 
 HERE = Path(__file__).resolve().parent
 REGISTERS = (["active_reg", "round_reg", "count_reg", "bitmap_reg", "offset_reg", "prev_valid_reg",
@@ -203,7 +204,11 @@ class SwitchEngine:
         self.cli.run(reset_commands() + [f"table_clear {ING}.workers", config_command(job, self.ps_mac, nonce)])
         self._entries.clear()
 
-    def register(self, worker_id: int, ip: str, port: int, token: int = 0) -> None:
+    fixed_nonce = None          # the PS draws each job's nonce and the ranks' tokens
+    fixed_tokens: dict = {}
+
+    def register(self, rank: int, ip: str, port: int, token: int = 0) -> None:
+        worker_id = rank
         if ip not in self.topology:
             raise ValueError(f"worker address {ip} is not attached to the switch")
         switch_port, mac = self.topology[ip]
@@ -223,14 +228,16 @@ class SwitchEngine:
         if len(cmds) > 1:
             self.cli.run(cmds[1:])
 
-    def unregister(self, worker_id: int) -> None:
-        handle = self._entries.pop(worker_id, None)
+    def unregister(self, rank: int) -> None:
+        handle = self._entries.pop(rank, None)
         if handle is not None:
             self.cli.run([f"table_delete {ING}.workers {handle}"])
 
+    def process(self, datagram: bytes, addr: tuple) -> list:
+        return []               # the switch aggregates; nothing is answered from here
+
     def serve(self, fd: int, duration_ms: int) -> int:
-        time.sleep(duration_ms / 1e3)
-        return 0
+        return wait(duration_ms)
 
     def stats(self) -> dict:
         return engine_stats(self.cli.events())

@@ -64,7 +64,7 @@ def loss_ruleset(loss: float, port: int = PS_PORT) -> str:
     """nftables ruleset for a worker host: drop THC datagrams to and from the switch's PS
     address with probability `loss` each way (numgen random; this kernel has no netem)."""
     per_million = int(round(loss * 1_000_000))
-    rule = "numgen random mod 1000000 < {} counter drop".format(per_million)
+    rule = f"numgen random mod 1000000 < {per_million} counter drop"
     return ("table inet thcloss {\n"
             f"  chain output {{ type filter hook output priority 0; udp dport {port} {rule}; }}\n"
             f"  chain input {{ type filter hook input priority 0; udp sport {port} {rule}; }}\n"

@@ -46,6 +46,10 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MAGIC = 0x5448
 VERSION = 2
@@ -72,7 +76,7 @@ OP_NAMES = {OP_LOOKUP_SUM: "lookup_sum", OP_FLOAT_SUM: "float_sum", OP_MAX_U32: 
             OP_BLOB: "blob"}
 
 
-def float_to_ordered(values) -> "np.ndarray":
+def float_to_ordered(values) -> np.ndarray:
     """float32 → u32 whose unsigned order is the float order (negative numbers included).
 
     NORM payloads carry this encoding so the PS (or a switch) takes a float maximum with an
@@ -83,7 +87,7 @@ def float_to_ordered(values) -> "np.ndarray":
     return np.where(bits >> 31, ~bits, bits | np.uint32(0x80000000)).astype(np.uint32)
 
 
-def ordered_to_float(codes) -> "np.ndarray":
+def ordered_to_float(codes) -> np.ndarray:
     import numpy as np
     codes = np.asarray(codes, dtype=np.uint32)
     bits = np.where(codes >> 31, codes & np.uint32(0x7FFFFFFF), ~codes).astype(np.uint32)

@@ -119,6 +119,12 @@ class JobConfig:
     def down_payload_len(self, count: int) -> int:
         return count * self.down_bits // 8
 
+    def thc_config(self):
+        """The worker's THC parameters of this job (compression.thc.ThcConfig)."""
+        from compression.thc import ThcConfig
+        return ThcConfig(bits=self.bits, granularity=self.granularity, p=self.p, lane_bits=self.lane_bits,
+                         block_log2=self.block_log2, seed=self.seed)
+
     def to_msg(self) -> dict:
         d = asdict(self)
         d["table"] = list(self.table)
@@ -148,7 +154,7 @@ class JobConfig:
         return out
 
     @classmethod
-    def from_msg(cls, msg: dict) -> "JobConfig":
+    def from_msg(cls, msg: dict) -> JobConfig:
         known = {f for f in cls.__dataclass_fields__}
         unknown = set(msg) - known
         if unknown:

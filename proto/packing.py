@@ -3,12 +3,12 @@
 Index packing (worker → PS): b-bit table indices are packed densely, MSB first.
 Coordinate 0 occupies the most significant bits of byte 0; for b = 4 that is
 the *high nibble* (byte = z[2i]·16 + z[2i+1]), the order of the authors'
-artifact (prior-art §1.3).  A trailing partial byte is padded with zero bits.
+artifact (docs/prior-art.md §1.3).  A trailing partial byte is padded with zero bits.
 
 Lane packing (PS → worker): the sums Y = Σ T[Z] travel as unsigned big-endian
 integers of 8, 16 or 32 bits per coordinate.  A configuration whose worst-case
 sum n·g does not fit the lane is refused before any traffic (paper §6.2,
-prior-art §4.7).
+docs/prior-art.md §4.7).
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-#: The authors' published table for (b=4, g=30, p=1/32) (prior-art §1.4); data, kept
+#: The authors' published table for (b=4, g=30, p=1/32) (docs/prior-art.md §1.4); data, kept
 #: as a fixture to compare objectives against.
 PUBLISHED_4_30_32 = (0, 3, 5, 7, 9, 11, 13, 14, 16, 17, 19, 21, 23, 25, 27, 30)
 

@@ -779,5 +779,32 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
         Py_DECREF(m);
         return NULL;
     }
+    /* the wire contract as this engine compiled it, tested equal to proto.headers and to
+       ps_server.reference's DROP_REASONS and COUNTERS (tests/test_wire.py) */
+    PyObject *drops = PyTuple_New(N_DROPS), *counters = PyTuple_New(N_COUNTERS);
+    if (!drops || !counters) goto fail;
+    for (int i = 0; i < N_DROPS; i++) PyTuple_SET_ITEM(drops, i, PyUnicode_FromString(drop_names[i]));
+    for (int i = 0; i < N_COUNTERS; i++) PyTuple_SET_ITEM(counters, i, PyUnicode_FromString(counter_names[i]));
+    if (PyModule_AddIntConstant(m, "HEADER_SIZE", HDR) < 0 || PyModule_AddIntConstant(m, "MAGIC", MAGIC) < 0
+        || PyModule_AddIntConstant(m, "VERSION", VERSION) < 0
+        || PyModule_AddIntConstant(m, "ROUND_WINDOW", ROUND_WINDOW) < 0
+        || PyModule_AddIntConstant(m, "MAX_WORKERS", MAX_WORKERS) < 0
+        || PyModule_AddIntConstant(m, "DATA", T_DATA) < 0 || PyModule_AddIntConstant(m, "RESULT", T_RESULT) < 0
+        || PyModule_AddIntConstant(m, "STRAGGLER", T_STRAGGLER) < 0
+        || PyModule_AddIntConstant(m, "NORM", T_NORM) < 0
+        || PyModule_AddIntConstant(m, "NORM_RESULT", T_NORM_RESULT) < 0
+        || PyModule_AddIntConstant(m, "F_RESENT", F_RESENT) < 0
+        || PyModule_AddIntConstant(m, "OP_LOOKUP_SUM", OP_LOOKUP_SUM) < 0
+        || PyModule_AddIntConstant(m, "OP_FLOAT_SUM", OP_FLOAT_SUM) < 0
+        || PyModule_AddIntConstant(m, "OP_MAX_U32", OP_MAX_U32) < 0)
+        goto fail;
+    if (PyModule_AddObject(m, "DROP_REASONS", drops) < 0) goto fail;
+    drops = NULL;
+    if (PyModule_AddObject(m, "COUNTERS", counters) < 0) goto fail;
     return m;
+fail:
+    Py_XDECREF(drops);
+    Py_XDECREF(counters);
+    Py_DECREF(m);
+    return NULL;
 }

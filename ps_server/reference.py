@@ -3,7 +3,7 @@
 The C engine (`ps_server/_fastpath.c`) implements exactly the same rules and is
 tested against this class on identical packet sequences.
 
-Per slot (THC paper Pseudocode 1, with SwitchML's loss handling, prior-art §2.1):
+Per slot (THC paper Pseudocode 1, with SwitchML's loss handling, docs/prior-art.md §2.1):
   round, contributor count, worker bitmap, the accumulated lanes, and a kept
   copy of the completed result plus the previous round's result (shadow copy).
 
@@ -34,7 +34,8 @@ import numpy as np
 from proto import blob as B
 from proto import headers as H
 from proto.job import JobConfig
-from proto.packing import unpack_indices
+from proto.packing import LANE_DTYPES, unpack_indices
+from ps_server.engine import serve_by_process
 
 DROP_REASONS = ("malformed", "wrong_version", "unknown_job", "slot_out_of_range",
                 "worker_out_of_range", "unregistered", "stale", "duplicate", "late", "codec_error",
@@ -86,6 +87,8 @@ class Stats:
     def as_dict(self) -> dict:
         return {**self.counters, "drops": dict(self.drops)}
 
+    __call__ = as_dict      # ReferencePS.stats() -> dict, as every engine (ps_server.engine)
+
 
 class ReferencePS:
     """Packet-in, packets-out PS for one job; no sockets (the server shell adds them)."""
@@ -106,17 +109,21 @@ class ReferencePS:
             from compression import registry
             self._codec = registry.get(job.codec, **job.codec_params)
 
-    def register(self, worker_id: int, addr: tuple, token: int = 0) -> None:
-        """Bind worker_id to its source address and registration token (replaces an old one)."""
-        if not 0 <= worker_id < self.job.num_workers:
-            raise ValueError(f"worker id {worker_id} out of range 0..{self.job.num_workers - 1}")
-        self.workers[worker_id] = (addr[0], int(addr[1]))
-        self.tokens[worker_id] = token
+    def register(self, rank: int, ip: str, port: int, token: int = 0) -> None:
+        """Bind a rank to its source address and registration token (replaces an old one)."""
+        if not 0 <= rank < self.job.num_workers:
+            raise ValueError(f"worker id {rank} out of range 0..{self.job.num_workers - 1}")
+        self.workers[rank] = (ip, int(port))
+        self.tokens[rank] = token
 
-    def unregister(self, worker_id: int) -> None:
-        """Forget a worker (it left or its lease expired): its packets are `unregistered`."""
-        self.workers.pop(worker_id, None)
-        self.tokens.pop(worker_id, None)
+    def unregister(self, rank: int) -> None:
+        """Forget a rank (it left or its lease expired): its packets are `unregistered`."""
+        self.workers.pop(rank, None)
+        self.tokens.pop(rank, None)
+
+    def serve(self, fd: int, duration_ms: int) -> int:
+        """The UDP socket `fd` for `duration_ms`, one datagram at a time through `process`."""
+        return serve_by_process(self, fd, duration_ms)
 
     # ------------------------------------------------------------------ helpers
     def _drop(self, reason: str) -> list:
@@ -146,7 +153,7 @@ class ReferencePS:
             return acc.astype(">u4").tobytes()
         if self.job.op == H.OP_FLOAT_SUM:
             return acc.astype(">f4").tobytes()
-        return acc.astype({8: ">u1", 16: ">u2", 32: ">u4"}[self.job.lane_bits]).tobytes()
+        return acc.astype(LANE_DTYPES[self.job.lane_bits]).tobytes()
 
     def _result_packet(self, slot: int, res: _Result, data_type: int, dest: int | None) -> bytes:
         norm = data_type == H.NORM

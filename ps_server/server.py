@@ -34,24 +34,24 @@ import zmq
 from proto import control
 from proto import headers as H
 from proto.job import JobConfig
+from proto.sockets import set_buffer
+from ps_server.engine import Engine, ExternalEngine
 from ps_server.reference import DROP_REASONS, ReferencePS
 
 log = logging.getLogger(__name__)
 
 RCVBUF = 8 << 20
-SO_RCVBUFFORCE, SO_SNDBUFFORCE = 33, 32      # Linux: override rmem_max/wmem_max when root
 DEFAULT_LEASE_S = 5.0
 #: A dead rank may be claimed again this long before barriers give up on it.
 DEFAULT_REJOIN_GRACE_S = 30.0
 JOIN_ROUND = (1 << 31) - 1
 
 
-def make_engine(job: JobConfig, kind="c", nonce: int = 0):
+def make_engine(job: JobConfig, kind: str | ExternalEngine = "c", nonce: int = 0) -> Engine:
     """A fresh aggregation engine for one job: 'c' (hot path), 'python' (reference), or an
-    engine object (e.g. p4.control.SwitchEngine) that is told about the new job."""
+    ExternalEngine (e.g. p4.control.SwitchEngine) that is told about the new job."""
     if not isinstance(kind, str):
-        if hasattr(kind, "start_job"):
-            kind.start_job(job, nonce)
+        kind.start_job(job, nonce)
         return kind
     if kind == "python" or job.blob:   # decode–sum–re-encode codecs run in Python
         return ReferencePS(job, nonce)
@@ -64,17 +64,10 @@ def make_engine(job: JobConfig, kind="c", nonce: int = 0):
                   quorum_count=job.quorum_count, table=list(job.table) or [0], nonce=nonce)
 
 
-def _stats(engine) -> dict:
-    return engine.stats() if callable(getattr(engine, "stats", None)) else engine.stats.as_dict()
-
-
 def udp_socket(bind: tuple) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    for opt, force in ((socket.SO_RCVBUF, SO_RCVBUFFORCE), (socket.SO_SNDBUF, SO_SNDBUFFORCE)):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, force, RCVBUF)
-        except OSError:
-            sock.setsockopt(socket.SOL_SOCKET, opt, RCVBUF)
+    set_buffer(sock, RCVBUF)
+    set_buffer(sock, RCVBUF, send=True)
     sock.bind(bind)
     return sock
 
@@ -151,6 +144,7 @@ class PSServer:
                  max_message: int = control.DEFAULT_MAX_MESSAGE):
         self.fixed_job = job
         self.engine_kind = engine
+        self._external = None if isinstance(engine, str) else engine    # an ExternalEngine
         self.lease_s = lease_s
         self.rejoin_grace_s = rejoin_grace_s
         self.sock = udp_socket(bind)
@@ -175,7 +169,8 @@ class PSServer:
                          "registrations_refused": 0, "control_errors": 0, "leases_expired": 0,
                          "rejoins": 0}
         self.incarnation = secrets.randbits(32)
-        self.log = log or (lambda m: log_info(m))
+        # event lines: to `log` when given (thc ps prints them), else this module's logger
+        self.log = log or _log_event
         if keys is None and bind[0] in ("0.0.0.0", "::", ""):
             self.log("WARNING: control plane bound to every interface WITHOUT keys: anyone who "
                      "reaches it can join or stop jobs. Use --keys DIR (make them with `thc keys DIR`) "
@@ -189,7 +184,8 @@ class PSServer:
     def _start_job(self, config: JobConfig) -> Job:
         self._jobs_started += 1
         # a switch programmed in advance (p4/harness/static_control.py) carries its own nonce
-        nonce = getattr(self.engine_kind, "fixed_nonce", None) or secrets.randbits(32)
+        nonce = self._external.fixed_nonce if self._external else None
+        nonce = nonce or secrets.randbits(32)
         job = Job(self._jobs_started, config, nonce, make_engine(config, self.engine_kind, nonce))
         self._control["jobs_started"] += 1
         self.job = job
@@ -201,7 +197,7 @@ class PSServer:
         job = self.job
         if job is None:
             return
-        _add_stats(self._totals, _stats(job.engine))
+        _add_stats(self._totals, job.engine.stats())
         for r in list(job.members):
             self._unregister(job, r)
         for waiters in ([[w for w, _ in ws] for ws in job.sync_waiters.values()]
@@ -214,9 +210,7 @@ class PSServer:
         self.job = None
 
     def _unregister(self, job: Job, rank: int) -> None:
-        unregister = getattr(job.engine, "unregister", None)
-        if unregister is not None:
-            unregister(rank)
+        job.engine.unregister(rank)
 
     def _check_leases(self) -> None:
         job = self.job
@@ -242,13 +236,12 @@ class PSServer:
         self.sock.settimeout(0.1)
         while not self._stop.is_set():
             job = self.job
-            engine = job.engine if job else None
-            if engine is not None and hasattr(engine, "serve"):
-                engine.serve(fd, 100)
+            if job is not None:
+                job.engine.serve(fd, 100)
                 continue
             try:
                 data, addr = self.sock.recvfrom(65536)
-            except (socket.timeout, BlockingIOError, ConnectionRefusedError):
+            except (TimeoutError, BlockingIOError, ConnectionRefusedError):
                 continue
             except OSError:
                 if self._stop.is_set():
@@ -331,16 +324,12 @@ class PSServer:
                                        f"(heard from {now - old.last_seen:.1f} s ago); pick another "
                                        f"rank, or wait {self.lease_s:g} s after that worker stopped")
         rejoin = old is not None
-        token = getattr(self.engine_kind, "fixed_tokens", {}).get(rank)
+        token = self._external.fixed_tokens.get(rank) if self._external else None
         token = secrets.randbits(32) if token is None else token
         session = secrets.token_bytes(control.SESSION_BYTES)
         m = Member(rank, (ip, port), token, session, now, joining=rejoin)
         job.members[rank] = m
-        eng = job.engine
-        if isinstance(eng, ReferencePS):
-            eng.register(rank, (ip, port), token)
-        else:
-            eng.register(rank, ip, port, token)
+        job.engine.register(rank, ip, port, token)
         self._control["registrations"] += 1
         if rejoin:
             self._control["rejoins"] += 1
@@ -481,7 +470,7 @@ class PSServer:
         time.sleep(0.05)
 
     # ---------------------------------------------------------------- lifecycle
-    def start(self) -> "PSServer":
+    def start(self) -> PSServer:
         for fn in (self._data_loop, self._control_loop):
             t = threading.Thread(target=fn, daemon=True)
             t.start()
@@ -494,7 +483,7 @@ class PSServer:
             total = {"drops": dict(self._totals["drops"])}
             _add_stats(total, {k: v for k, v in self._totals.items() if k != "drops"})
             if self.job is not None:
-                _add_stats(total, _stats(self.job.engine))
+                _add_stats(total, self.job.engine.stats())
                 total["job_number"] = self.job.number
             total.update(self._control)
             return total
@@ -512,8 +501,12 @@ class PSServer:
             self._auth.stop()
 
 
-def log_info(message: str) -> None:
-    log.info(message)
+def _log_event(message: str) -> None:
+    """The default sink of PSServer's event lines: the module logger, WARNING lines as warnings."""
+    if message.startswith("WARNING: "):
+        log.warning(message[len("WARNING: "):])
+    else:
+        log.info(message)
 
 
 # -------------------------------------------------------------------- keys (CURVE)

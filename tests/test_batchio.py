@@ -4,16 +4,14 @@ import socket
 
 import pytest
 
+from proto.sockets import set_buffer
 from worker import _batchio
 
 
 @pytest.fixture
 def pair():
     rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        rx.setsockopt(socket.SOL_SOCKET, 33, 4 << 20)      # SO_RCVBUFFORCE (root)
-    except OSError:
-        rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    set_buffer(rx, 4 << 20)
     rx.bind(("127.0.0.1", 0))
     rx.setblocking(False)
     tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

@@ -57,3 +57,85 @@ def test_experiment_list_errors(capsys, flag, value, message):
     with pytest.raises(SystemExit):
         main(["experiment", "bandwidth", flag, value])
     assert message in capsys.readouterr().err
+
+
+def _subcommands(parser):
+    import argparse
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield name, sub
+                for inner, subsub in _subcommands(sub):
+                    yield f"{name} {inner}", subsub
+
+
+def test_every_option_has_help_and_no_hand_typed_default():
+    """Every option of every subcommand (but `p4`, which has its own owner) says what it is;
+    defaults come from the formatter, so no help text spells one out that could go stale."""
+    import re
+
+    from deploy.cli import build_parser
+    seen = 0
+    for name, sub in _subcommands(build_parser()):
+        if name.split()[0] == "p4":
+            continue
+        for action in sub._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            seen += 1
+            assert action.help, f"thc {name} {action.option_strings[0]} has no help"
+            if action.default is not None:
+                assert not re.search(r"\(default", action.help), (name, action.option_strings[0])
+    assert seen > 80
+
+
+def test_job_options_are_declared_once_and_shared():
+    """--workers/--bits/--granularity/--p/--lane-bits/--quorum/--seed come from one table with
+    one help text each; the commands differ only in their defaults."""
+    from deploy.cli import JOB_OPTIONS, build_parser
+    subs = dict(_subcommands(build_parser()))
+    for cmd in ("ps", "launch", "train", "nmse", "experiment", "worker"):
+        for action in subs[cmd]._actions:
+            opt = action.option_strings[0][2:] if action.option_strings else None
+            if opt in JOB_OPTIONS:
+                assert action.help.startswith(JOB_OPTIONS[opt]["help"]) or cmd in ("ps", "experiment"), (cmd, opt)
+    args = build_parser().parse_args(["nmse"])
+    assert (args.workers, args.bits, args.granularity, args.seed) == (2, 4, 30, 0)
+    args = build_parser().parse_args(["launch"])
+    assert (args.workers, args.lane_bits, args.quorum) == (4, 8, 1.0)
+    args = build_parser().parse_args(["worker", "--ps", "127.0.0.1:9000", "--bits", "3"])
+    assert (args.workers, args.bits, args.granularity, args.lane_bits, args.quorum) == (None, 3, None, None, None)
+
+
+def test_loss_policy_choices_are_the_transports():
+    from deploy.cli import build_parser
+    from worker.transport import POLICIES
+    subs = dict(_subcommands(build_parser()))
+    for cmd in ("train", "launch", "worker"):
+        action = next(a for a in subs[cmd]._actions if "--loss-policy" in a.option_strings)
+        assert tuple(action.choices) == POLICIES and action.default == POLICIES[0]
+
+
+def test_version_and_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("thc ")
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "codecs", "--loss", "0.1"])          # `thc bench codecs` has no --loss
+    assert exc.value.code == 2 and "--loss" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["--log-level", "loud", "table"])
+    assert exc.value.code == 2
+
+
+def test_log_level_reaches_the_loggers(capsys):
+    import logging
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    root.handlers[:] = []
+    try:
+        assert main(["--log-level", "debug", "table", "--bits", "2", "--granularity", "3"]) == 0
+        assert logging.getLogger("ps_server.server").isEnabledFor(logging.DEBUG)
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])

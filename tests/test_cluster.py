@@ -1,7 +1,6 @@
 """A real PS and 4 worker processes on loopback: every round exact under loss and stragglers."""
 import socket
 
-import numpy as np
 import pytest
 import zmq
 

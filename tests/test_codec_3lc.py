@@ -1,8 +1,8 @@
-"""3LC: the spec's acceptance checks (shared/specs/3lc.md §7) plus framing and codec behaviour.
+"""3LC: the acceptance checks of docs/codec-3lc.md (note 7) plus framing and codec behaviour.
 
-Byte vectors are the spec's worked examples (§2.5, §2.6, §7.1, §7.4, §7.6, §7.10); the
+Byte vectors are worked examples (docs/codec-3lc.md notes 2.5, 2.6, 7.1, 7.4, 7.6, 7.10); the
 consecutive-layout vector is worked by hand in its test. Size expectations (§7.13–7.15) use
-the spec's ±2% (or stated) tolerances.
+±2% (or stated) tolerances.
 """
 import math
 
@@ -28,7 +28,7 @@ def clipped_gaussian(n=10**6, seed=0):
 
 
 def serial_zre(b):
-    """The paper's serial ZRE (§3.3) with greedy 14-chunks (spec A6), written as a plain loop."""
+    """The paper's serial ZRE (§3.3) with greedy 14-chunks (docs/codec-3lc.md A6), written as a plain loop."""
     out, i = [], 0
     while i < len(b):
         if b[i] != 121:
@@ -179,7 +179,7 @@ def test_quantizer_is_ternary_with_threshold_and_exact_magnitudes(s):
 
 
 def test_rounding_ties_go_to_even():
-    # A = [2, 1, −1] at s = 1: m = 2, A/m = [1, 0.5, −0.5] → rint → [1, 0, 0] (spec A1)
+    # A = [2, 1, −1] at s = 1: m = 2, A/m = [1, 0.5, −0.5] → rint → [1, 0, 0] (docs/codec-3lc.md A1)
     q, m, e = T.quantize(np.array([2.0, 1.0, -1.0], np.float32), None, 1.0)
     assert q.tolist() == [1, 0, 0] and m == 2.0 and e.tolist() == [0.0, 1.0, -1.0]
 
@@ -245,7 +245,7 @@ def test_residual_bound_every_step(s):
         big = float(np.abs(a).max())
         assert np.abs(e).max() <= s * big / 2 * (1 + 1e-6) + 1e-6
         ratios.append(float(np.abs(e).max()) / big)
-    assert s / 2 - 5e-3 <= max(ratios) <= s / 2 * (1 + 1e-6)        # spec §7.11: 0.5, 0.75, 0.875, 0.95
+    assert s / 2 - 5e-3 <= max(ratios) <= s / 2 * (1 + 1e-6)        # docs/codec-3lc.md note 7.11: 0.5, 0.75, 0.875, 0.95
 
 
 @pytest.mark.parametrize("s", [1.0, 1.5, 1.9])
@@ -259,7 +259,7 @@ def test_error_feedback_telescopes(s):
         total += x
         sent += codec.decode(codec.encode(x, st, None, c), c)
     gap = np.abs(total - sent - st["e"]).max()
-    assert gap <= 1e-5 * 40 * 5                                    # spec §7.12, max|x| ≈ 5
+    assert gap <= 1e-5 * 40 * 5                                    # docs/codec-3lc.md note 7.12, max|x| ≈ 5
     assert np.abs(total - sent).max() > 0.1                        # the residual really carries mass
 
 
@@ -314,7 +314,7 @@ def test_error_feedback_steady_state_bits():
         stats = T.message_stats(codec.encode(rng.standard_normal(10**6).astype(np.float32), st, None, c))
         bits.append(stats["payload_bits"])
         nz.append(stats["nonzero_fraction"])
-    steady = bits[10:]                                             # spec §7.15: ≈1.0 bits, 0.7–1.2 per step
+    steady = bits[10:]                                             # docs/codec-3lc.md note 7.15: ≈1.0 bits, 0.7–1.2 per step
     assert 0.85 <= np.mean(steady) <= 1.15 and 0.6 <= min(steady) and max(steady) <= 1.3
     assert 0.08 <= np.mean(nz[10:]) <= 0.11
 

@@ -1,5 +1,5 @@
-"""CASQ (specs/casq.md): wire layout byte-exact against a pure-Python reference, the projection
-invariants and acceptance checks of spec §8, error feedback, the PS round, rejections."""
+"""CASQ (docs/codec-casq.md): wire layout byte-exact against a pure-Python reference, the projection
+invariants and acceptance checks of docs/codec-casq.md note 8, error feedback, the PS round, rejections."""
 import struct
 import zlib
 
@@ -10,7 +10,7 @@ from compression import casq as C
 from compression import registry
 from compression.codec import CodecError, Context, run_round
 
-LLOYD_MAX = {"normal": (0.3634, 0.1175, 0.03455), "laplace": (0.5, 0.1765, 0.0548)}   # spec §8 table
+LLOYD_MAX = {"normal": (0.3634, 0.1175, 0.03455), "laplace": (0.5, 0.1765, 0.0548)}   # docs/codec-casq.md note 8 table
 
 
 def draw(dist, n, seed):
@@ -19,7 +19,7 @@ def draw(dist, n, seed):
         return rng.standard_normal(n).astype(np.float32)
     if dist == "laplace":
         return rng.laplace(0, 1, n).astype(np.float32)
-    if dist == "lognormal":                          # signed lognormal σ = 1.5 (spec §8)
+    if dist == "lognormal":                          # signed lognormal σ = 1.5 (docs/codec-casq.md note 8)
         return (rng.choice([-1, 1], n) * rng.lognormal(0, 1.5, n)).astype(np.float32)
     raise ValueError(dist)
 
@@ -46,7 +46,7 @@ def py_fmix32(h):
     return h ^ (h >> 16)
 
 
-# ------------------------------------------------------------------------ wire format (spec §5)
+# ------------------------------------------------------------------------ wire format (docs/codec-casq.md note 5)
 
 def test_fmix32_matches_python_reference():
     vals = [0, 1, 2, 0x7FFFFFFF, 0xFFFFFFFF, 123456789, 0xDEADBEEF]
@@ -100,7 +100,7 @@ def test_full_message_byte_exact_against_python_reference():
     assert len(payload) == C.message_size(10, 1, [5, 5]) == 11 + 8 + 2 + 40
 
 
-# -------------------------------------------------------------- invariants (spec §3.8, §8.1–8.7)
+# -------------------------------------------------------------- invariants (docs/codec-casq.md note 3.8, note 8.1–8.7)
 
 @pytest.mark.parametrize("bits", [1, 2, 3])
 @pytest.mark.parametrize("dist", ["laplace", "lognormal"])
@@ -174,7 +174,7 @@ def test_determinism_and_server_sees_what_the_worker_subtracted():
     assert p3[7:11] != p1[7:11] and p3 != p1
 
 
-# ------------------------------------------------------------------------- bits (spec §5, §8.8)
+# ------------------------------------------------------------------------- bits (docs/codec-casq.md note 5, note 8.8)
 
 @pytest.mark.parametrize("bits", [2, 3])
 def test_message_size_and_bits_per_coordinate(bits):
@@ -187,7 +187,7 @@ def test_message_size_and_bits_per_coordinate(bits):
     assert C.bits_per_coordinate(p) == pytest.approx(bits + 0.16, abs=0.01)
 
 
-# ---------------------------------------------------------------- statistical checks (spec §8)
+# ---------------------------------------------------------------- statistical checks (docs/codec-casq.md note 8)
 
 @pytest.mark.parametrize("dist", ["normal", "laplace"])
 def test_nmse_at_lloyd_max(dist):

@@ -1,6 +1,6 @@
-"""FastSGD: the spec's vectors (shared/specs/fastsgd.md §6), §3 properties, and the PS path.
+"""FastSGD: worked vectors (docs/codec-fastsgd.md note 6), note 3's properties, and the PS path.
 
-Expected bytes come from the paper's worked examples and the spec's layout (§2.1). An independent
+Expected bytes come from the paper's worked examples and the layout of docs/codec-fastsgd.md note 2.1. An independent
 string-based reference encoder below cross-checks the vectorised key packer.
 """
 import math
@@ -14,11 +14,11 @@ from compression import fastsgd as F
 from compression import registry
 from compression.codec import CodecError, Context, run_round
 
-SPEC_HEAD = struct.Struct("<BBBBIfd")       # spec §2.1: tag, l, M, tau-1, d, S, b
+SPEC_HEAD = struct.Struct("<BBBBIfd")       # docs/codec-fastsgd.md note 2.1: tag, l, M, tau-1, d, S, b
 
 
 def ref_key_bits(keys, l, base=0) -> str:
-    """Alg. 2 in plain Python over '0'/'1' strings (spec §1.4 rules A4, A5)."""
+    """Alg. 2 in plain Python over '0'/'1' strings (docs/codec-fastsgd.md note 1.4 rules A4, A5)."""
     delta = [k - p for p, k in zip([base] + list(keys[:-1]), keys)]
     m = max(1, max(delta).bit_length())
     w = [-(-i * m // (1 << l)) for i in range(1, (1 << l) + 1)]
@@ -34,7 +34,7 @@ def to_bytes(bitstr: str) -> bytes:
     return bytes(int(bitstr[i:i + 8], 2) for i in range(0, len(bitstr), 8))
 
 
-# ----------------------------------------------------------------------------- spec vectors
+# ----------------------------------------------------------------------------- worked vectors
 
 def test_fig2_vector_whole_message():
     """§6 item 1: b = 2, keys [0, 1], values [1.0, −5.1] → L = [3, 1], value bytes 02 80."""
@@ -95,7 +95,7 @@ def test_key_stream_matches_reference_and_round_trips(keys, l):
 
 def test_random_key_sets_match_reference():
     rng = np.random.default_rng(11)
-    for trial in range(20):
+    for _ in range(20):
         d = int(rng.integers(1, 400))
         hi = int(rng.choice([d + 1, 10**4, 10**6, 2**32]))
         keys = np.sort(rng.choice(hi, d, replace=False)).tolist()
@@ -164,7 +164,7 @@ def test_codes_are_the_exact_ceiling_at_ties():
 
 
 def test_value_table_rounds_toward_zero():
-    """The float32 cast never exceeds the float64 S·b^−L and stays within one ulp of it (spec §3 prop. 3)."""
+    """The float32 cast never exceeds the float64 S·b^−L and stays within one ulp of it (docs/codec-fastsgd.md note 3 prop. 3)."""
     rng = np.random.default_rng(10)
     codes = np.arange(128, dtype=np.uint8)
     for _ in range(50):
@@ -249,7 +249,7 @@ def test_scale_invariance_and_determinism():
 
 
 def test_exact_size_and_zero_padding():
-    """Property 8: len = H + d + ⌈Σ(l + w_cls)/8⌉ with the widths recomputed from the spec."""
+    """Property 8: len = H + d + ⌈Σ(l + w_cls)/8⌉ with the widths recomputed from note 1.4."""
     rng = np.random.default_rng(3)
     for l in (1, 2, 3):
         keys = np.sort(rng.choice(55_000_000, 30000, replace=False))
@@ -282,7 +282,7 @@ def test_compression_magnitude_gaussian_in_kdd12_sized_model():
     keys = np.sort(rng.choice(dm, D, replace=False))
     msg = F.encode(keys, rng.standard_normal(D).astype(np.float32))
     st = F.message_stats(msg, D, dm)
-    assert 30 <= st["d"] <= 100                   # E[d] ≈ 60 (spec §2.2)
+    assert 30 <= st["d"] <= 100                   # E[d] ≈ 60 (docs/codec-fastsgd.md note 2.2)
     assert 5e3 <= st["cr_kv"] < 1e5
     assert st["cr_payload"] == pytest.approx(64 * D / (8 * st["d"] + st["bits_per_key"] * st["d"]))
 
@@ -420,7 +420,7 @@ def test_registry_defaults_and_statelessness():
     state = codec.new_state()
     first = codec.encode(x, state, None, ctx)
     assert state == {} and codec.encode(x, state, None, ctx) == first
-    assert registry.get("fastsgd").encode(x, {}, None, ctx) == first       # spec §6 item 12
+    assert registry.get("fastsgd").encode(x, {}, None, ctx) == first       # docs/codec-fastsgd.md note 6 item 12
     mag = np.abs(x.astype(np.float64))
     thr = float(np.float32(mag.sum())) / 1.1 ** 128
     np.testing.assert_array_equal(np.flatnonzero(codec.decode(first, ctx)), np.flatnonzero(mag >= thr))
@@ -493,7 +493,7 @@ def test_codec_rejects_inconsistent_payloads():
 
 
 def test_error_feedback_extension_telescopes_per_tensor():
-    """Extension (spec §1.7, off by default): Σ_t ĝ_t + e_T = Σ_t g_t, with state kept per tensor."""
+    """Extension (docs/codec-fastsgd.md note 1.7, off by default): Σ_t ĝ_t + e_T = Σ_t g_t, with state kept per tensor."""
     codec = F.FastSGDCodec(b=1.05, tau=64, error_feedback=True)        # harsh filter: ≤ 22 kept
     rng = np.random.default_rng(7)
     dims = {"a": 3000, "b": 500}
@@ -507,7 +507,7 @@ def test_error_feedback_extension_telescopes_per_tensor():
             sent[key] += codec.decode(codec.encode(g, states[key], None, ctx), ctx)
             total[key] += g
     for key in dims:
-        np.testing.assert_allclose(sent[key] + states[key]["residual"], total[key], rtol=0, atol=1e-9)
+        np.testing.assert_allclose(sent[key] + states[key]["e"], total[key], rtol=0, atol=1e-9)
     # a tensor's stream with its own state alone reproduces the same residual
     rng = np.random.default_rng(7)
     solo = codec.new_state()
@@ -516,4 +516,4 @@ def test_error_feedback_extension_telescopes_per_tensor():
             g = rng.standard_normal(n).astype(np.float32)
             if key == "b":
                 codec.encode(g, solo, None, Context(key, n, t))
-    np.testing.assert_array_equal(solo["residual"], states["b"]["residual"])
+    np.testing.assert_array_equal(solo["e"], states["b"]["e"])

@@ -1,4 +1,4 @@
-"""SKCompress: the spec's golden vectors and acceptance checks (shared/specs/skcompress.md)."""
+"""SKCompress: golden vectors and acceptance checks (docs/codec-skcompress.md)."""
 import numpy as np
 import pytest
 

@@ -1,6 +1,5 @@
 """The fused worker kernels (compression/_kernels.c): AVX2 and scalar paths bit for bit, the
 fused encode/decode against the separate passes they replace, and identity across processes."""
-import hashlib
 import os
 import subprocess
 import sys
@@ -200,7 +199,7 @@ def test_worker_lanes_decode_equals_per_chunk_average(case):
     norms = rng.random(len(layout.starts)) * 50
     chunks = [(off, min(per, total - off), b"") for off in range(0, total, per)]
     results = []
-    for i, (off, count, _) in enumerate(chunks):
+    for i, (_, count, _) in enumerate(chunks):
         k = int(rng.integers(1, 5)) if case == "mixed_k" else 3
         if case == "lost" and i % 3 == 1:
             results.append(None)

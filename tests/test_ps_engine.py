@@ -99,11 +99,8 @@ def sequence(job, seed, length=3000):
 
 
 def register_all(engine):
-    for i, a in enumerate(ADDRS):
-        if isinstance(engine, ReferencePS):
-            engine.register(i, a, TOKENS[i])
-        else:
-            engine.register(i, a[0], a[1], TOKENS[i])
+    for i, (ip, port) in enumerate(ADDRS):
+        engine.register(i, ip, port, TOKENS[i])
 
 
 def run(engine, seq):
@@ -121,7 +118,7 @@ def test_c_engine_matches_reference(codec, quorum, lane_bits, bits, g):
     ref, fast = engines_for(job)
     out_ref, out_c = run(ref, seq), run(fast, seq)
     assert out_ref == out_c, f"sequence seed {seed}"
-    assert ref.stats.as_dict() == fast.stats(), f"sequence seed {seed}"
+    assert ref.stats() == fast.stats(), f"sequence seed {seed}"
     s = fast.stats()
     assert s["rounds_completed"] > 20 and s["stragglers_notified"] > 0 and s["results_resent"] > 0
     assert all(s["drops"][k] > 0 for k in ("malformed", "wrong_version", "unknown_job",
@@ -213,7 +210,7 @@ def test_random_bytes_never_crash_and_engines_agree(codec):
         seq.append((bytes(b), ADDRS[int(rng.integers(0, 4))]))
     engines = [ReferencePS(job, NONCE)] + ([make_engine(job, "c", NONCE)] if not job.blob else [])
     outs = [run(e, seq) for e in engines]
-    stats = [e.stats.as_dict() if isinstance(e, ReferencePS) else e.stats() for e in engines]
+    stats = [e.stats() for e in engines]
     assert all(o == outs[0] for o in outs) and all(s == stats[0] for s in stats)
     s = stats[0]
     answered = sum(len(o) for o in outs[0])
@@ -230,7 +227,7 @@ def test_job_identity_and_round_window(kind):
     e = make_engine(job, kind, NONCE)
     register_all(e)
     rng = np.random.default_rng(5)
-    stats = (lambda: e.stats.as_dict()) if kind == "python" else e.stats
+    stats = e.stats
 
     def pkt(w, rnd, nonce=NONCE, token=None):
         b = bytearray(data_packet(job, rng, w, 1, rnd))
@@ -253,3 +250,52 @@ def test_job_identity_and_round_window(kind):
     e.unregister(2)                                                        # left, or lease expired
     assert e.process(pkt(2, 2 + H.ROUND_WINDOW), ADDRS[2]) == []
     assert stats()["drops"]["unregistered"] == 2
+
+
+def test_c_engine_constants_are_the_wire_contract():
+    """The C engine's compiled-in header size, magic, version, type and op codes, round window
+    and counter/drop names equal proto.headers and the reference's tables."""
+    from ps_server import _fastpath as C
+    from ps_server.reference import COUNTERS, DROP_REASONS
+    for name in ("HEADER_SIZE", "MAGIC", "VERSION", "ROUND_WINDOW", "MAX_WORKERS", "DATA", "RESULT",
+                 "STRAGGLER", "NORM", "NORM_RESULT", "F_RESENT", "OP_LOOKUP_SUM", "OP_FLOAT_SUM",
+                 "OP_MAX_U32"):
+        assert getattr(C, name) == getattr(H, name), name
+    assert C.HEADER_SIZE == 40
+    assert C.DROP_REASONS == DROP_REASONS and C.COUNTERS == COUNTERS
+    e = make_engine(job_for(), "c", NONCE)
+    assert set(e.stats()["drops"]) == set(DROP_REASONS)
+
+
+@pytest.mark.parametrize("kind", ["c", "python"])
+def test_engines_share_one_protocol(kind):
+    """Both software engines are ps_server.engine.Engine: register/unregister by (rank, ip,
+    port, token), stats() as a dict; an unregistered rank's packets are dropped as such."""
+    from ps_server.engine import Engine
+    job = job_for()
+    e = make_engine(job, kind, NONCE)
+    assert isinstance(e, Engine)
+    register_all(e)
+    rng = np.random.default_rng(9)
+    e.unregister(2)
+    assert e.process(data_packet(job, rng, 2, 1, 1), ADDRS[2]) == []
+    st = e.stats()
+    assert isinstance(st, dict) and st["drops"]["unregistered"] == 1 and st["packets_in"] == 1
+
+
+def test_switch_engines_follow_the_protocol():
+    """The switch engines have the same signatures (checked without bmv2: no switch is run)."""
+    import inspect
+
+    from p4.control import SwitchEngine
+    from p4.harness.static_control import StaticEngine
+    from ps_server.engine import Engine, ExternalEngine
+    for cls in (SwitchEngine, StaticEngine, ReferencePS):
+        # ReferencePS.stats is its Stats object, callable: checked on instances above
+        for name in ("register", "unregister", "process", "serve") + (("stats",) * (cls is not ReferencePS)):
+            want = list(inspect.signature(getattr(Engine, name)).parameters)
+            assert list(inspect.signature(getattr(cls, name)).parameters) == want, (cls, name)
+    static = StaticEngine({0: ("10.0.0.1", 5000, 7)}, nonce=3)
+    assert isinstance(static, ExternalEngine) and static.fixed_tokens == {0: 7}
+    with pytest.raises(ValueError, match="not the address"):
+        static.register(0, "10.0.0.2", 5000, 7)

@@ -13,7 +13,6 @@ import zmq
 
 from deploy.launch import run_launch
 from proto import control
-from proto import headers as H
 from proto.job import JobConfig
 from ps_server.server import PSServer
 from worker.client import Worker

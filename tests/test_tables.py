@@ -42,7 +42,7 @@ def test_published_table_is_not_better():
     ours = solve_table(4, 30, "1/32")
     published = objective(PUBLISHED_4_30_32, 30, "1/32")
     assert ours.objective <= published
-    # The exact optimum for this configuration is asymmetric and about 0.09% lower (prior-art §1.5).
+    # The exact optimum for this configuration is asymmetric and about 0.09% lower (docs/prior-art.md §1.5).
     assert 0.0005 < (published - ours.objective) / published < 0.002
 
 

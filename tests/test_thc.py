@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from compression import nmse, thc
+from compression.codec import ErrorFeedback
 from proto.packing import LaneOverflowError
 from proto.tables import lower_interval_index
 
@@ -65,16 +66,17 @@ def test_error_feedback_telescopes():
     cfg = thc.ThcConfig(seed=1)
     rng = np.random.default_rng(2)
     layout = thc.make_layout(3000)
-    err = np.zeros(3000, np.float32)
+    memory = ErrorFeedback()
     sent, total = np.zeros(3000), np.zeros(3000)
     for r in range(5):
         g = rng.lognormal(0, 1, 3000).astype(np.float32)
         total += g
-        x = g + err
-        norms = thc.block_norms(x, layout)
-        out = thc.compress_with_feedback(g, err, norms, cfg, layout, r, rng.random(layout.padded_dim, dtype=np.float32))
-        sent += thc.decode(thc.lookup_sum([out.indices], cfg.table.values), 1, norms, cfg, layout, r)
-        err = out.error
+        rnd = thc.WorkerRound(cfg, g, memory, "g")
+        norms = rnd.norms()
+        z = rnd.encode(norms, rng, r)
+        sent += thc.decode(thc.lookup_sum([z], cfg.table.values), 1, norms, cfg, layout, r)
+        rnd.feedback()
+    err = memory.errors["g"]
     # Σ decoded + final error == Σ gradients: nothing is lost, clamping included.
     assert np.allclose(sent + err, total, atol=1e-3)
     assert np.abs(err).max() > 0

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from compression import thc
+from compression.codec import ErrorFeedback
 from proto import headers as H
 from proto.packing import unpack_lanes
 from worker.transport import Transport
@@ -84,11 +85,9 @@ class Worker:
         self.job = transport.job
         self.cfg = None
         if self.job.codec == "thc":
-            self.cfg = thc.ThcConfig(bits=self.job.bits, granularity=self.job.granularity, p=self.job.p,
-                                     lane_bits=self.job.lane_bits, block_log2=self.job.block_log2,
-                                     seed=self.job.seed)
+            self.cfg = self.job.thc_config()
         self.error_feedback = error_feedback
-        self.errors = thc.ErrorFeedback()
+        self.errors = ErrorFeedback()
         self.codec = None
         self.codec_states: dict = {}
         if self.job.blob:
@@ -199,13 +198,11 @@ class Worker:
 
     def _thc_round(self, grad: np.ndarray, key: str, rn: int, report: RoundReport) -> np.ndarray:
         cfg, job = self.cfg, self.job
-        layout = thc.make_layout(grad.size, cfg.block_log2)
-        err = self.errors.get(key, grad) if self.error_feedback else None
-        x = grad + err if err is not None else grad
-        norms = self._exchange_norms(thc.block_norms(x, layout))
+        rnd = thc.WorkerRound(cfg, grad, self.errors if self.error_feedback else None, key)
+        layout = rnd.layout
+        norms = self._exchange_norms(rnd.norms())
         report.norms = norms.tolist()
-        packed = thc.encode_packed(x, norms, cfg, layout, rn,
-                                   self.round_rng(rn).random(layout.padded_dim, dtype=np.float32))
+        packed = rnd.encode(norms, self.round_rng(rn), rn, packed=True)
         chunks = self._chunks(packed.tobytes(), layout.padded_dim, cfg.bits)
         report.bytes_up = sum(len(c[2]) + H.HEADER_SIZE for c in chunks)
         self._maybe_straggle()
@@ -213,13 +210,10 @@ class Worker:
         self._collect(results, report)
         whole = joined_lanes(chunks, results, layout.padded_dim, job.lane_bits)
         if whole is not None:       # every chunk back, one k: lanes → Y/k inside the fused decode
-            est = thc.decode_lanes(whole[0], whole[1], norms, cfg, layout, rn)
+            est = rnd.decode_lanes(whole[0], whole[1])
         else:
-            y_avg = average_lanes(chunks, results, layout.padded_dim, cfg.granularity, job.lane_bits)
-            est = thc.decode(y_avg, 1, norms, cfg, layout, rn)
-        if self.error_feedback:
-            own = thc.decode_own(packed, norms, cfg, layout, rn, packed=True)
-            self.errors.put(key, np.subtract(x, own, out=own))     # e = x − RHT⁻¹(X), no new vector
+            est = rnd.decode(average_lanes(chunks, results, layout.padded_dim, cfg.granularity, job.lane_bits))
+        rnd.feedback()
         return est
 
     def _blob_round(self, arr: np.ndarray, key: str, report: RoundReport) -> np.ndarray:

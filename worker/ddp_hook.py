@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from compression import thc
+from compression.codec import ErrorFeedback
 
 
 class THCHookState:
@@ -35,7 +36,7 @@ class THCHookState:
         self.cfg.check_workers(world_size)
         self.world_size, self.rank = world_size, rank
         self.rng = np.random.default_rng(np.random.SeedSequence([seed, rank]))
-        self.errors = thc.ErrorFeedback()
+        self.errors = ErrorFeedback()
         self.round_no = 0
         self.error_feedback = error_feedback
         self.process_group = process_group
@@ -50,20 +51,15 @@ def allreduce_thc(state: THCHookState, flat: torch.Tensor, key) -> torch.Tensor:
     """Average of `flat` over the ranks by one THC round over torch.distributed."""
     cfg, pg = state.cfg, state.process_group
     grad = flat.detach().cpu().numpy().astype(np.float32).ravel()
-    layout = thc.make_layout(grad.size, cfg.block_log2)
-    err = state.errors.get(key, grad) if state.error_feedback else None
-    x = grad + err if err is not None else grad
-    norms = torch.from_numpy(thc.block_norms(x, layout).astype(np.float32))
+    rnd = thc.WorkerRound(cfg, grad, state.errors if state.error_feedback else None, key)
+    norms = torch.from_numpy(rnd.norms().astype(np.float32))
     dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=pg)            # preliminary stage
-    max_norms = norms.numpy().astype(np.float64)
     rn = state.round_no
-    z = thc.encode(x, max_norms, cfg, layout, rn, state.rng.random(layout.padded_dim, dtype=np.float32))
+    z = rnd.encode(norms.numpy().astype(np.float64), state.rng, rn)
     values = torch.from_numpy(np.asarray(cfg.table.values, dtype=np.int64)[z]).to(_lane_dtype(cfg.lane_bits))
     dist.all_reduce(values, op=dist.ReduceOp.SUM, group=pg)          # homomorphic sum of T[Z]
-    y_avg = (values.numpy().astype(np.int64) / state.world_size).astype(np.float32)
-    est = thc.decode(y_avg, 1, max_norms, cfg, layout, rn)
-    if state.error_feedback:
-        state.errors.put(key, x - thc.decode_own(z, max_norms, cfg, layout, rn))
+    est = rnd.decode((values.numpy().astype(np.int64) / state.world_size).astype(np.float32))
+    rnd.feedback()
     state.round_no = rn + 1
     return torch.from_numpy(est).to(flat.dtype).view_as(flat)
 

@@ -5,7 +5,7 @@ chunk.  Chunk c of a phase uses slot base + (c mod slots); every use of a slot
 increments that slot's round, identically in every worker (they all issue the
 same sequence of phases), so round numbers never need agreeing on.
 
-Loss handling (THC §6.1 and SwitchML, prior-art §2.1):
+Loss handling (THC §6.1 and SwitchML, docs/prior-art.md §2.1):
   retransmit  resend after a timeout with exponential backoff; the PS answers a
               resend of a completed chunk with its kept result; nothing is lost
               (default).  After `max_retries` the PS is declared unreachable.
@@ -38,6 +38,7 @@ from proto import blob as B
 from proto import control
 from proto import headers as H
 from proto.job import JobConfig
+from proto.sockets import set_buffer
 
 try:
     from worker import _batchio      # sendmmsg/recvmmsg, built by `pip install`
@@ -149,10 +150,7 @@ class Transport:
         self._by_addr = {a: i for i, a in enumerate(self.shard_addrs)}
         self.ps = self.shard_addrs[0]
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            self.sock.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)   # SO_RCVBUFFORCE (root)
-        except OSError:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        set_buffer(self.sock, 8 << 20)
         self.sock.bind((local_ip_towards(*self.shard_addrs[0]), bind_port))
         self.sock.setblocking(False)
         self._ctx = zmq.Context.instance()

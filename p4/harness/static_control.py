@@ -7,9 +7,9 @@ barriers and stats; the data plane is the switch.  `python -m p4.harness.static_
 from __future__ import annotations
 
 import argparse
-import time
 
 from p4.control import switch_job
+from ps_server.engine import wait
 from ps_server.server import PSServer
 
 
@@ -22,13 +22,21 @@ class StaticEngine:
         self.fixed_tokens = {w: token for w, (_, _, token) in expected.items()}
         self.fixed_nonce = nonce
 
-    def register(self, worker_id: int, ip: str, port: int, token: int = 0) -> None:
-        if self.expected.get(worker_id) != (ip, port):
-            raise ValueError(f"worker {worker_id} at {ip}:{port} is not the address the switch expects")
+    def start_job(self, job, nonce: int) -> None:
+        """The switch was programmed for the job before it started: nothing to do."""
+
+    def register(self, rank: int, ip: str, port: int, token: int = 0) -> None:
+        if self.expected.get(rank) != (ip, port):
+            raise ValueError(f"worker {rank} at {ip}:{port} is not the address the switch expects")
+
+    def unregister(self, rank: int) -> None:
+        """The switch's workers table is fixed: a rank that left keeps its entry."""
+
+    def process(self, datagram: bytes, addr: tuple) -> list:
+        return []
 
     def serve(self, fd: int, duration_ms: int) -> int:
-        time.sleep(duration_ms / 1e3)
-        return 0
+        return wait(duration_ms)
 
     def stats(self) -> dict:
         return {"engine": "bmv2 (counters read by the harness)"}

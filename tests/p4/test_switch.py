@@ -34,7 +34,7 @@ def make_switch(thc_json, job):
 def reference(job):
     ps = ReferencePS(job, NONCE)
     for w in WORKERS:
-        ps.register(w.worker_id, (w.ip, w.udp_port), TOKENS[w.worker_id])
+        ps.register(w.worker_id, w.ip, w.udp_port, TOKENS[w.worker_id])
     return ps
 
 

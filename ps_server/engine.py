@@ -1,0 +1,87 @@
+"""The aggregation engine protocol: what the PS process (ps_server/server.py) needs of the
+thing that aggregates one job's packets.
+
+Four implementations, one signature each:
+
+- ``ps_server.reference.ReferencePS``: the executable specification, in Python;
+- ``ps_server._fastpath.Engine``: the C hot path (recvmmsg/sendmmsg, GIL released);
+- ``p4.control.SwitchEngine``: programs a bmv2 switch, which aggregates;
+- ``p4.harness.static_control.StaticEngine``: a switch programmed in advance.
+
+The PS owns the UDP socket and hands its descriptor to ``serve``; ``process`` is the same
+step for one datagram, without a socket (the differential tests drive it directly).  The
+two switch engines aggregate in the switch: their ``serve`` only waits and their
+``process`` answers nothing.
+"""
+from __future__ import annotations
+
+import os
+import select
+import socket
+import time
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """One job's aggregation engine."""
+
+    def register(self, rank: int, ip: str, port: int, token: int = 0) -> None:
+        """Bind `rank` to its source address and 32-bit data-plane token (replaces an old one)."""
+
+    def unregister(self, rank: int) -> None:
+        """Forget `rank` (it left or lost its lease): its packets count as `unregistered`."""
+
+    def process(self, datagram: bytes, addr: tuple) -> list:
+        """One datagram in, the [(packet, (ip, port))] to send out."""
+
+    def serve(self, fd: int, duration_ms: int) -> int:
+        """Serve the UDP socket `fd` for about `duration_ms`; returns the datagrams handled."""
+
+    def stats(self) -> dict:
+        """Counters by name and ``"drops"``: {reason: count}."""
+
+
+@runtime_checkable
+class ExternalEngine(Engine, Protocol):
+    """An engine the PS is given rather than one it makes per job (a switch): it is told of
+    each new job.  ``fixed_nonce`` / ``fixed_tokens`` are what a switch programmed in
+    advance already holds (None / {} when the PS draws them)."""
+
+    fixed_nonce: int | None
+    fixed_tokens: dict
+
+    def start_job(self, job, nonce: int) -> None:
+        """A new job starts: clean state, its configuration and nonce."""
+
+
+def serve_by_process(engine: Engine, fd: int, duration_ms: int) -> int:
+    """`Engine.serve` for an engine with only a per-datagram `process`: wait on `fd`, hand
+    each datagram to ``engine.process`` and send what it returns, for `duration_ms`."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, fileno=os.dup(fd))
+    handled = 0
+    deadline = time.monotonic() + duration_ms / 1e3
+    try:
+        sock.setblocking(False)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([sock], [], [], left)[0]:
+                return handled
+            try:
+                data, addr = sock.recvfrom(65536)
+            except (BlockingIOError, ConnectionRefusedError):
+                continue
+            handled += 1
+            for pkt, dest in engine.process(data, addr):
+                try:
+                    sock.sendto(pkt, dest)
+                except OSError:
+                    pass
+    finally:
+        sock.close()        # the duplicate; the PS's socket stays open
+
+
+def wait(duration_ms: int) -> int:
+    """`Engine.serve` of an engine whose data plane is elsewhere (a switch): sleep."""
+    time.sleep(duration_ms / 1e3)
+    return 0

@@ -1,0 +1,37 @@
+"""What the project installs: its own packages, and a `p4` that coexists with P4Runtime's."""
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tests_and_bench_are_not_installed_packages():
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert not [p for p in packages if p.split(".")[0] in ("tests", "bench")]
+    assert {"compression", "deploy", "p4", "proto", "ps_server", "worker"} <= set(packages)
+
+
+def test_p4_package_and_p4runtime_import_together():
+    """Our top-level p4/ extends its path, so P4Runtime's `p4.v1` (PyPI p4runtime) and our
+    `p4.control` both import, whichever `p4` directory comes first on sys.path."""
+    import importlib.util
+    if importlib.util.find_spec("google.protobuf") is None or not any(
+            (Path(p) / "p4" / "v1").is_dir() for p in sys.path if p):
+        pytest.skip("p4runtime is not installed (pip install p4runtime)")
+    env = {**os.environ, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
+    code = "import p4.control, p4.harness.static_control, p4.v1.p4runtime_pb2; print('ok')"
+    for cwd in (ROOT, "/"):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env=env)
+        assert proc.stdout.strip() == "ok", (cwd, proc.stderr[-2000:])
+
+
+def test_p4_from_the_checkout_is_this_projects():
+    """From a checkout, `p4` is this project's package (the generator and control plane)."""
+    proc = subprocess.run([sys.executable, "-c", "import p4, p4.gen_p4; print(p4.__path__[0])"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0 and Path(proc.stdout.strip()) == ROOT / "p4", proc.stderr
