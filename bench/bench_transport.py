@@ -15,7 +15,7 @@ import time
 
 
 def receiver(mode, port_q, result_q, size, idle_ms):
-    from ps_server._fastpath import udp_drain
+    from bench._udpbench import udp_drain
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         s.setsockopt(socket.SOL_SOCKET, 33, 32 << 20)
@@ -43,7 +43,7 @@ def receiver(mode, port_q, result_q, size, idle_ms):
 
 
 def sender(mode, port, count, size):
-    from ps_server._fastpath import udp_blast
+    from bench._udpbench import udp_blast
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
     payload = bytes(size)
