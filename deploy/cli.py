@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--granularity", type=_granularity, default=30, help="granularity g (default 30)")
     tr.add_argument("--p", type=_p_arg, default="1/32", help="support fraction p (default 1/32)")
     tr.add_argument("--lane-bits", type=int, choices=(8, 16, 32), default=8, help="sum lane width (default 8)")
-    tr.add_argument("--model", choices=("cnn", "mlp"), default="cnn", help="model (default cnn)")
+    tr.add_argument("--model", choices=("cnn", "mlp", "mlp-wide"), default="cnn", help="model (default cnn)")
     tr.add_argument("--batch", type=_int_in(1, 65536, "a batch size"), default=64, help="per-worker batch (default 64)")
     tr.add_argument("--lr", type=_float_in(0, 10, lo_open=True, hi_open=False, what="a learning rate"), default=0.05, help="SGD learning rate (default 0.05)")
     tr.add_argument("--loss", type=_probability, default=0.0, help="injected packet loss each way")
@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--workers", type=_workers, default=None,
                     help="workers (default 4; 10 for stragglers)")
     ex.add_argument("--epochs", type=_int_in(1, 10000, "epochs"), default=3)
-    ex.add_argument("--model", choices=("cnn", "mlp"), default="cnn")
+    ex.add_argument("--model", choices=("cnn", "mlp", "mlp-wide"), default="cnn",
+                    help="mlp-wide: 784-2048-10, 1.63 M parameters (default cnn)")
     ex.add_argument("--train-limit", type=_count, default=30000, help="training images used (default 30000)")
     ex.add_argument("--test-limit", type=_count, default=5000, help="test images used (default 5000)")
     ex.add_argument("--bits", type=_bits, default=4)
