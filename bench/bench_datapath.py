@@ -88,7 +88,6 @@ def main():
     rate = pkts / secs
     print(f"data path: {pkts} datagrams (up + down, {res[0][3]} chunks per phase) in {secs:.2f} s "
           f"= {rate / 1e6:.3f} Mpps; retransmissions {sum(r[2]['retransmissions'] for r in res)}")
-    print(f"  PS io: {io}")
     print(f"  worker io: {[r[4] for r in res]}")
     t, got, _ = blast("gso", args.blast, size)
     brate = args.blast / t
