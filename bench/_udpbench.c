@@ -19,15 +19,7 @@ static double now_ms(void) {
     return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
-#ifndef UDP_SEGMENT
-#define UDP_SEGMENT 103
-#endif
-#ifndef UDP_GRO
-#define UDP_GRO 104
-#endif
-#ifndef SOL_UDP
-#define SOL_UDP 17
-#endif
+#include "../proto/udpio.h"
 
 /* udp_blast(fd, ip, port, payload, count, batch=64, gso_segments=0) -> datagrams sent.
  * Transport benchmark: sendmmsg batches; with gso_segments > 0 each message carries that many

@@ -41,18 +41,7 @@
 #define OP_MAX_U32 3
 #define MAX_WORKERS 32
 #define BATCH 64
-#define GSO_MAX_SEGS 64          /* UDP_MAX_SEGMENTS of older kernels */
-#define GSO_MAX_BYTES 65000
-#ifndef UDP_SEGMENT
-#define UDP_SEGMENT 103
-#endif
-#ifndef UDP_GRO
-#define UDP_GRO 104
-#endif
-#ifndef SOL_UDP
-#define SOL_UDP 17
-#endif
-#define CMSG_SEG_SPACE CMSG_SPACE(sizeof(uint16_t))
+#include "../proto/udpio.h"
 
 enum { C_PACKETS_IN, C_BYTES_IN, C_PACKETS_OUT, C_BYTES_OUT, C_ROUNDS, C_PARTIAL, C_RESENT,
        C_STRAGGLERS, N_COUNTERS };
@@ -681,15 +670,7 @@ static void flush(Engine *e, int fd) {
             h->msg_iovlen += 2;
             bytes += len; segs++;
             if (len < seg) open = 0;          /* a shorter datagram ends a GSO run */
-            if (segs > 1) {
-                uint8_t *cb = e->cmsg + (size_t)(nm - 1) * CMSG_SEG_SPACE;
-                h->msg_control = cb;
-                h->msg_controllen = CMSG_SEG_SPACE;
-                struct cmsghdr *c = CMSG_FIRSTHDR(h);
-                c->cmsg_level = SOL_UDP; c->cmsg_type = UDP_SEGMENT; c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
-                uint16_t s16 = (uint16_t)seg;
-                memcpy(CMSG_DATA(c), &s16, sizeof s16);
-            }
+            if (segs > 1) set_gso_segment(h, e->cmsg + (size_t)(nm - 1) * CMSG_SEG_SPACE, seg);
         }
         int done = send_all(fd, e->mm, nm);
         if (done >= nm) {

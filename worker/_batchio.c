@@ -29,17 +29,7 @@
 #include <time.h>
 
 #define BATCH 64
-#ifndef UDP_SEGMENT
-#define UDP_SEGMENT 103
-#endif
-#ifndef UDP_GRO
-#define UDP_GRO 104
-#endif
-#ifndef SOL_UDP
-#define SOL_UDP 17
-#endif
-#define GSO_MAX_SEGS 64
-#define GSO_MAX_BYTES 65000
+#include "../proto/udpio.h"
 #define RX_CAP 65536
 
 static PyObject *send_many(PyObject *self, PyObject *args) {
@@ -246,7 +236,6 @@ typedef struct {
     int cap;
 } phase_t;
 
-#define CMSG_SEG_SPACE CMSG_SPACE(sizeof(uint16_t))
 
 static void write_header(phase_t *ph, int c) {
     int64_t *P = ph->P;
@@ -306,15 +295,7 @@ static void send_chunks(phase_t *ph, const int *cs, int n) {
             h->msg_iovlen += 2;
             bytes += len; segs++;
             if (len < seg) open = 0;
-            if (segs > 1) {
-                char *cb = ph->cmsg + (size_t)(nm - 1) * CMSG_SEG_SPACE;
-                h->msg_control = cb;
-                h->msg_controllen = CMSG_SEG_SPACE;
-                struct cmsghdr *cm = CMSG_FIRSTHDR(h);
-                cm->cmsg_level = SOL_UDP; cm->cmsg_type = UDP_SEGMENT; cm->cmsg_len = CMSG_LEN(sizeof(uint16_t));
-                uint16_t s16 = (uint16_t)seg;
-                memcpy(CMSG_DATA(cm), &s16, sizeof s16);
-            }
+            if (segs > 1) set_gso_segment(h, ph->cmsg + (size_t)(nm - 1) * CMSG_SEG_SPACE, seg);
         }
         int sent = 0, waits = 0, refused_gso = 0;
         while (sent < nm) {
