@@ -15,7 +15,7 @@ import time
 
 
 def receiver(mode, port_q, result_q, size, idle_ms):
-    from ps_server._fastpath import udp_drain
+    from bench._udpbench import udp_drain
     from proto.sockets import set_buffer
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     set_buffer(s, 32 << 20)
@@ -41,7 +41,7 @@ def receiver(mode, port_q, result_q, size, idle_ms):
 
 
 def sender(mode, port, count, size):
-    from ps_server._fastpath import udp_blast
+    from bench._udpbench import udp_blast
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
     payload = bytes(size)

@@ -1,12 +1,15 @@
 """Worker-side transport cost: one worker against a PS (C engine) in this process, THC rounds
-of d coordinates, time spent inside the data-plane phases vs the whole allreduce.  Workers
-batching datagrams (sendmmsg/recvmmsg) and one system call per datagram, same run.
+of d coordinates, time spent inside the data-plane phases vs the whole allreduce.  Four worker
+data paths in the same run: the phase in C with UDP GSO/GRO (default), the phase in C
+without offload (THC_UDP_OFFLOAD=0, PS included), the Python phase loop with
+sendmmsg/recvmmsg, and one system call per datagram.
 
     .venv/bin/python bench/bench_worker_io.py [--dim-log2 20] [--rounds 20]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -17,10 +20,21 @@ from worker.client import Worker
 from worker.transport import Transport
 
 
-def measure(batched: bool, dim: int, rounds: int) -> tuple[float, float, float]:
+MODES = {  # name: (batched, phase engine, UDP offload)
+    "C phase+GSO/GRO": (True, "c", "1"),
+    "C phase": (True, "c", "0"),
+    "Python sendmmsg": (True, "python", "0"),
+    "per-datagram": (False, "python", "0"),
+}
+
+
+def measure(mode: str, dim: int, rounds: int) -> tuple[float, float, float]:
     """(ms per allreduce, ms per round in run_phase, packets per second through run_phase)."""
+    batched, engine, offload = MODES[mode]
+    os.environ["THC_UDP_OFFLOAD"] = offload
     server = PSServer(JobConfig(num_workers=1), ("127.0.0.1", 0), control_port=0).start()
-    t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port, batched=batched)
+    t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port, batched=batched,
+                  phase_engine=engine)
     try:
         in_phase = [0.0]
         run_phase = t.run_phase
@@ -54,15 +68,15 @@ def main():
     ap.add_argument("--dim-log2", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args()
-    print(f"{'worker I/O':>14}{'allreduce ms':>14}{'in phases ms':>14}{'pkts/s (both ways)':>20}")
+    print(f"{'worker I/O':>16}{'allreduce ms':>14}{'in phases ms':>14}{'Mpps (both ways)':>18}{'x C+GSO':>9}")
     res = {}
-    for batched in (True, False, True, False):      # twice, interleaved: the machine is noisy
-        res.setdefault(batched, []).append(measure(batched, 1 << args.dim_log2, args.rounds))
-    for batched, runs in res.items():
-        best = min(runs, key=lambda r: r[1])
-        print(f"{'sendmmsg' if batched else 'per-datagram':>14}{best[0]:14.1f}{best[1]:14.1f}{best[2]:20.0f}")
-    print(f"phase time ratio per-datagram / sendmmsg: "
-          f"{min(r[1] for r in res[False]) / min(r[1] for r in res[True]):.2f}")
+    for _ in range(2):                               # twice, interleaved: the machine is noisy
+        for mode in MODES:
+            res.setdefault(mode, []).append(measure(mode, 1 << args.dim_log2, args.rounds))
+    best = {mode: min(runs, key=lambda r: r[1]) for mode, runs in res.items()}
+    ref = best["C phase+GSO/GRO"][1]
+    for mode, b in best.items():
+        print(f"{mode:>16}{b[0]:14.1f}{b[1]:14.1f}{b[2] / 1e6:18.3f}{b[1] / ref:9.2f}")
 
 
 if __name__ == "__main__":

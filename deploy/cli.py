@@ -206,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
                   parents=[job_parent()])
     tr.add_argument("--epochs", type=_int_in(1, 10000, "epochs"), default=3, help="epochs")
     tr.add_argument("--codec", choices=commands.job_codecs(), default="thc", help="codec")
-    tr.add_argument("--model", choices=("cnn", "mlp"), default="cnn", help="model")
+    tr.add_argument("--model", choices=("cnn", "mlp", "mlp-wide"), default="cnn",
+                    help="model (mlp-wide: 784-2048-10, 1.63 M parameters)")
     tr.add_argument("--batch", type=_int_in(1, 65536, "a batch size"), default=64, help="per-worker batch")
     tr.add_argument("--lr", type=_float_in(0, 10, lo_open=True, hi_open=False, what="a learning rate"),
                     default=0.05, help="SGD learning rate")
@@ -239,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("name", choices=("loss", "stragglers", "scale", "bandwidth", "codecs"),
                     help="which experiment")
     ex.add_argument("--epochs", type=_int_in(1, 10000, "epochs"), default=3, help="epochs per training run")
-    ex.add_argument("--model", choices=("cnn", "mlp"), default="cnn", help="model")
+    ex.add_argument("--model", choices=("cnn", "mlp", "mlp-wide"), default="cnn",
+                    help="model (mlp-wide: 784-2048-10, 1.63 M parameters)")
     ex.add_argument("--train-limit", type=_count, default=30000, help="training images used")
     ex.add_argument("--test-limit", type=_count, default=5000, help="test images used")
     ex.add_argument("--kernel-loss", action="store_true",

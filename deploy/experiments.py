@@ -121,7 +121,8 @@ def _kernel_loss_rows(base: TrainConfig, log) -> list:
         label = f"thc, kernel loss 0.01 {policy}, " + (f"sync/{sync}" if sync else "no sync")
         log(f"[kernel] {label}")
         with netns.two_hosts(loss=0.01) as net:
-            doc = run_in_namespaces(net, cfg, log)
+            # nftables sees a UDP GSO message as one packet: send single datagrams here
+            doc = run_in_namespaces(net, cfg, log, env_extra={"THC_UDP_OFFLOAD": "0"})
             drops = netns.nft_drop_counters(net.worker_ns)
         row = _summary(label, doc)
         row["label"] += f" ({drops} packets dropped by nft)"
@@ -129,7 +130,7 @@ def _kernel_loss_rows(base: TrainConfig, log) -> list:
     return rows
 
 
-def run_in_namespaces(net, cfg: TrainConfig, log, port: int = 9000) -> dict:
+def run_in_namespaces(net, cfg: TrainConfig, log, port: int = 9000, env_extra: dict | None = None) -> dict:
     """A PS in net.ps_ns and `thc train --ps` in net.worker_ns; returns the train JSON."""
     py = sys.executable
     ps_cmd = net.prefix(net.ps_ns) + [py, "-m", "deploy.cli", "ps", "--bind", f"{net.ps_ip}:{port}",
@@ -137,7 +138,7 @@ def run_in_namespaces(net, cfg: TrainConfig, log, port: int = 9000) -> dict:
                                       "--bits", str(cfg.bits), "--granularity", str(cfg.granularity),
                                       "--p", cfg.p, "--lane-bits", str(cfg.lane_bits),
                                       "--quorum", str(cfg.quorum), "--stats-every", "0"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
     ps = subprocess.Popen(ps_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     try:
         time.sleep(2.0)

@@ -236,7 +236,7 @@ class SwitchEngine:
     def process(self, datagram: bytes, addr: tuple) -> list:
         return []               # the switch aggregates; nothing is answered from here
 
-    def serve(self, fd: int, duration_ms: int) -> int:
+    def serve(self, fd: int, duration_ms: int, gro: bool = True, gso: bool = True) -> int:
         return wait(duration_ms)
 
     def stats(self) -> dict:

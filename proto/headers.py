@@ -181,6 +181,16 @@ def parse(datagram: bytes) -> tuple[Header, memoryview]:
     return h, memoryview(datagram)[HEADER_SIZE:]
 
 
+def split_segments(buffer, seg_size: int) -> list:
+    """The datagrams of one received UDP GRO batch: every `seg_size` bytes is one datagram, the
+    last one may be shorter; seg_size 0 (no GRO) or >= len(buffer) is the buffer itself.  The
+    PS engines and the worker handle each segment exactly as a lone datagram."""
+    view = memoryview(buffer)
+    if seg_size <= 0 or seg_size >= len(view):
+        return [view]
+    return [view[i:i + seg_size] for i in range(0, len(view), seg_size)]
+
+
 def header_dict(h: Header) -> dict:
     return {f.name: getattr(h, f.name) for f in fields(h)}
 

@@ -41,6 +41,7 @@
 #define OP_MAX_U32 3
 #define MAX_WORKERS 32
 #define BATCH 64
+#include "../proto/udpio.h"
 
 enum { C_PACKETS_IN, C_BYTES_IN, C_PACKETS_OUT, C_BYTES_OUT, C_ROUNDS, C_PARTIAL, C_RESENT,
        C_STRAGGLERS, N_COUNTERS };
@@ -53,6 +54,13 @@ static const char *drop_names[N_DROPS] = {
     "malformed", "wrong_version", "unknown_job", "slot_out_of_range", "worker_out_of_range",
     "unregistered", "stale", "duplicate", "late", "codec_error",   /* codec_error: BLOB jobs only */
     "ahead"};
+
+/* Socket-level counters (Engine.io_stats): how the datagrams were batched, not what they were. */
+enum { IO_RX_MSGS, IO_RX_COALESCED, IO_RX_SEGMENTS, IO_TX_MSGS, IO_TX_GSO, IO_TX_SEGMENTS,
+       IO_GSO_FALLBACKS, N_IO };
+static const char *io_names[N_IO] = {
+    "rx_messages", "rx_coalesced", "rx_datagrams", "tx_messages", "tx_gso_messages", "tx_datagrams",
+    "gso_fallbacks"};
 
 typedef struct {
     uint8_t *payload;
@@ -99,6 +107,10 @@ typedef struct {
     struct mmsghdr *mm;      /* sendmmsg scratch, cap_msgs entries */
     struct iovec *iov;
     struct sockaddr_in *sa;
+    uint8_t *cmsg;           /* per-message UDP_SEGMENT control buffers, cap_msgs entries */
+    int *order;              /* queued messages grouped by destination */
+    int gso;                 /* send runs of equal-size datagrams to one worker as one GSO message */
+    uint64_t io[N_IO];
     int avx2;
 } Engine;
 
@@ -246,96 +258,138 @@ static void make_result(Engine *e, slot_t *st, int type) {
 
 static void swap_results(result_t *a, result_t *b) { result_t t = *a; *a = *b; *b = t; }
 
-/* One datagram; queues output packets.  Mirrors ReferencePS.process. */
-static void handle(Engine *e, const uint8_t *buf, uint32_t len, uint32_t ip, uint16_t port) {
-    e->counters[C_PACKETS_IN]++;
-    e->counters[C_BYTES_IN] += len;
-    if (len < HDR || rd16(buf) != MAGIC) { e->drops[D_MALFORMED]++; return; }
-    if (buf[2] != VERSION) { e->drops[D_VERSION]++; return; }
-    int type = buf[3], worker = buf[5], nw = buf[6], ebits = buf[7], op = buf[29];
-    uint16_t job = rd16(buf + 8), slot = rd16(buf + 10), count = rd16(buf + 20), plen = rd16(buf + 22);
-    uint32_t round = rd32(buf + 12), offset = rd32(buf + 16), nonce = rd32(buf + 32), token = rd32(buf + 36);
-    if (type < T_DATA || type > T_NORM_RESULT || plen != len - HDR) { e->drops[D_MALFORMED]++; return; }
-    if (type != T_DATA && type != T_NORM) { e->drops[D_MALFORMED]++; return; }
-    if (job != e->job_id || nonce != e->nonce) { e->drops[D_JOB]++; return; }
-    if (worker >= e->n) { e->drops[D_WORKER]++; return; }
-    if (!e->w_reg[worker] || e->w_ip[worker] != ip || e->w_port[worker] != port ||
-        e->w_token[worker] != token) { e->drops[D_UNREG]++; return; }
-    int lo = type == T_NORM ? e->slots : 0, hi = type == T_NORM ? e->slots + e->norm_slots : e->slots;
-    if (slot < lo || slot >= hi) { e->drops[D_SLOT]++; return; }
-    int ok;
-    if (count == 0 || count > e->elems || nw != e->n) ok = 0;
-    else if (type == T_NORM) ok = ebits == 32 && op == OP_MAX_U32 && plen == 4u * count;
-    else ok = ebits == up_bits(e) && op == e->op && plen == ((uint32_t)count * up_bits(e) + 7) / 8;
-    if (!ok) { e->drops[D_MALFORMED]++; return; }
+/* The header fields of one DATA/NORM datagram. */
+typedef struct {
+    int type, worker, nw, ebits, op;
+    uint16_t job, slot, count, plen;
+    uint32_t round, offset, nonce, token;
+    const uint8_t *payload;
+} pkt_t;
 
-    slot_t *st = &e->slot[slot];
-    uint32_t bit = 1u << worker;
-    const uint8_t *payload = buf + HDR;
-    if ((uint64_t)round > (uint64_t)(st->active ? st->round : 0) + ROUND_WINDOW) { e->drops[D_AHEAD]++; return; }
-    if (!st->active || round > st->round) {
-        if (st->active && st->cur.valid && round == st->round + 1) swap_results(&st->cur, &st->prev);
+/* Validation half of docs/design.md's PS rules (ReferencePS._validate): the drop reason
+ * (D_*) of a datagram that is not a well-formed, authorized DATA/NORM packet of this job,
+ * or -1 with its fields in *p. */
+static int validate(Engine *e, const uint8_t *buf, uint32_t len, uint32_t ip, uint16_t port, pkt_t *p) {
+    if (len < HDR || rd16(buf) != MAGIC) return D_MALFORMED;
+    if (buf[2] != VERSION) return D_VERSION;
+    p->type = buf[3]; p->worker = buf[5]; p->nw = buf[6]; p->ebits = buf[7]; p->op = buf[29];
+    p->job = rd16(buf + 8); p->slot = rd16(buf + 10); p->count = rd16(buf + 20); p->plen = rd16(buf + 22);
+    p->round = rd32(buf + 12); p->offset = rd32(buf + 16); p->nonce = rd32(buf + 32); p->token = rd32(buf + 36);
+    p->payload = buf + HDR;
+    if (p->type < T_DATA || p->type > T_NORM_RESULT || p->plen != len - HDR) return D_MALFORMED;
+    if (p->type != T_DATA && p->type != T_NORM) return D_MALFORMED;
+    if (p->job != e->job_id || p->nonce != e->nonce) return D_JOB;
+    if (p->worker >= e->n) return D_WORKER;
+    int w = p->worker;
+    if (!e->w_reg[w] || e->w_ip[w] != ip || e->w_port[w] != port || e->w_token[w] != p->token) return D_UNREG;
+    int norm = p->type == T_NORM;
+    int lo = norm ? e->slots : 0, hi = norm ? e->slots + e->norm_slots : e->slots;
+    if (p->slot < lo || p->slot >= hi) return D_SLOT;
+    if (p->count == 0 || p->count > e->elems || p->nw != e->n) return D_MALFORMED;
+    int ok = norm ? p->ebits == 32 && p->op == OP_MAX_U32 && p->plen == 4u * p->count
+                  : p->ebits == up_bits(e) && p->op == e->op &&
+                    p->plen == ((uint32_t)p->count * up_bits(e) + 7) / 8;
+    return ok ? -1 : D_MALFORMED;
+}
+
+static void straggler_notice(Engine *e, slot_t *st, const pkt_t *p) {
+    e->drops[D_STALE]++;
+    e->counters[C_STRAGGLERS]++;
+    outpkt_t *o = new_out(e);
+    if (!o) return;
+    fill_hdr(e, o->hdr, T_STRAGGLER, 0, p->worker, 0, p->slot, st->round, p->offset, 0, 0, 0, 0, p->op);
+    o->payload = NULL; o->payload_len = 0;
+    queue_msg(e, (int)(o - e->out), p->worker);
+}
+
+/* Round half of the rules (ReferencePS._round_step): one row of docs/design.md's table per
+ * branch.  Returns 1 when the packet is to be aggregated, 0 when it was answered or dropped. */
+static int round_step(Engine *e, slot_t *st, const pkt_t *p) {
+    uint32_t bit = 1u << p->worker;
+    if ((uint64_t)p->round > (uint64_t)(st->active ? st->round : 0) + ROUND_WINDOW) {  /* ahead */
+        e->drops[D_AHEAD]++;
+        return 0;
+    }
+    if (!st->active || p->round > st->round) {                     /* r > R: new round */
+        if (st->active && st->cur.valid && p->round == st->round + 1) swap_results(&st->cur, &st->prev);
         else st->prev.valid = 0;
         st->cur.valid = 0;
-        st->active = 1; st->round = round; st->count = 0; st->bitmap = 0;
-        st->offset = offset; st->elems = count;
+        st->active = 1; st->round = p->round; st->count = 0; st->bitmap = 0;
+        st->offset = p->offset; st->elems = p->count;
         memset(st->acc, 0, (size_t)e->elems * 4);
-    } else if (round == st->round) {
-        if (offset != st->offset || count != st->elems) { e->drops[D_MALFORMED]++; return; }
-        if (st->bitmap & bit) {
-            if (st->cur.valid) { unicast_result(e, slot, &st->cur, type, worker); return; }
-            e->drops[D_DUP]++;
-            return;
-        }
-        if (st->cur.valid) {
-            e->drops[D_LATE]++;
-            unicast_result(e, slot, &st->cur, type, worker);
-            return;
-        }
-    } else if (round + 1 == st->round && st->prev.valid && offset == st->prev.offset &&
-               count == st->prev.count) {
-        unicast_result(e, slot, &st->prev, type, worker);
-        return;
-    } else {
-        e->drops[D_STALE]++;
-        e->counters[C_STRAGGLERS]++;
-        outpkt_t *o = new_out(e);
-        if (!o) return;
-        fill_hdr(e, o->hdr, T_STRAGGLER, 0, worker, 0, slot, st->round, offset, 0, 0, 0, 0, op);
-        o->payload = NULL; o->payload_len = 0;
-        queue_msg(e, (int)(o - e->out), worker);
-        return;
+        return 1;
     }
+    if (p->round == st->round) {
+        if (p->offset != st->offset || p->count != st->elems) { e->drops[D_MALFORMED]++; return 0; }
+        if (st->bitmap & bit) {                                    /* duplicate */
+            if (st->cur.valid) unicast_result(e, p->slot, &st->cur, p->type, p->worker);
+            else e->drops[D_DUP]++;
+            return 0;
+        }
+        if (st->cur.valid) {                                       /* late */
+            e->drops[D_LATE]++;
+            unicast_result(e, p->slot, &st->cur, p->type, p->worker);
+            return 0;
+        }
+        return 1;                                                  /* r = R, new worker */
+    }
+    if (p->round + 1 == st->round && st->prev.valid && p->offset == st->prev.offset &&
+        p->count == st->prev.count) {                              /* r = R − 1: shadow copy */
+        unicast_result(e, p->slot, &st->prev, p->type, p->worker);
+        return 0;
+    }
+    straggler_notice(e, st, p);                                    /* stale */
+    return 0;
+}
 
-    /* aggregate */
-    int first = st->count == 0;
-    if (type == T_NORM) {
+/* r = R, new worker: add the contribution; at quorum, the result to every registered worker. */
+static void aggregate(Engine *e, slot_t *st, const pkt_t *p) {
+    int first = st->count == 0, count = p->count;
+    if (p->type == T_NORM) {
         uint32_t *a = (uint32_t *)st->acc;
         for (int i = 0; i < count; i++) {
-            uint32_t v = rd32(payload + 4 * i);
+            uint32_t v = rd32(p->payload + 4 * i);
             if (first || v > a[i]) a[i] = v;
         }
     } else if (e->op == OP_FLOAT_SUM) {
         float *a = (float *)st->acc;
         for (int i = 0; i < count; i++) {
-            uint32_t u = rd32(payload + 4 * i);
+            uint32_t u = rd32(p->payload + 4 * i);
             float f; memcpy(&f, &u, 4);
             a[i] = first ? f : a[i] + f;
         }
     } else {
-        lookup_add(e, st->acc, payload, count);
+        lookup_add(e, st->acc, p->payload, count);
     }
-    st->bitmap |= bit;
+    st->bitmap |= 1u << p->worker;
     st->count++;
     if (st->count < e->quorum) return;
-    make_result(e, st, type);
+    make_result(e, st, p->type);
     e->counters[C_ROUNDS]++;
     if (st->count < e->n) e->counters[C_PARTIAL]++;
-    int p = result_pkt(e, slot, &st->cur, type, -1);
-    if (p < 0) return;
+    int r = result_pkt(e, p->slot, &st->cur, p->type, -1);
+    if (r < 0) return;
     for (int w = 0; w < e->n; w++)
-        if (e->w_reg[w]) queue_msg(e, p, w);
+        if (e->w_reg[w]) queue_msg(e, r, w);
 }
+
+/* One datagram; queues output packets.  Mirrors ReferencePS.process. */
+static void handle(Engine *e, const uint8_t *buf, uint32_t len, uint32_t ip, uint16_t port) {
+    e->counters[C_PACKETS_IN]++;
+    e->counters[C_BYTES_IN] += len;
+    pkt_t p;
+    int drop = validate(e, buf, len, ip, port, &p);
+    if (drop >= 0) { e->drops[drop]++; return; }
+    slot_t *st = &e->slot[p.slot];
+    if (round_step(e, st, &p)) aggregate(e, st, &p);
+}
+
+/* A received message that may be a UDP GRO batch: `seg` > 0 is the kernel's segment size,
+ * and every seg bytes (the last segment may be shorter) is one datagram, handled exactly as
+ * a lone one (proto.headers.split_segments).  Flushes to `fd` (>= 0) whenever the output
+ * queue fills. */
+static void handle_segments(Engine *e, const uint8_t *buf, uint32_t len, uint32_t seg, uint32_t ip,
+                            uint16_t port, int fd);
 
 /* ------------------------------------------------------------------ Python type */
 
@@ -354,6 +408,8 @@ static void Engine_dealloc(Engine *e) {
     PyMem_RawFree(e->mm);
     PyMem_RawFree(e->iov);
     PyMem_RawFree(e->sa);
+    PyMem_RawFree(e->cmsg);
+    PyMem_RawFree(e->order);
     pthread_mutex_destroy(&e->lock);
     Py_TYPE(e)->tp_free((PyObject *)e);
 }
@@ -413,7 +469,13 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
     e->mm = PyMem_RawCalloc(e->cap_msgs, sizeof(struct mmsghdr));
     e->iov = PyMem_RawCalloc(2 * (size_t)e->cap_msgs, sizeof(struct iovec));
     e->sa = PyMem_RawCalloc(e->cap_msgs, sizeof(struct sockaddr_in));
-    if (!e->out || !e->msgs || !e->arena || !e->mm || !e->iov || !e->sa) { PyErr_NoMemory(); return -1; }
+    e->cmsg = PyMem_RawCalloc(e->cap_msgs, CMSG_SEG_SPACE);
+    e->order = PyMem_RawCalloc(e->cap_msgs, sizeof(int));
+    e->gso = 1;
+    if (!e->out || !e->msgs || !e->arena || !e->mm || !e->iov || !e->sa || !e->cmsg || !e->order) {
+        PyErr_NoMemory();
+        return -1;
+    }
 #if defined(__x86_64__)
     __builtin_cpu_init();
     e->avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
@@ -471,23 +533,76 @@ static PyObject *drain_to_list(Engine *e) {
     return list;
 }
 
+static void flush(Engine *e, int fd);
+
+static void handle_segments(Engine *e, const uint8_t *buf, uint32_t len, uint32_t seg, uint32_t ip,
+                            uint16_t port, int fd) {
+    if (seg == 0 || seg >= len) seg = len ? len : 1;
+    uint32_t off = 0;
+    do {
+        uint32_t n = len - off < seg ? len - off : seg;
+        handle(e, buf + off, n, ip, port);
+        e->io[IO_RX_SEGMENTS]++;
+        if (fd >= 0 && e->n_out >= e->cap_out) flush(e, fd);
+        off += n;
+    } while (off < len);
+}
+
+static int parse_addr(const char *ip, uint32_t *out) {
+    struct in_addr a;
+    if (inet_pton(AF_INET, ip, &a) != 1) {
+        PyErr_Format(PyExc_ValueError, "bad address %s", ip);
+        return -1;
+    }
+    *out = a.s_addr;
+    return 0;
+}
+
 static PyObject *Engine_process(Engine *e, PyObject *args) {
     Py_buffer buf;
     const char *ip;
     int port;
+    uint32_t a;
     if (!PyArg_ParseTuple(args, "y*(si)", &buf, &ip, &port)) return NULL;
-    struct in_addr a;
-    if (inet_pton(AF_INET, ip, &a) != 1) {
-        PyBuffer_Release(&buf);
-        PyErr_Format(PyExc_ValueError, "bad address %s", ip);
-        return NULL;
-    }
+    if (parse_addr(ip, &a) < 0) { PyBuffer_Release(&buf); return NULL; }
     pthread_mutex_lock(&e->lock);
-    handle(e, buf.buf, (uint32_t)buf.len, a.s_addr, (uint16_t)port);
+    handle(e, buf.buf, (uint32_t)buf.len, a, (uint16_t)port);
     PyObject *out = drain_to_list(e);
     pthread_mutex_unlock(&e->lock);
     PyBuffer_Release(&buf);
     return out;
+}
+
+/* process_segments(buffer, seg_size, (ip, port)): a GRO batch as serve() handles it. */
+static PyObject *Engine_process_segments(Engine *e, PyObject *args) {
+    Py_buffer buf;
+    const char *ip;
+    int port, seg;
+    uint32_t a;
+    if (!PyArg_ParseTuple(args, "y*i(si)", &buf, &seg, &ip, &port)) return NULL;
+    if (seg < 0 || parse_addr(ip, &a) < 0) {
+        PyBuffer_Release(&buf);
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "negative segment size");
+        return NULL;
+    }
+    PyObject *all = PyList_New(0);
+    pthread_mutex_lock(&e->lock);
+    uint32_t len = (uint32_t)buf.len, step = (seg == 0 || (uint32_t)seg >= len) ? (len ? len : 1) : (uint32_t)seg;
+    uint32_t off = 0;
+    do {   /* one segment at a time so the output list keeps every reply (no socket to flush to) */
+        uint32_t n = len - off < step ? len - off : step;
+        handle_segments(e, (const uint8_t *)buf.buf + off, n, 0, a, (uint16_t)port, -1);
+        PyObject *part = drain_to_list(e);
+        if (!part || !all) { Py_XDECREF(part); Py_CLEAR(all); break; }
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(part); i++) PyList_Append(all, PyList_GET_ITEM(part, i));
+        Py_DECREF(part);
+        off += n;
+    } while (off < len);
+    e->io[IO_RX_MSGS]++;
+    if (step < len) e->io[IO_RX_COALESCED]++;
+    pthread_mutex_unlock(&e->lock);
+    PyBuffer_Release(&buf);
+    return all;
 }
 
 static double now_ms(void) {
@@ -496,50 +611,108 @@ static double now_ms(void) {
     return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
-/* Send the queued outputs with one sendmmsg call (a header and a payload iovec each). */
-static void flush(Engine *e, int fd) {
-    struct mmsghdr *mm = e->mm;
-    struct sockaddr_in *sa = e->sa;
-    int n = e->n_msgs;
-    for (int m = 0; m < n; m++) {
-        int p = e->msgs[m].pkt, w = e->msgs[m].dest;
-        memset(&sa[m], 0, sizeof sa[m]);
-        sa[m].sin_family = AF_INET;
-        sa[m].sin_addr.s_addr = e->w_ip[w];
-        sa[m].sin_port = htons(e->w_port[w]);
-        struct iovec *iov = e->iov + 2 * m;
-        iov[0].iov_base = e->out[p].hdr; iov[0].iov_len = HDR;
-        iov[1].iov_base = (void *)e->out[p].payload; iov[1].iov_len = e->out[p].payload_len;
-        memset(&mm[m], 0, sizeof mm[m]);
-        mm[m].msg_hdr.msg_name = &sa[m];
-        mm[m].msg_hdr.msg_namelen = sizeof sa[m];
-        mm[m].msg_hdr.msg_iov = iov;
-        mm[m].msg_hdr.msg_iovlen = 2;
-    }
+/* sendmmsg until every message is out; returns the index of the first message the kernel
+ * refused with EIO/EINVAL (UDP GSO not available on the route), or n. */
+static int send_all(int fd, struct mmsghdr *mm, int n) {
     int sent = 0, tries = 0;
     while (sent < n && tries++ < 100) {
         int r = sendmmsg(fd, mm + sent, n - sent, 0);
         if (r < 0) {
             if (errno == EINTR || errno == EAGAIN || errno == ENOBUFS) continue;
-            break;   /* e.g. ECONNREFUSED from a worker that left: drop the rest */
+            if ((errno == EIO || errno == EINVAL || errno == EOPNOTSUPP) && mm[sent].msg_hdr.msg_controllen)
+                return sent;
+            /* e.g. ECONNREFUSED from a worker that left, EPERM from a drop rule: that message is lost */
+            sent++;
+            continue;
         }
         sent += r;
+    }
+    return n;
+}
+
+/* Send the queued outputs.  Datagrams to one worker go out in queue order; with GSO a run of
+ * equal-size datagrams to one worker (a fan-out of consecutive results, a batch of replies)
+ * is one message with a UDP_SEGMENT control message, the last one of a run may be shorter;
+ * all messages leave in one sendmmsg.  Without GSO (or if the kernel refuses it, which turns
+ * it off for this engine) every datagram is its own message. */
+static void flush(Engine *e, int fd) {
+    int n = e->n_msgs;
+    if (n == 0) { e->n_out = 0; return; }
+    int k = 0;
+    for (int w = 0; w < e->n; w++)              /* stable grouping by destination */
+        for (int m = 0; m < n; m++)
+            if (e->msgs[m].dest == w) e->order[k++] = m;
+    for (;;) {
+        int nm = 0, iv = 0;
+        uint32_t seg = 0, bytes = 0, segs = 0;
+        int open = 0, prev_w = -1;
+        for (int j = 0; j < k; j++) {
+            int m = e->order[j], p = e->msgs[m].pkt, w = e->msgs[m].dest;
+            uint32_t len = HDR + e->out[p].payload_len;
+            int join = e->gso && open && w == prev_w && segs < GSO_MAX_SEGS && bytes + len <= GSO_MAX_BYTES &&
+                       len <= seg;
+            if (!join) {
+                struct sockaddr_in *sa = &e->sa[nm];
+                memset(sa, 0, sizeof *sa);
+                sa->sin_family = AF_INET;
+                sa->sin_addr.s_addr = e->w_ip[w];
+                sa->sin_port = htons(e->w_port[w]);
+                memset(&e->mm[nm], 0, sizeof e->mm[nm]);
+                e->mm[nm].msg_hdr.msg_name = sa;
+                e->mm[nm].msg_hdr.msg_namelen = sizeof *sa;
+                e->mm[nm].msg_hdr.msg_iov = e->iov + iv;
+                nm++;
+                seg = len; bytes = 0; segs = 0; open = 1; prev_w = w;
+            }
+            struct msghdr *h = &e->mm[nm - 1].msg_hdr;
+            e->iov[iv].iov_base = e->out[p].hdr; e->iov[iv].iov_len = HDR; iv++;
+            e->iov[iv].iov_base = (void *)e->out[p].payload; e->iov[iv].iov_len = e->out[p].payload_len; iv++;
+            h->msg_iovlen += 2;
+            bytes += len; segs++;
+            if (len < seg) open = 0;          /* a shorter datagram ends a GSO run */
+            if (segs > 1) set_gso_segment(h, e->cmsg + (size_t)(nm - 1) * CMSG_SEG_SPACE, seg);
+        }
+        int done = send_all(fd, e->mm, nm);
+        if (done >= nm) {
+            e->io[IO_TX_MSGS] += nm;
+            e->io[IO_TX_SEGMENTS] += k;
+            for (int i = 0; i < nm; i++) if (e->mm[i].msg_hdr.msg_iovlen > 2) e->io[IO_TX_GSO]++;
+            break;
+        }
+        /* GSO refused: send the rest as plain datagrams and stop using it */
+        e->gso = 0;
+        e->io[IO_GSO_FALLBACKS]++;
+        int first = 0;
+        for (int i = 0; i < done; i++) first += (int)e->mm[i].msg_hdr.msg_iovlen / 2;
+        e->io[IO_TX_MSGS] += done;
+        e->io[IO_TX_SEGMENTS] += first;
+        memmove(e->order, e->order + first, (size_t)(k - first) * sizeof(int));
+        k -= first;
     }
     e->n_out = e->n_msgs = 0;
 }
 
+/* serve(fd, duration_ms, gro=True, gso=True) -> datagrams handled.  recvmmsg batches with the
+ * GIL released; with gro the socket gets UDP_GRO and each message's segments (its UDP_GRO
+ * control message gives the size) are handled one by one; replies go out per flush(). */
 static PyObject *Engine_serve(Engine *e, PyObject *args) {
-    int fd, duration_ms;
-    if (!PyArg_ParseTuple(args, "ii", &fd, &duration_ms)) return NULL;
+    int fd, duration_ms, gro = 1, gso = 1;
+    if (!PyArg_ParseTuple(args, "ii|pp", &fd, &duration_ms, &gro, &gso)) return NULL;
     const size_t cap = 65536;
     uint8_t *rx = PyMem_RawMalloc(BATCH * cap);
     if (!rx) return PyErr_NoMemory();
+    int on = gro ? 1 : 0;
+    if (setsockopt(fd, SOL_UDP, UDP_GRO, &on, sizeof on) < 0) gro = 0;  /* kernel without UDP GRO */
+    pthread_mutex_lock(&e->lock);
+    if (!gso) e->gso = 0;
+    pthread_mutex_unlock(&e->lock);
     long handled = 0;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
     struct mmsghdr mm[BATCH];
     struct iovec iov[BATCH];
     struct sockaddr_in sa[BATCH];
+    union { char buf[CMSG_SPACE(sizeof(int))]; struct cmsghdr align; } ctl[BATCH];
     double deadline = now_ms() + duration_ms;
     for (;;) {
         double left = deadline - now_ms();
@@ -553,22 +726,47 @@ static PyObject *Engine_serve(Engine *e, PyObject *args) {
             memset(&mm[i], 0, sizeof mm[i]);
             mm[i].msg_hdr.msg_iov = &iov[i]; mm[i].msg_hdr.msg_iovlen = 1;
             mm[i].msg_hdr.msg_name = &sa[i]; mm[i].msg_hdr.msg_namelen = sizeof sa[i];
+            mm[i].msg_hdr.msg_control = ctl[i].buf; mm[i].msg_hdr.msg_controllen = sizeof ctl[i].buf;
         }
         int r = recvmmsg(fd, mm, BATCH, MSG_DONTWAIT, NULL);
         if (r < 0) { if (errno == EAGAIN || errno == EINTR || errno == ECONNREFUSED) continue; err = errno; break; }
         pthread_mutex_lock(&e->lock);
         for (int i = 0; i < r; i++) {
-            handle(e, rx + i * cap, mm[i].msg_len, sa[i].sin_addr.s_addr, ntohs(sa[i].sin_port));
-            if (e->n_out >= e->cap_out) flush(e, fd);
+            uint32_t seg = 0;
+            for (struct cmsghdr *c = CMSG_FIRSTHDR(&mm[i].msg_hdr); c; c = CMSG_NXTHDR(&mm[i].msg_hdr, c))
+                if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO) {
+                    int v; memcpy(&v, CMSG_DATA(c), sizeof v);
+                    seg = v > 0 ? (uint32_t)v : 0;
+                }
+            uint64_t before = e->io[IO_RX_SEGMENTS];
+            handle_segments(e, rx + i * cap, mm[i].msg_len, seg, sa[i].sin_addr.s_addr,
+                            ntohs(sa[i].sin_port), fd);
+            e->io[IO_RX_MSGS]++;
+            if (e->io[IO_RX_SEGMENTS] - before > 1) e->io[IO_RX_COALESCED]++;
+            handled += (long)(e->io[IO_RX_SEGMENTS] - before);
         }
         flush(e, fd);
         pthread_mutex_unlock(&e->lock);
-        handled += r;
     }
     Py_END_ALLOW_THREADS
     PyMem_RawFree(rx);
     if (err) { errno = err; return PyErr_SetFromErrno(PyExc_OSError); }
     return PyLong_FromLong(handled);
+}
+
+static PyObject *Engine_io_stats(Engine *e, PyObject *noargs) {
+    PyObject *d = PyDict_New();
+    pthread_mutex_lock(&e->lock);
+    for (int i = 0; d && i < N_IO; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(e->io[i]);
+        PyDict_SetItemString(d, io_names[i], v);
+        Py_XDECREF(v);
+    }
+    PyObject *g = PyBool_FromLong(e->gso);
+    if (d) PyDict_SetItemString(d, "gso", g);
+    Py_DECREF(g);
+    pthread_mutex_unlock(&e->lock);
+    return d;
 }
 
 static PyObject *Engine_stats(Engine *e, PyObject *noargs) {
@@ -594,7 +792,9 @@ static PyMethodDef Engine_methods[] = {
     {"register", (PyCFunction)Engine_register, METH_VARARGS, "register(worker_id, ip, port, token=0): bind a worker to its source address and token"},
     {"unregister", (PyCFunction)Engine_unregister, METH_VARARGS, "unregister(worker_id): forget a worker (left or lease expired)"},
     {"process", (PyCFunction)Engine_process, METH_VARARGS, "process(datagram, (ip, port)) -> [(bytes, (ip, port))]"},
-    {"serve", (PyCFunction)Engine_serve, METH_VARARGS, "serve(fd, duration_ms) -> packets handled (GIL released)"},
+    {"process_segments", (PyCFunction)Engine_process_segments, METH_VARARGS, "process_segments(buffer, seg_size, (ip, port)) -> [(bytes, (ip, port))]: a UDP GRO batch, each segment one datagram"},
+    {"serve", (PyCFunction)Engine_serve, METH_VARARGS, "serve(fd, duration_ms, gro=True, gso=True) -> datagrams handled (GIL released)"},
+    {"io_stats", (PyCFunction)Engine_io_stats, METH_NOARGS, "socket batching counters (GRO/GSO)"},
     {"stats", (PyCFunction)Engine_stats, METH_NOARGS, "counters and drops by reason"},
     {NULL, NULL, 0, NULL}};
 
@@ -646,111 +846,6 @@ static PyObject *lookup_accumulate(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-#ifndef UDP_SEGMENT
-#define UDP_SEGMENT 103
-#endif
-#ifndef UDP_GRO
-#define UDP_GRO 104
-#endif
-#ifndef SOL_UDP
-#define SOL_UDP 17
-#endif
-
-/* udp_blast(fd, ip, port, payload, count, batch=64, gso_segments=0) -> datagrams sent.
- * Transport benchmark: sendmmsg batches; with gso_segments > 0 each message carries that many
- * copies of the payload and the kernel cuts it (UDP_SEGMENT), the DPDK-less batching path. */
-static PyObject *udp_blast(PyObject *self, PyObject *args) {
-    int fd, port, batch = 64, gso = 0;
-    const char *ip;
-    Py_buffer pl;
-    long long count;
-    if (!PyArg_ParseTuple(args, "isiy*L|ii", &fd, &ip, &port, &pl, &count, &batch, &gso)) return NULL;
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    if (inet_pton(AF_INET, ip, &sa.sin_addr) != 1 || batch < 1 || batch > 1024 || gso < 0 || gso > 64 ||
-        pl.len < 1 || (gso && pl.len * gso > 65000)) {
-        PyBuffer_Release(&pl);
-        PyErr_SetString(PyExc_ValueError, "udp_blast: bad address, batch or gso size");
-        return NULL;
-    }
-    int segs = gso ? gso : 1;
-    size_t msg_len = (size_t)pl.len * segs;
-    uint8_t *buf = PyMem_RawMalloc(msg_len);
-    struct mmsghdr *mm = PyMem_RawCalloc(batch, sizeof *mm);
-    struct iovec *iov = PyMem_RawCalloc(batch, sizeof *iov);
-    if (!buf || !mm || !iov) { PyMem_RawFree(buf); PyMem_RawFree(mm); PyMem_RawFree(iov); PyBuffer_Release(&pl); return PyErr_NoMemory(); }
-    for (int i = 0; i < segs; i++) memcpy(buf + (size_t)i * pl.len, pl.buf, pl.len);
-    if (gso) {
-        int seg = (int)pl.len;
-        if (setsockopt(fd, SOL_UDP, UDP_SEGMENT, &seg, sizeof seg) < 0) {
-            PyMem_RawFree(buf); PyMem_RawFree(mm); PyMem_RawFree(iov); PyBuffer_Release(&pl);
-            return PyErr_SetFromErrno(PyExc_OSError);
-        }
-    }
-    for (int i = 0; i < batch; i++) {
-        iov[i].iov_base = buf; iov[i].iov_len = msg_len;
-        mm[i].msg_hdr.msg_iov = &iov[i]; mm[i].msg_hdr.msg_iovlen = 1;
-        mm[i].msg_hdr.msg_name = &sa; mm[i].msg_hdr.msg_namelen = sizeof sa;
-    }
-    long long sent = 0;
-    int err = 0;
-    Py_BEGIN_ALLOW_THREADS
-    while (sent < count) {
-        long long left = (count - sent + segs - 1) / segs;
-        int n = left < batch ? (int)left : batch;
-        int r = sendmmsg(fd, mm, n, 0);
-        if (r < 0) {
-            if (errno == EINTR || errno == EAGAIN || errno == ENOBUFS || errno == ECONNREFUSED) continue;
-            err = errno;
-            break;
-        }
-        sent += (long long)r * segs;
-    }
-    Py_END_ALLOW_THREADS
-    if (gso) { int zero = 0; setsockopt(fd, SOL_UDP, UDP_SEGMENT, &zero, sizeof zero); }
-    PyMem_RawFree(buf); PyMem_RawFree(mm); PyMem_RawFree(iov); PyBuffer_Release(&pl);
-    if (err) { errno = err; return PyErr_SetFromErrno(PyExc_OSError); }
-    return PyLong_FromLongLong(sent);
-}
-
-/* udp_drain(fd, idle_ms, max_ms, batch=64, gro=False, seg_size=0) -> (datagrams, bytes):
- * recvmmsg until idle for idle_ms or max_ms elapsed.  With gro, coalesced messages count as
- * bytes / seg_size datagrams. */
-static PyObject *udp_drain(PyObject *self, PyObject *args) {
-    int fd, idle_ms, max_ms, batch = 64, gro = 0, seg = 0;
-    if (!PyArg_ParseTuple(args, "iii|ipi", &fd, &idle_ms, &max_ms, &batch, &gro, &seg)) return NULL;
-    if (batch < 1 || batch > 1024) { PyErr_SetString(PyExc_ValueError, "batch"); return NULL; }
-    if (gro) {
-        int one = 1;
-        if (setsockopt(fd, SOL_UDP, UDP_GRO, &one, sizeof one) < 0) return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    const size_t cap = 65536;
-    uint8_t *rx = PyMem_RawMalloc(cap * batch);
-    struct mmsghdr *mm = PyMem_RawCalloc(batch, sizeof *mm);
-    struct iovec *iov = PyMem_RawCalloc(batch, sizeof *iov);
-    if (!rx || !mm || !iov) { PyMem_RawFree(rx); PyMem_RawFree(mm); PyMem_RawFree(iov); return PyErr_NoMemory(); }
-    long long pkts = 0, bytes = 0;
-    Py_BEGIN_ALLOW_THREADS
-    double end = now_ms() + max_ms;
-    while (now_ms() < end) {
-        struct pollfd pfd = {.fd = fd, .events = POLLIN};
-        if (poll(&pfd, 1, idle_ms) <= 0) break;
-        for (int i = 0; i < batch; i++) {
-            iov[i].iov_base = rx + i * cap; iov[i].iov_len = cap;
-            memset(&mm[i], 0, sizeof mm[i]);
-            mm[i].msg_hdr.msg_iov = &iov[i]; mm[i].msg_hdr.msg_iovlen = 1;
-        }
-        int r = recvmmsg(fd, mm, batch, MSG_DONTWAIT, NULL);
-        if (r <= 0) continue;
-        for (int i = 0; i < r; i++) {
-            bytes += mm[i].msg_len;
-            pkts += (gro && seg > 0) ? (mm[i].msg_len + seg - 1) / seg : 1;
-        }
-    }
-    Py_END_ALLOW_THREADS
-    PyMem_RawFree(rx); PyMem_RawFree(mm); PyMem_RawFree(iov);
-    return Py_BuildValue("(LL)", pkts, bytes);
-}
-
 static PyObject *has_avx2(PyObject *self, PyObject *noargs) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
@@ -763,8 +858,6 @@ static PyObject *has_avx2(PyObject *self, PyObject *noargs) {
 static PyMethodDef module_methods[] = {
     {"lookup_accumulate", lookup_accumulate, METH_VARARGS, "acc += table[unpack(packed)] (kernel benchmark hook)"},
     {"has_avx2", has_avx2, METH_NOARGS, "whether the AVX2 kernel is used"},
-    {"udp_blast", udp_blast, METH_VARARGS, "benchmark sender: sendmmsg batches, optional UDP GSO"},
-    {"udp_drain", udp_drain, METH_VARARGS, "benchmark receiver: recvmmsg batches, optional UDP GRO"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_fastpath", "THC-PS C hot path", -1, module_methods};

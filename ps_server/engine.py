@@ -21,6 +21,8 @@ import socket
 import time
 from typing import Protocol, runtime_checkable
 
+from proto.udpio import recv_datagrams
+
 
 @runtime_checkable
 class Engine(Protocol):
@@ -35,8 +37,9 @@ class Engine(Protocol):
     def process(self, datagram: bytes, addr: tuple) -> list:
         """One datagram in, the [(packet, (ip, port))] to send out."""
 
-    def serve(self, fd: int, duration_ms: int) -> int:
-        """Serve the UDP socket `fd` for about `duration_ms`; returns the datagrams handled."""
+    def serve(self, fd: int, duration_ms: int, gro: bool = True, gso: bool = True) -> int:
+        """Serve the UDP socket `fd` for about `duration_ms`; returns the datagrams handled.
+        `gro`/`gso`: whether coalesced receives and segmented sends may be used (proto/udpio.py)."""
 
     def stats(self) -> dict:
         """Counters by name and ``"drops"``: {reason: count}."""
@@ -68,15 +71,16 @@ def serve_by_process(engine: Engine, fd: int, duration_ms: int) -> int:
             if left <= 0 or not select.select([sock], [], [], left)[0]:
                 return handled
             try:
-                data, addr = sock.recvfrom(65536)
+                datagrams, addr = recv_datagrams(sock)      # a GRO batch split into datagrams
             except (BlockingIOError, ConnectionRefusedError):
                 continue
-            handled += 1
-            for pkt, dest in engine.process(data, addr):
-                try:
-                    sock.sendto(pkt, dest)
-                except OSError:
-                    pass
+            for data in datagrams:
+                handled += 1
+                for pkt, dest in engine.process(data, addr):
+                    try:
+                        sock.sendto(pkt, dest)
+                    except OSError:
+                        pass
     finally:
         sock.close()        # the duplicate; the PS's socket stays open
 

@@ -121,8 +121,9 @@ class ReferencePS:
         self.workers.pop(rank, None)
         self.tokens.pop(rank, None)
 
-    def serve(self, fd: int, duration_ms: int) -> int:
-        """The UDP socket `fd` for `duration_ms`, one datagram at a time through `process`."""
+    def serve(self, fd: int, duration_ms: int, gro: bool = True, gso: bool = True) -> int:
+        """The UDP socket `fd` for `duration_ms`, one datagram at a time through `process`
+        (coalesced receives are split; replies go out one by one)."""
         return serve_by_process(self, fd, duration_ms)
 
     # ------------------------------------------------------------------ helpers
@@ -183,61 +184,89 @@ class ReferencePS:
         c = self.stats.counters
         c["packets_in"] += 1
         c["bytes_in"] += len(datagram)
+        checked = self._validate(datagram, addr)
+        if isinstance(checked, str):
+            return self._drop(checked)
+        h, payload = checked
+        if self.job.blob and h.type == H.DATA:
+            return self._blob(h, bytes(payload))
+        st = self.slots[h.slot]
+        out = self._round_step(st, h)
+        return self._aggregate(st, h, payload) if out is None else out
+
+    def process_segments(self, buffer: bytes, seg_size: int, addr: tuple) -> list:
+        """A UDP GRO batch: every segment is processed exactly as a lone datagram."""
+        out: list = []
+        for seg in H.split_segments(buffer, seg_size):
+            out += self.process(bytes(seg), addr)
+        return out
+
+    def _validate(self, datagram: bytes, addr: tuple):
+        """The validation half of docs/design.md's rules: (header, payload) of a well-formed,
+        authorized DATA/NORM packet of this job, or the name of the drop counter."""
         try:
             h, payload = H.parse(datagram)
         except H.PacketError as exc:
-            return self._drop(exc.reason)
+            return exc.reason
         job = self.job
         if h.type not in (H.DATA, H.NORM):
-            return self._drop("malformed")
+            return "malformed"
         if h.job_id != job.job_id or h.nonce != self.nonce:
-            return self._drop("unknown_job")
+            return "unknown_job"
         if h.worker_id >= job.num_workers:
-            return self._drop("worker_out_of_range")
+            return "worker_out_of_range"
         if self.workers.get(h.worker_id) != (addr[0], int(addr[1])) \
                 or self.tokens.get(h.worker_id) != h.token:
-            return self._drop("unregistered")
+            return "unregistered"
         lo, hi = (job.slots, job.slots + job.norm_slots) if h.type == H.NORM else (0, job.slots)
         if not lo <= h.slot < hi:
-            return self._drop("slot_out_of_range")
+            return "slot_out_of_range"
         if h.num_workers != job.num_workers or (h.count == 0 and not job.blob) or not self._payload_ok(h):
-            return self._drop("malformed")
-        if job.blob and h.type == H.DATA:
-            return self._blob(h, bytes(payload))
+            return "malformed"
+        return h, payload
 
-        st = self.slots[h.slot]
+    def _straggler(self, st: _Slot, h: H.Header) -> list:
+        self.stats.drops["stale"] += 1
+        self.stats.counters["stragglers_notified"] += 1
+        job = self.job
+        note = H.build(H.Header(type=H.STRAGGLER, job_id=job.job_id, worker_id=h.worker_id,
+                                num_workers=job.num_workers, slot=h.slot, round=st.round,
+                                offset=h.offset, op=h.op, nonce=self.nonce))
+        out: list = []
+        self._emit(out, note, h.worker_id)
+        return out
+
+    def _round_step(self, st: _Slot, h: H.Header) -> list | None:
+        """The round half of the rules, one branch per row of docs/design.md's table: the
+        packets to send for a packet that is answered or dropped, None to aggregate it."""
         bit = 1 << h.worker_id
-        if h.round > (st.round if st.active else 0) + H.ROUND_WINDOW:
+        if h.round > (st.round if st.active else 0) + H.ROUND_WINDOW:             # ahead
             return self._drop("ahead")
-        if not st.active or h.round > st.round:
+        if not st.active or h.round > st.round:                                   # r > R
             st.previous = st.result if (st.active and st.result is not None
                                         and h.round == st.round + 1) else None
             st.active, st.round, st.count, st.bitmap = True, h.round, 0, 0
             st.offset, st.elems, st.result = h.offset, h.count, None
             st.acc = None
-        elif h.round == st.round:
+            return None
+        if h.round == st.round:
             if h.offset != st.offset or h.count != st.elems:
                 return self._drop("malformed")
-            if st.bitmap & bit:
+            if st.bitmap & bit:                                                   # duplicate
                 if st.result is not None:
                     return self._unicast_result(h.slot, st.result, h.type, h.worker_id)
                 return self._drop("duplicate")
-            if st.result is not None:
+            if st.result is not None:                                             # late
                 self.stats.drops["late"] += 1
                 return self._unicast_result(h.slot, st.result, h.type, h.worker_id)
-        elif h.round + 1 == st.round and st.previous is not None \
-                and h.offset == st.previous.offset and h.count == st.previous.count:
+            return None                                                           # new worker
+        if h.round + 1 == st.round and st.previous is not None \
+                and h.offset == st.previous.offset and h.count == st.previous.count:  # r = R − 1
             return self._unicast_result(h.slot, st.previous, h.type, h.worker_id)
-        else:
-            self.stats.drops["stale"] += 1
-            c["stragglers_notified"] += 1
-            note = H.build(H.Header(type=H.STRAGGLER, job_id=job.job_id, worker_id=h.worker_id,
-                                    num_workers=job.num_workers, slot=h.slot, round=st.round,
-                                    offset=h.offset, op=h.op, nonce=self.nonce))
-            out: list = []
-            self._emit(out, note, h.worker_id)
-            return out
+        return self._straggler(st, h)                                             # stale
 
+    def _aggregate(self, st: _Slot, h: H.Header, payload) -> list:
+        """r = R, new worker: add the contribution; at quorum, the result to every worker."""
         values = self._values(h, payload)
         if st.acc is None:
             st.acc = values.copy()
@@ -245,17 +274,18 @@ class ReferencePS:
             np.maximum(st.acc, values, out=st.acc)
         else:
             st.acc += values
-        st.bitmap |= bit
+        st.bitmap |= 1 << h.worker_id
         st.count += 1
-        if st.count < job.quorum_count:
+        if st.count < self.job.quorum_count:
             return []
         st.result = _Result(st.round, self._result_payload(h.type, st.acc), st.bitmap, st.count,
                             st.offset, st.elems)
+        c = self.stats.counters
         c["rounds_completed"] += 1
-        if st.count < job.num_workers:
+        if st.count < self.job.num_workers:
             c["partial_rounds"] += 1
         pkt = self._result_packet(h.slot, st.result, h.type, None)
-        out = []
+        out: list = []
         for wid in sorted(self.workers):
             self._emit(out, pkt, wid)
         return out
@@ -299,14 +329,7 @@ class ReferencePS:
         elif h.round < cur.round:
             if prev is not None and h.round == prev.round:
                 return self._blob_resend(prev, h, total)
-            self.stats.drops["stale"] += 1
-            self.stats.counters["stragglers_notified"] += 1
-            out: list = []
-            self._emit(out, H.build(H.Header(type=H.STRAGGLER, job_id=self.job.job_id,
-                                             worker_id=h.worker_id, num_workers=self.job.num_workers,
-                                             slot=h.slot, round=cur.round, offset=h.offset,
-                                             op=h.op, nonce=self.nonce)), h.worker_id)
-            return out
+            return self._straggler(cur, h)
         bit = 1 << h.worker_id
         if cur.result is not None:
             if not cur.bitmap & bit:

@@ -33,6 +33,7 @@ import zmq
 
 from proto import control
 from proto import headers as H
+from proto import udpio
 from proto.job import JobConfig
 from proto.sockets import set_buffer
 from ps_server.engine import Engine, ExternalEngine
@@ -68,6 +69,7 @@ def udp_socket(bind: tuple) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     set_buffer(sock, RCVBUF)
     set_buffer(sock, RCVBUF, send=True)
+    udpio.set_gro(sock, udpio.offload_enabled())   # before traffic: batches coalesce from the start
     sock.bind(bind)
     return sock
 
@@ -234,29 +236,34 @@ class PSServer:
     def _data_loop(self):
         fd = self.sock.fileno()
         self.sock.settimeout(0.1)
+        offload = udpio.offload_enabled()
         while not self._stop.is_set():
             job = self.job
             if job is not None:
-                job.engine.serve(fd, 100)
+                job.engine.serve(fd, 100, offload, offload)
                 continue
             try:
-                data, addr = self.sock.recvfrom(65536)
+                datagrams, addr = udpio.recv_datagrams(self.sock)
             except (TimeoutError, BlockingIOError, ConnectionRefusedError):
                 continue
             except OSError:
                 if self._stop.is_set():
                     return
                 raise
-            job = self.job              # a job may have started while recvfrom waited
-            engine = job.engine if job else None
-            if engine is None:
-                self._count_idle(data)
-                continue
-            for pkt, dest in engine.process(data, addr):
-                try:
-                    self.sock.sendto(pkt, dest)
-                except OSError:
-                    pass
+            for data in datagrams:      # a GRO batch left queued by the C engine's socket option
+                self._process_python(data, addr)
+
+    def _process_python(self, data: bytes, addr) -> None:
+        job = self.job                  # a job may have started while recvmsg waited
+        engine = job.engine if job else None
+        if engine is None:
+            self._count_idle(data)
+            return
+        for pkt, dest in engine.process(data, addr):
+            try:
+                self.sock.sendto(pkt, dest)
+            except OSError:
+                pass
 
     def _count_idle(self, data: bytes) -> None:
         """A datagram while no job runs: counted under the reason a job would have dropped it."""

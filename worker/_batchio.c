@@ -1,5 +1,6 @@
 /* Worker-side batched datagram I/O: one sendmmsg for a window of packets, one recvmmsg for
- * whatever results are waiting.  The worker's loop was one Python call (and one select) per
+ * whatever results are waiting (UDP GRO batches split into their datagrams), and phase_run,
+ * a whole phase (window, retransmit timers, results) in C with the GIL released.  The worker's loop was one Python call (and one select) per
  * datagram; this moves the per-packet system-call work into C with the GIL released.
  *
  *   send_many(fd, packets, ip, port) -> (sent, refused)
@@ -14,15 +15,22 @@
  *       payload length no longer matches) and counts it.
  */
 #define PY_SSIZE_T_CLEAN
+#define _GNU_SOURCE
 #include <Python.h>
 
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
+#include <poll.h>
+#include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 
 #define BATCH 64
+#include "../proto/udpio.h"
+#define RX_CAP 65536
 
 static PyObject *send_many(PyObject *self, PyObject *args) {
     int fd, port;
@@ -73,6 +81,17 @@ done:
     return Py_BuildValue("(nn)", sent, refused);
 }
 
+/* The segment size of a UDP GRO batch (its UDP_GRO control message), 0 for a lone datagram. */
+static uint32_t gro_size(struct msghdr *h) {
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(h); c; c = CMSG_NXTHDR(h, c))
+        if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO) {
+            int v;
+            memcpy(&v, CMSG_DATA(c), sizeof v);
+            return v > 0 ? (uint32_t)v : 0;
+        }
+    return 0;
+}
+
 static PyObject *recv_many(PyObject *self, PyObject *args) {
     int fd, maxp, cap;
     if (!PyArg_ParseTuple(args, "iii", &fd, &maxp, &cap)) return NULL;
@@ -80,10 +99,13 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "recv_many: max_packets must be in 1..4096, max_size in 1..65536");
         return NULL;
     }
+    int max_size = cap;
+    cap = RX_CAP;        /* room for a GRO batch; a segment longer than max_size is cut below */
     uint8_t *rx = PyMem_RawMalloc((size_t)cap * BATCH);
     struct mmsghdr mm[BATCH];
     struct iovec iov[BATCH];
     struct sockaddr_in from[BATCH];
+    union { char buf[CMSG_SPACE(sizeof(int))]; struct cmsghdr align; } ctl[BATCH];
     PyObject *out = PyList_New(0);
     if (!rx || !out) { PyMem_RawFree(rx); Py_XDECREF(out); return PyErr_NoMemory(); }
     int got_total = 0, err = 0;
@@ -97,6 +119,8 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
             mm[i].msg_hdr.msg_iovlen = 1;
             mm[i].msg_hdr.msg_name = &from[i];
             mm[i].msg_hdr.msg_namelen = sizeof from[i];
+            mm[i].msg_hdr.msg_control = ctl[i].buf;
+            mm[i].msg_hdr.msg_controllen = sizeof ctl[i].buf;
         }
         int r;
         Py_BEGIN_ALLOW_THREADS
@@ -111,15 +135,23 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
         for (int i = 0; i < r; i++) {
             char host[INET_ADDRSTRLEN];
             inet_ntop(AF_INET, &from[i].sin_addr, host, sizeof host);
-            PyObject *item = Py_BuildValue("(y#(si))", (const char *)iov[i].iov_base,
-                                           (Py_ssize_t)mm[i].msg_len, host, (int)ntohs(from[i].sin_port));
-            if (!item || PyList_Append(out, item) < 0) {
-                Py_XDECREF(item);
-                Py_DECREF(out);
-                PyMem_RawFree(rx);
-                return NULL;
-            }
-            Py_DECREF(item);
+            uint32_t len = mm[i].msg_len, seg = gro_size(&mm[i].msg_hdr);
+            if (seg == 0 || seg >= len) seg = len ? len : 1;
+            uint32_t off = 0;
+            do {   /* each segment of a GRO batch is one datagram (proto.headers.split_segments) */
+                uint32_t n = len - off < seg ? len - off : seg;
+                PyObject *item = Py_BuildValue("(y#(si))", (const char *)iov[i].iov_base + off,
+                                               (Py_ssize_t)(n < (uint32_t)max_size ? n : (uint32_t)max_size),
+                                               host, (int)ntohs(from[i].sin_port));
+                if (!item || PyList_Append(out, item) < 0) {
+                    Py_XDECREF(item);
+                    Py_DECREF(out);
+                    PyMem_RawFree(rx);
+                    return NULL;
+                }
+                Py_DECREF(item);
+                off += n;
+            } while (off < len);
         }
         got_total += r;
         if (r < want) break;
@@ -133,9 +165,396 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* ------------------------------------------------------------------ a whole phase in C
+ *
+ * phase_run(fd, budget_ms, P, T, dests, ch_sh, ch_slot, ch_round, ch_off, ch_count, poff,
+ *           payload, hdr, state, deadline, tmo, tries, pend, res_hdr, lanes, roff, res_len,
+ *           slot_round, counters, extras) -> (status, chunk)
+ *
+ * The loop of Transport._run_phase_python (worker/transport.py) with the GIL released:
+ * fill the window (each new chunk's header written into hdr[c] and sent with the payload
+ * slice as a second iovec, runs to one shard as UDP GSO messages), receive every queued
+ * result (GRO batches split into datagrams), match results to pending chunks, expire
+ * deadlines under the retransmit/zero policy with exponential backoff.  Every array is
+ * owned by the Python caller, so the phase state survives a return: the call comes back
+ * after `budget_ms` (status 1) for the caller to look at a restarted PS, heartbeats and
+ * the stall warning, and is called again; status 0 = every chunk has a result or is lost,
+ * 2 = chunk `chunk` used up max_retries (the caller raises the error naming the cause).
+ * Results that are not for a pending chunk and that Transport._keep would keep (a later
+ * round of a slot, a BLOB fragment) are appended to `extras` as (shard, bytes).
+ *
+ * P (int64): type, want_type, job_id, worker_id, num_workers, elem_bits, op, nchunks,
+ *            window, nslots, nshards, zero_policy, max_retries, gso, next_c, npending, finished
+ * T (float64): timeout, max_timeout (seconds)
+ * dests (int64, nshards x 4): IPv4 address (network order), port, nonce, token
+ * state (int8): 0 not sent, 1 pending, 2 result, 3 lost, 4 settled by the caller (stash)
+ * counters (int64): see PHASE_COUNTERS in worker/transport.py
+ */
+enum { P_TYPE, P_WANT, P_JOB, P_WORKER, P_NW, P_EBITS, P_OP, P_N, P_WINDOW, P_NSLOTS, P_NSHARDS,
+       P_ZERO, P_MAXRETRIES, P_GSO, P_NEXT, P_NPENDING, P_FINISHED, P_COUNT };
+enum { K_SENT, K_RECV, K_BYTES_SENT, K_BYTES_RECV, K_RETRANS, K_TIMEOUTS, K_LOST, K_STRAGGLER,
+       K_BAD, K_GSO_MSGS, K_GRO_BATCHES, K_COUNT };
+enum { S_NEW, S_PENDING, S_RESULT, S_LOST, S_SETTLED };
+
+#define HDR 40
+#define MAGIC 0x5448
+#define VERSION 2
+#define T_RESULT 2
+#define T_STRAGGLER 3
+#define T_NORM_RESULT 5
+#define OP_BLOB 4
+#define F_RETRANSMIT 0x01
+
+static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return ntohl(v); }
+static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return ntohs(v); }
+static inline void wr32(uint8_t *p, uint32_t v) { v = htonl(v); memcpy(p, &v, 4); }
+static inline void wr16(uint8_t *p, uint16_t v) { v = htons(v); memcpy(p, &v, 2); }
+
+static double mono_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+typedef struct {
+    int fd;
+    int64_t *P, *dests, *counters, *slot_round;
+    double *T, *deadline, *tmo;
+    int32_t *sh, *slot, *tries, *pend, *res_len;
+    uint32_t *round, *off;
+    int32_t *count;
+    int64_t *poff, *roff;
+    const uint8_t *payload;
+    uint8_t *hdr, *res_hdr, *lanes;
+    int8_t *state;
+    PyObject *extras;
+    /* send scratch */
+    struct mmsghdr *mm;
+    struct iovec *iov;
+    struct sockaddr_in *sa;
+    char *cmsg;
+    int cap;
+} phase_t;
+
+
+static void write_header(phase_t *ph, int c) {
+    int64_t *P = ph->P;
+    uint8_t *h = ph->hdr + (size_t)c * HDR;
+    int64_t *d = ph->dests + 4 * ph->sh[c];
+    uint32_t plen = (uint32_t)(ph->poff[c + 1] - ph->poff[c]);
+    memset(h, 0, HDR);
+    wr16(h, MAGIC);
+    h[2] = VERSION; h[3] = (uint8_t)P[P_TYPE]; h[5] = (uint8_t)P[P_WORKER]; h[6] = (uint8_t)P[P_NW];
+    h[7] = (uint8_t)P[P_EBITS];
+    wr16(h + 8, (uint16_t)P[P_JOB]); wr16(h + 10, (uint16_t)ph->slot[c]); wr32(h + 12, ph->round[c]);
+    wr32(h + 16, ph->off[c]); wr16(h + 20, (uint16_t)ph->count[c]); wr16(h + 22, (uint16_t)plen);
+    h[29] = (uint8_t)P[P_OP];
+    wr32(h + 32, (uint32_t)d[2]); wr32(h + 36, (uint32_t)d[3]);
+}
+
+/* sendmmsg of the given chunks, in order; runs of equal-size packets to one shard become GSO
+ * messages when P[P_GSO].  A full socket buffer is waited out (bounded), ECONNREFUSED and
+ * EPERM lose the message (timeouts handle it), a refused GSO message turns GSO off and the
+ * batch is sent again without it. */
+static void send_chunks(phase_t *ph, const int *cs, int n) {
+    int64_t *P = ph->P;
+    for (int i = 0; i < n; i++) {
+        int c = cs[i];
+        ph->counters[K_SENT]++;
+        ph->counters[K_BYTES_SENT] += HDR + (ph->poff[c + 1] - ph->poff[c]);
+    }
+    int start = 0;
+    while (start < n) {
+        int nm = 0, iv = 0, first = start;
+        uint32_t seg = 0, bytes = 0, segs = 0;
+        int open = 0, prev = -1, j = start;
+        for (; j < n; j++) {
+            int c = cs[j];
+            uint32_t len = HDR + (uint32_t)(ph->poff[c + 1] - ph->poff[c]);
+            int join = P[P_GSO] && open && ph->sh[c] == prev && segs < GSO_MAX_SEGS &&
+                       bytes + len <= GSO_MAX_BYTES && len <= seg;
+            if (!join) {
+                if (nm == ph->cap) break;
+                int64_t *d = ph->dests + 4 * ph->sh[c];
+                struct sockaddr_in *sa = &ph->sa[nm];
+                memset(sa, 0, sizeof *sa);
+                sa->sin_family = AF_INET;
+                sa->sin_addr.s_addr = (uint32_t)d[0];
+                sa->sin_port = htons((uint16_t)d[1]);
+                memset(&ph->mm[nm], 0, sizeof ph->mm[nm]);
+                ph->mm[nm].msg_hdr.msg_name = sa;
+                ph->mm[nm].msg_hdr.msg_namelen = sizeof *sa;
+                ph->mm[nm].msg_hdr.msg_iov = ph->iov + iv;
+                nm++;
+                seg = len; bytes = 0; segs = 0; open = 1; prev = ph->sh[c];
+            }
+            struct msghdr *h = &ph->mm[nm - 1].msg_hdr;
+            ph->iov[iv].iov_base = ph->hdr + (size_t)c * HDR; ph->iov[iv].iov_len = HDR; iv++;
+            ph->iov[iv].iov_base = (void *)(ph->payload + ph->poff[c]);
+            ph->iov[iv].iov_len = (size_t)(ph->poff[c + 1] - ph->poff[c]); iv++;
+            h->msg_iovlen += 2;
+            bytes += len; segs++;
+            if (len < seg) open = 0;
+            if (segs > 1) set_gso_segment(h, ph->cmsg + (size_t)(nm - 1) * CMSG_SEG_SPACE, seg);
+        }
+        int sent = 0, waits = 0, refused_gso = 0;
+        while (sent < nm) {
+            int r = sendmmsg(ph->fd, ph->mm + sent, (unsigned)(nm - sent), MSG_DONTWAIT);
+            if (r > 0) { sent += r; continue; }
+            if (r < 0 && errno == EINTR) continue;
+            if (r == 0 || errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS) {
+                if (waits++ >= 1000) break;
+                struct pollfd pfd = {.fd = ph->fd, .events = POLLOUT};
+                poll(&pfd, 1, 10);
+                continue;
+            }
+            if ((errno == EIO || errno == EINVAL || errno == EOPNOTSUPP) && ph->mm[sent].msg_hdr.msg_controllen) {
+                refused_gso = 1;
+                break;
+            }
+            sent++;          /* ECONNREFUSED (earlier ICMP), EPERM (netfilter drop rule): lost */
+        }
+        for (int i = 0; i < sent; i++)
+            if (ph->mm[i].msg_hdr.msg_iovlen > 2) ph->counters[K_GSO_MSGS]++;
+        if (refused_gso) {
+            P[P_GSO] = 0;
+            int done = 0;
+            for (int i = 0; i < sent; i++) done += (int)ph->mm[i].msg_hdr.msg_iovlen / 2;
+            start = first + done;
+            continue;
+        }
+        start = j;
+    }
+}
+
+static void settle(phase_t *ph, int c, int state) {
+    int key = ph->sh[c] * (int)ph->P[P_NSLOTS] + ph->slot[c];
+    if (ph->pend[key] == c) { ph->pend[key] = -1; ph->P[P_NPENDING]--; }
+    ph->state[c] = (int8_t)state;
+    ph->P[P_FINISHED]++;
+    if (state == S_LOST) ph->counters[K_LOST]++;
+}
+
+/* One received datagram from (ip, port) (Transport._accept + the match of the phase loop).
+ * Returns -1 when it must be kept for later (extras, needs the GIL), else 0. */
+static int accept_one(phase_t *ph, const uint8_t *b, uint32_t len, uint32_t ip, uint16_t port, int *shard_out) {
+    int64_t *P = ph->P;
+    ph->counters[K_RECV]++;
+    ph->counters[K_BYTES_RECV] += len;
+    int shard = -1;
+    for (int s = 0; s < P[P_NSHARDS]; s++)
+        if ((uint32_t)ph->dests[4 * s] == ip && (uint16_t)ph->dests[4 * s + 1] == port) { shard = s; break; }
+    if (len < HDR || rd16(b) != MAGIC || b[2] != VERSION || b[3] < 1 || b[3] > 5 ||
+        rd16(b + 22) != len - HDR) { ph->counters[K_BAD]++; return 0; }
+    if (shard < 0 || rd16(b + 8) != (uint16_t)P[P_JOB] || rd32(b + 32) != (uint32_t)ph->dests[4 * shard + 2]) {
+        ph->counters[K_BAD]++;
+        return 0;
+    }
+    int type = b[3], op = b[29], slot = rd16(b + 10);
+    uint32_t round = rd32(b + 12);
+    int c = slot < P[P_NSLOTS] ? ph->pend[shard * (int)P[P_NSLOTS] + slot] : -1;
+    if (type == P[P_WANT] && op != OP_BLOB && c >= 0 && round == ph->round[c]) {
+        memcpy(ph->res_hdr + (size_t)c * HDR, b, HDR);
+        int64_t room = ph->roff[c + 1] - ph->roff[c];
+        uint32_t plen = len - HDR;
+        memcpy(ph->lanes + ph->roff[c], b + HDR, plen < room ? plen : (size_t)room);
+        ph->res_len[c] = (int32_t)plen;
+        settle(ph, c, S_RESULT);
+        return 0;
+    }
+    if (type == T_RESULT || type == T_NORM_RESULT) {
+        /* Transport._keep: BLOB fragments and later rounds of a slot are kept, the rest ignored */
+        if (op != OP_BLOB && (slot >= P[P_NSLOTS] || (int64_t)round <= ph->slot_round[shard * P[P_NSLOTS] + slot]))
+            return 0;
+        *shard_out = shard;
+        return -1;
+    }
+    if (type == T_STRAGGLER) {
+        ph->counters[K_STRAGGLER]++;
+        if (c >= 0 && round > ph->round[c]) settle(ph, c, S_LOST);
+        return 0;
+    }
+    ph->counters[K_BAD]++;
+    return 0;
+}
+
+#define GETBUF(i, b, flags) if (PyObject_GetBuffer(PyTuple_GET_ITEM(args, i), &b, flags) < 0) goto fail;
+
+static PyObject *phase_run(PyObject *self, PyObject *args) {
+    enum { A_FD, A_BUDGET, A_P, A_T, A_DESTS, A_SH, A_SLOT, A_ROUND, A_OFF, A_COUNT, A_POFF, A_PAYLOAD,
+           A_HDR, A_STATE, A_DEADLINE, A_TMO, A_TRIES, A_PEND, A_RES_HDR, A_LANES, A_ROFF, A_RES_LEN,
+           A_SLOT_ROUND, A_COUNTERS, A_EXTRAS, A_N };
+    if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) != A_N) {
+        PyErr_SetString(PyExc_TypeError, "phase_run: wrong number of arguments");
+        return NULL;
+    }
+    Py_buffer bufs[A_N];
+    int held[A_N] = {0};
+    PyObject *ret = NULL;
+    phase_t ph = {0};
+    ph.fd = (int)PyLong_AsLong(PyTuple_GET_ITEM(args, A_FD));
+    double budget = PyFloat_AsDouble(PyTuple_GET_ITEM(args, A_BUDGET)) / 1e3;
+    ph.extras = PyTuple_GET_ITEM(args, A_EXTRAS);
+    if (PyErr_Occurred() || !PyList_Check(ph.extras)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "phase_run: extras must be a list");
+        return NULL;
+    }
+    for (int i = A_P; i < A_EXTRAS; i++) {
+        int flags = (i == A_PAYLOAD || i == A_DESTS || i == A_SH || i == A_SLOT || i == A_ROUND || i == A_OFF ||
+                     i == A_COUNT || i == A_POFF || i == A_ROFF || i == A_SLOT_ROUND) ? PyBUF_SIMPLE : PyBUF_WRITABLE;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(args, i), &bufs[i], flags) < 0) goto fail;
+        held[i] = 1;
+    }
+    ph.P = bufs[A_P].buf; ph.T = bufs[A_T].buf; ph.dests = bufs[A_DESTS].buf;
+    ph.sh = bufs[A_SH].buf; ph.slot = bufs[A_SLOT].buf; ph.round = bufs[A_ROUND].buf; ph.off = bufs[A_OFF].buf;
+    ph.count = bufs[A_COUNT].buf; ph.poff = bufs[A_POFF].buf; ph.payload = bufs[A_PAYLOAD].buf;
+    ph.hdr = bufs[A_HDR].buf; ph.state = bufs[A_STATE].buf; ph.deadline = bufs[A_DEADLINE].buf;
+    ph.tmo = bufs[A_TMO].buf; ph.tries = bufs[A_TRIES].buf; ph.pend = bufs[A_PEND].buf;
+    ph.res_hdr = bufs[A_RES_HDR].buf; ph.lanes = bufs[A_LANES].buf; ph.roff = bufs[A_ROFF].buf;
+    ph.res_len = bufs[A_RES_LEN].buf; ph.slot_round = bufs[A_SLOT_ROUND].buf; ph.counters = bufs[A_COUNTERS].buf;
+    int64_t *P = ph.P;
+    int n = (int)P[P_N];
+    if (bufs[A_P].len < P_COUNT * 8 || bufs[A_COUNTERS].len < K_COUNT * 8 || bufs[A_T].len < 16 ||
+        bufs[A_STATE].len < n || bufs[A_HDR].len < (Py_ssize_t)n * HDR || bufs[A_RES_HDR].len < (Py_ssize_t)n * HDR ||
+        bufs[A_POFF].len < (Py_ssize_t)(n + 1) * 8 || bufs[A_ROFF].len < (Py_ssize_t)(n + 1) * 8 ||
+        bufs[A_PEND].len < (Py_ssize_t)(P[P_NSHARDS] * P[P_NSLOTS]) * 4 ||
+        bufs[A_DESTS].len < (Py_ssize_t)P[P_NSHARDS] * 32 || (n && (ph.poff[n] > bufs[A_PAYLOAD].len ||
+        ph.roff[n] > bufs[A_LANES].len))) {
+        PyErr_SetString(PyExc_ValueError, "phase_run: inconsistent array sizes");
+        goto fail;
+    }
+    ph.cap = (int)P[P_WINDOW] + 1;
+    if (ph.cap < n + 1 && ph.cap < 2 * BATCH) ph.cap = 2 * BATCH;
+    ph.mm = PyMem_RawCalloc(ph.cap, sizeof *ph.mm);
+    ph.iov = PyMem_RawCalloc(2 * (size_t)ph.cap * 1, sizeof *ph.iov);
+    ph.sa = PyMem_RawCalloc(ph.cap, sizeof *ph.sa);
+    ph.cmsg = PyMem_RawCalloc(ph.cap, CMSG_SEG_SPACE);
+    int *batch = PyMem_RawCalloc(ph.cap, sizeof(int));
+    uint8_t *rx = PyMem_RawMalloc((size_t)RX_CAP * 8);
+    int32_t *pending_list = PyMem_RawCalloc(ph.cap, sizeof(int32_t));
+    if (!ph.mm || !ph.iov || !ph.sa || !ph.cmsg || !batch || !rx || !pending_list) {
+        PyMem_RawFree(batch); PyMem_RawFree(rx); PyMem_RawFree(pending_list);
+        PyErr_NoMemory();
+        goto fail_free;
+    }
+    int status = 1, give_up = -1, err = 0;
+    PyThreadState *ts = PyEval_SaveThread();
+    double end = mono_s() + budget;
+    for (;;) {
+        double now = mono_s();
+        /* fill the window: chunks enter in order while their (shard, slot) is free */
+        int nb = 0;
+        while (P[P_NEXT] < n && P[P_NPENDING] < P[P_WINDOW] && nb < ph.cap) {
+            int c = (int)P[P_NEXT];
+            if (ph.state[c] == S_SETTLED) { P[P_NEXT]++; continue; }
+            int key = ph.sh[c] * (int)P[P_NSLOTS] + ph.slot[c];
+            if (ph.pend[key] >= 0) break;
+            P[P_NEXT]++;
+            write_header(&ph, c);
+            ph.pend[key] = c;
+            P[P_NPENDING]++;
+            ph.state[c] = S_PENDING;
+            ph.tmo[c] = ph.T[0];
+            ph.deadline[c] = now + ph.T[0];
+            ph.tries[c] = 0;
+            batch[nb++] = c;
+        }
+        if (nb) send_chunks(&ph, batch, nb);
+        if (P[P_FINISHED] >= n) { status = 0; break; }
+        /* wait for results until the earliest deadline (or the budget) */
+        int np = 0;
+        double first = 1e300;
+        for (int k = 0; k < P[P_NSHARDS] * P[P_NSLOTS]; k++)
+            if (ph.pend[k] >= 0) {
+                pending_list[np++] = ph.pend[k];
+                if (ph.deadline[ph.pend[k]] < first) first = ph.deadline[ph.pend[k]];
+                if (np == ph.cap) break;
+            }
+        now = mono_s();
+        if (now >= end) break;
+        double wait = (np ? first : now + ph.T[0]) - now;
+        if (wait > end - now) wait = end - now;
+        struct pollfd pfd = {.fd = ph.fd, .events = POLLIN};
+        int pr = poll(&pfd, 1, wait > 0 ? (int)(wait * 1e3 + 0.999) : 0);
+        if (pr < 0 && errno != EINTR) { err = errno; break; }
+        while (pr > 0) {
+            struct mmsghdr mm[8];
+            struct iovec iov[8];
+            struct sockaddr_in from[8];
+            union { char buf[CMSG_SPACE(sizeof(int))]; struct cmsghdr align; } ctl[8];
+            for (int i = 0; i < 8; i++) {
+                memset(&mm[i], 0, sizeof mm[i]);
+                iov[i].iov_base = rx + (size_t)i * RX_CAP; iov[i].iov_len = RX_CAP;
+                mm[i].msg_hdr.msg_iov = &iov[i]; mm[i].msg_hdr.msg_iovlen = 1;
+                mm[i].msg_hdr.msg_name = &from[i]; mm[i].msg_hdr.msg_namelen = sizeof from[i];
+                mm[i].msg_hdr.msg_control = ctl[i].buf; mm[i].msg_hdr.msg_controllen = sizeof ctl[i].buf;
+            }
+            int r = recvmmsg(ph.fd, mm, 8, MSG_DONTWAIT, NULL);
+            if (r < 0) {
+                if (errno == EINTR || errno == ECONNREFUSED) continue;
+                if (errno != EAGAIN && errno != EWOULDBLOCK) err = errno;
+                break;
+            }
+            for (int i = 0; i < r; i++) {
+                uint32_t len = mm[i].msg_len, seg = gro_size(&mm[i].msg_hdr);
+                if (seg == 0 || seg >= len) seg = len ? len : 1;
+                else ph.counters[K_GRO_BATCHES]++;
+                uint32_t o = 0;
+                do {
+                    uint32_t m = len - o < seg ? len - o : seg;
+                    const uint8_t *b = (const uint8_t *)iov[i].iov_base + o;
+                    int shard = -1;
+                    if (accept_one(&ph, b, m, from[i].sin_addr.s_addr, ntohs(from[i].sin_port), &shard) < 0) {
+                        PyEval_RestoreThread(ts);
+                        PyObject *item = Py_BuildValue("(iy#)", shard, (const char *)b, (Py_ssize_t)m);
+                        if (!item || PyList_Append(ph.extras, item) < 0) err = -1;
+                        Py_XDECREF(item);
+                        ts = PyEval_SaveThread();
+                    }
+                    o += m;
+                } while (o < len && err != -1);
+            }
+            if (r < 8 || err) break;
+        }
+        if (err) break;
+        /* deadlines: retransmit with backoff, or lose the chunk (zero policy) */
+        now = mono_s();
+        nb = 0;
+        for (int i = 0; i < np; i++) {
+            int c = pending_list[i];
+            if (ph.state[c] != S_PENDING || ph.deadline[c] > now) continue;
+            ph.counters[K_TIMEOUTS]++;
+            if (P[P_ZERO]) { settle(&ph, c, S_LOST); continue; }
+            if (ph.tries[c] >= P[P_MAXRETRIES]) { give_up = c; break; }
+            ph.hdr[(size_t)c * HDR + 4] |= F_RETRANSMIT;
+            batch[nb++] = c;
+            ph.counters[K_RETRANS]++;
+            double t = ph.tmo[c] * 2;
+            ph.tmo[c] = t < ph.T[1] ? t : ph.T[1];
+            ph.deadline[c] = now + ph.tmo[c];
+            ph.tries[c]++;
+        }
+        if (nb) send_chunks(&ph, batch, nb);     /* resends count as sent packets, as in Python */
+        if (give_up >= 0) { status = 2; break; }
+        if (P[P_FINISHED] >= n) { status = 0; break; }
+        if (mono_s() >= end) break;
+    }
+    PyEval_RestoreThread(ts);
+    PyMem_RawFree(batch); PyMem_RawFree(rx); PyMem_RawFree(pending_list);
+    if (err == -1) goto fail_free;
+    if (err) { errno = err; PyErr_SetFromErrno(PyExc_OSError); goto fail_free; }
+    ret = Py_BuildValue("(ii)", status, give_up);
+fail_free:
+    PyMem_RawFree(ph.mm); PyMem_RawFree(ph.iov); PyMem_RawFree(ph.sa); PyMem_RawFree(ph.cmsg);
+fail:
+    for (int i = 0; i < A_N; i++) if (held[i]) PyBuffer_Release(&bufs[i]);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"send_many", send_many, METH_VARARGS, "send_many(fd, packets, ip, port) -> (sent, refused)"},
     {"recv_many", recv_many, METH_VARARGS, "recv_many(fd, max_packets, max_size) -> [(bytes, (ip, port))]"},
+    {"phase_run", phase_run, METH_VARARGS, "phase_run(fd, budget_ms, ...) -> (status, chunk): a phase's window, timers and results in C (see the comment in _batchio.c)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_batchio",

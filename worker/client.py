@@ -24,14 +24,22 @@ from compression import thc
 from compression.codec import ErrorFeedback
 from proto import headers as H
 from proto.packing import unpack_lanes
-from worker.transport import Transport
+from worker.transport import PackedChunks, PhaseResults, Transport
 
 
 def joined_lanes(chunks, results, total: int, lane_bits: int):
     """(all 8-bit sum lanes Y as one uint8 vector, k) when every chunk came back with the same
     number of contributors k — the common round, whose Y/k (Alg. 3 line 19) thc.decode_lanes
     then computes inside the fused decode; None otherwise."""
-    if lane_bits != 8 or not results or any(r is None for r in results):
+    if lane_bits != 8 or not len(results):
+        return None
+    if isinstance(results, PhaseResults):      # the C phase: the lanes are already one vector
+        k = results.contributors
+        if not results.ok().all() or (k != k[0]).any() or results.lanes.size != total \
+                or (results.lengths != np.diff(results.roff)).any():
+            return None
+        return results.lanes, int(k[0])
+    if any(r is None for r in results):
         return None
     k = results[0][0].contributors
     if any(h.contributors != k for h, _ in results):
@@ -103,14 +111,9 @@ class Worker:
         self._delay_rng = np.random.default_rng(np.random.SeedSequence([seed, transport.worker_id, 99]))
         self.last: RoundReport | None = None
 
-    def _chunks(self, payload: bytes, total: int, bits: int) -> list:
-        per = self.job.elems_per_packet
-        out = []
-        for off in range(0, total, per):
-            count = min(per, total - off)
-            lo = off * bits // 8
-            out.append((off, count, payload[lo:lo + (count * bits + 7) // 8]))
-        return out
+    def _chunks(self, payload, total: int, bits: int) -> PackedChunks:
+        """The packet chunks of a packed vector, cut without copying."""
+        return PackedChunks(payload, total, bits, self.job.elems_per_packet)
 
     def _maybe_straggle(self) -> None:
         """Delay this round's DATA phase if this worker straggles.
@@ -183,6 +186,15 @@ class Worker:
 
     def _collect(self, results, report: RoundReport) -> None:
         report.chunks = len(results)
+        if isinstance(results, PhaseResults):
+            ok = results.ok()
+            report.lost += int((~ok).sum())
+            report.contributors += results.contributors.tolist()
+            report.bitmaps += results.bitmaps.tolist()
+            report.digests += [zlib.crc32(results.payload(c)) if ok[c] else 0 for c in range(len(ok))]
+            report.bytes_down += int(np.minimum(results.lengths, np.diff(results.roff))[ok].sum()) \
+                + H.HEADER_SIZE * int(ok.sum())
+            return
         for r in results:
             if r is None:
                 report.lost += 1
@@ -203,8 +215,8 @@ class Worker:
         norms = self._exchange_norms(rnd.norms())
         report.norms = norms.tolist()
         packed = rnd.encode(norms, self.round_rng(rn), rn, packed=True)
-        chunks = self._chunks(packed.tobytes(), layout.padded_dim, cfg.bits)
-        report.bytes_up = sum(len(c[2]) + H.HEADER_SIZE for c in chunks)
+        chunks = self._chunks(packed, layout.padded_dim, cfg.bits)
+        report.bytes_up = chunks.wire_bytes
         self._maybe_straggle()
         results = self.t.run_phase(H.DATA, chunks)
         self._collect(results, report)
@@ -239,11 +251,15 @@ class Worker:
         return codec.decode(down, Context(key, arr.size, rn, shared, h.contributors))
 
     def _float_round(self, arr: np.ndarray, report: RoundReport) -> np.ndarray:
-        chunks = self._chunks(arr.astype(">f4").tobytes(), arr.size, 32)
-        report.bytes_up = sum(len(c[2]) + H.HEADER_SIZE for c in chunks)
+        chunks = self._chunks(arr.astype(">f4"), arr.size, 32)
+        report.bytes_up = chunks.wire_bytes
         self._maybe_straggle()
         results = self.t.run_phase(H.DATA, chunks)
         self._collect(results, report)
+        if isinstance(results, PhaseResults) and results.ok().all() \
+                and (results.lengths == np.diff(results.roff)).all():
+            k = np.repeat(results.contributors.astype(np.float32), chunks.counts)
+            return results.lanes.view(">f4").astype(np.float32) / k
         out = np.zeros(arr.size, dtype=np.float32)
         for (off, count, _), r in zip(chunks, results):
             if r is not None:

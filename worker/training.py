@@ -41,7 +41,15 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-MODELS = {"cnn": SmallCNN, "mlp": MLP}
+class WideMLP(MLP):
+    """784-2048-10 MLP, 1.63 M parameters (6.5 MB of float32 gradients): large enough that
+    the link dominates a round at 100 Mbit/s and 1 Gbit/s (the bandwidth experiment)."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__(classes, hidden=2048)
+
+
+MODELS = {"cnn": SmallCNN, "mlp": MLP, "mlp-wide": WideMLP}
 
 
 def flat_grad(params) -> torch.Tensor:

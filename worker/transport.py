@@ -25,10 +25,13 @@ duplicates and reordering of outgoing packets.
 from __future__ import annotations
 
 import logging
+import os
 import select
 import socket
+import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +40,7 @@ import zmq
 from proto import blob as B
 from proto import control
 from proto import headers as H
+from proto import udpio
 from proto.job import JobConfig
 from proto.sockets import set_buffer
 
@@ -94,6 +98,160 @@ class TransportStats:
         self.counters[key] += n
 
 
+#: Counters of one C phase call, in _batchio.phase_run's order; the first nine are
+#: TransportStats counters, the rest socket batching (Transport.io).
+PHASE_COUNTERS = ("packets_sent", "packets_received", "bytes_sent", "bytes_received", "retransmissions",
+                  "timeouts", "lost_chunks", "straggler_notices", "bad_packets", "gso_messages",
+                  "gro_batches")
+#: The C phase loop returns to Python this often (restarted PS, read-ahead results, warnings).
+PHASE_BUDGET_MS = 100.0
+_SETTLED = 4                 # phase_run chunk state: settled by Python (a stashed result)
+_RESULT = 2
+
+
+@dataclass
+class _Pending:
+    """A packet (or a BLOB round's fragments) in flight: what to resend, and when."""
+
+    chunk: int
+    packet: bytes
+    deadline: float
+    timeout: float
+    tries: int = 0
+    datagrams: int = 1          # datagrams one resend puts on the wire
+
+
+class _RetransmitPolicy:
+    """The one timeout / backoff / give-up rule of phases and BLOB rounds (`retransmit`:
+    resend with the timeout doubled up to max_timeout, give up after max_retries naming the
+    cause; `zero`: the first timeout loses the chunk).  _batchio.phase_run implements the
+    same rule in C."""
+
+    def __init__(self, transport: Transport):
+        self.t = transport
+
+    def start(self, chunk: int, packet, now: float, datagrams: int = 1) -> _Pending:
+        return _Pending(chunk, packet, now + self.t.timeout, self.t.timeout, 0, datagrams)
+
+    def expired(self, p: _Pending, now: float, what: str, dest) -> bool:
+        """p's deadline passed: True = resend it (backoff applied, counted); False = it is
+        lost (zero policy).  Raises JobStalled / PSUnavailable after max_retries."""
+        t = self.t
+        t.stats.add("timeouts")
+        if t.policy == "zero":
+            return False
+        if p.tries >= t.max_retries:
+            t._give_up(what, dest, p.tries)
+        if now - t._last_note > 5.0 and p.tries >= 3:
+            t._last_note = now
+            log.warning("worker %d: %s unanswered after %d retransmissions; waiting for %s",
+                        t.worker_id, what, p.tries, t.waiting_for() or "the PS")
+        t.stats.add("retransmissions", p.datagrams)
+        p.tries += 1
+        p.timeout = min(p.timeout * 2, t.max_timeout)
+        p.deadline = now + p.timeout
+        return True
+
+
+class PackedChunks(Sequence):
+    """A phase's chunks as one buffer: chunk c is (offset, count, payload) with `per` elements
+    of `bits` bits each (the last may be shorter), cut without copying.  The C phase sends
+    straight from the buffer; the Python phase reads chunks as (offset, count, bytes)."""
+
+    def __init__(self, payload, total: int, bits: int, per: int):
+        self.buffer = np.frombuffer(payload, dtype=np.uint8) if not isinstance(payload, np.ndarray) \
+            else payload.view(np.uint8).ravel()
+        n = -(-total // per) if total else 0
+        self.offsets = np.arange(n, dtype=np.int64) * per
+        self.counts = np.minimum(per, total - self.offsets)
+        ends = self.offsets * bits // 8 + (self.counts * bits + 7) // 8
+        self.poff = np.concatenate([[0], ends]).astype(np.int64)
+        self.poff[:-1] = self.offsets * bits // 8
+        self.offsets32, self.counts32 = self.offsets.astype(np.uint32), self.counts.astype(np.int32)
+        self.total, self.bits = total, bits
+
+    @classmethod
+    def from_list(cls, chunks: list) -> PackedChunks:
+        """Arbitrary [(offset, count, payload)] (a NORM phase) in the same form."""
+        self = cls.__new__(cls)
+        self.buffer = np.frombuffer(b"".join(bytes(p) for _, _, p in chunks) or b"\0", dtype=np.uint8)
+        self.offsets = np.array([o for o, _, _ in chunks], dtype=np.int64)
+        self.counts = np.array([k for _, k, _ in chunks], dtype=np.int64)
+        self.poff = np.concatenate([[0], np.cumsum([len(p) for _, _, p in chunks])]).astype(np.int64)
+        self.offsets32, self.counts32 = self.offsets.astype(np.uint32), self.counts.astype(np.int32)
+        self.total, self.bits = int(self.counts.sum()), 0
+        return self
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, c):
+        if isinstance(c, slice):
+            return [self[i] for i in range(*c.indices(len(self)))]
+        return (int(self.offsets[c]), int(self.counts[c]),
+                self.buffer[self.poff[c]:self.poff[c + 1]].tobytes())
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes the phase puts on the wire once (headers included)."""
+        return int(self.poff[-1]) + H.HEADER_SIZE * len(self)
+
+
+class PhaseResults(Sequence):
+    """A C phase's results: chunk c's result is (Header, payload) or None when lost, and the
+    payloads lie back to back in `lanes` (chunk c at roff[c]) for whole-vector use."""
+
+    def __init__(self, chunks: PackedChunks, down_bits: int):
+        n = len(chunks)
+        self.state = np.zeros(n, np.int8)
+        self.headers = np.zeros(n * H.HEADER_SIZE, np.uint8)
+        self.roff = np.concatenate([[0], np.cumsum((chunks.counts * down_bits + 7) // 8)]).astype(np.int64)
+        self.lanes = np.empty(int(self.roff[-1]), np.uint8)
+        self.lengths = np.zeros(n, np.int32)
+
+    def settle(self, c: int, h: H.Header, payload: bytes) -> None:
+        """Chunk c's result found before sending (a stashed read-ahead result)."""
+        room = int(self.roff[c + 1] - self.roff[c])
+        h = H.Header(**H.header_dict(h))
+        self.headers[c * H.HEADER_SIZE:(c + 1) * H.HEADER_SIZE] = np.frombuffer(h.pack(), np.uint8)
+        self.lanes[self.roff[c]:self.roff[c] + min(room, len(payload))] = \
+            np.frombuffer(payload, np.uint8)[:room]
+        self.lengths[c] = len(payload)
+        self.state[c] = _SETTLED
+
+    def ok(self) -> np.ndarray:
+        return (self.state == _RESULT) | (self.state == _SETTLED)
+
+    def _field(self, off: int, size: int) -> np.ndarray:
+        rows = self.headers.reshape(-1, H.HEADER_SIZE)[:, off:off + size]
+        return rows[:, 0] if size == 1 else rows.copy().view(f">u{size}").ravel()
+
+    @property
+    def contributors(self) -> np.ndarray:
+        return np.where(self.ok(), self._field(28, 1), 0)
+
+    @property
+    def bitmaps(self) -> np.ndarray:
+        return np.where(self.ok(), self._field(24, 4), 0)
+
+    def payload(self, c: int) -> np.ndarray:
+        room = int(self.roff[c + 1] - self.roff[c])
+        return self.lanes[self.roff[c]:self.roff[c] + min(room, int(self.lengths[c]))]
+
+    def __len__(self) -> int:
+        return len(self.state)
+
+    def __getitem__(self, c):
+        if isinstance(c, slice):
+            return [self[i] for i in range(*c.indices(len(self)))]
+        if not self.ok()[c]:
+            return None
+        h, _ = H.parse(self.headers[c * H.HEADER_SIZE:(c + 1) * H.HEADER_SIZE].tobytes()
+                       + bytes(int(self.lengths[c])))
+        return h, self.payload(c).tobytes()
+
+
+
 def local_ip_towards(host: str, port: int) -> str:
     """The local address the kernel routes to `host` from (so the PS sees this source)."""
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -112,7 +270,7 @@ class Transport:
                  max_retries: int = 60, window: int = 64, faults: Faults | None = None,
                  control_timeout_s: float = 30.0, shards: list | None = None, bind_port: int = 0,
                  batched: bool = True, expect: dict | None = None, propose: JobConfig | None = None,
-                 keys=None, heartbeat: bool = True, rejoin: bool = False):
+                 keys=None, heartbeat: bool = True, rejoin: bool = False, phase_engine: str | None = None):
         """Connect to one PS, or to S shards given as [(host, data_port, control_port), ...].
 
         `expect` is the part of the job configuration this worker insists on (the PS refuses
@@ -125,6 +283,11 @@ class Transport:
         `batched` sends a window's packets with one sendmmsg and takes every waiting result
         with one recvmmsg (worker/_batchio.c); False is the one-call-per-datagram loop,
         kept for comparison (bench/bench_e2e.py) and for platforms without the extension.
+        `phase_engine` 'c' (default, or $THC_PHASE_ENGINE) runs a whole phase — window,
+        retransmit timers, results — in C with the GIL released (_batchio.phase_run);
+        'python' is the Python loop, also used whenever faults are injected.  With
+        $THC_UDP_OFFLOAD unset or 1 the socket receives with UDP GRO and the C phase sends
+        runs of packets as UDP GSO messages (proto/udpio.py).
 
         Chunk c of a DATA phase goes to shard c mod S; NORM phases and control calls
         (barriers, model sync) go to shard 0.  A shard may name a 4th element, the control
@@ -144,6 +307,11 @@ class Transport:
         self._held: list = []
         self._blob_q: list = []
         self.batched = batched and _batchio is not None
+        self.phase_engine = phase_engine or os.environ.get("THC_PHASE_ENGINE", "c")
+        if self.phase_engine not in ("c", "python"):
+            raise ValueError(f"phase_engine must be 'c' or 'python', got {self.phase_engine!r}")
+        self.io = dict.fromkeys(PHASE_COUNTERS[9:], 0)      # socket batching, beside the stats
+        self._last_note = time.monotonic()
         self.stats = TransportStats()
         shards = shards or [(ps_host, data_port, control_port or data_port + 1)]
         self.shard_addrs = [(sh[0], int(sh[1])) for sh in shards]
@@ -153,6 +321,10 @@ class Transport:
         set_buffer(self.sock, 8 << 20)
         self.sock.bind((local_ip_towards(*self.shard_addrs[0]), bind_port))
         self.sock.setblocking(False)
+        offload = self.batched and udpio.offload_enabled()
+        # GRO batches are split by recv_many / phase_run; the per-datagram path reads plainly
+        udpio.set_gro(self.sock, offload)
+        self._gso = int(offload)
         self._ctx = zmq.Context.instance()
         self._ctl: dict = {}
         self._endpoints = [f"tcp://{sh[3] if len(sh) > 3 else sh[0]}:{sh[2] or sh[1] + 1}" for sh in shards]
@@ -499,19 +671,22 @@ class Transport:
         self._phase_no += 1
         return results
 
-    def _place(self, kind: int, nchunks: int, phase_index: int) -> tuple[list, list]:
-        """Where chunk c of a phase goes, [(shard, slot)], and its round there (each use of a
-        slot is its next round, identically in every worker)."""
+    def _place(self, kind: int, nchunks: int, phase_index: int):
+        """Where chunk c of a phase goes (shard and slot arrays) and its round there (each use
+        of a slot is its next round, identically in every worker); advances the slot rounds."""
         job, nshards = self.job, len(self.shard_addrs)
+        c = np.arange(max(nchunks, 0), dtype=np.int64)
         if kind == H.NORM:
-            where = [(0, job.slots + (phase_index + c) % job.norm_slots) for c in range(nchunks)]
+            shard = np.zeros_like(c)
+            slot = job.slots + (phase_index + c) % job.norm_slots
+            use = c // job.norm_slots                    # earlier uses of the same slot this phase
         else:
-            where = [(c % nshards, (c // nshards) % job.slots) for c in range(nchunks)]
-        rounds = []
-        for sh, slot in where:
-            self.slot_round[sh, slot] += 1
-            rounds.append(int(self.slot_round[sh, slot]) & 0xFFFFFFFF)
-        return where, rounds
+            shard = c % nshards
+            slot = (c // nshards) % job.slots
+            use = c // (nshards * job.slots)
+        rounds = (self.slot_round[shard, slot] + use + 1) & 0xFFFFFFFF
+        np.add.at(self.slot_round, (shard, slot), 1)
+        return shard.astype(np.int32), slot.astype(np.int32), rounds.astype(np.uint32)
 
     def skip_phase(self, kind: int, nchunks: int) -> None:
         """Advance the slot rounds as if a phase of `nchunks` had run (a rank that rejoins
@@ -519,26 +694,40 @@ class Transport:
         self._place(kind, nchunks, self._phase_no)
         self._phase_no += 1
 
-    def _run_phase_once(self, kind: int, chunks: list, phase_index: int) -> list:
+    def _c_phase(self) -> bool:
+        """Whether phases run in C (_batchio.phase_run): batched I/O, no injected faults (they
+        draw from the Python RNG per packet), and not forced off (phase_engine='python')."""
+        f = self.faults
+        return (self.batched and self.phase_engine == "c" and hasattr(_batchio, "phase_run")
+                and not (f.drop_out or f.drop_in or f.duplicate or f.reorder))
+
+    def _run_phase_once(self, kind: int, chunks, phase_index: int):
+        shard, slot, rounds = self._place(kind, len(chunks), phase_index)
+        if self._c_phase():
+            results = self._run_phase_c(kind, chunks, shard, slot, rounds)
+        else:
+            results = self._run_phase_python(kind, chunks, list(zip(shard.tolist(), slot.tolist())),
+                                             rounds.tolist())
+        self._gc_stash()
+        return results
+
+    def _run_phase_python(self, kind: int, chunks, where: list, rounds: list) -> list:
+        """The phase loop in Python (injected faults, phase_engine='python', no _batchio)."""
         job = self.job
         nchunks = len(chunks)
-        where, rounds = self._place(kind, nchunks, phase_index)
         elem_bits, op = (32, H.OP_MAX_U32) if kind == H.NORM else (job.up_bits, job.op)
         ids = [(s["nonce"], s["token"]) for s in self.sessions]
         results: list = [None] * nchunks
-        done = [False] * nchunks
-        pending: dict = {}                 # (shard, slot) -> [chunk, deadline, timeout, tries, packet]
+        pending: dict = {}                 # (shard, slot) -> _Pending
         next_c, finished = 0, 0
         want_type = H.NORM_RESULT if kind == H.NORM else H.RESULT
+        policy = _RetransmitPolicy(self)
 
         def complete(c, value):
             nonlocal finished
-            if not done[c]:
-                done[c] = True
-                results[c] = value
-                finished += 1
+            results[c] = value
+            finished += 1
 
-        last_note = time.monotonic()
         while finished < nchunks:
             if self._restarted:
                 raise _PSRestarted(min(self._restarted))
@@ -558,57 +747,104 @@ class Transport:
                 pkt = H.build_fast(kind, job.job_id, self.worker_id, job.num_workers, elem_bits, slot,
                                    rounds[c], off, count, op, payload, nonce=ids[sh][0], token=ids[sh][1])
                 out.append((pkt, self.shard_addrs[sh]))
-                pending[(sh, slot)] = [c, now + self.timeout, self.timeout, 0, pkt]
+                pending[(sh, slot)] = policy.start(c, pkt, now)
             self._emit(out)
             self._flush_held()
             if finished >= nchunks:
                 break
-            wait = min((p[1] for p in pending.values()), default=now + self.timeout) - time.monotonic()
+            wait = min((p.deadline for p in pending.values()), default=now + self.timeout) - time.monotonic()
             for shard, h, payload in self._recv_many(wait):
                 pkey = (shard, h.slot)
                 entry = pending.get(pkey)
                 if (h.type == want_type and h.op != H.OP_BLOB and entry is not None
-                        and h.round == rounds[entry[0]]):
+                        and h.round == rounds[entry.chunk]):
                     del pending[pkey]
-                    complete(entry[0], (h, payload))
+                    complete(entry.chunk, (h, payload))
                 elif h.type in (H.RESULT, H.NORM_RESULT):
                     self._keep(shard, h, payload)      # a later round's or another phase's
                 elif h.type == H.STRAGGLER:
                     self.stats.add("straggler_notices")
-                    if entry is not None and h.round > rounds[entry[0]]:
+                    if entry is not None and h.round > rounds[entry.chunk]:
                         del pending[pkey]
                         self.stats.add("lost_chunks")
-                        complete(entry[0], None)
+                        complete(entry.chunk, None)
                 else:
                     self.stats.add("bad_packets")
             # timeouts: resends of one pass go out as one batch
             now = time.monotonic()
             resend = []
             for pkey, entry in list(pending.items()):
-                c, deadline, tmo, tries, pkt = entry
-                if deadline > now:
-                    continue
-                self.stats.add("timeouts")
-                if self.policy == "zero":
-                    del pending[pkey]
-                    self.stats.add("lost_chunks")
-                    complete(c, None)
+                if entry.deadline > now:
                     continue
                 dest = self.shard_addrs[pkey[0]]
-                if tries >= self.max_retries:
-                    self._give_up(f"slot {pkey[1]} round {rounds[c]}", dest, tries)
-                if now - last_note > 5.0 and tries >= 3:
-                    last_note = now
-                    log.warning("worker %d: slot %d round %d unanswered after %d retransmissions; "
-                                "waiting for %s", self.worker_id, pkey[1], rounds[c], tries,
-                                self.waiting_for() or "the PS")
-                resend.append((H.as_retransmission(pkt), dest))
-                self.stats.add("retransmissions")
-                tmo = min(tmo * 2, self.max_timeout)
-                pending[pkey] = [c, now + tmo, tmo, tries + 1, pkt]
+                if policy.expired(entry, now, f"slot {pkey[1]} round {rounds[entry.chunk]}", dest):
+                    resend.append((H.as_retransmission(entry.packet), dest))
+                else:
+                    del pending[pkey]
+                    self.stats.add("lost_chunks")
+                    complete(entry.chunk, None)
             self._emit(resend)
-        self._gc_stash()
         return results
+
+    def _run_phase_c(self, kind: int, chunks, shard, slot, rounds) -> PhaseResults:
+        """The same phase in C (_batchio.phase_run, GIL released): Python prepares the arrays,
+        settles chunks already in the stash, and between calls (every PHASE_BUDGET_MS) looks at
+        a restarted PS, keeps read-ahead results and logs a long wait."""
+        job, n = self.job, len(chunks)
+        packed = chunks if isinstance(chunks, PackedChunks) else PackedChunks.from_list(chunks)
+        down_bits = 32 if kind == H.NORM else job.down_bits
+        res = PhaseResults(packed, down_bits)
+        nslots = self.slot_round.shape[1]
+        if self._stash:
+            for c in range(n):
+                key = (int(shard[c]), int(slot[c]), int(rounds[c]))
+                if key in self._stash:
+                    self.stats.add("resynced_chunks")
+                    res.settle(c, *self._stash.pop(key))
+        elem_bits, op = (32, H.OP_MAX_U32) if kind == H.NORM else (job.up_bits, job.op)
+        P = np.array([kind, H.NORM_RESULT if kind == H.NORM else H.RESULT, job.job_id, self.worker_id,
+                      job.num_workers, elem_bits, op, n, self.window, nslots, len(self.shard_addrs),
+                      self.policy == "zero", self.max_retries, self._gso, 0, 0,
+                      int(np.count_nonzero(res.state == _SETTLED))], dtype=np.int64)
+        T = np.array([self.timeout, self.max_timeout])
+        dests = np.array([[int.from_bytes(socket.inet_aton(ip), sys.byteorder), port, s["nonce"], s["token"]]
+                          for (ip, port), s in zip(self.shard_addrs, self.sessions)], dtype=np.int64)
+        hdr = np.zeros(n * H.HEADER_SIZE, np.uint8)
+        deadline, tmo, tries = np.zeros(n), np.zeros(n), np.zeros(n, np.int32)
+        pend = np.full(self.slot_round.size, -1, np.int32)
+        slot_round = np.ascontiguousarray(self.slot_round, dtype=np.int64).ravel()
+        counters = np.zeros(len(PHASE_COUNTERS), np.int64)
+        extras: list = []
+        while True:
+            if self._restarted:
+                raise _PSRestarted(min(self._restarted))
+            status, c = _batchio.phase_run(
+                self.sock.fileno(), PHASE_BUDGET_MS, P, T, dests, shard, slot, rounds,
+                packed.offsets32, packed.counts32, packed.poff, packed.buffer, hdr, res.state, deadline,
+                tmo, tries, pend, res.headers, res.lanes, res.roff, res.lengths, slot_round, counters, extras)
+            for name, v in zip(PHASE_COUNTERS, counters.tolist()):
+                if name in self.stats.counters:
+                    self.stats.add(name, v)
+                else:
+                    self.io[name] += v
+            counters[:] = 0
+            for sh, data in extras:
+                h, payload = H.parse(data)
+                self._keep(sh, h, bytes(payload))
+            extras.clear()
+            self._gso = int(P[13])
+            if status == 0:
+                return res
+            if status == 2:
+                self._give_up(f"slot {slot[c]} round {rounds[c]}", self.shard_addrs[shard[c]], int(tries[c]))
+            now = time.monotonic()
+            live = pend[pend >= 0]
+            if now - self._last_note > 5.0 and live.size and tries[live].max() >= 3:
+                self._last_note = now
+                c = int(live[np.argmax(tries[live])])
+                log.warning("worker %d: slot %d round %d unanswered after %d retransmissions; "
+                            "waiting for %s", self.worker_id, slot[c], rounds[c], tries[c],
+                            self.waiting_for() or "the PS")
 
     def _give_up(self, what: str, dest, tries: int):
         """Raise the error that names the real cause: missing ranks, or an unreachable PS."""
@@ -663,7 +899,6 @@ class Transport:
                 for off, f in frags]
         result: B.Reassembly | None = None
         last = None
-        tmo, tries = self.timeout, 0
 
         self._blob_q = [g for g in self._blob_q if g[1].round >= round_no]
 
@@ -694,33 +929,28 @@ class Transport:
                 raise _Lost()
             return added
 
+        policy = _RetransmitPolicy(self)
         try:
             for i in range(0, len(pkts), 64):      # pace: let the PS and our own socket drain
                 self._emit([(pkt, dest) for pkt in pkts[i:i + 64]])
                 while absorb(0):
                     pass
             self._flush_held()
-            deadline = time.monotonic() + tmo
+            inflight = policy.start(0, pkts, time.monotonic(), datagrams=len(pkts))
             while result is None or not result.complete:
                 now = time.monotonic()
-                if now >= deadline:
-                    self.stats.add("timeouts")
-                    if self.policy == "zero":
+                if now >= inflight.deadline:
+                    if inflight.tries >= self.max_retries and self._restarted:
+                        raise PSUnavailable("the PS restarted during a BLOB round; resuming is "
+                                            "supported for the data-plane codecs (thc, none)")
+                    if not policy.expired(inflight, now, f"BLOB round {round_no}", dest):
                         raise _Lost()
-                    if tries >= self.max_retries:
-                        if self._restarted:
-                            raise PSUnavailable("the PS restarted during a BLOB round; resuming is "
-                                                "supported for the data-plane codecs (thc, none)")
-                        self._give_up(f"BLOB round {round_no}", dest, tries)
-                    tries += 1
                     self._emit([(H.as_retransmission(pkt), dest) for pkt in pkts])
-                    self.stats.add("retransmissions", len(pkts))
                     self._flush_held()
-                    tmo = min(tmo * 2, self.max_timeout)
-                    deadline = time.monotonic() + tmo
+                    inflight.deadline = time.monotonic() + inflight.timeout
                     continue
-                if absorb(deadline - now):
-                    deadline = max(deadline, time.monotonic() + tmo)
+                if absorb(inflight.deadline - now):
+                    inflight.deadline = max(inflight.deadline, time.monotonic() + inflight.timeout)
         except _Lost:
             self.stats.add("lost_chunks")
             return None

@@ -35,7 +35,7 @@ class StaticEngine:
     def process(self, datagram: bytes, addr: tuple) -> list:
         return []
 
-    def serve(self, fd: int, duration_ms: int) -> int:
+    def serve(self, fd: int, duration_ms: int, gro: bool = True, gso: bool = True) -> int:
         return wait(duration_ms)
 
     def stats(self) -> dict:

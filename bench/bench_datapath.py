@@ -1,0 +1,100 @@
+"""Data-path packet rate: a PS (C engine) and W worker processes doing real THC DATA phases
+on loopback with pre-encoded payloads (random packed 4-bit indices, no codec work), against
+bench_transport.py's UDP GSO/GRO blaster in the same run (one sender process, one receiver
+process, THC-sized datagrams).  The data path's rate counts datagrams both ways (DATA up,
+RESULT fan-out down) per second of wall time; the blaster's counts one way.
+
+    .venv/bin/python bench/bench_datapath.py [--workers 2] [--dim-log2 22] [--phases 10]
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import time
+
+import numpy as np
+
+
+def ps_proc(workers, ports_q, stop_q):
+    from proto.job import JobConfig
+    from ps_server.server import PSServer
+    server = PSServer(JobConfig(num_workers=workers), ("127.0.0.1", 0), control_port=0).start()
+    ports_q.put((server.data_addr[1], server.control_port))
+    stop_q.get()
+    ps_stats = server.stats()
+    io = server.engine.io_stats() if server.engine is not None else {}
+    server.stop()
+    ports_q.put((ps_stats, io))
+
+
+def worker_proc(rank, ports, dim, phases, out_q):
+    from proto import headers as H
+    from proto.packing import pack_indices
+    from worker.transport import PackedChunks, Transport
+    t = Transport("127.0.0.1", ports[0], rank, control_port=ports[1])
+    z = np.random.default_rng(rank).integers(0, 16, dim).astype(np.uint8)
+    chunks = PackedChunks(pack_indices(z, 4), dim, 4, t.job.elems_per_packet)
+    t.run_phase(H.DATA, chunks)                       # warm-up
+    t.barrier("go")
+    c0 = dict(t.stats.counters)
+    start = time.perf_counter()
+    for _ in range(phases):
+        t.run_phase(H.DATA, chunks)
+    secs = time.perf_counter() - start
+    c = {k: t.stats.counters[k] - c0[k] for k in ("packets_sent", "packets_received", "retransmissions")}
+    t.barrier("done")
+    t.close()
+    out_q.put((rank, secs, c, len(chunks), dict(t.io)))
+
+
+def datapath(workers, dim, phases):
+    ctx = mp.get_context("spawn")
+    ports_q, stop_q, out_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    ps = ctx.Process(target=ps_proc, args=(workers, ports_q, stop_q))
+    ps.start()
+    ports = ports_q.get(timeout=60)
+    procs = [ctx.Process(target=worker_proc, args=(r, ports, dim, phases, out_q)) for r in range(workers)]
+    for p in procs:
+        p.start()
+    res = [out_q.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(30)
+    stop_q.put(1)
+    ps_stats, io = ports_q.get(timeout=60)
+    ps.join(30)
+    secs = max(r[1] for r in res)
+    pkts = sum(r[2]["packets_sent"] + r[2]["packets_received"] for r in res)
+    return secs, pkts, res, ps_stats, io
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--dim-log2", type=int, default=22)
+    ap.add_argument("--phases", type=int, default=10)
+    ap.add_argument("--blast", type=int, default=2_000_000, help="datagrams the blaster sends")
+    args = ap.parse_args()
+    from bench.bench_transport import run as blast
+    from proto import headers as H
+    from proto.job import JobConfig
+    job = JobConfig(num_workers=args.workers)
+    size = H.HEADER_SIZE + job.up_payload_len(job.elems_per_packet)
+    dim = 1 << args.dim_log2
+    print(f"offload {'on' if os.environ.get('THC_UDP_OFFLOAD', '1') != '0' else 'OFF'}, "
+          f"{args.workers} workers, d = 2^{args.dim_log2}, {args.phases} DATA phases each, "
+          f"{os.cpu_count()} cores")
+    secs, pkts, res, ps_stats, io = datapath(args.workers, dim, args.phases)
+    rate = pkts / secs
+    print(f"data path: {pkts} datagrams (up + down, {res[0][3]} chunks per phase) in {secs:.2f} s "
+          f"= {rate / 1e6:.3f} Mpps; retransmissions {sum(r[2]['retransmissions'] for r in res)}")
+    print(f"  worker io: {[r[4] for r in res]}")
+    t, got, _ = blast("gso", args.blast, size)
+    brate = args.blast / t
+    print(f"GSO/GRO blaster: {args.blast} datagrams of {size} B in {t:.2f} s = {brate / 1e6:.3f} Mpps "
+          f"sent, {got / args.blast:.1%} received")
+    print(f"data path / blaster: {rate / brate:.2f}")
+
+
+if __name__ == "__main__":
+    main()

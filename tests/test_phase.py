@@ -1,0 +1,184 @@
+"""The worker's phase loop in C (_batchio.phase_run) against the Python loop, on a scripted PS.
+
+A fake PS thread answers a worker's DATA packets by a fixed script — one chunk in seven only
+on its retransmission, a STRAGGLER notice for one in eleven, a reply with another job's
+nonce before the real one for one in thirteen, a result for the next phase's round ahead of
+time, replies coalesced with UDP GSO — and both phase engines must return the same results
+and count the same, with and without UDP offload (THC_UDP_OFFLOAD=0 forces the fallback).
+"""
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from proto import headers as H
+from proto import udpio
+from proto.job import JobConfig
+from ps_server.server import PSServer
+from worker.transport import PhaseResults, PSUnavailable, Transport
+
+COUNTERS = ("packets_sent", "bytes_sent", "retransmissions", "timeouts", "lost_chunks",
+            "straggler_notices", "stashed_results", "resynced_chunks", "bad_packets")
+
+
+class ScriptedPS(threading.Thread):
+    def __init__(self, nonce: int, gso: bool, silent: bool = False):
+        super().__init__(daemon=True)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.05)
+        self.nonce, self.gso, self.silent = nonce, gso, silent
+        self.stop = threading.Event()
+        self.seen: set = set()
+        self.ahead_sent = False
+
+    def result(self, h, nonce=None, round_=None, k=1):
+        payload = bytes((h.offset + i) & 0xFF for i in range(h.count))
+        return H.build(H.Header(type=H.RESULT, job_id=h.job_id, num_workers=h.num_workers, elem_bits=8,
+                                slot=h.slot, round=h.round if round_ is None else round_, offset=h.offset,
+                                count=h.count, bitmap=1, contributors=k, op=h.op,
+                                nonce=self.nonce if nonce is None else nonce), payload)
+
+    def answer(self, h) -> list:
+        c = h.offset // 16
+        first = (h.slot, h.round) not in self.seen
+        self.seen.add((h.slot, h.round))
+        if c % 7 == 3 and first:
+            return []                                   # answered only when resent
+        if c % 11 == 5:
+            return [H.build(H.Header(type=H.STRAGGLER, job_id=h.job_id, num_workers=h.num_workers,
+                                     slot=h.slot, round=h.round + 1, offset=h.offset, op=h.op,
+                                     nonce=self.nonce))]
+        out = [self.result(h, nonce=self.nonce ^ 1)] if c % 13 == 7 and first else []
+        out.append(self.result(h, k=2 if c % 2 else 1))
+        if c == 0 and not self.ahead_sent:              # the next phase's chunk 0, early
+            self.ahead_sent = True
+            out.append(self.result(h, round_=h.round + 10))
+        return out
+
+    def run(self):
+        while not self.stop.is_set():
+            try:
+                data, addr = self.sock.recvfrom(65536)
+            except TimeoutError:
+                continue
+            if self.silent:
+                continue
+            replies = self.answer(H.parse(data)[0])
+            same = [r for r in replies if len(r) == len(replies[0])] if replies else []
+            if self.gso and len(same) > 1 and same == replies:
+                self.sock.sendmsg([b"".join(same)], [(udpio.SOL_UDP, udpio.UDP_SEGMENT,
+                                                      len(same[0]).to_bytes(2, "little"))], 0, addr)
+                continue
+            for r in replies:
+                self.sock.sendto(r, addr)
+
+
+def run_script(engine: str, offload: bool, monkeypatch, policy="retransmit"):
+    monkeypatch.setenv("THC_UDP_OFFLOAD", "1" if offload else "0")
+    server = PSServer(JobConfig(num_workers=1, slots=10), ("127.0.0.1", 0), control_port=0).start()
+    t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port,
+                  phase_engine=engine, timeout_ms=300, max_timeout_ms=600, policy=policy)
+    fake = ScriptedPS(t.sessions[0]["nonce"], gso=offload)
+    fake.start()
+    t.shard_addrs = [fake.sock.getsockname()]
+    t._by_addr = {fake.sock.getsockname(): 0}
+    try:
+        chunks = [(16 * c, 16, bytes(8)) for c in range(30)]
+        first = list(t.run_phase(H.DATA, chunks))
+        # the next phase's chunk 0 uses the round the PS answered ahead of time (slot 0, phase
+        # one's first round + 10): it must come from the stash without being sent
+        t.slot_round[0, 0] = first[0][0].round + 9
+        second = list(t.run_phase(H.DATA, chunks[:4]))
+        return first, second, {k: t.stats.counters[k] for k in COUNTERS}, t.io
+    finally:
+        fake.stop.set()
+        fake.join(2)
+        t.close(leave=False)
+        server.stop()
+
+
+def as_plain(results):
+    """Results without the nonce (each run registers with a new job of its own)."""
+    return [None if r is None else ({k: v for k, v in H.header_dict(r[0]).items() if k != "nonce"},
+                                    bytes(r[1])) for r in results]
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["gso-gro", "no-offload"])
+def test_c_phase_matches_python_phase(offload, monkeypatch):
+    c1, c2, c_counts, c_io = run_script("c", offload, monkeypatch)
+    p1, p2, p_counts, _ = run_script("python", offload, monkeypatch)
+    assert as_plain(c1) == as_plain(p1) and as_plain(c2) == as_plain(p2)
+    assert c_counts == p_counts
+    lost = [c for c in range(30) if c % 11 == 5]
+    assert [c for c, r in enumerate(c1) if r is None] == lost
+    # chunks 3, 10, 17, 24 of phase one and chunk 3 of phase two are answered only when resent
+    assert c_counts["retransmissions"] == len([c for c in range(30) if c % 7 == 3 and c not in lost]) + 1
+    assert c_counts["straggler_notices"] == len(lost) and c_counts["lost_chunks"] == len(lost)
+    assert c_counts["bad_packets"] == len([c for c in range(30) if c % 13 == 7])
+    assert c_counts["stashed_results"] == 1 and c_counts["resynced_chunks"] == 1
+    assert c2[0] is not None and c2[0][0].round == c1[0][0].round + 10
+    if offload:
+        assert c_io["gso_messages"] > 0 and c_io["gro_batches"] > 0
+
+
+def test_c_phase_results_as_one_lanes_vector(monkeypatch):
+    monkeypatch.setenv("THC_UDP_OFFLOAD", "1")
+    server = PSServer(JobConfig(num_workers=1), ("127.0.0.1", 0), control_port=0).start()
+    t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port)
+    try:
+        job = t.job
+        rng = np.random.default_rng(2)
+        per = job.elems_per_packet
+        total = 5 * per + 24
+        from worker.transport import PackedChunks
+        z = rng.integers(0, 16, total).astype(np.uint8)
+        from proto.packing import pack_indices
+        chunks = PackedChunks(pack_indices(z, 4), total, 4, per)
+        res = t.run_phase(H.DATA, chunks)
+        assert isinstance(res, PhaseResults) and res.ok().all()
+        assert res.lanes.tolist() == np.asarray(job.table)[z].tolist()     # n = 1: Y = T[Z]
+        assert res.contributors.tolist() == [1] * 6 and res.bitmaps.tolist() == [1] * 6
+        assert [bytes(r[1]) for r in res] == [res.payload(c).tobytes() for c in range(6)]
+    finally:
+        t.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("engine", ["c", "python"])
+def test_zero_policy_and_give_up_on_a_silent_ps(engine, monkeypatch):
+    monkeypatch.setenv("THC_UDP_OFFLOAD", "1")
+    server = PSServer(JobConfig(num_workers=1), ("127.0.0.1", 0), control_port=0).start()
+    silent = ScriptedPS(0, gso=False, silent=True)
+    silent.start()
+    try:
+        for policy in ("zero", "retransmit"):
+            t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port,
+                          phase_engine=engine, timeout_ms=20, max_timeout_ms=40, max_retries=3,
+                          policy=policy, heartbeat=False)
+            t.shard_addrs = [silent.sock.getsockname()]
+            chunks = [(16 * c, 16, bytes(8)) for c in range(5)]
+            if policy == "zero":
+                assert list(t.run_phase(H.DATA, chunks)) == [None] * 5
+                assert t.stats.counters["lost_chunks"] == 5 == t.stats.counters["timeouts"]
+            else:
+                with pytest.raises(PSUnavailable, match="after 3 retransmissions"):
+                    t.run_phase(H.DATA, chunks)
+                assert t.stats.counters["retransmissions"] >= 3
+            t.close(leave=False)
+    finally:
+        silent.stop.set()
+        silent.join(2)
+        server.stop()
+
+
+@pytest.mark.parametrize("offload,engine", [("1", "c"), ("0", "c"), ("0", "python"), ("1", "python")])
+def test_rounds_exact_on_every_data_path(offload, engine, monkeypatch):
+    """PS + 4 worker processes, every chunk of every round checked against the in-process
+    reference, with GRO/GSO on and forced off and with either phase loop."""
+    from deploy.launch import run_launch
+    monkeypatch.setenv("THC_UDP_OFFLOAD", offload)
+    monkeypatch.setenv("THC_PHASE_ENGINE", engine)
+    doc = run_launch(workers=4, rounds=10, dim=1 << 16, quorum=0.75)
+    assert doc["exact_rounds"] == 10 and doc["mismatched_chunks"] == 0 and doc["ok"], doc["problems"]
