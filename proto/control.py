@@ -4,11 +4,14 @@ Every message is a map with a "type" key; every request is checked against SCHEM
 (field types and ranges) before the PS acts on it, and the PS caps message size with
 ZMQ_MAXMSGSIZE.  Requests and their replies:
 
-  register   {worker_id, data_addr: [ip, port], expect?, job?, rejoin?}
-             -> config {job, nonce, token, session, job_number, lease_s, data_port}
+  register   {worker_id, data_addr: [ip, port], expect?, job?, rejoin?, session?}
+             -> config {job, nonce, token, session, job_number, lease_s, data_port, rejoin}
              `expect` lists the job fields the worker insists on (a mismatch is refused,
              naming each differing field); `job` proposes a whole job to a PS that has
-             none configured.  A rank held by another live registration is refused.
+             none configured.  A rank held by another live registration is refused unless
+             the request carries that registration's session (the same worker registering
+             again); `rejoin` (a restarted rank) is refused unless a job in which the rank
+             held a place is still running.
   heartbeat  {worker_id, session, progress?}  -> status (below); renews the lease
   status     {}                               -> status {job_number, members, missing, ...}
   leave      {worker_id, session}             -> ok; the job ends when every rank left or died
@@ -114,7 +117,7 @@ _ROUND = _int(0, (1 << 31) - 1)
 #: type -> {field: (required, check)}
 SCHEMA = {
     "register": {"worker_id": (True, _RANK), "data_addr": (True, _addr), "expect": (False, _map),
-                 "job": (False, _map), "rejoin": (False, _bool)},
+                 "job": (False, _map), "rejoin": (False, _bool), "session": (False, _SESSION)},
     "heartbeat": {"worker_id": (True, _RANK), "session": (True, _SESSION),
                   "progress": (False, _int(0, 1 << 62))},
     "status": {},

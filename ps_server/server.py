@@ -326,11 +326,12 @@ class PSServer:
                 raise control.ControlError(f"rank {rank} out of range 0..{job.config.num_workers - 1}")
         now = time.monotonic()
         old = job.members.get(rank)
-        if old is not None and old.state == "live":
+        same = old is not None and "session" in msg and secrets.compare_digest(old.session, msg["session"])
+        if old is not None and old.state == "live" and not same:
             raise control.ControlError(f"rank {rank} is held by a live worker in job {job.number} "
                                        f"(heard from {now - old.last_seen:.1f} s ago); pick another "
                                        f"rank, or wait {self.lease_s:g} s after that worker stopped")
-        rejoin = old is not None
+        rejoin = old is not None and not same
         token = self._external.fixed_tokens.get(rank) if self._external else None
         token = secrets.randbits(32) if token is None else token
         session = secrets.token_bytes(control.SESSION_BYTES)

@@ -96,6 +96,25 @@ def test_a_live_rank_cannot_be_claimed_twice():
         server.stop()
 
 
+def test_a_worker_may_register_again_with_its_own_session():
+    """After a PS restart a worker's heartbeat and its phase can both ask it to register again;
+    the second registration must not find the rank 'held' by the first (itself)."""
+    server = ps(JobConfig(num_workers=1))
+    try:
+        (t,) = transports(server, 1, heartbeat=False)
+        first = t.sessions[0]
+        t._register(0)
+        assert t.sessions[0]["token"] != first["token"] and not t.sessions[0]["rejoin"]
+        assert server.stats()["rejoins"] == 0
+        sock = req_socket(server)                                     # the old session is void
+        reply = ask(sock, {"type": "heartbeat", "worker_id": 0, "session": first["session"]})
+        assert reply["type"] == "error" and "unknown session" in reply["message"]
+        sock.close(0)
+        t.close()
+    finally:
+        server.stop()
+
+
 def test_barrier_counts_distinct_live_ranks():
     """Reproduction: three `end` requests from one client released a barrier of 4."""
     server = ps(JobConfig(num_workers=3))

@@ -342,6 +342,7 @@ class Transport:
         self.status: list = [None] * len(shards)        # latest heartbeat reply per shard
         self._hb_ok = [time.monotonic()] * len(shards)
         self._restarted: set = set()
+        self._session_lock = threading.Lock()
         self._hb_stop = threading.Event()
         self._hb_thread = None
         jobs = [self._register(i) for i in range(len(shards))]
@@ -373,6 +374,8 @@ class Transport:
             msg["job"] = self._propose.to_msg()
         if self._rejoin and self.job is None:
             msg["rejoin"] = True
+        if self.sessions[shard] is not None:        # lets a PS that still knows us replace it
+            msg["session"] = self.sessions[shard]["session"]
         deadline = time.monotonic() + self._control_timeout
         while True:
             try:
@@ -386,7 +389,9 @@ class Transport:
         job = JobConfig.from_msg(reply["job"])
         if self.job is not None and job != self.job:
             raise ValueError(f"the PS at {self._endpoints[shard]} now runs another job configuration")
-        self.sessions[shard] = reply
+        with self._session_lock:        # a heartbeat answered for the old session is stale now
+            self.sessions[shard] = reply
+            self._restarted.discard(shard)
         self._hb_ok[shard] = time.monotonic()
         return job
 
@@ -413,8 +418,9 @@ class Transport:
                     socks.pop(shard, None)
                     continue
                 if reply.get("type") == "error":
-                    if "register again" in reply.get("message", "") and self.sessions[shard] is sess:
-                        self._restarted.add(shard)
+                    with self._session_lock:
+                        if "register again" in reply.get("message", "") and self.sessions[shard] is sess:
+                            self._restarted.add(shard)
                     continue
                 self.status[shard] = reply
                 self._hb_ok[shard] = time.monotonic()
