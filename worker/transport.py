@@ -50,6 +50,9 @@ except ImportError:                  # pragma: no cover - the per-datagram loop 
     _batchio = None
 
 POLICIES = ("retransmit", "zero")
+#: A chunk resent this often (about 5 s with the default 50 ms doubling to 1 s) is worth a
+#: warning that says what the job waits for; fewer resends are routine on a busy machine.
+STALL_NOTE_TRIES = 8
 log = logging.getLogger(__name__)
 
 
@@ -142,7 +145,7 @@ class _RetransmitPolicy:
             return False
         if p.tries >= t.max_retries:
             t._give_up(what, dest, p.tries)
-        if now - t._last_note > 5.0 and p.tries >= 3:
+        if now - t._last_note > 5.0 and p.tries >= STALL_NOTE_TRIES:
             t._last_note = now
             log.warning("worker %d: %s unanswered after %d retransmissions; waiting for %s",
                         t.worker_id, what, p.tries, t.waiting_for() or "the PS")
@@ -845,7 +848,7 @@ class Transport:
                 self._give_up(f"slot {slot[c]} round {rounds[c]}", self.shard_addrs[shard[c]], int(tries[c]))
             now = time.monotonic()
             live = pend[pend >= 0]
-            if now - self._last_note > 5.0 and live.size and tries[live].max() >= 3:
+            if now - self._last_note > 5.0 and live.size and tries[live].max() >= STALL_NOTE_TRIES:
                 self._last_note = now
                 c = int(live[np.argmax(tries[live])])
                 log.warning("worker %d: slot %d round %d unanswered after %d retransmissions; "
