@@ -7,6 +7,7 @@ go to `simple_switch_CLI` (Thrift) on its standard input.
 """
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import time
@@ -156,7 +157,10 @@ def start_switch(json_path: Path, ports: dict, thrift_port: int = 9090, netns: s
                  log: str | None = None) -> subprocess.Popen:
     """simple_switch with {port number: interface}; waits until its Thrift port answers."""
     ss = require("simple_switch")
-    cmd = [ss, "--thrift-port", str(thrift_port), "--device-id", "0"]
+    # a notifications socket of its own: bmv2's default /tmp/bmv2-0-notifications.ipc is shared
+    # by every switch on the machine, so a second one (another run, another namespace) fails
+    cmd = [ss, "--thrift-port", str(thrift_port), "--device-id", "0",
+           "--notifications-addr", f"ipc:///tmp/bmv2-thc-{os.getpid()}-{thrift_port}-notifications.ipc"]
     for port, iface in sorted(ports.items()):
         cmd += ["-i", f"{port}@{iface}"]
     if log:

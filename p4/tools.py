@@ -33,8 +33,8 @@ P4C_README = "p4lang's p4c (build and install as https://github.com/p4lang/p4c#r
 TESTED = {
     "simple_switch": "1.15.5",
     "simple_switch_CLI": "1.15.5",
-    "p4c-bm2-ss": "1.2.4.8",
-    "p4c-barefoot": "1.2.4.8",
+    "p4c-bm2-ss": "1.2.5.16",
+    "p4c-barefoot": "1.2.5.16",
     "mininet": "2.3.0",
     "nft": "1.0.6",
     "ethtool": "6.1",

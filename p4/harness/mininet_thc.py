@@ -44,13 +44,16 @@ THRIFT_PORT = 9090
 class Bmv2Switch(Switch):
     """A Mininet switch that is simple_switch on its interfaces (no controller, no OVS)."""
 
-    def __init__(self, name, json_path=None, thrift_port=THRIFT_PORT, simple_switch="simple_switch", **kw):
+    def __init__(self, name, json_path=None, thrift_port=THRIFT_PORT, simple_switch="simple_switch", ipc=None,
+                 **kw):
         Switch.__init__(self, name, **kw)
         self.json_path, self.thrift_port, self.binary = json_path, thrift_port, simple_switch
         self.proc = None
+        self.ipc = ipc
 
     def start(self, controllers):
-        args = [self.binary, "--thrift-port", str(self.thrift_port), "--device-id", "0"]
+        args = [self.binary, "--thrift-port", str(self.thrift_port), "--device-id", "0",
+                "--notifications-addr", f"ipc://{self.ipc}"]       # not /tmp/bmv2-0-...: shared by all runs
         for port, intf in self.intfs.items():
             if intf.name != "lo":
                 args += ["-i", f"{port}@{intf.name}"]
@@ -117,7 +120,8 @@ def main():
     signal.signal(signal.SIGTERM, _terminate)
     setLogLevel("warning")
     net = Mininet(topo=None, controller=None, autoSetMacs=False, build=False)
-    sw = net.addSwitch("s1", cls=Bmv2Switch, json_path=args.json, simple_switch=args.simple_switch, dpid="1")
+    sw = net.addSwitch("s1", cls=Bmv2Switch, json_path=args.json, simple_switch=args.simple_switch, dpid="1",
+                      ipc=os.path.join(args.out, "bmv2-notifications.ipc"))
     hosts = []
     for i in range(args.workers):
         h = net.addHost(f"h{i + 1}", ip=f"10.0.0.{i + 1}/24", mac=f"00:00:00:00:00:{i + 1:02x}")
