@@ -26,9 +26,13 @@ def _run(*cmd):
 class VethSwitch:
     """A bmv2 switch with `ports` veth-attached ports (1..ports)."""
 
-    def __init__(self, json_path: Path, ports: int, thrift_port: int = 9090, log: str | None = None):
+    def __init__(self, json_path: Path, ports: int, thrift_port: int | None = None, log: str | None = None):
         if os.geteuid() != 0:
             raise PermissionError("veth pairs need root")
+        if thrift_port is None:        # a free port: other switches on this machine may hold 9090
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                thrift_port = probe.getsockname()[1]
         self.tag = uuid.uuid4().hex[:4]
         self.names = {i: (f"t{self.tag}s{i}a", f"t{self.tag}s{i}b") for i in range(1, ports + 1)}
         self.proc = None
