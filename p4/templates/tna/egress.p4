@@ -1,0 +1,75 @@
+parser ThcEgressParser(packet_in pkt, out headers_t hdr, out egress_metadata_t meta,
+                       out egress_intrinsic_metadata_t eg_intr_md) {
+    state start {
+        pkt.extract(eg_intr_md);
+        transition parse_eth;
+    }
+    state parse_eth {
+        pkt.extract(hdr.eth);
+        transition select(hdr.eth.ether_type) {
+            ETH_IPV4: parse_ipv4;
+            default: accept;
+        }
+    }
+    state parse_ipv4 {
+        pkt.extract(hdr.ipv4);
+        transition select(hdr.ipv4.protocol) {
+            IP_UDP: parse_udp;
+            default: accept;
+        }
+    }
+    state parse_udp {
+        pkt.extract(hdr.udp);
+        transition accept;
+    }
+}
+
+control ThcEgress(inout headers_t hdr, inout egress_metadata_t meta,
+                  in egress_intrinsic_metadata_t eg_intr_md,
+                  in egress_intrinsic_metadata_from_parser_t eg_prsr_md,
+                  inout egress_intrinsic_metadata_for_deparser_t eg_dprsr_md,
+                  inout egress_intrinsic_metadata_for_output_port_t eg_oport_md) {
+    // each multicast replica (rid = worker id + 1) gets its worker's addresses
+    action set_dest(mac_addr_t mac, ipv4_addr_t ip, bit<16> port) {
+        hdr.eth.dst = mac;
+        hdr.ipv4.dst = ip;
+        hdr.udp.dst_port = port;
+    }
+    table replica_dest {
+        key = { eg_intr_md.egress_rid: exact; }
+        actions = { set_dest; NoAction; }
+        size = 64;
+        default_action = NoAction();
+    }
+    apply {
+        if (hdr.udp.isValid() && eg_intr_md.egress_rid != 0) {
+            replica_dest.apply();
+        }
+    }
+}
+
+control ThcEgressDeparser(packet_out pkt, inout headers_t hdr, in egress_metadata_t meta,
+                          in egress_intrinsic_metadata_for_deparser_t eg_dprsr_md) {
+    Checksum() ipv4_csum;
+    apply {
+        hdr.ipv4.hdr_checksum = ipv4_csum.update({
+            hdr.ipv4.version,
+            hdr.ipv4.ihl,
+            hdr.ipv4.diffserv,
+            hdr.ipv4.total_len,
+            hdr.ipv4.identification,
+            hdr.ipv4.flags,
+            hdr.ipv4.frag_offset,
+            hdr.ipv4.ttl,
+            hdr.ipv4.protocol,
+            hdr.ipv4.src,
+            hdr.ipv4.dst
+        });
+        pkt.emit(hdr);
+    }
+}
+
+Pipeline(ThcIngressParser(), ThcIngress(), ThcIngressDeparser(),
+         ThcEgressParser(), ThcEgress(), ThcEgressDeparser()) pipe;
+
+Switch(pipe) main;
