@@ -190,7 +190,8 @@ def main(argv=None) -> int:
         if args.target not in ("all", target.name):
             continue
         text = generate(target)
-        rel = target.output.relative_to(HERE.parent)
+        rel = target.output.relative_to(HERE.parent) if target.output.is_relative_to(HERE.parent) \
+            else target.output
         if args.check:
             same = target.output.exists() and target.output.read_text() == text
             print(f"{rel} is up to date" if same else f"{rel} differs from p4/gen_p4.py output")
