@@ -127,6 +127,11 @@ TNA = Target(
 TARGETS = {t.name: t for t in (V1MODEL, TNA)}
 
 
+#: The IPv4 header fields the checksum covers (all but the checksum itself), in header order.
+IPV4_CHECKSUMMED = ("version", "ihl", "diffserv", "total_len", "identification", "flags", "frag_offset",
+                    "ttl", "protocol", "src", "dst")
+
+
 def thc_header_fields() -> str:
     """The THC header's P4 fields, from proto.headers.FIELDS (the one wire definition)."""
     return "\n".join(f"    bit<{8 * size}> {name};" for name, size in H.FIELDS)
@@ -159,6 +164,8 @@ def substitutions(target: Target, lanes: int = LANES, port: int = PORT) -> dict:
         "verdict_constants": _constants("verdict_t", [f"V_{v}" for v in spec.VERDICTS]),
         "event_constants": _constants("event_t", [spec.event_constant(e) for e in spec.EVENTS]),
         "thc_fields": thc_header_fields(),
+        "parse_states": (TEMPLATES / "parse_states.p4").read_text().rstrip("\n"),
+        "ipv4_checksum_fields": ",\n".join(f"                hdr.ipv4.{name}" for name in IPV4_CHECKSUMMED),
         "idx_fields": _repeat("    bit<4> z$i;", [{"i": i} for i in range(lanes)]),
     }
     lane_subs = [{"i": i, "banks": banks, "w": i // 4, "hi": 31 - 8 * (i % 4), "lo": 24 - 8 * (i % 4)}

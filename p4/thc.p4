@@ -255,39 +255,42 @@ struct metadata_t {
 parser ThcParser(packet_in pkt, out headers_t hdr, inout metadata_t meta,
                  inout standard_metadata_t sm) {
     state start {
+        transition parse_eth;
+    }
+    state parse_eth {
         pkt.extract(hdr.eth);
         transition select(hdr.eth.ether_type) {
-            ETH_IPV4: ipv4;
+            ETH_IPV4: parse_ipv4;
             default: accept;
         }
     }
-    state ipv4 {
+    state parse_ipv4 {
         pkt.extract(hdr.ipv4);
         transition select(hdr.ipv4.protocol) {
-            IP_UDP: udp;
+            IP_UDP: parse_udp;
             default: accept;
         }
     }
-    state udp {
+    state parse_udp {
         pkt.extract(hdr.udp);
         transition select(hdr.udp.dst_port) {
-            THC_PORT: thc;
+            THC_PORT: parse_thc;
             default: accept;
         }
     }
-    state thc {
+    state parse_thc {
         pkt.extract(hdr.thc);
         transition select(hdr.thc.type) {
-            T_DATA: idx;
-            T_NORM: norm;
+            T_DATA: parse_idx;
+            T_NORM: parse_norm;
             default: accept;
         }
     }
-    state idx {
+    state parse_idx {
         pkt.extract(hdr.idx);
         transition accept;
     }
-    state norm {
+    state parse_norm {
         pkt.extract(hdr.norm);
         transition accept;
     }
@@ -1266,9 +1269,19 @@ control ThcEgress(inout headers_t hdr, inout metadata_t meta, inout standard_met
 control ThcComputeChecksum(inout headers_t hdr, inout metadata_t meta) {
     apply {
         update_checksum(hdr.ipv4.isValid(),
-            { hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.diffserv, hdr.ipv4.total_len,
-              hdr.ipv4.identification, hdr.ipv4.flags, hdr.ipv4.frag_offset, hdr.ipv4.ttl,
-              hdr.ipv4.protocol, hdr.ipv4.src, hdr.ipv4.dst },
+            {
+                hdr.ipv4.version,
+                hdr.ipv4.ihl,
+                hdr.ipv4.diffserv,
+                hdr.ipv4.total_len,
+                hdr.ipv4.identification,
+                hdr.ipv4.flags,
+                hdr.ipv4.frag_offset,
+                hdr.ipv4.ttl,
+                hdr.ipv4.protocol,
+                hdr.ipv4.src,
+                hdr.ipv4.dst
+            },
             hdr.ipv4.hdr_checksum, HashAlgorithm.csum16);
     }
 }

@@ -298,17 +298,17 @@ control ThcIngressDeparser(packet_out pkt, inout headers_t hdr, in metadata_t me
     Checksum() ipv4_csum;
     apply {
         hdr.ipv4.hdr_checksum = ipv4_csum.update({
-            hdr.ipv4.version,
-            hdr.ipv4.ihl,
-            hdr.ipv4.diffserv,
-            hdr.ipv4.total_len,
-            hdr.ipv4.identification,
-            hdr.ipv4.flags,
-            hdr.ipv4.frag_offset,
-            hdr.ipv4.ttl,
-            hdr.ipv4.protocol,
-            hdr.ipv4.src,
-            hdr.ipv4.dst
+                hdr.ipv4.version,
+                hdr.ipv4.ihl,
+                hdr.ipv4.diffserv,
+                hdr.ipv4.total_len,
+                hdr.ipv4.identification,
+                hdr.ipv4.flags,
+                hdr.ipv4.frag_offset,
+                hdr.ipv4.ttl,
+                hdr.ipv4.protocol,
+                hdr.ipv4.src,
+                hdr.ipv4.dst
         });
         pkt.emit(hdr);
     }
@@ -1291,6 +1291,25 @@ parser ThcEgressParser(packet_in pkt, out headers_t hdr, out egress_metadata_t m
     }
     state parse_udp {
         pkt.extract(hdr.udp);
+        transition select(hdr.udp.dst_port) {
+            THC_PORT: parse_thc;
+            default: accept;
+        }
+    }
+    state parse_thc {
+        pkt.extract(hdr.thc);
+        transition select(hdr.thc.type) {
+            T_DATA: parse_idx;
+            T_NORM: parse_norm;
+            default: accept;
+        }
+    }
+    state parse_idx {
+        pkt.extract(hdr.idx);
+        transition accept;
+    }
+    state parse_norm {
+        pkt.extract(hdr.norm);
         transition accept;
     }
 }
@@ -1313,7 +1332,7 @@ control ThcEgress(inout headers_t hdr, inout egress_metadata_t meta,
         default_action = NoAction();
     }
     apply {
-        if (hdr.udp.isValid() && eg_intr_md.egress_rid != 0) {
+        if (hdr.thc.isValid() && eg_intr_md.egress_rid != 0) {
             replica_dest.apply();
         }
     }
@@ -1324,17 +1343,17 @@ control ThcEgressDeparser(packet_out pkt, inout headers_t hdr, in egress_metadat
     Checksum() ipv4_csum;
     apply {
         hdr.ipv4.hdr_checksum = ipv4_csum.update({
-            hdr.ipv4.version,
-            hdr.ipv4.ihl,
-            hdr.ipv4.diffserv,
-            hdr.ipv4.total_len,
-            hdr.ipv4.identification,
-            hdr.ipv4.flags,
-            hdr.ipv4.frag_offset,
-            hdr.ipv4.ttl,
-            hdr.ipv4.protocol,
-            hdr.ipv4.src,
-            hdr.ipv4.dst
+                hdr.ipv4.version,
+                hdr.ipv4.ihl,
+                hdr.ipv4.diffserv,
+                hdr.ipv4.total_len,
+                hdr.ipv4.identification,
+                hdr.ipv4.flags,
+                hdr.ipv4.frag_offset,
+                hdr.ipv4.ttl,
+                hdr.ipv4.protocol,
+                hdr.ipv4.src,
+                hdr.ipv4.dst
         });
         pkt.emit(hdr);
     }

@@ -4,24 +4,7 @@ parser ThcEgressParser(packet_in pkt, out headers_t hdr, out egress_metadata_t m
         pkt.extract(eg_intr_md);
         transition parse_eth;
     }
-    state parse_eth {
-        pkt.extract(hdr.eth);
-        transition select(hdr.eth.ether_type) {
-            ETH_IPV4: parse_ipv4;
-            default: accept;
-        }
-    }
-    state parse_ipv4 {
-        pkt.extract(hdr.ipv4);
-        transition select(hdr.ipv4.protocol) {
-            IP_UDP: parse_udp;
-            default: accept;
-        }
-    }
-    state parse_udp {
-        pkt.extract(hdr.udp);
-        transition accept;
-    }
+$parse_states
 }
 
 control ThcEgress(inout headers_t hdr, inout egress_metadata_t meta,
@@ -42,7 +25,7 @@ control ThcEgress(inout headers_t hdr, inout egress_metadata_t meta,
         default_action = NoAction();
     }
     apply {
-        if (hdr.udp.isValid() && eg_intr_md.egress_rid != 0) {
+        if (hdr.thc.isValid() && eg_intr_md.egress_rid != 0) {
             replica_dest.apply();
         }
     }
@@ -53,17 +36,7 @@ control ThcEgressDeparser(packet_out pkt, inout headers_t hdr, in egress_metadat
     Checksum() ipv4_csum;
     apply {
         hdr.ipv4.hdr_checksum = ipv4_csum.update({
-            hdr.ipv4.version,
-            hdr.ipv4.ihl,
-            hdr.ipv4.diffserv,
-            hdr.ipv4.total_len,
-            hdr.ipv4.identification,
-            hdr.ipv4.flags,
-            hdr.ipv4.frag_offset,
-            hdr.ipv4.ttl,
-            hdr.ipv4.protocol,
-            hdr.ipv4.src,
-            hdr.ipv4.dst
+$ipv4_checksum_fields
         });
         pkt.emit(hdr);
     }
