@@ -199,24 +199,22 @@ struct headers_t {
 }
 
 struct metadata_t {
-    // the job (thc_job: job id and nonce are its key)
+    // the job (thc_job: job id and nonce are its key), its worker ids and slots
     bit<1> job_ok;
     bit<8> n;
     bit<8> quorum;
+    bit<32> n_cb;               // n << 24
     bit<32> quorum_cb;          // quorum << 24
-    bit<32> data_slots;
-    bit<32> norm_end;           // data_slots + norm_slots
     mac_addr_t ps_mac;
+    bit<1> worker_ok;
+    bit<1> slot_ok;
     // the sender (workers: source address, port and token are the key)
     bit<1> registered;
     bit<8> worker;
     bit<32> me;                 // 1 << worker
     bit<32> me_cb;              // ONE_CONTRIBUTOR | me
-    // range checks by subtraction: bit 31 set means "below"
-    bit<32> worker_below_n;
-    bit<32> slot_below_lo;
-    bit<32> slot_below_hi;
     // the slot's rules
+    round_t round_plus_one;
     round_t last;               // the slot's round + 1 before this packet (0: slot not used yet)
     round_t diff;               // packet round − slot round (mod 2^32)
     relation_t rel;
@@ -226,8 +224,8 @@ struct metadata_t {
     bit<32> cb;                 // the slot's count << 24 | bitmap after this packet
     bit<32> shadow_cb;          // what the shadow copy keeps (0: nothing)
     bit<32> mine;               // cb & me
-    bit<16> count_below_quorum; // bit 15 set: fewer than quorum contributors
-    bit<16> count_below_n;      // bit 15 set: fewer than n contributors
+    bit<32> count_below_quorum; // cb − quorum << 24: bit 31 set when fewer than quorum contributors
+    bit<32> count_below_n;      // cb − n << 24: bit 31 set when fewer than n contributors
     bit<1> first;
     verdict_t verdict;
     bank_index_t bank_idx;      // 2 · slot + round parity
@@ -326,14 +324,12 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
     Counter<bit<32>, event_t>(16, CounterType_t.PACKETS) extra_events;
 
     // ---- the job: job id and nonce are the key; a miss is `unknown_job`
-    action set_job(bit<8> n, bit<8> quorum, bit<32> quorum_cb, bit<32> data_slots, bit<32> norm_end,
-                   mac_addr_t ps_mac) {
+    action set_job(bit<8> n, bit<8> quorum, bit<32> n_cb, bit<32> quorum_cb, mac_addr_t ps_mac) {
         meta.job_ok = 1;
         meta.n = n;
         meta.quorum = quorum;
+        meta.n_cb = n_cb;
         meta.quorum_cb = quorum_cb;
-        meta.data_slots = data_slots;
-        meta.norm_end = norm_end;
         meta.ps_mac = ps_mac;
     }
     action no_job() {
@@ -347,6 +343,37 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
         actions = { set_job; no_job; }
         size = 4;
         default_action = no_job();
+    }
+
+    // ---- the job's worker ids: one range entry [0, n − 1]; a miss is `worker_out_of_range`
+    action worker_in_range() {
+        meta.worker_ok = 1;
+    }
+    action worker_out_of_range() {
+        meta.worker_ok = 0;
+    }
+    table worker_range {
+        key = { hdr.thc.worker_id: range; }
+        actions = { worker_in_range; worker_out_of_range; }
+        size = 4;
+        default_action = worker_out_of_range();
+    }
+
+    // ---- the job's slots: (DATA, [0, S − 1]) and (NORM, [S, S + S_norm − 1]); a miss is `slot_out_of_range`
+    action slot_in_range() {
+        meta.slot_ok = 1;
+    }
+    action slot_out_of_range() {
+        meta.slot_ok = 0;
+    }
+    table slot_range {
+        key = {
+            hdr.thc.type: exact;
+            hdr.thc.slot: range;
+        }
+        actions = { slot_in_range; slot_out_of_range; }
+        size = 4;
+        default_action = slot_out_of_range();
     }
 
     // ---- a registration: source address, port and the token the control plane handed out
@@ -946,11 +973,9 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
         }
     };
 
-    // ---- actions of the outputs
-    action range_checks() {
-        meta.worker_below_n = (bit<32>)hdr.thc.worker_id - (bit<32>)meta.n;
-        meta.slot_below_lo = (bit<32>)hdr.thc.slot - meta.data_slots;
-        meta.slot_below_hi = (bit<32>)hdr.thc.slot - meta.norm_end;
+    // ---- indices and the actions of the outputs
+    action slot_indices() {
+        meta.round_plus_one = hdr.thc.round + 1;
         meta.bank_idx = ((bank_index_t)hdr.thc.slot << 1) | (bank_index_t)hdr.thc.round[0:0];
     }
 
@@ -1018,8 +1043,10 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
         } else {
             // ---- validation, in the software PS's order (a miss in thc_job is unknown_job)
             thc_job.apply();
+            worker_range.apply();
             workers.apply();
-            range_checks();
+            slot_range.apply();
+            slot_indices();
             if (hdr.idx.isValid()) {
                 lut0.apply();
                 lut1.apply();
@@ -1062,21 +1089,19 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                 meta.event = C_MALFORMED;
             } else if (meta.job_ok == 0) {
                 meta.event = C_UNKNOWN_JOB;
-            } else if (meta.worker_below_n[31:31] == 0) {
+            } else if (meta.worker_ok == 0) {
                 meta.event = C_WORKER_OUT_OF_RANGE;
             } else if (meta.registered == 0 || meta.worker != hdr.thc.worker_id) {
                 meta.event = C_UNREGISTERED;
+            } else if (meta.slot_ok == 0) {
+                meta.event = C_SLOT_OUT_OF_RANGE;
             } else if (hdr.thc.type == T_NORM) {
-                if (meta.slot_below_lo[31:31] == 1 || meta.slot_below_hi[31:31] == 0) {
-                    meta.event = C_SLOT_OUT_OF_RANGE;
-                } else if (hdr.thc.elem_bits != 32 || hdr.thc.op != OP_MAX_U32 || hdr.thc.count != 1 ||
+                if (hdr.thc.elem_bits != 32 || hdr.thc.op != OP_MAX_U32 || hdr.thc.count != 1 ||
                            hdr.thc.payload_len != 4 || hdr.udp.length != 8 + HDR_BYTES + 4) {
                     meta.event = C_MALFORMED;
                 }
             } else {
-                if (meta.slot_below_lo[31:31] == 0) {
-                    meta.event = C_SLOT_OUT_OF_RANGE;
-                } else if (hdr.thc.elem_bits != 4 || hdr.thc.op != OP_LOOKUP_SUM || hdr.thc.count != LANES ||
+                if (hdr.thc.elem_bits != 4 || hdr.thc.op != OP_LOOKUP_SUM || hdr.thc.count != LANES ||
                            hdr.thc.payload_len != IDX_BYTES || hdr.udp.length != 8 + HDR_BYTES + IDX_BYTES) {
                     meta.event = C_MALFORMED;
                 }
@@ -1092,7 +1117,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                 } else {
                     meta.last = round_near.execute(hdr.thc.slot);
                 }
-                meta.diff = hdr.thc.round + 1 - meta.last;
+                meta.diff = meta.round_plus_one - meta.last;
                 if (meta.last == 0) {
                     if (hdr.thc.round > ROUND_WINDOW) {
                         meta.rel = REL_AHEAD;
@@ -1141,17 +1166,17 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                             meta.cb = contrib_get.execute(hdr.thc.slot);
                         }
                         meta.mine = meta.cb & meta.me;
-                        meta.count_below_quorum = (bit<16>)meta.cb[31:24] - (bit<16>)meta.quorum;
+                        meta.count_below_quorum = meta.cb - meta.quorum_cb;
                         if (meta.mine == 0) {
                             // not a contributor: it came after the quorum (now or before)
                             meta.verdict = V_LATE;
                         } else if (meta.seen != 0) {
-                            if (meta.count_below_quorum[15:15] == 1) {
+                            if (meta.count_below_quorum[31:31] == 1) {
                                 meta.verdict = V_DUP;
                             } else {
                                 meta.verdict = V_RESEND_CUR;
                             }
-                        } else if (meta.count_below_quorum[15:15] == 1) {
+                        } else if (meta.count_below_quorum[31:31] == 1) {
                             meta.verdict = V_AGG;
                         } else {
                             meta.verdict = V_AGG_DONE;
@@ -1212,7 +1237,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                 }
 
                 // ---- the outputs
-                meta.count_below_n = (bit<16>)meta.cb[31:24] - (bit<16>)meta.n;
+                meta.count_below_n = meta.cb - meta.n_cb;
                 if (meta.verdict == V_DROP_MALFORMED) {
                     meta.event = C_MALFORMED;
                 } else if (meta.verdict == V_DUP) {
@@ -1238,7 +1263,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                     }
                     if (meta.verdict == V_AGG_DONE) {
                         meta.event = C_ROUNDS_COMPLETED;
-                        if (meta.count_below_n[15:15] == 1) {
+                        if (meta.count_below_n[31:31] == 1) {
                             meta.extra_event = C_PARTIAL_ROUNDS;
                         }
                         hdr.thc.worker_id = 0;

@@ -32,24 +32,22 @@ struct headers_t {
 }
 
 struct metadata_t {
-    // the job (thc_job: job id and nonce are its key)
+    // the job (thc_job: job id and nonce are its key), its worker ids and slots
     bit<1> job_ok;
     bit<8> n;
     bit<8> quorum;
+    bit<32> n_cb;               // n << 24
     bit<32> quorum_cb;          // quorum << 24
-    bit<32> data_slots;
-    bit<32> norm_end;           // data_slots + norm_slots
     mac_addr_t ps_mac;
+    bit<1> worker_ok;
+    bit<1> slot_ok;
     // the sender (workers: source address, port and token are the key)
     bit<1> registered;
     bit<8> worker;
     bit<32> me;                 // 1 << worker
     bit<32> me_cb;              // ONE_CONTRIBUTOR | me
-    // range checks by subtraction: bit 31 set means "below"
-    bit<32> worker_below_n;
-    bit<32> slot_below_lo;
-    bit<32> slot_below_hi;
     // the slot's rules
+    round_t round_plus_one;
     round_t last;               // the slot's round + 1 before this packet (0: slot not used yet)
     round_t diff;               // packet round − slot round (mod 2^32)
     relation_t rel;
@@ -59,8 +57,8 @@ struct metadata_t {
     bit<32> cb;                 // the slot's count << 24 | bitmap after this packet
     bit<32> shadow_cb;          // what the shadow copy keeps (0: nothing)
     bit<32> mine;               // cb & me
-    bit<16> count_below_quorum; // bit 15 set: fewer than quorum contributors
-    bit<16> count_below_n;      // bit 15 set: fewer than n contributors
+    bit<32> count_below_quorum; // cb − quorum << 24: bit 31 set when fewer than quorum contributors
+    bit<32> count_below_n;      // cb − n << 24: bit 31 set when fewer than n contributors
     bit<1> first;
     verdict_t verdict;
     bank_index_t bank_idx;      // 2 · slot + round parity
