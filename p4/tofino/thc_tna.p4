@@ -712,11 +712,17 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             }
         }
     };
+    // Above it, a round more than ROUND_WINDOW ahead leaves the slot alone and reads as 0 (the
+    // SALU compares in 34 bits, so this is the software PS's unsigned test, without wrapping).
     RegisterAction<round_t, slot_index_t, round_t>(round_reg) round_far = {
         void apply(inout round_t cell, out round_t last) {
-            last = cell;
             if (cell <= hdr.thc.round && cell + (ROUND_WINDOW - 1) >= hdr.thc.round) {
+                last = cell;
                 cell = hdr.thc.round + 1;
+            } else if (cell <= hdr.thc.round) {
+                last = 0;
+            } else {
+                last = cell;
             }
         }
     };
@@ -1118,6 +1124,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                     meta.last = round_near.execute(hdr.thc.slot);
                 }
                 meta.diff = meta.round_plus_one - meta.last;
+                // last = 0: an unused slot, or (above ROUND_WINDOW) a round too far ahead
                 if (meta.last == 0) {
                     if (hdr.thc.round > ROUND_WINDOW) {
                         meta.rel = REL_AHEAD;
@@ -1130,8 +1137,6 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                     meta.rel = REL_PREV;
                 } else if (meta.diff <= ROUND_WINDOW) {
                     meta.rel = REL_NEW;
-                } else if (meta.diff[31:31] == 0) {
-                    meta.rel = REL_AHEAD;
                 } else {
                     meta.rel = REL_STALE;
                 }
