@@ -165,7 +165,7 @@ def substitutions(target: Target, lanes: int = LANES, port: int = PORT) -> dict:
         "event_constants": _constants("event_t", [spec.event_constant(e) for e in spec.EVENTS]),
         "thc_fields": thc_header_fields(),
         "parse_states": (TEMPLATES / "parse_states.p4").read_text().rstrip("\n"),
-        "ipv4_checksum_fields": ",\n".join(f"                hdr.ipv4.{name}" for name in IPV4_CHECKSUMMED),
+        "ipv4_checksum_fields": ",\n".join(f"            hdr.ipv4.{name}" for name in IPV4_CHECKSUMMED),
         "idx_fields": _repeat("    bit<4> z$i;", [{"i": i} for i in range(lanes)]),
     }
     lane_subs = [{"i": i, "banks": banks, "w": i // 4, "hi": 31 - 8 * (i % 4), "lo": 24 - 8 * (i % 4)}

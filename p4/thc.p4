@@ -1268,21 +1268,19 @@ control ThcEgress(inout headers_t hdr, inout metadata_t meta, inout standard_met
 
 control ThcComputeChecksum(inout headers_t hdr, inout metadata_t meta) {
     apply {
-        update_checksum(hdr.ipv4.isValid(),
-            {
-                hdr.ipv4.version,
-                hdr.ipv4.ihl,
-                hdr.ipv4.diffserv,
-                hdr.ipv4.total_len,
-                hdr.ipv4.identification,
-                hdr.ipv4.flags,
-                hdr.ipv4.frag_offset,
-                hdr.ipv4.ttl,
-                hdr.ipv4.protocol,
-                hdr.ipv4.src,
-                hdr.ipv4.dst
-            },
-            hdr.ipv4.hdr_checksum, HashAlgorithm.csum16);
+        update_checksum(hdr.ipv4.isValid(), {
+            hdr.ipv4.version,
+            hdr.ipv4.ihl,
+            hdr.ipv4.diffserv,
+            hdr.ipv4.total_len,
+            hdr.ipv4.identification,
+            hdr.ipv4.flags,
+            hdr.ipv4.frag_offset,
+            hdr.ipv4.ttl,
+            hdr.ipv4.protocol,
+            hdr.ipv4.src,
+            hdr.ipv4.dst
+        }, hdr.ipv4.hdr_checksum, HashAlgorithm.csum16);
     }
 }
 

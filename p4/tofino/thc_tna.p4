@@ -296,17 +296,17 @@ control ThcIngressDeparser(packet_out pkt, inout headers_t hdr, in metadata_t me
     Checksum() ipv4_csum;
     apply {
         hdr.ipv4.hdr_checksum = ipv4_csum.update({
-                hdr.ipv4.version,
-                hdr.ipv4.ihl,
-                hdr.ipv4.diffserv,
-                hdr.ipv4.total_len,
-                hdr.ipv4.identification,
-                hdr.ipv4.flags,
-                hdr.ipv4.frag_offset,
-                hdr.ipv4.ttl,
-                hdr.ipv4.protocol,
-                hdr.ipv4.src,
-                hdr.ipv4.dst
+            hdr.ipv4.version,
+            hdr.ipv4.ihl,
+            hdr.ipv4.diffserv,
+            hdr.ipv4.total_len,
+            hdr.ipv4.identification,
+            hdr.ipv4.flags,
+            hdr.ipv4.frag_offset,
+            hdr.ipv4.ttl,
+            hdr.ipv4.protocol,
+            hdr.ipv4.src,
+            hdr.ipv4.dst
         });
         pkt.emit(hdr);
     }
@@ -1373,17 +1373,17 @@ control ThcEgressDeparser(packet_out pkt, inout headers_t hdr, in egress_metadat
     Checksum() ipv4_csum;
     apply {
         hdr.ipv4.hdr_checksum = ipv4_csum.update({
-                hdr.ipv4.version,
-                hdr.ipv4.ihl,
-                hdr.ipv4.diffserv,
-                hdr.ipv4.total_len,
-                hdr.ipv4.identification,
-                hdr.ipv4.flags,
-                hdr.ipv4.frag_offset,
-                hdr.ipv4.ttl,
-                hdr.ipv4.protocol,
-                hdr.ipv4.src,
-                hdr.ipv4.dst
+            hdr.ipv4.version,
+            hdr.ipv4.ihl,
+            hdr.ipv4.diffserv,
+            hdr.ipv4.total_len,
+            hdr.ipv4.identification,
+            hdr.ipv4.flags,
+            hdr.ipv4.frag_offset,
+            hdr.ipv4.ttl,
+            hdr.ipv4.protocol,
+            hdr.ipv4.src,
+            hdr.ipv4.dst
         });
         pkt.emit(hdr);
     }

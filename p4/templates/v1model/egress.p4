@@ -20,11 +20,9 @@ control ThcEgress(inout headers_t hdr, inout metadata_t meta, inout standard_met
 
 control ThcComputeChecksum(inout headers_t hdr, inout metadata_t meta) {
     apply {
-        update_checksum(hdr.ipv4.isValid(),
-            {
+        update_checksum(hdr.ipv4.isValid(), {
 $ipv4_checksum_fields
-            },
-            hdr.ipv4.hdr_checksum, HashAlgorithm.csum16);
+        }, hdr.ipv4.hdr_checksum, HashAlgorithm.csum16);
     }
 }
 
