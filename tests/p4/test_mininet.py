@@ -37,8 +37,8 @@ def test_four_workers_through_the_switch(tmp_path, mode):
     assert doc["switch"]["rounds_completed"] == 20 * doc["chunks_per_round"]
     assert doc["switch"]["partial_rounds"] == 0 and not doc["netns_left"]
     if mode == "p4run":
-        registered = sorted(l.split("registered worker ")[1][0] for l in doc["control_output"].splitlines()
-                            if "registered worker " in l)
+        registered = sorted(l.split("registered rank ")[1][0] for l in doc["control_output"].splitlines()
+                            if "registered rank " in l)
         assert registered == ["0", "1", "2", "3"], doc["control_output"]
     assert mininet_run.failed(doc) is None
 
