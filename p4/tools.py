@@ -35,7 +35,7 @@ TOFINO_README = ("p4lang's p4c with its open-source Tofino back end (backends/to
 TESTED = {
     "simple_switch": "1.15.5",
     "simple_switch_CLI": "1.15.5",
-    "p4c-bm2-ss": "1.2.4.8",
+    "p4c-bm2-ss": "1.2.5.16",
     "mininet": "2.3.0",
     "nft": "1.0.6",
     "ethtool": "6.1",
