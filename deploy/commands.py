@@ -290,12 +290,19 @@ def cmd_p4(args):
     if args.action == "mininet":
         return _p4_mininet(args)
     if args.action == "gen":
-        rc = gen_p4.main(["--check"] if args.check else [])
+        rc = gen_p4.main(["--target", args.target] + (["--check"] if args.check else []))
         if rc:
-            raise ValueError("p4/thc.p4 is out of date: run `thc p4 gen`")
+            raise ValueError("a P4 program is out of date: run `thc p4 gen`")
         return None
     if args.action == "build":
-        print(f"compiled {control.compile_program(args.out)}")
+        if args.target == "bmv2":
+            print(f"compiled {control.compile_program(args.out)}")
+            return None
+        proc = control.compile_tofino(args.target, args.out)
+        print((proc.stdout + proc.stderr).strip())
+        if proc.returncode != 0:
+            raise RuntimeError(f"p4c-barefoot --target {args.target} failed (status {proc.returncode})")
+        print(f"compiled p4/tofino/thc_tna.p4 for {args.target} into {args.out}/{args.target}")
         return None
     ports = {}
     for item in args.iface:

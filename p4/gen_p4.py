@@ -1,36 +1,135 @@
-"""Generate p4/thc.p4: the THC aggregation program for bmv2's v1model.
+"""Generate the THC switch programs from one description, for two targets:
 
-P4 has no loops, so the per-lane parts (header fields, lookup tables, register arrays and
-their actions) are written out by this generator for a fixed lane count, the way
-Tofino programs are written per lane and stage.  `python -m p4.gen_p4 --check` verifies
-that the committed thc.p4 is what the generator produces.
+  v1model → p4/thc.p4               (bmv2 simple_switch; compiled and tested here)
+  tna     → p4/tofino/thc_tna.p4    (Intel Tofino 1 and 2: TNA / T2NA)
 
-The program implements the software PS's rules (ps_server/reference.py) for DATA packets
-of exactly LANES 4-bit indices and NORM packets of one 32-bit statistic:
-  * per slot: round, count, bitmap, offset, and the previous round's count/bitmap/offset;
-  * two register banks per slot (selected by round parity) hold the lane sums, so the
-    previous round's result stays readable while the next one fills (SwitchML's shadow
-    copy): a retransmission from a worker that lost the previous result is answered;
-  * the read-check-update of a slot's state is one action (bmv2 makes actions atomic);
-  * each lane register is accessed once per packet, in one action;
-  * per lane, the index is looked up in a 16-entry table filled from T by the control plane.
+Both come from the same pieces: the THC header and wire constants from proto/headers.py, the
+shape, verdicts and event counters from p4/spec.py, and P4 templates under p4/templates/
+(headers.p4 is shared; v1model/ and tna/ hold each target's parser, ingress, egress and
+deparser).  The templates are plain P4 with `$name` placeholders (string.Template); P4 has no
+loops, so only the per-lane parts — header fields, lookup tables, lane registers and their
+actions — are generated here from one-lane patterns.  `thc p4 gen --check` (and a test) verifies
+that the committed programs are what this module produces.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from string import Template
 
+from p4 import spec
+from p4.spec import LANES, PORT, SLOTS  # noqa: F401  (re-exported: the programs' shape)
 from proto import headers as H
 
 HERE = Path(__file__).resolve().parent
-LANES = 32
-SLOTS = 256          # slots (data + norm); each has two banks of lane registers
-PORT = 9000
+TEMPLATES = HERE / "templates"
 
 
-def _lanes(fmt: str, sep: str = "\n") -> str:
-    return sep.join(fmt.format(i=i) for i in range(LANES))
+@dataclass(frozen=True)
+class Target:
+    """One P4 architecture: its template pieces (in file order), the one-lane patterns that
+    are repeated per lane (`$i`) or per 32-bit word of four lanes (`$w`, lanes `$l0`..`$l3`),
+    where the program goes, and its slot count."""
+
+    name: str
+    output: Path
+    pieces: tuple
+    per_lane: dict = field(default_factory=dict)
+    per_word: dict = field(default_factory=dict)
+    slots: int = SLOTS
+
+
+V1MODEL = Target(
+    name="v1model",
+    output=HERE / "thc.p4",
+    pieces=("v1model/prelude.p4", "headers.p4", "v1model/metadata.p4", "v1model/parser.p4",
+            "v1model/ingress.p4", "v1model/egress.p4"),
+    per_lane={
+        "sum_fields": "    bit<8> y$i;",
+        "value_fields": "    bit<8> v$i;",
+        "lane_registers": "    register<bit<8>>($banks) acc$i;",
+        "lookup_tables": """\
+    action set_v$i(bit<8> v) {
+        meta.v$i = v;
+    }
+    table lut$i {
+        key = { hdr.idx.z$i: exact; }
+        actions = { set_v$i; NoAction; }
+        size = 16;
+        default_action = NoAction();
+    }""",
+        "lane_actions": """\
+    action lane$i() {
+        bit<8> cur;
+        acc$i.read(cur, meta.reg_idx);
+        bit<8> nv = (meta.add == 0) ? cur : ((meta.first == 1) ? meta.v$i : cur + meta.v$i);
+        acc$i.write(meta.reg_idx, nv);
+        hdr.sums.y$i = nv;
+    }""",
+        "apply_lookups": "                lut$i.apply();",
+        "apply_lanes": "                lane$i();",
+    },
+)
+
+#: Tofino: slot count of the TNA program (register SRAM is plentiful; SwitchML uses 8192 pairs).
+TNA_SLOTS = 4096
+
+TNA = Target(
+    name="tna",
+    output=HERE / "tofino" / "thc_tna.p4",
+    pieces=("tna/prelude.p4", "headers.p4", "tna/metadata.p4", "tna/parser.p4", "tna/ingress.p4",
+            "tna/egress.p4"),
+    per_lane={
+        "lookup_tables": """\
+    action set_v$i(bit<8> v) {
+        meta.in$w[$hi:$lo] = v;
+    }
+    table lut$i {
+        key = { hdr.idx.z$i: exact; }
+        actions = { set_v$i; }
+        size = 16;
+        default_action = set_v$i(0);
+    }""",
+        "apply_lookups": "                lut$i.apply();",
+    },
+    per_word={
+        "sum_fields": "    bit<32> w$w;",
+        "input_fields": "    bit<32> in$w;",
+        "word_registers": """\
+    // lanes $l0..$l3: four 8-bit sums in one 32-bit cell (no carry crosses a lane: n·g ≤ 255)
+    Register<bit<32>, bank_index_t>($banks, 0) acc$w;
+    RegisterAction<bit<32>, bank_index_t, bit<32>>(acc$w) acc${w}_set = {
+        void apply(inout bit<32> cell, out bit<32> sum) {
+            cell = meta.in$w;
+            sum = cell;
+        }
+    };
+    RegisterAction<bit<32>, bank_index_t, bit<32>>(acc$w) acc${w}_add = {
+        void apply(inout bit<32> cell, out bit<32> sum) {
+            cell = cell + meta.in$w;
+            sum = cell;
+        }
+    };
+    RegisterAction<bit<32>, bank_index_t, bit<32>>(acc$w) acc${w}_get = {
+        void apply(inout bit<32> cell, out bit<32> sum) {
+            sum = cell;
+        }
+    };""",
+        "apply_set": "                        hdr.sums.w$w = acc${w}_set.execute(meta.bank_idx);",
+        "apply_add": "                        hdr.sums.w$w = acc${w}_add.execute(meta.bank_idx);",
+        "apply_get": "                        hdr.sums.w$w = acc${w}_get.execute(meta.bank_idx);",
+    },
+    slots=TNA_SLOTS,
+)
+
+TARGETS = {t.name: t for t in (V1MODEL, TNA)}
+
+
+#: The IPv4 header fields the checksum covers (all but the checksum itself), in header order.
+IPV4_CHECKSUMMED = ("version", "ihl", "diffserv", "total_len", "identification", "flags", "frag_offset",
+                    "ttl", "protocol", "src", "dst")
 
 
 def thc_header_fields() -> str:
@@ -38,386 +137,77 @@ def thc_header_fields() -> str:
     return "\n".join(f"    bit<{8 * size}> {name};" for name, size in H.FIELDS)
 
 
-def generate(lanes: int = LANES, slots: int = SLOTS, port: int = PORT) -> str:
-    global LANES
-    LANES = lanes
-    idx_fields = _lanes("    bit<4> z{i};")
-    sum_fields = _lanes("    bit<8> y{i};")
-    meta_vals = _lanes("    bit<8> v{i};")
-    luts = _lanes("""    action set_v{i}(bit<8> v) {{ meta.v{i} = v; }}
-    table lut{i} {{ key = {{ hdr.idx.z{i}: exact; }} actions = {{ set_v{i}; NoAction; }} size = 16; default_action = NoAction(); }}""")
-    regs = "\n".join(f"    register<bit<8>>({2 * slots}) acc{i};" for i in range(lanes))
-    lane_actions = _lanes("""    action lane{i}() {{
-        bit<8> cur;
-        acc{i}.read(cur, meta.reg_idx);
-        bit<8> nv = (meta.add == 0) ? cur : ((meta.first == 1) ? meta.v{i} : cur + meta.v{i});
-        acc{i}.write(meta.reg_idx, nv);
-        hdr.sums.y{i} = nv;
-    }}""")
-    apply_luts = _lanes("                lut{i}.apply();", "\n")
-    apply_lanes = _lanes("                lane{i}();", "\n")
-    thc_fields = thc_header_fields()
-    idx_bytes, sum_bytes = lanes // 2, lanes
-    return f"""// THC in-network aggregation for bmv2 simple_switch (v1model).
-// GENERATED by p4/gen_p4.py ({lanes} lanes, {slots} slots, UDP port {port}); do not edit by hand.
-// Wire format: proto/headers.py.  Rules: ps_server/reference.py.
-#include <core.p4>
-#include <v1model.p4>
+def _constants(kind: str, names, values=None) -> str:
+    values = range(len(names)) if values is None else values
+    return "\n".join(f"const {kind} {name} = {value};" for name, value in zip(names, values))
 
-const bit<16> ETH_IPV4 = 0x0800;
-const bit<8>  IP_UDP = 17;
-const bit<16> THC_PORT = {port};
-const bit<16> THC_MAGIC = {H.MAGIC:#06x};
-const bit<8>  THC_VERSION = {H.VERSION};
-const bit<8>  T_DATA = 1;
-const bit<8>  T_RESULT = 2;
-const bit<8>  T_STRAGGLER = 3;
-const bit<8>  T_NORM = 4;
-const bit<8>  T_NORM_RESULT = 5;
-const bit<8>  F_RESENT = 2;
-const bit<8>  OP_LOOKUP_SUM = 1;
-const bit<8>  OP_MAX_U32 = 3;
-const bit<16> LANES = {lanes};
-const bit<16> IDX_BYTES = {idx_bytes};
-const bit<16> SUM_BYTES = {sum_bytes};
-const bit<16> HDR_BYTES = {H.HEADER_SIZE};
-const bit<32> ROUND_WINDOW = {H.ROUND_WINDOW};
 
-// verdicts of the slot update
-const bit<8> V_DROP_MALFORMED = 0;
-const bit<8> V_AGG = 1;
-const bit<8> V_AGG_DONE = 2;
-const bit<8> V_RESEND_CUR = 3;
-const bit<8> V_DUP = 4;
-const bit<8> V_LATE = 5;
-const bit<8> V_RESEND_PREV = 6;
-const bit<8> V_STALE = 7;
-const bit<8> V_AHEAD = 8;
+def _repeat(pattern: str, substitutions: list) -> str:
+    template = Template(pattern)
+    return "\n".join(template.substitute(s) for s in substitutions)
 
-// drop/event counter indices (names as in ps_server/reference.py)
-const bit<32> C_MALFORMED = 0;
-const bit<32> C_WRONG_VERSION = 1;
-const bit<32> C_UNKNOWN_JOB = 2;
-const bit<32> C_SLOT_RANGE = 3;
-const bit<32> C_WORKER_RANGE = 4;
-const bit<32> C_UNREGISTERED = 5;
-const bit<32> C_STALE = 6;
-const bit<32> C_DUPLICATE = 7;
-const bit<32> C_LATE = 8;
-const bit<32> C_ROUNDS = 9;
-const bit<32> C_PARTIAL = 10;
-const bit<32> C_RESENT = 11;
-const bit<32> C_AHEAD = 12;
 
-header ethernet_t {{ bit<48> dst; bit<48> src; bit<16> ether_type; }}
-header ipv4_t {{
-    bit<4> version; bit<4> ihl; bit<8> diffserv; bit<16> total_len; bit<16> identification;
-    bit<3> flags; bit<13> frag_offset; bit<8> ttl; bit<8> protocol; bit<16> hdr_checksum;
-    bit<32> src; bit<32> dst;
-}}
-header udp_t {{ bit<16> src_port; bit<16> dst_port; bit<16> length; bit<16> checksum; }}
-header thc_t {{
-{thc_fields}
-}}
-header idx_t {{
-{idx_fields}
-}}
-header sums_t {{
-{sum_fields}
-}}
-header norm_t {{ bit<32> v; }}
+def substitutions(target: Target, lanes: int = LANES, port: int = PORT) -> dict:
+    """Every `$name` the target's templates use."""
+    if lanes % 4:
+        raise ValueError("lanes must be a multiple of 4 (four lanes per 32-bit word on Tofino)")
+    banks = 2 * target.slots
+    values = {
+        "lanes": lanes, "slots": target.slots, "banks": banks, "port": port,
+        "magic": f"{H.MAGIC:#06x}", "version": H.VERSION, "header_bytes": H.HEADER_SIZE,
+        "round_window": H.ROUND_WINDOW, "f_resent": H.F_RESENT,
+        "op_lookup_sum": H.OP_LOOKUP_SUM, "op_max_u32": H.OP_MAX_U32,
+        "idx_bytes": lanes // 2, "sum_bytes": lanes, "words": lanes // 4,
+        "event_cells": spec.EVENT_CELLS,
+        "type_constants": _constants("bit<8>", [f"T_{name}" for name in H.TYPE_NAMES.values()],
+                                     H.TYPE_NAMES.keys()),
+        "verdict_constants": _constants("verdict_t", [f"V_{v}" for v in spec.VERDICTS]),
+        "event_constants": _constants("event_t", [spec.event_constant(e) for e in spec.EVENTS]),
+        "thc_fields": thc_header_fields(),
+        "parse_states": (TEMPLATES / "parse_states.p4").read_text().rstrip("\n"),
+        "ipv4_checksum_fields": ",\n".join(f"            hdr.ipv4.{name}" for name in IPV4_CHECKSUMMED),
+        "idx_fields": _repeat("    bit<4> z$i;", [{"i": i} for i in range(lanes)]),
+    }
+    lane_subs = [{"i": i, "banks": banks, "w": i // 4, "hi": 31 - 8 * (i % 4), "lo": 24 - 8 * (i % 4)}
+                 for i in range(lanes)]
+    for name, pattern in target.per_lane.items():
+        values[name] = _repeat(pattern, lane_subs)
+    word_subs = [{"w": w, "banks": banks, **{f"l{k}": 4 * w + k for k in range(4)}}
+                 for w in range(lanes // 4)]
+    for name, pattern in target.per_word.items():
+        values[name] = _repeat(pattern, word_subs)
+    return values
 
-struct headers_t {{
-    ethernet_t eth; ipv4_t ipv4; udp_t udp; thc_t thc; idx_t idx; sums_t sums; norm_t norm;
-}}
 
-struct metadata_t {{
-    bit<16> job; bit<32> nonce; bit<8> n; bit<8> quorum; bit<16> data_slots; bit<16> norm_slots;
-    bit<48> ps_mac; bit<1> configured;
-    bit<8> worker; bit<1> registered;
-    bit<8> verdict; bit<1> first; bit<1> add;
-    bit<32> reg_idx; bit<32> cur_round; bit<8> cnt; bit<32> bm; bit<8> out_k; bit<32> out_bm;
-{meta_vals}
-}}
-
-parser ThcParser(packet_in pkt, out headers_t hdr, inout metadata_t meta,
-                 inout standard_metadata_t sm) {{
-    state start {{ pkt.extract(hdr.eth); transition select(hdr.eth.ether_type) {{ ETH_IPV4: ipv4; default: accept; }} }}
-    state ipv4 {{ pkt.extract(hdr.ipv4); transition select(hdr.ipv4.protocol) {{ IP_UDP: udp; default: accept; }} }}
-    state udp {{ pkt.extract(hdr.udp); transition select(hdr.udp.dst_port) {{ THC_PORT: thc; default: accept; }} }}
-    state thc {{ pkt.extract(hdr.thc); transition select(hdr.thc.type) {{ T_DATA: idx; T_NORM: norm; default: accept; }} }}
-    state idx {{ pkt.extract(hdr.idx); transition accept; }}
-    state norm {{ pkt.extract(hdr.norm); transition accept; }}
-}}
-
-control ThcVerify(inout headers_t hdr, inout metadata_t meta) {{ apply {{ }} }}
-
-control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {{
-    // ---- per-slot state (index: slot)
-    register<bit<1>>({slots}) active_reg;
-    register<bit<32>>({slots}) round_reg;
-    register<bit<8>>({slots}) count_reg;
-    register<bit<32>>({slots}) bitmap_reg;
-    register<bit<32>>({slots}) offset_reg;
-    register<bit<1>>({slots}) prev_valid_reg;
-    register<bit<8>>({slots}) prev_count_reg;
-    register<bit<32>>({slots}) prev_bitmap_reg;
-    register<bit<32>>({slots}) prev_offset_reg;
-    // ---- lane sums (index: 2·slot + round parity)
-{regs}
-    register<bit<32>>({2 * slots}) norm_acc;
-    counter(16, CounterType.packets) events;
-
-    action drop_with(bit<32> reason) {{ events.count(reason); mark_to_drop(sm); }}
-    action set_config(bit<16> job, bit<32> nonce, bit<8> n, bit<8> quorum, bit<16> data_slots,
-                      bit<16> norm_slots, bit<48> ps_mac) {{
-        meta.job = job; meta.nonce = nonce; meta.n = n; meta.quorum = quorum; meta.data_slots = data_slots;
-        meta.norm_slots = norm_slots; meta.ps_mac = ps_mac; meta.configured = 1;
-    }}
-    table thc_config {{ actions = {{ set_config; NoAction; }} default_action = NoAction(); }}
-    action set_worker(bit<8> wid) {{ meta.worker = wid; meta.registered = 1; }}
-    // a registration: source address, port and the token the control plane handed out
-    table workers {{
-        key = {{ hdr.ipv4.src: exact; hdr.udp.src_port: exact; hdr.thc.token: exact; }}
-        actions = {{ set_worker; NoAction; }} size = 64; default_action = NoAction();
-    }}
-    action forward(bit<9> port) {{ sm.egress_spec = port; }}
-    action drop_other() {{ mark_to_drop(sm); }}
-    table l2 {{ key = {{ hdr.eth.dst: exact; }} actions = {{ forward; drop_other; }} size = 64; default_action = drop_other(); }}
-
-{luts}
-
-    // The whole read-check-update of a slot in one action (atomic on bmv2).
-    action slot_update() {{
-        bit<32> slot = (bit<32>)hdr.thc.slot;
-        bit<1> act; bit<32> r; bit<8> c; bit<32> bm; bit<32> off;
-        bit<1> pv; bit<8> pc; bit<32> pbm; bit<32> poff;
-        active_reg.read(act, slot); round_reg.read(r, slot); count_reg.read(c, slot);
-        bitmap_reg.read(bm, slot); offset_reg.read(off, slot);
-        prev_valid_reg.read(pv, slot); prev_count_reg.read(pc, slot);
-        prev_bitmap_reg.read(pbm, slot); prev_offset_reg.read(poff, slot);
-        bit<32> me = (bit<32>)1 << hdr.thc.worker_id;
-        bit<32> pr = hdr.thc.round;
-        meta.first = 0;
-        meta.add = 0;
-        meta.reg_idx = (slot << 1) | (bit<32>)pr[0:0];
-        bit<32> base = (act == 0) ? 32w0 : r;
-        if (pr > base + ROUND_WINDOW) {{
-            meta.verdict = V_AHEAD;       // no single packet may move a slot out of reach
-        }} else if (act == 0 || pr > r) {{
-            if (act == 1 && c >= meta.quorum && pr == r + 1) {{
-                pv = 1; pc = c; pbm = bm; poff = off;
-            }} else {{
-                pv = 0;
-            }}
-            act = 1; r = pr; c = 1; bm = me; off = hdr.thc.offset;
-            meta.first = 1; meta.add = 1;
-            meta.verdict = (c >= meta.quorum) ? V_AGG_DONE : V_AGG;
-        }} else if (pr == r) {{
-            if (hdr.thc.offset != off) {{
-                meta.verdict = V_DROP_MALFORMED;
-            }} else if ((bm & me) != 0) {{
-                meta.verdict = (c >= meta.quorum) ? V_RESEND_CUR : V_DUP;
-            }} else if (c >= meta.quorum) {{
-                meta.verdict = V_LATE;
-            }} else {{
-                c = c + 1; bm = bm | me; meta.add = 1;
-                meta.verdict = (c >= meta.quorum) ? V_AGG_DONE : V_AGG;
-            }}
-        }} else if (pr + 1 == r && pv == 1 && hdr.thc.offset == poff) {{
-            meta.verdict = V_RESEND_PREV;
-        }} else {{
-            meta.verdict = V_STALE;
-        }}
-        active_reg.write(slot, act); round_reg.write(slot, r); count_reg.write(slot, c);
-        bitmap_reg.write(slot, bm); offset_reg.write(slot, off);
-        prev_valid_reg.write(slot, pv); prev_count_reg.write(slot, pc);
-        prev_bitmap_reg.write(slot, pbm); prev_offset_reg.write(slot, poff);
-        meta.cur_round = r; meta.cnt = c; meta.bm = bm;
-        meta.out_k = (meta.verdict == V_RESEND_PREV) ? pc : c;
-        meta.out_bm = (meta.verdict == V_RESEND_PREV) ? pbm : bm;
-    }}
-
-{lane_actions}
-
-    action norm_lane() {{
-        bit<32> cur;
-        norm_acc.read(cur, meta.reg_idx);
-        bit<32> nv = (meta.add == 0) ? cur : ((meta.first == 1 || hdr.norm.v > cur) ? hdr.norm.v : cur);
-        norm_acc.write(meta.reg_idx, nv);
-        hdr.norm.v = nv;
-    }}
-
-    // Reply to the sender: swap addresses, send back out of the ingress port.
-    action bounce() {{
-        bit<48> m = hdr.eth.dst; hdr.eth.dst = hdr.eth.src; hdr.eth.src = m;
-        bit<32> a = hdr.ipv4.dst; hdr.ipv4.dst = hdr.ipv4.src; hdr.ipv4.src = a;
-        bit<16> p = hdr.udp.dst_port; hdr.udp.dst_port = hdr.udp.src_port; hdr.udp.src_port = p;
-        hdr.udp.checksum = 0;
-        sm.egress_spec = sm.ingress_port;
-    }}
-
-    // DATA -> RESULT in place: header fields and payload (indices out, lane sums in).
-    action data_to_result() {{
-        hdr.thc.contributors = meta.out_k;
-        hdr.thc.bitmap = meta.out_bm;
-        hdr.udp.checksum = 0;
-        hdr.thc.type = T_RESULT;
-        hdr.thc.elem_bits = 8;
-        hdr.thc.payload_len = SUM_BYTES;
-        hdr.idx.setInvalid();
-        hdr.sums.setValid();
-        hdr.ipv4.total_len = hdr.ipv4.total_len + (SUM_BYTES - IDX_BYTES);
-        hdr.udp.length = hdr.udp.length + (SUM_BYTES - IDX_BYTES);
-    }}
-
-    // NORM -> NORM_RESULT in place: the payload already holds the maximum.
-    action norm_to_result() {{
-        hdr.thc.contributors = meta.out_k;
-        hdr.thc.bitmap = meta.out_bm;
-        hdr.udp.checksum = 0;
-        hdr.thc.type = T_NORM_RESULT;
-    }}
-
-    action to_straggler() {{
-        bit<16> payload = hdr.thc.payload_len;
-        hdr.thc.type = T_STRAGGLER;
-        hdr.thc.flags = 0;
-        hdr.thc.elem_bits = 0;
-        hdr.thc.round = meta.cur_round;
-        hdr.thc.count = 0;
-        hdr.thc.payload_len = 0;
-        hdr.thc.bitmap = 0;
-        hdr.thc.contributors = 0;
-        hdr.idx.setInvalid();
-        hdr.norm.setInvalid();
-        hdr.ipv4.total_len = hdr.ipv4.total_len - payload;
-        hdr.udp.length = hdr.udp.length - payload;
-    }}
-
-    apply {{
-        if (!hdr.thc.isValid()) {{
-            if (hdr.eth.isValid()) {{ l2.apply(); }}
-            return;
-        }}
-        thc_config.apply();
-        if (meta.configured == 0 || sm.parser_error != error.NoError || hdr.thc.magic != THC_MAGIC) {{
-            drop_with(C_MALFORMED); return;
-        }}
-        if (hdr.thc.version != THC_VERSION) {{ drop_with(C_WRONG_VERSION); return; }}
-        if (hdr.thc.type != T_DATA && hdr.thc.type != T_NORM) {{ drop_with(C_MALFORMED); return; }}
-        if (hdr.thc.job_id != meta.job || hdr.thc.nonce != meta.nonce) {{ drop_with(C_UNKNOWN_JOB); return; }}
-        if (hdr.thc.worker_id >= meta.n) {{ drop_with(C_WORKER_RANGE); return; }}
-        workers.apply();
-        if (meta.registered == 0 || meta.worker != hdr.thc.worker_id) {{ drop_with(C_UNREGISTERED); return; }}
-        if (hdr.thc.type == T_NORM) {{
-            if (hdr.thc.slot < meta.data_slots || hdr.thc.slot >= meta.data_slots + meta.norm_slots) {{
-                drop_with(C_SLOT_RANGE); return;
-            }}
-            if (hdr.thc.elem_bits != 32 || hdr.thc.op != OP_MAX_U32 || hdr.thc.count != 1 ||
-                hdr.thc.payload_len != 4 || hdr.udp.length != 8 + HDR_BYTES + 4) {{
-                drop_with(C_MALFORMED); return;
-            }}
-        }} else {{
-            if (hdr.thc.slot >= meta.data_slots) {{ drop_with(C_SLOT_RANGE); return; }}
-            if (hdr.thc.elem_bits != 4 || hdr.thc.op != OP_LOOKUP_SUM || hdr.thc.count != LANES ||
-                hdr.thc.payload_len != IDX_BYTES || hdr.udp.length != 8 + HDR_BYTES + IDX_BYTES) {{
-                drop_with(C_MALFORMED); return;
-            }}
-        }}
-        if (hdr.thc.num_workers != meta.n) {{ drop_with(C_MALFORMED); return; }}
-
-        slot_update();
-        bit<8> v = meta.verdict;
-        if (v == V_DROP_MALFORMED) {{ drop_with(C_MALFORMED); return; }}
-        if (v == V_DUP) {{ drop_with(C_DUPLICATE); return; }}
-        if (v == V_AHEAD) {{ drop_with(C_AHEAD); return; }}
-        hdr.thc.token = 0;              // replies carry the job's nonce, never a token
-        if (v == V_STALE) {{
-            events.count(C_STALE);
-            to_straggler();
-            bounce();
-            return;
-        }}
-        // reg_idx already selects the bank of the packet's round (round − 1 for RESEND_PREV)
-        if (hdr.thc.type == T_DATA) {{
-            hdr.sums.setValid();
-            if (meta.add == 1) {{
-{apply_luts}
-            }}
-{apply_lanes}
-        }} else {{
-            norm_lane();
-        }}
-        if (v == V_AGG) {{ mark_to_drop(sm); return; }}
-        if (hdr.thc.type == T_DATA) {{ data_to_result(); }} else {{ norm_to_result(); }}
-        if (v == V_AGG_DONE) {{
-            events.count(C_ROUNDS);
-            if (meta.cnt < meta.n) {{ events.count(C_PARTIAL); }}
-            hdr.thc.worker_id = 0;
-            hdr.thc.flags = 0;
-            // source: the PS address the workers sent to; destinations are set per replica
-            hdr.eth.src = meta.ps_mac;
-            hdr.ipv4.src = hdr.ipv4.dst;
-            hdr.udp.src_port = hdr.udp.dst_port;
-            sm.mcast_grp = 1;
-            return;
-        }}
-        // V_RESEND_CUR, V_LATE, V_RESEND_PREV: unicast the kept result to the sender
-        if (v == V_LATE) {{ events.count(C_LATE); }}
-        events.count(C_RESENT);
-        hdr.thc.flags = F_RESENT;
-        bounce();
-    }}
-}}
-
-control ThcEgress(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {{
-    action set_dest(bit<48> mac, bit<32> ip, bit<16> port) {{
-        hdr.eth.dst = mac; hdr.ipv4.dst = ip; hdr.udp.dst_port = port;
-    }}
-    table replica_dest {{
-        key = {{ sm.egress_rid: exact; }}
-        actions = {{ set_dest; NoAction; }} size = 64; default_action = NoAction();
-    }}
-    apply {{
-        if (hdr.thc.isValid() && sm.egress_rid != 0) {{ replica_dest.apply(); }}
-    }}
-}}
-
-control ThcComputeChecksum(inout headers_t hdr, inout metadata_t meta) {{
-    apply {{
-        update_checksum(hdr.ipv4.isValid(),
-            {{ hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.diffserv, hdr.ipv4.total_len,
-              hdr.ipv4.identification, hdr.ipv4.flags, hdr.ipv4.frag_offset, hdr.ipv4.ttl,
-              hdr.ipv4.protocol, hdr.ipv4.src, hdr.ipv4.dst }},
-            hdr.ipv4.hdr_checksum, HashAlgorithm.csum16);
-    }}
-}}
-
-control ThcDeparser(packet_out pkt, in headers_t hdr) {{
-    apply {{
-        pkt.emit(hdr.eth); pkt.emit(hdr.ipv4); pkt.emit(hdr.udp); pkt.emit(hdr.thc);
-        pkt.emit(hdr.idx); pkt.emit(hdr.sums); pkt.emit(hdr.norm);
-    }}
-}}
-
-V1Switch(ThcParser(), ThcVerify(), ThcIngress(), ThcEgress(), ThcComputeChecksum(), ThcDeparser()) main;
-"""
+def generate(target: str | Target = "v1model", lanes: int = LANES, port: int = PORT) -> str:
+    """The program text for a target (pure: nothing is written or changed)."""
+    target = TARGETS[target] if isinstance(target, str) else target
+    values = substitutions(target, lanes, port)
+    pieces = [Template((TEMPLATES / piece).read_text()).substitute(values) for piece in target.pieces]
+    return "\n".join(piece.rstrip("\n") + "\n" for piece in pieces)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="generate p4/thc.p4")
-    ap.add_argument("--check", action="store_true", help="fail if p4/thc.p4 differs from the generator")
+    ap = argparse.ArgumentParser(description="generate p4/thc.p4 (v1model) and p4/tofino/thc_tna.p4 (TNA)")
+    ap.add_argument("--check", action="store_true", help="fail if a committed program differs from the generator")
+    ap.add_argument("--target", choices=("all", *TARGETS), default="all")
     args = ap.parse_args(argv)
-    text = generate()
-    target = HERE / "thc.p4"
-    if args.check:
-        same = target.exists() and target.read_text() == text
-        print("p4/thc.p4 is up to date" if same else "p4/thc.p4 differs from p4/gen_p4.py output")
-        return 0 if same else 1
-    target.write_text(text)
-    print(f"wrote {target}")
-    return 0
+    stale = []
+    for target in TARGETS.values():
+        if args.target not in ("all", target.name):
+            continue
+        text = generate(target)
+        rel = target.output.relative_to(HERE.parent) if target.output.is_relative_to(HERE.parent) \
+            else target.output
+        if args.check:
+            same = target.output.exists() and target.output.read_text() == text
+            print(f"{rel} is up to date" if same else f"{rel} differs from p4/gen_p4.py output")
+            if not same:
+                stale.append(str(rel))
+        else:
+            target.output.write_text(text)
+            print(f"wrote {rel}")
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":

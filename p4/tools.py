@@ -1,9 +1,9 @@
 """Finding and checking the P4 tools: the one place that knows where they live.
 
-p4lang's bmv2 (`simple_switch`, `simple_switch_CLI`) and p4c (`p4c-bm2-ss`, optionally
-`p4c-barefoot`) are not shipped by any registry here; users build and install them as
-p4lang documents.  They are looked up on PATH, then in /opt/p4tools/bin, then in the
-directory named by $THC_P4_TOOLS.  The Mininet harness also needs Debian's `mininet` (in
+p4lang's bmv2 (`simple_switch`, `simple_switch_CLI`) and p4c (`p4c-bm2-ss`; optionally
+`p4c-barefoot` and `bfas`, its Tofino back end and assembler) are not shipped by any registry
+here; users build and install them as p4lang documents.  They are looked up on PATH, then in
+/opt/p4tools/bin, then in the directory named by $THC_P4_TOOLS.  The Mininet harness also needs Debian's `mininet` (in
 Debian's /usr/bin/python3, not the venv) and `ethtool`; kernel loss needs `nft`.
 
 `doctor()` reports, per tool, its path and version, whether that is the version the tests
@@ -28,13 +28,14 @@ BMV2_HALF = BMV2 + P4C           # what the switch tests need
 
 BMV2_README = "p4lang's behavioral-model (build and install as https://github.com/p4lang/behavioral-model#readme says)"
 P4C_README = "p4lang's p4c (build and install as https://github.com/p4lang/p4c#readme says)"
+TOFINO_README = ("p4lang's p4c with its open-source Tofino back end (backends/tofino; build and install "
+                 "as https://github.com/p4lang/p4c#readme says)")
 
 # Versions the tests ran with (docs/p4.md says when and why).
 TESTED = {
     "simple_switch": "1.15.5",
     "simple_switch_CLI": "1.15.5",
     "p4c-bm2-ss": "1.2.5.16",
-    "p4c-barefoot": "1.2.5.16",
     "mininet": "2.3.0",
     "nft": "1.0.6",
     "ethtool": "6.1",
@@ -54,7 +55,8 @@ SPECS = (
     ToolSpec("simple_switch", BMV2_README, needed_for="bmv2 switch"),
     ToolSpec("simple_switch_CLI", BMV2_README, needed_for="bmv2 switch (table programming)"),
     ToolSpec("p4c-bm2-ss", P4C_README, needed_for="compiling p4/thc.p4"),
-    ToolSpec("p4c-barefoot", P4C_README, optional=True, needed_for="the Tofino sketch"),
+    ToolSpec("p4c-barefoot", TOFINO_README, optional=True, needed_for="compiling p4/tofino/thc_tna.p4"),
+    ToolSpec("bfas", TOFINO_README, optional=True, needed_for="assembling the Tofino program"),
     ToolSpec("mininet", "Debian package mininet (apt-get install --no-install-recommends mininet)",
              needed_for="thc p4 mininet, the Mininet test"),
     ToolSpec("nft", "Debian package nftables", needed_for="kernel packet loss"),
@@ -164,7 +166,8 @@ class ToolStatus:
             opt = f" (optional: {self.needed_for})" if self.optional else ""
             return f"{head} not found{opt}; from {self.detail}"
         tested = ("tests ran with this version" if self.status == "ok"
-                  else f"tests ran with {self.tested_version}")
+                  else f"tests ran with {self.tested_version}" if self.tested_version
+                  else "no test has run it yet")
         if self.status == "broken":
             return f"{head} {self.path}: {self.detail}"
         return f"{head} {self.path} {self.version or '?'} ({tested})"

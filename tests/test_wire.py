@@ -108,3 +108,50 @@ def test_p4_program_is_generated_from_the_generator():
     text = (gen_p4.HERE / "thc.p4").read_text()
     assert text.count("register<bit<8>>(512) acc") == gen_p4.LANES
     assert f"const bit<16> THC_PORT = {gen_p4.PORT};" in text
+    tna = gen_p4.TNA.output.read_text()
+    assert tna.count("table lut") == gen_p4.LANES                       # one lookup table per lane
+    assert tna.count("Register<bit<32>, bank_index_t>(8192, 0) acc") == gen_p4.LANES // 4
+    assert "$" not in text + tna                                        # every placeholder filled
+
+
+def test_p4_generator_is_pure_and_checks_every_target(tmp_path, monkeypatch):
+    """generate() changes nothing (no module state), and --check notices a stale program of
+    either target."""
+    import dataclasses
+
+    from p4 import gen_p4
+    small = gen_p4.generate("v1model", lanes=8)
+    assert small.count("table lut") == 8 and gen_p4.LANES == 32
+    assert gen_p4.generate("v1model") == (gen_p4.HERE / "thc.p4").read_text()
+    stale = tmp_path / "thc_tna.p4"
+    stale.write_text(gen_p4.generate("tna").replace("ROUND_WINDOW = 1024", "ROUND_WINDOW = 1000"))
+    monkeypatch.setitem(gen_p4.TARGETS, "tna", dataclasses.replace(gen_p4.TNA, output=stale))
+    assert gen_p4.main(["--check", "--target", "v1model"]) == 0
+    assert gen_p4.main(["--check"]) == 1
+    with pytest.raises(ValueError):
+        gen_p4.generate("tna", lanes=30)
+
+
+def _event_constants(text: str) -> dict:
+    import re
+    return {name: int(value) for name, value in re.findall(r"const event_t (C_\w+) = (\d+);", text)}
+
+
+def test_p4_event_counters_are_the_control_planes():
+    """Both programs count events at the indices the control plane reads them from (one list,
+    p4/spec.py), every event a template counts is in that list, and the drop reasons are the
+    software PS's."""
+    import re
+
+    from p4 import control, gen_p4, spec
+    from ps_server.reference import COUNTERS, DROP_REASONS
+    expected = {spec.event_constant(e): i for i, e in enumerate(control.EVENTS)}
+    for target in gen_p4.TARGETS.values():
+        consts = _event_constants(target.output.read_text())
+        assert {k: v for k, v in consts.items() if k != "C_NONE"} == expected, target.name
+        assert all(v < spec.EVENT_CELLS for v in consts.values())
+        for piece in target.pieces:
+            used = set(re.findall(r"\bC_[A-Z_]+\b", (gen_p4.TEMPLATES / piece).read_text()))
+            assert used <= set(consts) | {"C_NONE"}, (piece, used - set(consts))
+    assert set(control.DROPS) <= set(DROP_REASONS)
+    assert set(control.EVENTS) - set(control.DROPS) <= set(COUNTERS)

@@ -179,3 +179,42 @@ def test_make_as_non_root_names_the_command_and_goes_on(tmp_path):
     proc, calls = make_test_deps(tmp_path, installed=("nftables", "ethtool", "iproute2"), uid="1000")
     assert proc.returncode == 0 and calls == []
     assert "apt-get install --no-install-recommends mininet" in proc.stdout
+
+
+# ---------------------------------------------------------------- thc p4 ACTION: nested subcommands
+
+@pytest.mark.parametrize("argv", [
+    ["p4", "gen", "--rounds", "3"],              # a mininet option
+    ["p4", "doctor", "--iface", "1=veth1"],      # a run option
+    ["p4", "build", "--check"],                  # a gen option
+    ["p4", "run", "--loss", "0.1"],              # a mininet option
+    ["p4", "mininet", "--attach"],               # a run option
+    ["p4", "gen", "--target", "tofino"],         # a build target, not a generator target
+    ["p4"],                                      # no action
+])
+def test_thc_p4_actions_refuse_other_actions_options(argv, capsys):
+    assert exit_code(argv) == 2
+    assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("action, own, foreign", [
+    ("doctor", {"--json"}, {"--check", "--iface", "--rounds", "--target"}),
+    ("gen", {"--check", "--target"}, {"--json", "--iface", "--rounds", "--out"}),
+    ("build", {"--target", "--out"}, {"--check", "--iface", "--rounds", "--workers"}),
+    ("run", {"--iface", "--attach", "--workers", "--thrift-port"}, {"--check", "--rounds", "--loss"}),
+    ("mininet", {"--rounds", "--loss", "--workers", "--json"}, {"--check", "--iface", "--attach"}),
+])
+def test_thc_p4_action_help_lists_only_its_options(action, own, foreign, capsys):
+    assert exit_code(["p4", action, "--help"]) == 0
+    words = set(capsys.readouterr().out.replace("[", " ").replace("]", " ").split())
+    assert own <= words and not foreign & words
+
+
+def test_thc_p4_gen_check_and_tofino_build_without_the_compiler(tmp_path, monkeypatch, capsys):
+    assert exit_code(["p4", "gen", "--check"]) == 0
+    assert "thc_tna.p4 is up to date" in capsys.readouterr().out
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(tools, "SYSTEM_DIR", str(tmp_path / "no-such-dir"))
+    monkeypatch.delenv("THC_P4_TOOLS", raising=False)
+    assert exit_code(["p4", "build", "--target", "tofino2", "--out", str(tmp_path)]) == 1
+    assert "p4c-barefoot not found" in capsys.readouterr().err

@@ -1,0 +1,496 @@
+control ThcIngress(inout headers_t hdr, inout metadata_t meta,
+                   in ingress_intrinsic_metadata_t ig_intr_md,
+                   in ingress_intrinsic_metadata_from_parser_t ig_prsr_md,
+                   inout ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md,
+                   inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
+    // Each event counter is addressed once per packet on Tofino: `events` counts the packet's
+    // outcome, `extra_events` the second event a few packets have (a partial round, a late
+    // contribution).  The control plane adds the two per index.
+    Counter<bit<32>, event_t>($event_cells, CounterType_t.PACKETS) events;
+    Counter<bit<32>, event_t>($event_cells, CounterType_t.PACKETS) extra_events;
+
+    // ---- the job: job id and nonce are the key; a miss is `unknown_job`
+    action set_job(bit<8> n, bit<8> quorum, bit<32> n_cb, bit<32> quorum_cb, mac_addr_t ps_mac) {
+        meta.job_ok = 1;
+        meta.n = n;
+        meta.quorum = quorum;
+        meta.n_cb = n_cb;
+        meta.quorum_cb = quorum_cb;
+        meta.ps_mac = ps_mac;
+    }
+    action no_job() {
+        meta.job_ok = 0;
+    }
+    table thc_job {
+        key = {
+            hdr.thc.job_id: exact;
+            hdr.thc.nonce: exact;
+        }
+        actions = { set_job; no_job; }
+        size = 4;
+        default_action = no_job();
+    }
+
+    // ---- the job's worker ids: one range entry [0, n − 1]; a miss is `worker_out_of_range`
+    action worker_in_range() {
+        meta.worker_ok = 1;
+    }
+    action worker_out_of_range() {
+        meta.worker_ok = 0;
+    }
+    table worker_range {
+        key = { hdr.thc.worker_id: range; }
+        actions = { worker_in_range; worker_out_of_range; }
+        size = 4;
+        default_action = worker_out_of_range();
+    }
+
+    // ---- the job's slots: (DATA, [0, S − 1]) and (NORM, [S, S + S_norm − 1]); a miss is `slot_out_of_range`
+    action slot_in_range() {
+        meta.slot_ok = 1;
+    }
+    action slot_out_of_range() {
+        meta.slot_ok = 0;
+    }
+    table slot_range {
+        key = {
+            hdr.thc.type: exact;
+            hdr.thc.slot: range;
+        }
+        actions = { slot_in_range; slot_out_of_range; }
+        size = 4;
+        default_action = slot_out_of_range();
+    }
+
+    // ---- a registration: source address, port and the token the control plane handed out
+    action set_worker(bit<8> wid, bit<32> me) {
+        meta.registered = 1;
+        meta.worker = wid;
+        meta.me = me;
+        meta.me_cb = me | ONE_CONTRIBUTOR;
+    }
+    action unknown_worker() {
+        meta.registered = 0;
+    }
+    table workers {
+        key = {
+            hdr.ipv4.src: exact;
+            hdr.udp.src_port: exact;
+            hdr.thc.token: exact;
+        }
+        actions = { set_worker; unknown_worker; }
+        size = 64;
+        default_action = unknown_worker();
+    }
+
+    // ---- plain L2 forwarding of everything that is not THC
+    action forward(PortId_t port) {
+        ig_tm_md.ucast_egress_port = port;
+    }
+    action drop_other() {
+        ig_dprsr_md.drop_ctl = 1;
+    }
+    table l2 {
+        key = { hdr.eth.dst: exact; }
+        actions = { forward; drop_other; }
+        size = 64;
+        default_action = drop_other();
+    }
+
+    // ---- per lane: index -> table value (16 entries, written from T by the control plane)
+$lookup_tables
+
+    // ---- per-slot state (index: slot).  One RegisterAction runs per register per packet.
+    // The slot's round + 1 (0: not used yet).  Below ROUND_WINDOW a round can never be ahead.
+    Register<round_t, slot_index_t>($slots, 0) round_reg;
+    RegisterAction<round_t, slot_index_t, round_t>(round_reg) round_near = {
+        void apply(inout round_t cell, out round_t last) {
+            last = cell;
+            if (cell <= hdr.thc.round) {
+                cell = hdr.thc.round + 1;
+            }
+        }
+    };
+    // Above it, a round more than ROUND_WINDOW ahead leaves the slot alone and reads as 0 (the
+    // SALU compares in 34 bits, so this is the software PS's unsigned test, without wrapping).
+    RegisterAction<round_t, slot_index_t, round_t>(round_reg) round_far = {
+        void apply(inout round_t cell, out round_t last) {
+            if (cell <= hdr.thc.round && cell + (ROUND_WINDOW - 1) >= hdr.thc.round) {
+                last = cell;
+                cell = hdr.thc.round + 1;
+            } else if (cell <= hdr.thc.round) {
+                last = 0;
+            } else {
+                last = cell;
+            }
+        }
+    };
+
+    Register<bit<32>, slot_index_t>($slots, 0) offset_reg;
+    RegisterAction<bit<32>, slot_index_t, bit<32>>(offset_reg) offset_swap = {
+        void apply(inout bit<32> cell, out bit<32> old) {
+            old = cell;
+            cell = hdr.thc.offset;
+        }
+    };
+    RegisterAction<bit<32>, slot_index_t, bit<32>>(offset_reg) offset_get = {
+        void apply(inout bit<32> cell, out bit<32> old) {
+            old = cell;
+        }
+    };
+
+    // every worker that sent this round (late ones too): keeps a retransmission from adding twice
+    Register<bit<32>, slot_index_t>($slots, 0) arrived_reg;
+    RegisterAction<bit<32>, slot_index_t, bit<32>>(arrived_reg) arrived_start = {
+        void apply(inout bit<32> cell) {
+            cell = meta.me;
+        }
+    };
+    RegisterAction<bit<32>, slot_index_t, bit<32>>(arrived_reg) arrived_add = {
+        void apply(inout bit<32> cell, out bit<32> old) {
+            old = cell;
+            cell = cell | meta.me;
+        }
+    };
+
+    // the contributors: count << 24 | bitmap; adding ONE_CONTRIBUTOR | me is "count + 1, set my bit"
+    Register<bit<32>, slot_index_t>($slots, 0) contrib_reg;
+    RegisterAction<bit<32>, slot_index_t, bit<32>>(contrib_reg) contrib_start = {
+        void apply(inout bit<32> cell, out bit<32> kept) {
+            kept = 0;
+            cell = meta.me_cb;
+        }
+    };
+    RegisterAction<bit<32>, slot_index_t, bit<32>>(contrib_reg) contrib_start_keep = {
+        void apply(inout bit<32> cell, out bit<32> kept) {
+            if (cell >= meta.quorum_cb) {
+                kept = cell;
+            } else {
+                kept = 0;
+            }
+            cell = meta.me_cb;
+        }
+    };
+    RegisterAction<bit<32>, slot_index_t, bit<32>>(contrib_reg) contrib_add = {
+        void apply(inout bit<32> cell, out bit<32> now) {
+            if (cell < meta.quorum_cb) {
+                cell = cell + meta.me_cb;
+            }
+            now = cell;
+        }
+    };
+    RegisterAction<bit<32>, slot_index_t, bit<32>>(contrib_reg) contrib_get = {
+        void apply(inout bit<32> cell, out bit<32> now) {
+            now = cell;
+        }
+    };
+
+    // the shadow copy's contributors and offset (the lane sums stay in the other bank)
+    Register<shadow_t, slot_index_t>($slots) shadow_reg;
+    RegisterAction<shadow_t, slot_index_t, bit<32>>(shadow_reg) shadow_save = {
+        void apply(inout shadow_t cell) {
+            cell.cb = meta.shadow_cb;
+            cell.offset = meta.off_old;
+        }
+    };
+    RegisterAction<shadow_t, slot_index_t, bit<32>>(shadow_reg) shadow_get = {
+        void apply(inout shadow_t cell, out bit<32> cb) {
+            if (cell.offset == meta.off_old) {
+                cb = cell.cb;
+            } else {
+                cb = 0;
+            }
+        }
+    };
+
+    // ---- lane sums (index: 2·slot + round parity), four lanes per 32-bit cell
+$word_registers
+
+    Register<bit<32>, bank_index_t>($banks, 0) norm_acc;
+    RegisterAction<bit<32>, bank_index_t, bit<32>>(norm_acc) norm_set = {
+        void apply(inout bit<32> cell, out bit<32> top) {
+            cell = hdr.norm.v;
+            top = cell;
+        }
+    };
+    RegisterAction<bit<32>, bank_index_t, bit<32>>(norm_acc) norm_max = {
+        void apply(inout bit<32> cell, out bit<32> top) {
+            if (hdr.norm.v > cell) {
+                cell = hdr.norm.v;
+            }
+            top = cell;
+        }
+    };
+    RegisterAction<bit<32>, bank_index_t, bit<32>>(norm_acc) norm_get = {
+        void apply(inout bit<32> cell, out bit<32> top) {
+            top = cell;
+        }
+    };
+
+    // ---- indices and the actions of the outputs
+    action slot_indices() {
+        meta.round_plus_one = hdr.thc.round + 1;
+        meta.bank_idx = ((bank_index_t)hdr.thc.slot << 1) | (bank_index_t)hdr.thc.round[0:0];
+    }
+
+    // Reply to the sender: swap addresses, send back out of the ingress port.
+    action bounce() {
+        mac_addr_t m = hdr.eth.dst;
+        hdr.eth.dst = hdr.eth.src;
+        hdr.eth.src = m;
+        ipv4_addr_t a = hdr.ipv4.dst;
+        hdr.ipv4.dst = hdr.ipv4.src;
+        hdr.ipv4.src = a;
+        bit<16> p = hdr.udp.dst_port;
+        hdr.udp.dst_port = hdr.udp.src_port;
+        hdr.udp.src_port = p;
+        hdr.udp.checksum = 0;
+        ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port;
+    }
+
+    // the result's contributors, from a count << 24 | bitmap word
+    action set_contributors(bit<32> cb) {
+        hdr.thc.contributors = cb[31:24];
+        hdr.thc.bitmap = (bit<32>)cb[23:0];
+    }
+
+    // DATA -> RESULT in place: header fields and payload (indices out, lane sums in).
+    action data_to_result() {
+        hdr.udp.checksum = 0;
+        hdr.thc.type = T_RESULT;
+        hdr.thc.elem_bits = 8;
+        hdr.thc.payload_len = SUM_BYTES;
+        hdr.idx.setInvalid();
+        hdr.ipv4.total_len = hdr.ipv4.total_len + (SUM_BYTES - IDX_BYTES);
+        hdr.udp.length = hdr.udp.length + (SUM_BYTES - IDX_BYTES);
+    }
+
+    // NORM -> NORM_RESULT in place: the payload already holds the maximum.
+    action norm_to_result() {
+        hdr.udp.checksum = 0;
+        hdr.thc.type = T_NORM_RESULT;
+    }
+
+    action to_straggler() {
+        bit<16> payload = hdr.thc.payload_len;
+        hdr.thc.type = T_STRAGGLER;
+        hdr.thc.flags = 0;
+        hdr.thc.elem_bits = 0;
+        hdr.thc.round = meta.last - 1;
+        hdr.thc.count = 0;
+        hdr.thc.payload_len = 0;
+        hdr.thc.bitmap = 0;
+        hdr.thc.contributors = 0;
+        hdr.idx.setInvalid();
+        hdr.norm.setInvalid();
+        hdr.ipv4.total_len = hdr.ipv4.total_len - payload;
+        hdr.udp.length = hdr.udp.length - payload;
+    }
+
+    apply {
+        meta.event = C_NONE;
+        meta.extra_event = C_NONE;
+        meta.first = 0;
+        meta.verdict = V_DROP_MALFORMED;
+        if (!hdr.thc.isValid()) {
+            l2.apply();
+        } else {
+            // ---- validation, in the software PS's order (a miss in thc_job is unknown_job)
+            thc_job.apply();
+            worker_range.apply();
+            workers.apply();
+            slot_range.apply();
+            slot_indices();
+            if (hdr.idx.isValid()) {
+$apply_lookups
+            }
+            if (ig_prsr_md.parser_err != 0 || hdr.thc.magic != THC_MAGIC) {
+                meta.event = C_MALFORMED;
+            } else if (hdr.thc.version != THC_VERSION) {
+                meta.event = C_WRONG_VERSION;
+            } else if (hdr.thc.type != T_DATA && hdr.thc.type != T_NORM) {
+                meta.event = C_MALFORMED;
+            } else if (meta.job_ok == 0) {
+                meta.event = C_UNKNOWN_JOB;
+            } else if (meta.worker_ok == 0) {
+                meta.event = C_WORKER_OUT_OF_RANGE;
+            } else if (meta.registered == 0 || meta.worker != hdr.thc.worker_id) {
+                meta.event = C_UNREGISTERED;
+            } else if (meta.slot_ok == 0) {
+                meta.event = C_SLOT_OUT_OF_RANGE;
+            } else if (hdr.thc.type == T_NORM) {
+                if (hdr.thc.elem_bits != 32 || hdr.thc.op != OP_MAX_U32 || hdr.thc.count != 1 ||
+                           hdr.thc.payload_len != 4 || hdr.udp.length != 8 + HDR_BYTES + 4) {
+                    meta.event = C_MALFORMED;
+                }
+            } else {
+                if (hdr.thc.elem_bits != 4 || hdr.thc.op != OP_LOOKUP_SUM || hdr.thc.count != LANES ||
+                           hdr.thc.payload_len != IDX_BYTES || hdr.udp.length != 8 + HDR_BYTES + IDX_BYTES) {
+                    meta.event = C_MALFORMED;
+                }
+            }
+            if (meta.event == C_NONE && hdr.thc.num_workers != meta.n) {
+                meta.event = C_MALFORMED;
+            }
+
+            // ---- the slot's round: one register access decides whether the slot moves on
+            if (meta.event == C_NONE) {
+                if (hdr.thc.round > ROUND_WINDOW) {
+                    meta.last = round_far.execute(hdr.thc.slot);
+                } else {
+                    meta.last = round_near.execute(hdr.thc.slot);
+                }
+                meta.diff = meta.round_plus_one - meta.last;
+                // last = 0: an unused slot, or (above ROUND_WINDOW) a round too far ahead
+                if (meta.last == 0) {
+                    if (hdr.thc.round > ROUND_WINDOW) {
+                        meta.rel = REL_AHEAD;
+                    } else {
+                        meta.rel = REL_NEW;
+                    }
+                } else if (meta.diff == 0) {
+                    meta.rel = REL_SAME;
+                } else if (meta.diff == 0xffffffff) {
+                    meta.rel = REL_PREV;
+                } else if (meta.diff <= ROUND_WINDOW) {
+                    meta.rel = REL_NEW;
+                } else {
+                    meta.rel = REL_STALE;
+                }
+
+                // ---- offset, arrivals, contributors, shadow copy: one access each, in this order
+                if (meta.rel == REL_NEW) {
+                    meta.first = 1;
+                    meta.off_old = offset_swap.execute(hdr.thc.slot);
+                    arrived_start.execute(hdr.thc.slot);
+                    if (meta.diff == 1) {
+                        meta.shadow_cb = contrib_start_keep.execute(hdr.thc.slot);
+                    } else {
+                        meta.shadow_cb = contrib_start.execute(hdr.thc.slot);
+                    }
+                    shadow_save.execute(hdr.thc.slot);
+                    meta.cb = meta.me_cb;
+                    if (meta.quorum == 1) {
+                        meta.verdict = V_AGG_DONE;
+                    } else {
+                        meta.verdict = V_AGG;
+                    }
+                } else if (meta.rel == REL_SAME) {
+                    meta.off_old = offset_get.execute(hdr.thc.slot);
+                    if (meta.off_old != hdr.thc.offset) {
+                        meta.verdict = V_DROP_MALFORMED;
+                    } else {
+                        meta.arrived_old = arrived_add.execute(hdr.thc.slot);
+                        meta.seen = meta.arrived_old & meta.me;
+                        if (meta.seen == 0) {
+                            meta.cb = contrib_add.execute(hdr.thc.slot);
+                        } else {
+                            meta.cb = contrib_get.execute(hdr.thc.slot);
+                        }
+                        meta.mine = meta.cb & meta.me;
+                        meta.count_below_quorum = meta.cb - meta.quorum_cb;
+                        if (meta.mine == 0) {
+                            // not a contributor: it came after the quorum (now or before)
+                            meta.verdict = V_LATE;
+                        } else if (meta.seen != 0) {
+                            if (meta.count_below_quorum[31:31] == 1) {
+                                meta.verdict = V_DUP;
+                            } else {
+                                meta.verdict = V_RESEND_CUR;
+                            }
+                        } else if (meta.count_below_quorum[31:31] == 1) {
+                            meta.verdict = V_AGG;
+                        } else {
+                            meta.verdict = V_AGG_DONE;
+                        }
+                    }
+                } else if (meta.rel == REL_PREV) {
+                    meta.off_old = hdr.thc.offset;
+                    meta.cb = shadow_get.execute(hdr.thc.slot);
+                    if (meta.cb == 0) {
+                        meta.verdict = V_STALE;
+                    } else {
+                        meta.verdict = V_RESEND_PREV;
+                    }
+                } else if (meta.rel == REL_STALE) {
+                    meta.verdict = V_STALE;
+                } else {
+                    meta.verdict = V_AHEAD;
+                }
+
+                // ---- the lanes: overwrite on a round's first packet, add, or only read for a resend
+                if (hdr.thc.type == T_DATA) {
+                    if (meta.first == 1) {
+$apply_set
+                    } else if (meta.verdict == V_AGG || meta.verdict == V_AGG_DONE) {
+$apply_add
+                    } else if (meta.verdict == V_RESEND_CUR || meta.verdict == V_LATE || meta.verdict == V_RESEND_PREV) {
+$apply_get
+                    }
+                } else {
+                    if (meta.first == 1) {
+                        hdr.norm.v = norm_set.execute(meta.bank_idx);
+                    } else if (meta.verdict == V_AGG || meta.verdict == V_AGG_DONE) {
+                        hdr.norm.v = norm_max.execute(meta.bank_idx);
+                    } else if (meta.verdict == V_RESEND_CUR || meta.verdict == V_LATE || meta.verdict == V_RESEND_PREV) {
+                        hdr.norm.v = norm_get.execute(meta.bank_idx);
+                    }
+                }
+
+                // ---- the outputs
+                meta.count_below_n = meta.cb - meta.n_cb;
+                if (meta.verdict == V_DROP_MALFORMED) {
+                    meta.event = C_MALFORMED;
+                } else if (meta.verdict == V_DUP) {
+                    meta.event = C_DUPLICATE;
+                } else if (meta.verdict == V_AHEAD) {
+                    meta.event = C_AHEAD;
+                } else if (meta.verdict == V_STALE) {
+                    meta.event = C_STALE;
+                    hdr.thc.token = 0;
+                    to_straggler();
+                    bounce();
+                } else if (meta.verdict == V_AGG) {
+                    ig_dprsr_md.drop_ctl = 1;
+                } else {
+                    // a result: multicast on completion, else unicast back to the sender
+                    hdr.thc.token = 0;
+                    set_contributors(meta.cb);
+                    if (hdr.thc.type == T_DATA) {
+                        hdr.sums.setValid();
+                        data_to_result();
+                    } else {
+                        norm_to_result();
+                    }
+                    if (meta.verdict == V_AGG_DONE) {
+                        meta.event = C_ROUNDS_COMPLETED;
+                        if (meta.count_below_n[31:31] == 1) {
+                            meta.extra_event = C_PARTIAL_ROUNDS;
+                        }
+                        hdr.thc.worker_id = 0;
+                        hdr.thc.flags = 0;
+                        // source: the PS address the workers sent to; destinations are set per replica
+                        hdr.eth.src = meta.ps_mac;
+                        hdr.ipv4.src = hdr.ipv4.dst;
+                        hdr.udp.src_port = hdr.udp.dst_port;
+                        ig_tm_md.mcast_grp_a = 1;
+                    } else {
+                        // V_RESEND_CUR, V_LATE, V_RESEND_PREV
+                        meta.event = C_RESULTS_RESENT;
+                        if (meta.verdict == V_LATE) {
+                            meta.extra_event = C_LATE;
+                        }
+                        hdr.thc.flags = F_RESENT;
+                        bounce();
+                    }
+                }
+            }
+            if (meta.event != C_NONE && meta.event != C_STALE && meta.event != C_ROUNDS_COMPLETED &&
+                meta.event != C_RESULTS_RESENT) {
+                ig_dprsr_md.drop_ctl = 1;
+            }
+            events.count(meta.event);
+            extra_events.count(meta.extra_event);
+        }
+    }
+}

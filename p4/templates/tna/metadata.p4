@@ -1,0 +1,72 @@
+typedef bit<16> slot_index_t;
+typedef bit<32> bank_index_t;
+
+// how a packet's round relates to its slot's round
+typedef bit<3> relation_t;
+const relation_t REL_NEW = 0;
+const relation_t REL_SAME = 1;
+const relation_t REL_PREV = 2;
+const relation_t REL_STALE = 3;
+const relation_t REL_AHEAD = 4;
+
+// the event cell of packets that only aggregate (no drop, no reply)
+const event_t C_NONE = $event_cells - 1;
+
+// A slot's contributors in one 32-bit word: count in bits 31..24, worker bitmap in bits 23..0.
+const bit<32> ONE_CONTRIBUTOR = 1 << 24;
+
+// the shadow copy of a slot's previous round: one 64-bit register cell
+struct shadow_t {
+    bit<32> cb;         // count << 24 | bitmap of the completed previous round (0: none)
+    bit<32> offset;     // its coordinate offset
+}
+
+struct headers_t {
+    ethernet_t eth;
+    ipv4_t ipv4;
+    udp_t udp;
+    thc_t thc;
+    idx_t idx;
+    sums_t sums;
+    norm_t norm;
+}
+
+struct metadata_t {
+    // the job (thc_job: job id and nonce are its key), its worker ids and slots
+    bit<1> job_ok;
+    bit<8> n;
+    bit<8> quorum;
+    bit<32> n_cb;               // n << 24
+    bit<32> quorum_cb;          // quorum << 24
+    mac_addr_t ps_mac;
+    bit<1> worker_ok;
+    bit<1> slot_ok;
+    // the sender (workers: source address, port and token are the key)
+    bit<1> registered;
+    bit<8> worker;
+    bit<32> me;                 // 1 << worker
+    bit<32> me_cb;              // ONE_CONTRIBUTOR | me
+    // the slot's rules
+    round_t round_plus_one;
+    round_t last;               // the slot's round + 1 before this packet (0: slot not used yet)
+    round_t diff;               // packet round − slot round (mod 2^32)
+    relation_t rel;
+    bit<32> off_old;            // the slot's offset before this packet
+    bit<32> arrived_old;        // workers seen this round before this packet
+    bit<32> seen;               // arrived_old & me
+    bit<32> cb;                 // the slot's count << 24 | bitmap after this packet
+    bit<32> shadow_cb;          // what the shadow copy keeps (0: nothing)
+    bit<32> mine;               // cb & me
+    bit<32> count_below_quorum; // cb − quorum << 24: bit 31 set when fewer than quorum contributors
+    bit<32> count_below_n;      // cb − n << 24: bit 31 set when fewer than n contributors
+    bit<1> first;
+    verdict_t verdict;
+    bank_index_t bank_idx;      // 2 · slot + round parity
+    event_t event;
+    event_t extra_event;
+    // per 32-bit word: the table values of four lanes
+$input_fields
+}
+
+struct egress_metadata_t {
+}

@@ -1,0 +1,20 @@
+parser ThcIngressParser(packet_in pkt, out headers_t hdr, out metadata_t meta,
+                        out ingress_intrinsic_metadata_t ig_intr_md) {
+    state start {
+        pkt.extract(ig_intr_md);
+        pkt.advance(PORT_METADATA_SIZE);
+        transition parse_eth;
+    }
+$parse_states
+}
+
+control ThcIngressDeparser(packet_out pkt, inout headers_t hdr, in metadata_t meta,
+                           in ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md) {
+    Checksum() ipv4_csum;
+    apply {
+        hdr.ipv4.hdr_checksum = ipv4_csum.update({
+$ipv4_checksum_fields
+        });
+        pkt.emit(hdr);
+    }
+}
