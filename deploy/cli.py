@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     p4_mn.add_argument("--straggler-delay-ms", type=_delay_ms, default=0.0, help="delay of a straggling round")
     p4_mn.add_argument("--straggler-rank", type=_int_in(0, 31, "a rank"), default=None,
                        help="which worker straggles (default: all)")
-    p4_mn.add_argument("--loss-policy", choices=("retransmit", "zero"), default="retransmit")
+    _policy_arg(p4_mn)
     p4_mn.add_argument("--timeout-ms", type=_timeout_ms, default=200.0,
                        help="the workers' first retransmission timeout (default 200)")
     p4_mn.add_argument("--control-mode", choices=("static", "p4run"), default="static",

@@ -8,6 +8,7 @@ go to `simple_switch_CLI` (Thrift) on its standard input.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -19,6 +20,8 @@ from p4.spec import DROPS, EVENTS, LANES, PORT, SLOTS  # noqa: F401  (EVENTS: th
 from p4.tools import require
 from proto.job import JobConfig
 from ps_server.engine import wait
+
+log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
 REGISTERS = (["active_reg", "round_reg", "count_reg", "bitmap_reg", "offset_reg", "prev_valid_reg",
@@ -98,6 +101,8 @@ class SwitchCLI:
         self.cli = require("simple_switch_CLI")
 
     def run(self, commands: list[str], check: bool = True) -> str:
+        log.debug("switch CLI (Thrift port %d): %d commands, first %r", self.thrift_port, len(commands),
+                  commands[0] if commands else None)
         cmd = [self.cli, "--thrift-port", str(self.thrift_port)]
         if self.netns:
             cmd = ["ip", "netns", "exec", self.netns] + cmd
@@ -226,6 +231,8 @@ class SwitchEngine:
         self._entries: dict = {}         # rank -> workers table handle
 
     def start_job(self, job: JobConfig, nonce: int) -> None:
+        log.info("switch: new job (n=%d, quorum %d): registers and counters reset, nonce programmed",
+                 job.num_workers, job.quorum_count)
         self.job = job
         self.cli.run(reset_commands() + [f"table_clear {ING}.workers", config_command(job, self.ps_mac, nonce)])
         self._entries.clear()

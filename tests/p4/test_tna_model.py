@@ -143,7 +143,7 @@ def test_tna_slot_chain_matches_the_software_ps(quorum, seed):
     job = switch_job(n, quorum=quorum, slots=4, norm_slots=1)
     ps = ReferencePS(job)
     for w in range(n):
-        ps.register(w, ("10.0.0.1", 5000 + w))
+        ps.register(w, "10.0.0.1", 5000 + w)
     model = TnaSlots(job)
     table = np.asarray(job.table, dtype=np.int64)
     rng = np.random.default_rng(seed)
