@@ -1,46 +1,118 @@
 """The end-to-end round at d = 2^24 against its CPU floor on this machine.
 
-Floor: every worker's own codec work in a round — block norms, the uniforms, the fused
-encode, the fused lanes decode and the error-feedback decode (what Worker._thc_round does
-besides the transport) — measured as CPU time in this process (best of 3), times the
-number of workers, divided by the cores they share.  Then, in the same run, the PS and the
-workers on loopback (deploy.launch.run_launch: R rounds, mean allreduce time) for THC and
-for float32 (codec none) through the same path; the data path's offload (GSO/GRO) and
-phase engine as the environment says (THC_UDP_OFFLOAD, THC_PHASE_ENGINE).
+Floor: every worker's own codec work in a round — x = ∇ + e, block norms, the uniforms,
+the fused encode, the fused lanes decode and the error-feedback decode (thc.WorkerRound,
+what Worker._thc_round does besides the transport) — measured as CPU time in this process
+(best of 3), times the number of workers, divided by the cores they share.
+
+Then, in the same run, a PS (threads of this process, C engine) and N worker processes on
+loopback run real rounds with error feedback, for THC and for float32 (codec none) through
+the same path.  Each worker makes its round's test gradient first (untimed), all meet at a
+barrier, then the allreduce is timed; a round's time is its slowest worker's (the round is
+done when every worker has its result).  The CPU columns say where the cores went: worker
+processes' and the PS's user+system CPU per round, against wall × cores (the rest is idle).
+The data path's offload (GSO/GRO) and phase engine as the environment says
+(THC_UDP_OFFLOAD, THC_PHASE_ENGINE).
 
     .venv/bin/python bench/bench_floor.py [--dim-log2 24] [--workers 4] [--rounds 5]
 """
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
+import resource
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from compression import thc
-from deploy.launch import run_launch
-from proto.job import JobConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `bench` is not installed: run from a checkout
+from compression import thc  # noqa: E402
+from deploy.launch import gradient  # noqa: E402
+from deploy.procs import single_threaded_children  # noqa: E402
+from proto.job import JobConfig  # noqa: E402
 
 
-def codec_cpu_ms(dim: int) -> float:
-    job = JobConfig(num_workers=4)
+def codec_cpu_ms(dim: int, job: JobConfig) -> float:
+    """One worker's codec CPU per round (best of 3): the steps of thc.WorkerRound that
+    Worker._thc_round runs — x = ∇ + e, block norms, uniforms + fused encode, fused lanes
+    decode, and the error-feedback decode e = x − RHT⁻¹(X)."""
+    from compression.codec import ErrorFeedback
     cfg = thc.ThcConfig(bits=job.bits, granularity=job.granularity, p=job.p, lane_bits=job.lane_bits,
                         block_log2=job.block_log2, seed=job.seed)
-    layout = thc.make_layout(dim, cfg.block_log2)
-    x = np.random.default_rng(0).standard_normal(dim).astype(np.float32)
-    rng = np.random.default_rng(1)
+    grad = np.random.default_rng(0).standard_normal(dim).astype(np.float32)
+    memory = ErrorFeedback()
+    memory.update("grad", np.zeros(dim, np.float32))
+    lanes = np.full(thc.make_layout(dim, cfg.block_log2).padded_dim, 60, np.uint8)
     best = float("inf")
     for r in range(3):
+        rng = np.random.default_rng(r)
         t = time.process_time()
-        norms = thc.block_norms(x, layout).astype(np.float64)
-        packed = thc.encode_packed(x, norms, cfg, layout, r, rng.random(layout.padded_dim, dtype=np.float32))
-        lanes = np.full(layout.padded_dim, 60, np.uint8)
-        thc.decode_lanes(lanes, 4, norms, cfg, layout, r)
-        own = thc.decode_own(packed, norms, cfg, layout, r, packed=True)
-        np.subtract(x, own, out=own)
+        rnd = thc.WorkerRound(cfg, grad, memory, "grad")
+        norms = rnd.norms().astype(np.float64)
+        rnd.encode(norms, rng, r, packed=True)
+        rnd.decode_lanes(lanes, job.num_workers)
+        rnd.feedback()
         best = min(best, time.process_time() - t)
     return best * 1e3
+
+
+def _cpu_s() -> float:
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
+
+
+def _worker(addr, rank, job_msg, dim, rounds, q) -> None:
+    from worker.client import Worker
+    from worker.transport import Transport
+    host, data_port, control_port = addr
+    t = Transport(host, data_port, rank, control_port=control_port, expect=job_msg, timeout_ms=2000)
+    w = Worker(t, error_feedback=True, seed=0, per_round_rng=True)
+    out = []
+    try:
+        for r in range(rounds + 1):                     # round 0 warms up (buffers, pages)
+            g = gradient(0, r, rank, dim)
+            t.barrier(f"r{r}")
+            c0, t0 = _cpu_s(), time.perf_counter()
+            w.allreduce(g, key="grad", round_no=r)
+            if r:
+                out.append((time.perf_counter() - t0, _cpu_s() - c0, w.last.bytes_up, w.last.bytes_down,
+                            t.stats.counters["retransmissions"]))
+        t.barrier("end")
+    finally:
+        t.close()
+    q.put((rank, out))
+
+
+def run_rounds(codec: str, dim: int, workers: int, rounds: int) -> dict:
+    """PS + `workers` processes, `rounds` timed rounds; per-round means."""
+    from ps_server.server import PSServer
+    job = JobConfig(num_workers=workers, codec=codec)
+    ps = PSServer(job, ("127.0.0.1", 0), control_port=0, engine="c").start()
+    single_threaded_children()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    addr = ("127.0.0.1", ps.data_addr[1], ps.control_port)
+    procs = [ctx.Process(target=_worker, args=(addr, r, job.to_msg(), dim, rounds, q), daemon=True)
+             for r in range(workers)]
+    try:
+        for p in procs:
+            p.start()
+        c0 = _cpu_s()
+        res = dict(q.get(timeout=600) for _ in procs)
+        ps_cpu = _cpu_s() - c0        # this process: the PS threads (the main thread sleeps in get)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+        ps.stop()
+    per = np.array([res[r] for r in range(workers)])          # workers × rounds × 5
+    print(codec, "per-round ms", np.round(per[:, :, 0] * 1e3).tolist(), "retransmissions", per[:, -1, 4].tolist())
+    wall = per[:, :, 0].max(axis=0)                            # a round ends with its slowest worker
+    return {"round_ms": 1e3 * wall.mean(), "worker_cpu_ms": 1e3 * per[:, :, 1].sum(axis=0).mean(),
+            "ps_cpu_ms": 1e3 * ps_cpu / (rounds + 1), "up_mb": per[0, :, 2].mean() / 1e6,
+            "down_mb": per[0, :, 3].mean() / 1e6}
 
 
 def main():
@@ -50,19 +122,19 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     dim, cores = 1 << args.dim_log2, os.cpu_count()
-    cpu = codec_cpu_ms(dim)
+    cpu = codec_cpu_ms(dim, JobConfig(num_workers=args.workers))
     floor = cpu * args.workers / cores
     print(f"d = 2^{args.dim_log2}, {args.workers} workers, {cores} cores; offload "
           f"{os.environ.get('THC_UDP_OFFLOAD', '1')}, phase engine {os.environ.get('THC_PHASE_ENGINE', 'c')}")
     print(f"one worker's codec CPU per round: {cpu:.1f} ms -> floor {args.workers} x {cpu:.1f} / {cores} "
           f"= {floor:.1f} ms")
-    print(f"{'codec':>6}{'round ms':>10}{'x floor':>9}{'up MB':>8}{'down MB':>9}")
+    print(f"{'codec':>6}{'round ms':>10}{'x floor':>9}{'workers CPU ms':>16}{'PS CPU ms':>11}"
+          f"{'idle ms':>9}{'up MB':>8}{'down MB':>9}")
     for codec in ("thc", "none"):
-        doc = run_launch(workers=args.workers, rounds=args.rounds, dim=dim, codec=codec, check=False,
-                         timeout_ms=2000)
-        ms = doc["mean_round_ms"]
-        print(f"{codec:>6}{ms:10.1f}{ms / floor:9.2f}{doc['bytes_up_per_round'] / 1e6:8.2f}"
-              f"{doc['bytes_down_per_round'] / 1e6:9.2f}", flush=True)
+        d = run_rounds(codec, dim, args.workers, args.rounds)
+        idle = d["round_ms"] * cores - d["worker_cpu_ms"] - d["ps_cpu_ms"]
+        print(f"{codec:>6}{d['round_ms']:10.1f}{d['round_ms'] / floor:9.2f}{d['worker_cpu_ms']:16.1f}"
+              f"{d['ps_cpu_ms']:11.1f}{idle:9.1f}{d['up_mb']:8.2f}{d['down_mb']:9.2f}", flush=True)
 
 
 if __name__ == "__main__":

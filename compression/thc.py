@@ -383,10 +383,11 @@ class WorkerRound:
             return np.subtract(self.x, own, out=own)        # no new vector
         return self.x - own
 
-    def feedback(self) -> None:
-        """Keep the residual in `memory` under `key` (nothing without a memory)."""
+    def feedback(self, residual=None) -> None:
+        """Keep the residual (`residual` if the caller computed it already, e.g. in a thread
+        during the exchange) in `memory` under `key` (nothing without a memory)."""
         if self.memory is not None:
-            self.memory.update(self.key, self.residual())
+            self.memory.update(self.key, self.residual() if residual is None else residual)
 
 
 # ----------------------------------------------------------------------------- uniform THC

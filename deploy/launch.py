@@ -89,7 +89,7 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
             w.allreduce(gradient(seed, r, worker_id, dim), key="grad", round_no=r)
             rep = w.last
             out.append({"round": r, "lost": rep.lost, "k": rep.contributors, "bitmap": rep.bitmaps,
-                        "digest": rep.digests, "norms": rep.norms,
+                        "digest": rep.chunk_digests(), "norms": rep.norms,
                         "seconds": rep.seconds, "bytes_up": rep.bytes_up, "bytes_down": rep.bytes_down})
             if not quiet:
                 print(f"worker {worker_id} round {r + 1}/{rounds} {rep.seconds * 1e3:.1f} ms "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -73,6 +74,15 @@ class RoundReport:
     bytes_up: int = 0
     bytes_down: int = 0
     norms: list | None = None                          # the preliminary stage's result (THC)
+    phase: PhaseResults | None = field(default=None, repr=False)   # digests not yet taken
+
+    def chunk_digests(self) -> list:
+        """`digests`, taken from the phase's results on first use: only the exact checks
+        need them, so a training round does not pay for 16 MiB of crc32 at d = 2^24."""
+        if self.phase is not None:
+            self.digests += self.phase.digests()
+            self.phase = None
+        return self.digests
 
 
 def round_rng(seed: int, rank: int, round_no: int) -> np.random.Generator:
@@ -110,6 +120,15 @@ class Worker:
         self.per_round_rng = per_round_rng
         self._delay_rng = np.random.default_rng(np.random.SeedSequence([seed, transport.worker_id, 99]))
         self.last: RoundReport | None = None
+        self._background: ThreadPoolExecutor | None = None
+
+    def _in_background(self, fn):
+        """Start fn() in this worker's helper thread; returns its Future.  For the
+        error-feedback decode, whose kernels release the GIL: it runs while the DATA phase
+        waits on the network instead of after it."""
+        if self._background is None:
+            self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="thc-feedback")
+        return self._background.submit(fn)
 
     def _chunks(self, payload, total: int, bits: int) -> PackedChunks:
         """The packet chunks of a packed vector, cut without copying."""
@@ -191,7 +210,7 @@ class Worker:
             report.lost += int((~ok).sum())
             report.contributors += results.contributors.tolist()
             report.bitmaps += results.bitmaps.tolist()
-            report.digests += [zlib.crc32(results.payload(c)) if ok[c] else 0 for c in range(len(ok))]
+            report.phase = results
             report.bytes_down += int(np.minimum(results.lengths, np.diff(results.roff))[ok].sum()) \
                 + H.HEADER_SIZE * int(ok.sum())
             return
@@ -217,15 +236,21 @@ class Worker:
         packed = rnd.encode(norms, self.round_rng(rn), rn, packed=True)
         chunks = self._chunks(packed, layout.padded_dim, cfg.bits)
         report.bytes_up = chunks.wire_bytes
-        self._maybe_straggle()
-        results = self.t.run_phase(H.DATA, chunks)
-        self._collect(results, report)
-        whole = joined_lanes(chunks, results, layout.padded_dim, job.lane_bits)
-        if whole is not None:       # every chunk back, one k: lanes → Y/k inside the fused decode
-            est = rnd.decode_lanes(whole[0], whole[1])
-        else:
-            est = rnd.decode(average_lanes(chunks, results, layout.padded_dim, cfg.granularity, job.lane_bits))
-        rnd.feedback()
+        # e = x − RHT⁻¹(X) needs only this worker's own Z: compute it while the phase runs
+        residual = self._in_background(rnd.residual) if rnd.memory is not None else None
+        try:
+            self._maybe_straggle()
+            results = self.t.run_phase(H.DATA, chunks)
+            self._collect(results, report)
+            whole = joined_lanes(chunks, results, layout.padded_dim, job.lane_bits)
+            if whole is not None:       # every chunk back, one k: lanes → Y/k inside the fused decode
+                est = rnd.decode_lanes(whole[0], whole[1])
+            else:
+                est = rnd.decode(average_lanes(chunks, results, layout.padded_dim, cfg.granularity,
+                                               job.lane_bits))
+        finally:
+            e = residual.result() if residual is not None else None
+        rnd.feedback(e)
         return est
 
     def _blob_round(self, arr: np.ndarray, key: str, report: RoundReport) -> np.ndarray:
