@@ -43,11 +43,12 @@ def cmd_demo_nmse(args) -> None:
     sys.stdout.flush()
 
 
-def _job(args):
+def _job(args, **more):
+    """The job of the command line's job options (and `more` JobConfig fields), validated."""
     from proto.job import JobConfig
     return JobConfig(num_workers=args.workers, codec=args.codec, bits=args.bits,
                      granularity=args.granularity, p=args.p, lane_bits=args.lane_bits,
-                     quorum=args.quorum, slots=args.slots, seed=args.seed)
+                     quorum=args.quorum, seed=args.seed, **more)
 
 
 def cmd_keys(args) -> None:
@@ -62,7 +63,7 @@ def cmd_ps(args) -> None:
     import time
 
     from ps_server.server import PSServer
-    job = _job(args) if args.workers else None   # validated here, before binding
+    job = _job(args, slots=args.slots) if args.workers else None   # validated here, before binding
     host, port = args.bind
     if args.control_port and args.shards > 1 and args.control_port + 2 * (args.shards - 1) > 65535:
         raise ValueError("--control-port leaves no room for the shards' control ports")
@@ -136,7 +137,7 @@ def cmd_worker(args) -> dict:
 
 def cmd_launch(args):
     from deploy.launch import run_launch
-    job = _job(args)   # refuse a bad configuration before anything starts
+    job = _job(args, slots=args.slots)   # refuse a bad configuration before anything starts
     if args.straggler_rank is not None and not 0 <= args.straggler_rank < args.workers:
         raise ValueError(f"--straggler-rank must be in 0..{args.workers - 1}")
     local = args.local_workers or (args.workers if args.rank_base is None and args.node_rank is None
@@ -185,21 +186,21 @@ def cmd_launch(args):
 def cmd_train(args):
     from deploy import train
     from proto.packing import check_lane_capacity
-    check_lane_capacity(args.workers, args.granularity, args.lane_bits)
-    cfg = train.TrainConfig(workers=args.workers, epochs=args.epochs, codec=args.codec, bits=args.bits,
-                            granularity=args.granularity, p=str(args.p), lane_bits=args.lane_bits,
+    check_lane_capacity(args.workers, args.granularity, args.lane_bits)   # any codec (JobConfig: thc only)
+    cfg = train.TrainConfig(job=_job(args), epochs=args.epochs,
                             model=args.model, batch=args.batch, lr=args.lr, loss=args.loss,
-                            loss_policy=args.loss_policy, quorum=args.quorum,
+                            loss_policy=args.loss_policy,
                             straggler_delay_ms=args.straggler_delay_ms,
                             straggler_prob=args.straggler_prob, sync_every=args.sync_every,
-                            seed=args.seed, train_limit=args.train_limit, test_limit=args.test_limit,
+                            train_limit=args.train_limit, test_limit=args.test_limit,
                             straggler_count=args.straggler_count, ps=args.ps, per_tensor=args.per_tensor)
     if args.straggler_count and not 0 < args.straggler_count < args.workers:
         raise ValueError(f"--straggler-count must be in 1..{args.workers - 1}")
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else \
         (lambda m: print(m, flush=True))
-    log(f"training {cfg.model} on Fashion-MNIST: PS + {cfg.workers} workers on loopback, codec={cfg.codec}"
-        + (f" (b={cfg.bits}, g={cfg.granularity}, p={cfg.p})" if cfg.codec == "thc" else "")
+    job = cfg.job
+    log(f"training {cfg.model} on Fashion-MNIST: PS + {job.num_workers} workers on loopback, codec={job.codec}"
+        + (f" (b={job.bits}, g={job.granularity}, p={job.p})" if job.codec == "thc" else "")
         + f", {cfg.epochs} epochs")
     doc = train.run_with_baseline(cfg, log, baseline=not (args.no_baseline or args.ps))
     if args.json:
@@ -223,13 +224,14 @@ def cmd_train(args):
 def cmd_experiment(args) -> None:
     from deploy import experiments
     from deploy.train import TrainConfig
+    from proto.job import JobConfig
     strag = args.name == "stragglers"
     workers = args.workers or (10 if strag else 4)
     granularity = args.granularity or (20 if strag else 30)
     p = str(args.p) if args.p else ("1/512" if strag else "1/32")
-    base = TrainConfig(workers=workers, epochs=args.epochs, model=args.model, bits=args.bits,
-                       granularity=granularity, p=p, train_limit=args.train_limit,
-                       test_limit=args.test_limit, seed=args.seed, per_tensor=args.per_tensor)
+    job = JobConfig(num_workers=workers, bits=args.bits, granularity=granularity, p=p, seed=args.seed)
+    base = TrainConfig(job=job, epochs=args.epochs, model=args.model, train_limit=args.train_limit,
+                       test_limit=args.test_limit, per_tensor=args.per_tensor)
     command = experiments.main_command(sys.argv[2:] if sys.argv[1:2] == ["experiment"] else [args.name])
     log = lambda m: print(m, flush=True)
     if args.name == "loss":

@@ -19,13 +19,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _label(cfg: TrainConfig) -> str:
-    parts = [cfg.codec]
+    parts = [cfg.job.codec]
     if cfg.loss:
         parts.append(f"loss {cfg.loss:g} {cfg.loss_policy}")
-    if cfg.codec != "none":
+    if cfg.job.codec != "none":
         parts.append(f"sync/{cfg.sync_every}" if cfg.sync_every else "no sync")
     if cfg.straggler_count:
-        parts.append(f"{cfg.straggler_count} stragglers, quorum {cfg.quorum:g}")
+        parts.append(f"{cfg.straggler_count} stragglers, quorum {cfg.job.quorum:g}")
     return ", ".join(parts)
 
 
@@ -92,7 +92,7 @@ def _runs(configs, log) -> list:
 
 def loss(base: TrainConfig, command: str, log=print, kernel: bool = False) -> Path:
     """Paper §8.3 / Fig. 9: loss both ways, with and without per-epoch model sync."""
-    cfgs = [replace(base, codec="none"), replace(base, sync_every=1)]
+    cfgs = [base.with_job(codec="none"), replace(base, sync_every=1)]
     for rate in (0.001, 0.01):
         for sync in (0, 1):
             cfgs.append(replace(base, loss=rate, loss_policy="zero", sync_every=sync))
@@ -101,8 +101,8 @@ def loss(base: TrainConfig, command: str, log=print, kernel: bool = False) -> Pa
     if kernel:
         rows += _kernel_loss_rows(base, log)
     notes = f"""
-{base.workers} workers, {base.model} on Fashion-MNIST ({base.train_limit or 60000} training images),
-{base.epochs} epochs, THC b={base.bits} g={base.granularity} p={base.p}. Loss is injected in the
+{base.job.num_workers} workers, {base.model} on Fashion-MNIST ({base.train_limit or 60000} training images),
+{base.epochs} epochs, THC b={base.job.bits} g={base.job.granularity} p={base.job.p}. Loss is injected in the
 transport (seeded) in both directions; under `zero` a chunk whose result misses its timeout is a
 zero update (paper §6.1), under `retransmit` it is resent. Model sync: rank 0's parameters are
 copied to every rank at each epoch's end. The paper (§8.3) used ResNet50/CIFAR100 with 10 workers
@@ -132,21 +132,21 @@ def _kernel_loss_rows(base: TrainConfig, log) -> list:
 
 def run_in_namespaces(net, cfg: TrainConfig, log, port: int = 9000, env_extra: dict | None = None) -> dict:
     """A PS in net.ps_ns and `thc train --ps` in net.worker_ns; returns the train JSON."""
-    py = sys.executable
+    py, job = sys.executable, cfg.job
     ps_cmd = net.prefix(net.ps_ns) + [py, "-m", "deploy.cli", "ps", "--bind", f"{net.ps_ip}:{port}",
-                                      "--workers", str(cfg.workers), "--codec", cfg.codec,
-                                      "--bits", str(cfg.bits), "--granularity", str(cfg.granularity),
-                                      "--p", cfg.p, "--lane-bits", str(cfg.lane_bits),
-                                      "--quorum", str(cfg.quorum), "--stats-every", "0"]
+                                      "--workers", str(job.num_workers), "--codec", job.codec,
+                                      "--bits", str(job.bits), "--granularity", str(job.granularity),
+                                      "--p", job.p, "--lane-bits", str(job.lane_bits),
+                                      "--quorum", str(job.quorum), "--stats-every", "0"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
     ps = subprocess.Popen(ps_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     try:
         time.sleep(2.0)
-        args = ["--workers", str(cfg.workers), "--epochs", str(cfg.epochs), "--model", cfg.model,
+        args = ["--workers", str(job.num_workers), "--epochs", str(cfg.epochs), "--model", cfg.model,
                 "--batch", str(cfg.batch), "--lr", str(cfg.lr), "--loss-policy", cfg.loss_policy,
-                "--sync-every", str(cfg.sync_every), "--seed", str(cfg.seed),
+                "--sync-every", str(cfg.sync_every), "--seed", str(job.seed),
                 "--train-limit", str(cfg.train_limit), "--test-limit", str(cfg.test_limit),
-                "--codec", cfg.codec, "--ps", f"{net.ps_ip}:{port}", "--json"]
+                "--codec", job.codec, "--ps", f"{net.ps_ip}:{port}", "--json"]
         if cfg.per_tensor:
             args.append("--per-tensor")
         tr = subprocess.run(net.prefix(net.worker_ns) + [py, "-m", "deploy.cli", "train"] + args,
@@ -164,11 +164,11 @@ def run_in_namespaces(net, cfg: TrainConfig, log, port: int = 9000, env_extra: d
 
 def stragglers(base: TrainConfig, command: str, log=print, delay_ms: float = 30.0) -> Path:
     """Paper §8.3 / Fig. 9: k random stragglers per round, aggregate at quorum (n−k)/n."""
-    n = base.workers
-    cfgs = [replace(base, codec="none"), replace(base)]
+    n = base.job.num_workers
+    cfgs = [base.with_job(codec="none"), replace(base)]
     for k in (1, 2, 3):
-        cfgs.append(replace(base, straggler_count=k, straggler_delay_ms=delay_ms, quorum=(n - k) / n))
-    cfgs.append(replace(base, straggler_count=1, straggler_delay_ms=delay_ms, quorum=1.0))
+        cfgs.append(replace(base.with_job(quorum=(n - k) / n), straggler_count=k, straggler_delay_ms=delay_ms))
+    cfgs.append(replace(base.with_job(quorum=1.0), straggler_count=1, straggler_delay_ms=delay_ms))
     rows = _runs(cfgs, log)
     rows[-1]["label"] += " (wait for all)"
     notes = f"""
@@ -198,11 +198,12 @@ def scale(base: TrainConfig, command: str, log=print, sizes=(4, 10, 16)) -> Path
     cfgs = []
     for n in sizes:
         b, g = paper_rule(n)
-        cfgs += [replace(base, workers=n, codec="none"), replace(base, workers=n, bits=b, granularity=g,
-                                                                  p="1/64")]
+        cfgs += [base.with_job(num_workers=n, codec="none"),
+                 base.with_job(num_workers=n, bits=b, granularity=g, p="1/64")]
     rows = _runs(cfgs, log)
     for r, cfg in zip(rows, cfgs):
-        r["label"] = f"n={cfg.workers} " + (f"thc b={cfg.bits} g={cfg.granularity}" if cfg.codec == "thc" else "none")
+        job = cfg.job
+        r["label"] = f"n={job.num_workers} " + (f"thc b={job.bits} g={job.granularity}" if job.codec == "thc" else "none")
     notes = f"""
 {base.model} on Fashion-MNIST ({base.train_limit or 60000} training images split over the workers), {base.epochs}
 epochs, per-worker batch {base.batch} (so the global batch grows with n), p = 1/64. (b, g) per worker
@@ -221,7 +222,7 @@ def bandwidth(base: TrainConfig, command: str, log=print, rates=(100, 1000, None
     rows = []
     for rate in rates:
         for codec in codecs:
-            cfg = replace(base, codec=codec)
+            cfg = base.with_job(codec=codec)
             label = f"{codec} @ {'unlimited' if rate is None else f'{rate} Mbit/s'}"
             log(f"[bandwidth {len(rows) + 1}/{len(rates) * len(codecs)}] {label}")
             with netns.two_hosts(rate_mbit=rate) as net:
@@ -241,7 +242,7 @@ def bandwidth(base: TrainConfig, command: str, log=print, rates=(100, 1000, None
     per = " Gradients go per parameter tensor (`--per-tensor`)." if base.per_tensor else \
         " Each step sends the whole model as one bucket, for every codec."
     notes = f"""
-PS and {base.workers} workers in two network namespaces joined by a veth pair with a token-bucket
+PS and {base.job.num_workers} workers in two network namespaces joined by a veth pair with a token-bucket
 rate limit on both ends (`tc qdisc ... tbf`), {base.model} on Fashion-MNIST
 ({base.train_limit or 60000} images), {base.epochs} epochs.{per} "time to {target:.0%}" is the
 training time (sum of epoch times) until rank 0's test accuracy first reaches {target:.0%}; "-"
@@ -295,11 +296,11 @@ def codecs(base: TrainConfig, command: str, log=print, sparse_steps: int = 60) -
     sparse_rows, dense_rows = [], []
     for name in CODEC_ORDER:
         log(f"[sparse LR] {name}")
-        sparse_rows.append(sparse_lr.run(sparse_lr.SparseLRConfig(codec=name, workers=base.workers,
-                                                                  steps=sparse_steps, seed=base.seed)))
+        sparse_rows.append(sparse_lr.run(sparse_lr.SparseLRConfig(codec=name, workers=base.job.num_workers,
+                                                                  steps=sparse_steps, seed=base.job.seed)))
     for name in CODEC_ORDER:
         log(f"[dense {base.model}] {name}")
-        doc = run(replace(base, codec=name), log=lambda m: log("    " + m))
+        doc = run(base.with_job(codec=name), log=lambda m: log("    " + m))
         dense_rows.append({"codec": name, **_summary(name, doc),
                            "bytes_up": doc["bytes_up"], "bytes_down": doc["bytes_down"]})
     out = ROOT / "docs" / "experiments"
@@ -309,7 +310,7 @@ def codecs(base: TrainConfig, command: str, log=print, sparse_steps: int = 60) -
              "## Sparse logistic regression (SKCompress/FastSGD workload)\n",
              f"Generated KDD-like data: {sparse_rows[0]['features']:,} features with Zipf({sparse_rows[0]['zipf']}) "
              f"frequencies, {sparse_rows[0]['active']} active features per sample, {sparse_rows[0]['samples']:,} "
-             f"samples (80/20 split); {base.workers} workers × batch {sparse_rows[0]['batch']}, Adam, "
+             f"samples (80/20 split); {base.job.num_workers} workers × batch {sparse_rows[0]['batch']}, Adam, "
              f"{sparse_steps} steps. Bytes are rank 0's, all steps.\n",
              "| codec | test loss | test acc | bytes up | bytes down | up ratio vs float32 | round ms |",
              "|---|---|---|---|---|---|---|"]
@@ -317,7 +318,7 @@ def codecs(base: TrainConfig, command: str, log=print, sparse_steps: int = 60) -
         lines.append(f"| {r['codec']} | {r['test_loss']:.4f} | {r['test_accuracy']:.4f} | {r['bytes_up']:,} | "
                      f"{r['bytes_down']:,} | {base_up / max(r['bytes_up'], 1):.1f} | {r['mean_round_ms']:.0f} |")
     lines += ["", f"## Dense: {base.model} on Fashion-MNIST ({base.train_limit or 60000} images, {base.epochs} "
-              f"epoch(s), {base.workers} workers)\n",
+              f"epoch(s), {base.job.num_workers} workers)\n",
               "| codec | final test acc | final train loss | MB up | MB down | round ms |", "|---|---|---|---|---|---|"]
     for r in dense_rows:
         lines.append(f"| {r['codec']} | {r['final_test_accuracy']:.4f} | {r['final_train_loss']:.4f} | "

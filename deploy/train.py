@@ -11,40 +11,30 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
 from deploy.procs import single_threaded_children
 from proto.job import JobConfig
 
-#: the job's defaults, from the one definition (proto.job.JobConfig)
-_JOB = {f.name: f.default for f in fields(JobConfig)}
-
 
 @dataclass
 class TrainConfig:
-    """A training run: the job's options (named as JobConfig's, `workers` = num_workers; their
-    defaults are JobConfig's) and the training's own."""
+    """A training run: the job it runs (validated when built: n·g must fit the lane, ...) and
+    the training's own options."""
 
-    workers: int = 4
+    job: JobConfig = field(default_factory=lambda: JobConfig(num_workers=4))
     epochs: int = 3
-    codec: str = _JOB["codec"]
-    bits: int = _JOB["bits"]
-    granularity: int = _JOB["granularity"]
-    p: str = _JOB["p"]
-    lane_bits: int = _JOB["lane_bits"]
     model: str = "cnn"
     batch: int = 64
     lr: float = 0.05
     momentum: float = 0.9
     loss: float = 0.0
     loss_policy: str = "retransmit"
-    quorum: float = _JOB["quorum"]
     straggler_delay_ms: float = 0.0
     straggler_prob: float = 0.0
     sync_every: int = 1
-    seed: int = _JOB["seed"]
     train_limit: int = 0      # 0: the whole training set
     test_limit: int = 0
     timeout_ms: float = 50.0
@@ -57,11 +47,10 @@ class TrainConfig:
     restart: bool = False     # ... and is started again: it rejoins at the next model sync
     lease_s: float = 5.0      # the PS this starts
 
-    def job(self) -> JobConfig:
-        """The job this training runs (validated: n·g must fit the lane, ...)."""
-        return JobConfig(num_workers=self.workers, codec=self.codec, bits=self.bits,
-                         granularity=self.granularity, p=self.p, lane_bits=self.lane_bits,
-                         quorum=self.quorum, seed=self.seed)
+    def with_job(self, **changes) -> TrainConfig:
+        """A copy whose job has `changes` (JobConfig's field names); its derived fields (table,
+        elems_per_packet) are derived again unless given."""
+        return replace(self, job=replace(self.job, **{"table": (), "elems_per_packet": 0, **changes}))
 
 
 def _evaluate(model, x, y, batch=1000) -> tuple[float, float]:
@@ -92,7 +81,7 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
         from worker.training import MODELS, GradientSync, flat_params, rejoin_training, sync_model
         from worker.transport import Faults, Transport
         torch.set_num_threads(1)
-        torch.manual_seed(cfg.seed)                      # identical initial models
+        torch.manual_seed(cfg.job.seed)                  # identical initial models
         xtr, ytr = data.load("train")
         xte, yte = data.load("test")
         if cfg.train_limit:
@@ -101,7 +90,7 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
             xte, yte = xte[:cfg.test_limit], yte[:cfg.test_limit]
         model = MODELS[cfg.model]()
         opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-        faults = Faults(drop_out=cfg.loss, drop_in=cfg.loss, seed=cfg.seed)
+        faults = Faults(drop_out=cfg.loss, drop_in=cfg.loss, seed=cfg.job.seed)
         job = JobConfig.from_msg(job_msg) if job_msg else None
         try:
             t = Transport(shards[0][0], shards[0][1], rank, control_port=shards[0][2],
@@ -113,10 +102,10 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
                 q.put(("done", rank, {"rejoin_refused": 1}))
                 return
             raise
-        w = Worker(t, seed=cfg.seed, straggler_delay_ms=cfg.straggler_delay_ms,
+        w = Worker(t, seed=cfg.job.seed, straggler_delay_ms=cfg.straggler_delay_ms,
                    straggler_prob=cfg.straggler_prob, straggler_count=cfg.straggler_count)
         sync = GradientSync(w, model, per_tensor=cfg.per_tensor)
-        steps = (len(xtr) // cfg.workers) // cfg.batch     # the same in every rank
+        steps = (len(xtr) // cfg.job.num_workers) // cfg.batch    # the same in every rank
         first = 0
         if t.rejoined:
             first = rejoin_training(sync, model, steps, cfg.sync_every)
@@ -124,7 +113,7 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
             t.barrier("start")
         step = first * steps
         for epoch in range(first, cfg.epochs):
-            idx = data.shard(len(xtr), rank, cfg.workers, cfg.seed, epoch)
+            idx = data.shard(len(xtr), rank, cfg.job.num_workers, cfg.job.seed, epoch)
             t0 = time.perf_counter()
             comm, up, down, losses, lost, curve = 0.0, 0, 0, [], 0, []
             for s in range(steps):
@@ -171,8 +160,9 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
 def _log_epoch(cfg: TrainConfig, e: dict, log) -> None:
     """One progress line from the ranks' reports of an epoch."""
     r0 = e[min(e)]
-    ranks = "" if len(e) == cfg.workers else f" ({len(e)} of {cfg.workers} ranks reported)"
-    log(f"[{cfg.codec}] epoch {r0['epoch']}/{cfg.epochs}: train loss {r0['train_loss']:.4f}, "
+    n = cfg.job.num_workers
+    ranks = "" if len(e) == n else f" ({len(e)} of {n} ranks reported)"
+    log(f"[{cfg.job.codec}] epoch {r0['epoch']}/{cfg.epochs}: train loss {r0['train_loss']:.4f}, "
         f"test acc {r0['test_accuracy']:.4f}, round {r0['mean_round_ms']:.1f} ms, "
         f"up {r0['bytes_up'] / 1e6:.2f} MB, down {r0['bytes_down'] / 1e6:.2f} MB per worker, "
         f"lost chunks {sum(e[r]['lost_chunks'] for r in e)}, "
@@ -184,7 +174,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
     from ps_server.server import PSServer
     from worker import data
     data.load("test")   # fail early, with the install hint, if the dataset is missing
-    job = cfg.job()
+    job = cfg.job
     server = None
     if cfg.ps:
         shards = []
@@ -203,19 +193,19 @@ def run(cfg: TrainConfig, log=print) -> dict:
         proc = ctx.Process(target=worker_main, args=(cfg, r, shards, q, job.to_msg(), rejoin), daemon=True)
         proc.start()
         return proc
-    procs = [spawn(r) for r in range(cfg.workers)]
+    procs = [spawn(r) for r in range(job.num_workers)]
     history: dict = {}
     done, counters, printed = set(), {}, set()
     restarted = 0
     t0 = time.perf_counter()
     try:
-        while len(done) < cfg.workers:
+        while len(done) < job.num_workers:
             try:
                 kind, rank, body = q.get(timeout=1)
             except Exception:
                 for r, proc in enumerate(procs):
                     if proc.exitcode == KILLED and cfg.restart and not restarted:
-                        log(f"[{cfg.codec}] rank {r} died (fault injection); restarting it: it rejoins "
+                        log(f"[{job.codec}] rank {r} died (fault injection); restarting it: it rejoins "
                             f"at the next model sync")
                         restarted += 1
                         procs[r] = spawn(r, rejoin=True)
@@ -232,7 +222,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
             for ep in sorted(history):
                 # an epoch is complete when every rank reported it, or when a later one began
                 # (a rank that died during it never will)
-                if ep not in printed and (len(history[ep]) == cfg.workers or
+                if ep not in printed and (len(history[ep]) == job.num_workers or
                                           any(later > ep for later in history)):
                     printed.add(ep)
                     _log_epoch(cfg, history[ep], log)
@@ -263,8 +253,8 @@ def run_with_baseline(cfg: TrainConfig, log=print, baseline: bool = True) -> dic
     """The run, then the same run uncompressed (codec none, no injected faults)."""
     main = run(cfg, log)
     doc = {"final_test_accuracy": main["final_test_accuracy"], "run": main}
-    if baseline and cfg.codec != "none":
-        base_cfg = TrainConfig(**{**asdict(cfg), "codec": "none"})
+    if baseline and cfg.job.codec != "none":
+        base_cfg = cfg.with_job(codec="none")
         base = run(base_cfg, log)
         doc.update(baseline_final_test_accuracy=base["final_test_accuracy"], baseline=base,
                    compression_up=base["bytes_up"] / max(main["bytes_up"], 1),
@@ -274,7 +264,7 @@ def run_with_baseline(cfg: TrainConfig, log=print, baseline: bool = True) -> dic
 
 def print_comparison(doc: dict, out=sys.stdout) -> None:
     main = doc["run"]
-    print(f"\n{main['config']['codec']}: final test accuracy {main['final_test_accuracy']:.4f}, "
+    print(f"\n{main['config']['job']['codec']}: final test accuracy {main['final_test_accuracy']:.4f}, "
           f"{main['bytes_up'] / 1e6:.1f} MB up / {main['bytes_down'] / 1e6:.1f} MB down per worker, "
           f"{main['seconds']:.0f} s", file=out)
     if "baseline" in doc:

@@ -173,6 +173,22 @@ def test_train_twice_against_one_long_lived_ps_is_identical():
         server.stop()
 
 
+def test_train_config_holds_its_job():
+    """A training's job options are one JobConfig: 4 workers by default, validated when built,
+    re-derived by with_job (table, packet size), picklable for the spawned workers."""
+    import pickle
+
+    from deploy.train import TrainConfig
+    cfg = TrainConfig()
+    assert cfg.job == JobConfig(num_workers=4)
+    with pytest.raises(ValueError, match="lane"):
+        cfg.with_job(num_workers=16)                       # 16·30 overflows an 8-bit lane
+    for codec in ("none", "topk"):
+        assert cfg.with_job(codec=codec).job == JobConfig(num_workers=4, codec=codec)
+    assert cfg.job.codec == "thc"
+    assert pickle.loads(pickle.dumps(cfg.with_job(quorum=0.5))) == cfg.with_job(quorum=0.5)
+
+
 @pytest.mark.skipif(not os.path.exists("/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz")
                     and not os.environ.get("THC_FASHION_MNIST"),
                     reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
@@ -182,8 +198,8 @@ def test_training_survives_a_crashed_worker_that_rejoins():
     model identical."""
     from deploy import train
     # every step takes >= 0.4 s, so the others are still training when the restarted rank is back
-    cfg = train.TrainConfig(workers=4, epochs=4, model="mlp", train_limit=2048, test_limit=256,
-                            quorum=0.75, kill_rank=2, kill_at_step=3, restart=True, lease_s=0.5,
+    cfg = train.TrainConfig(job=JobConfig(num_workers=4, quorum=0.75), epochs=4, model="mlp", train_limit=2048,
+                            test_limit=256, kill_rank=2, kill_at_step=3, restart=True, lease_s=0.5,
                             straggler_delay_ms=400, straggler_prob=1.0)
     lines = []
     doc = train.run(cfg, log=lines.append)

@@ -44,13 +44,13 @@ from proto import headers as H
 from proto import udpio
 from proto.job import JobConfig
 from proto.sockets import set_buffer
+from worker.policies import POLICIES
 
 try:
     from worker import _batchio      # sendmmsg/recvmmsg, built by `pip install`
 except ImportError:                  # pragma: no cover - the per-datagram loop serves without it
     _batchio = None
 
-POLICIES = ("retransmit", "zero")
 #: A chunk resent this often (about 5 s with the default 50 ms doubling to 1 s) is worth a
 #: warning that says what the job waits for; fewer resends are routine on a busy machine.
 STALL_NOTE_TRIES = 8

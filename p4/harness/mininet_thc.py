@@ -2,9 +2,9 @@
 
 Runs under Debian's python3 (Mininet 2.3.0 lives there), inside a network namespace and a
 PID namespace that the caller (p4/mininet_run.py, `thc p4 mininet`) created, so nothing
-outlives it.  It imports nothing from the project: the tool paths, the switch's table
-entries (a commands file) and the loss rules (an nftables ruleset) come from the venv
-side, and the workers are started with the venv's python.
+outlives it.  From the project it imports only worker/policies.py (standard library):
+the tool paths, the switch's table entries (a commands file) and the loss rules (an
+nftables ruleset) come from the venv side, and the workers are started with the venv's python.
 
     ip netns exec NS unshare --pid --fork --kill-child --mount-proc /usr/bin/python3 \
         p4/harness/mininet_thc.py --json thc.json --commands cmds.txt \
@@ -31,10 +31,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from mininet.log import setLogLevel
 from mininet.net import Mininet
 from mininet.node import Switch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the checkout: runs outside the venv
+from worker.policies import POLICIES  # noqa: E402
 
 PS_IP, PS_MAC, PS_PORT = "10.0.0.254", "00:00:00:00:00:fe", 9000
 CTRL_IP, CTRL_MAC, CTRL_PORT = "10.0.0.100", "00:00:00:00:00:64", 9001
@@ -106,7 +110,7 @@ def main():
     ap.add_argument("--quorum", type=float, default=1.0)
     ap.add_argument("--granularity", type=int, default=30)
     ap.add_argument("--p", default="1/32")
-    ap.add_argument("--loss-policy", choices=("retransmit", "zero"), default="retransmit")
+    ap.add_argument("--loss-policy", choices=POLICIES, default=POLICIES[0])
     ap.add_argument("--loss-rules", default=None, help="nftables ruleset loaded in every worker host")
     ap.add_argument("--straggler-delay-ms", type=float, default=0.0)
     ap.add_argument("--straggler-rank", type=int, default=-1, help="-1: every worker")
