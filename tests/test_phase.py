@@ -182,3 +182,37 @@ def test_rounds_exact_on_every_data_path(offload, engine, monkeypatch):
     monkeypatch.setenv("THC_PHASE_ENGINE", engine)
     doc = run_launch(workers=4, rounds=10, dim=1 << 16, quorum=0.75)
     assert doc["exact_rounds"] == 10 and doc["mismatched_chunks"] == 0 and doc["ok"], doc["problems"]
+
+
+def test_error_feedback_during_the_phase_and_lazy_digests():
+    """A one-worker job through the C PS: the residual the worker keeps (computed in its
+    helper thread while the DATA phase runs) is x − RHT⁻¹(X) of its own indices, recomputed
+    here from the same per-round randomness; the digests taken after the round are the
+    payloads' crc32."""
+    import zlib
+
+    from compression import thc
+    from worker.client import Worker, round_rng
+    job = JobConfig(num_workers=1)
+    server = PSServer(job, ("127.0.0.1", 0), control_port=0, engine="c").start()
+    t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port)
+    try:
+        w = Worker(t, seed=3, per_round_rng=True)
+        rng = np.random.default_rng(5)
+        e = np.zeros(40_000, np.float32)
+        for r in range(3):
+            g = rng.standard_normal(40_000).astype(np.float32)
+            w.allreduce(g, key="g", round_no=r)
+            x = g + e
+            mine = thc.WorkerRound(w.cfg, x)
+            mine.encode(np.asarray(w.last.norms), round_rng(3, 0, r), r, packed=True)
+            e = mine.residual()
+            np.testing.assert_array_equal(w.errors.errors["g"], e)
+            res = w.last.phase
+            assert res is not None                           # digests not taken yet
+            digests = w.last.chunk_digests()
+            assert w.last.phase is None and len(digests) == len(res) > 1
+            assert digests == [zlib.crc32(res.payload(c)) for c in range(len(res))]
+    finally:
+        t.close()
+        server.stop()
