@@ -4,7 +4,8 @@ bench_transport.py's UDP GSO/GRO blaster in the same run (one sender process, on
 process, THC-sized datagrams).  The data path's rate counts datagrams both ways (DATA up,
 RESULT fan-out down) per second of wall time; the blaster's counts one way.
 
-    .venv/bin/python bench/bench_datapath.py [--workers 2] [--dim-log2 22] [--phases 10]
+    .venv/bin/python bench/bench_datapath.py [--workers 2] [--dim-log2 22] [--phases 10] [--window 512]
+                                             [--repeat 1]
 """
 from __future__ import annotations
 
@@ -21,18 +22,22 @@ def ps_proc(workers, ports_q, stop_q):
     from ps_server.server import PSServer
     server = PSServer(JobConfig(num_workers=workers), ("127.0.0.1", 0), control_port=0).start()
     ports_q.put((server.data_addr[1], server.control_port))
+    engine = None
+    while engine is None:                   # the job's engine (gone from the server when it ends)
+        engine = server.engine
+        time.sleep(0.01)
     stop_q.get()
     ps_stats = server.stats()
-    io = server.engine.io_stats() if server.engine is not None else {}
+    io = engine.io_stats() if hasattr(engine, "io_stats") else {}
     server.stop()
     ports_q.put((ps_stats, io))
 
 
-def worker_proc(rank, ports, dim, phases, out_q):
+def worker_proc(rank, ports, dim, phases, window, out_q):
     from proto import headers as H
     from proto.packing import pack_indices
     from worker.transport import PackedChunks, Transport
-    t = Transport("127.0.0.1", ports[0], rank, control_port=ports[1])
+    t = Transport("127.0.0.1", ports[0], rank, control_port=ports[1], window=window)
     z = np.random.default_rng(rank).integers(0, 16, dim).astype(np.uint8)
     chunks = PackedChunks(pack_indices(z, 4), dim, 4, t.job.elems_per_packet)
     t.run_phase(H.DATA, chunks)                       # warm-up
@@ -48,13 +53,15 @@ def worker_proc(rank, ports, dim, phases, out_q):
     out_q.put((rank, secs, c, len(chunks), dict(t.io)))
 
 
-def datapath(workers, dim, phases):
+def datapath(workers, dim, phases, window):
+    from deploy.procs import single_threaded_children
+    single_threaded_children()                # no spinning BLAS threads beside the data path
     ctx = mp.get_context("spawn")
     ports_q, stop_q, out_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
     ps = ctx.Process(target=ps_proc, args=(workers, ports_q, stop_q))
     ps.start()
     ports = ports_q.get(timeout=60)
-    procs = [ctx.Process(target=worker_proc, args=(r, ports, dim, phases, out_q)) for r in range(workers)]
+    procs = [ctx.Process(target=worker_proc, args=(r, ports, dim, phases, window, out_q)) for r in range(workers)]
     for p in procs:
         p.start()
     res = [out_q.get(timeout=600) for _ in procs]
@@ -69,10 +76,14 @@ def datapath(workers, dim, phases):
 
 
 def main():
+    from worker.transport import DEFAULT_WINDOW
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--dim-log2", type=int, default=22)
     ap.add_argument("--phases", type=int, default=10)
+    ap.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="chunks in flight per worker")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="alternate data path and blaster this many times; the median ratio is the result")
     ap.add_argument("--blast", type=int, default=2_000_000, help="datagrams the blaster sends")
     args = ap.parse_args()
     from bench.bench_transport import run as blast
@@ -83,17 +94,23 @@ def main():
     dim = 1 << args.dim_log2
     print(f"offload {'on' if os.environ.get('THC_UDP_OFFLOAD', '1') != '0' else 'OFF'}, "
           f"{args.workers} workers, d = 2^{args.dim_log2}, {args.phases} DATA phases each, "
-          f"{os.cpu_count()} cores")
-    secs, pkts, res, ps_stats, io = datapath(args.workers, dim, args.phases)
-    rate = pkts / secs
-    print(f"data path: {pkts} datagrams (up + down, {res[0][3]} chunks per phase) in {secs:.2f} s "
-          f"= {rate / 1e6:.3f} Mpps; retransmissions {sum(r[2]['retransmissions'] for r in res)}")
-    print(f"  worker io: {[r[4] for r in res]}")
-    t, got, _ = blast("gso", args.blast, size)
-    brate = args.blast / t
-    print(f"GSO/GRO blaster: {args.blast} datagrams of {size} B in {t:.2f} s = {brate / 1e6:.3f} Mpps "
-          f"sent, {got / args.blast:.1%} received")
-    print(f"data path / blaster: {rate / brate:.2f}")
+          f"window {args.window}, {os.cpu_count()} cores")
+    ratios = []
+    for _ in range(args.repeat):
+        secs, pkts, res, ps_stats, io = datapath(args.workers, dim, args.phases, args.window)
+        rate = pkts / secs
+        print(f"data path: {pkts} datagrams (up + down, {res[0][3]} chunks per phase) in {secs:.2f} s "
+              f"= {rate / 1e6:.3f} Mpps; retransmissions {sum(r[2]['retransmissions'] for r in res)}")
+        print(f"  worker io: {[r[4] for r in res]}")
+        print(f"  PS io: {io}")
+        t, got, _ = blast("gso", args.blast, size)
+        brate = args.blast / t
+        print(f"GSO/GRO blaster: {args.blast} datagrams of {size} B in {t:.2f} s = {brate / 1e6:.3f} Mpps "
+              f"sent, {got / args.blast:.1%} received")
+        ratios.append(rate / brate)
+        print(f"data path / blaster: {ratios[-1]:.2f}", flush=True)
+    if args.repeat > 1:
+        print(f"median of {args.repeat}: data path / blaster = {float(np.median(ratios)):.2f}")
 
 
 if __name__ == "__main__":

@@ -56,9 +56,10 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
 
     from worker.client import Worker
     from worker.transport import Transport
+    from worker.transport import DEFAULT_WINDOW
     try:
         t = Transport(shards[0][0], shards[0][1], worker_id, control_port=shards[0][2], policy=policy,
-                      faults=faults, timeout_ms=timeout_ms, window=window, shards=shards,
+                      faults=faults, timeout_ms=timeout_ms, window=window or DEFAULT_WINDOW, shards=shards,
                       bind_port=bind_port, batched=batched, expect=expect, propose=propose, keys=keys,
                       rejoin=rejoin)
     except ValueError as exc:
@@ -240,7 +241,7 @@ def parse_ps(ps: str, control_port=None) -> list:
 def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granularity=30, p="1/32",
                quorum=1.0, loss=0.0, duplicate=0.0, reorder=0.0, straggler_delay_ms=0.0,
                straggler_rank=None, straggler_prob=1.0, policy="retransmit", seed=0, ps=None,
-               engine="c", timeout_ms=50.0, window=64, slots=512, lane_bits=8, verbose=False,
+               engine="c", timeout_ms=50.0, window=None, slots=512, lane_bits=8, verbose=False,
                ps_control_port=None, check=True, shards=1, batched=True, rank_base=0,
                local_workers=None, expect=None, keys=None, kill=None, restart=False,
                lease_s=None) -> dict:

@@ -274,12 +274,15 @@ def local_ip_towards(host: str, port: int) -> str:
         probe.close()
 
 
+DEFAULT_WINDOW = 512        # chunks in flight per worker: the default job's 512 slots
+
+
 class Transport:
     """Registration, control calls and data-plane phases for one worker."""
 
     def __init__(self, ps_host: str, data_port: int, worker_id: int, *, control_port: int | None = None,
                  policy: str = "retransmit", timeout_ms: float = 50.0, max_timeout_ms: float = 1000.0,
-                 max_retries: int = 60, window: int = 64, faults: Faults | None = None,
+                 max_retries: int = 60, window: int = DEFAULT_WINDOW, faults: Faults | None = None,
                  control_timeout_s: float = 30.0, shards: list | None = None, bind_port: int = 0,
                  batched: bool = True, expect: dict | None = None, propose: JobConfig | None = None,
                  keys=None, heartbeat: bool = True, rejoin: bool = False, phase_engine: str | None = None):
@@ -292,6 +295,9 @@ class Transport:
         job is waiting for, and notices a restarted PS (the worker then registers again and
         resumes the interrupted phase with the other ranks).
 
+        `window` is how many chunks this worker keeps in flight, at most the job's slots ×
+        shards (a switch job's 64 slots bound it there); a small window leaves the cores
+        idle between round trips (docs/bench.md, "the window").
         `batched` sends a window's packets with one sendmmsg and takes every waiting result
         with one recvmmsg (worker/_batchio.c); False is the one-call-per-datagram loop,
         kept for comparison (bench/bench_e2e.py) and for platforms without the extension.
