@@ -216,3 +216,44 @@ def test_error_feedback_during_the_phase_and_lazy_digests():
     finally:
         t.close()
         server.stop()
+
+
+@pytest.mark.parametrize("engine", ["c", "python"])
+def test_window_doubles_when_clean_and_halves_on_timeouts(engine):
+    """The chunks in flight start at START_WINDOW, double after each phase that filled them
+    without a timeout (up to `window`), halve after a phase with timeouts (down to
+    MIN_WINDOW), and then grow by WINDOW_STEP per clean phase; results stay exact."""
+    from worker.transport import MIN_WINDOW, START_WINDOW, WINDOW_STEP
+    server = PSServer(JobConfig(num_workers=1), ("127.0.0.1", 0), control_port=0).start()
+    silent = ScriptedPS(0, gso=False, silent=True)
+    silent.start()
+    try:
+        t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port,
+                      phase_engine=engine, window=300, timeout_ms=20, max_timeout_ms=40, max_retries=2,
+                      policy="zero", heartbeat=False)
+        assert t.cwnd == START_WINDOW
+        chunks = [(16 * c, 16, bytes(range(c % 200, c % 200 + 8))) for c in range(400)]
+        seen = []
+        for _ in range(4):
+            res = t.run_phase(H.DATA, chunks)
+            assert all(r is not None and r[0].contributors == 1 for r in res)
+            seen.append(t.cwnd)
+        assert seen == [2 * START_WINDOW, 4 * START_WINDOW, 300, 300]
+        assert t.stats.counters["timeouts"] == 0
+        t.shard_addrs = [silent.sock.getsockname()]      # nothing answers: every phase times out
+        seen = []
+        for _ in range(6):
+            t.run_phase(H.DATA, chunks[:3])
+            seen.append(t.cwnd)
+        assert seen == [150, 75, 37, 18, MIN_WINDOW, MIN_WINDOW]
+        t.shard_addrs = [server.data_addr]          # answered again: past the last halving the
+        seen = []                                   # window grows by WINDOW_STEP per phase
+        for _ in range(2):
+            assert all(r is not None for r in t.run_phase(H.DATA, chunks))
+            seen.append(t.cwnd)
+        assert seen == [MIN_WINDOW + WINDOW_STEP, MIN_WINDOW + 2 * WINDOW_STEP]
+        t.close(leave=False)
+    finally:
+        silent.stop.set()
+        silent.join(2)
+        server.stop()

@@ -274,7 +274,10 @@ def local_ip_towards(host: str, port: int) -> str:
         probe.close()
 
 
-DEFAULT_WINDOW = 512        # chunks in flight per worker: the default job's 512 slots
+DEFAULT_WINDOW = 512        # most chunks in flight per worker: the default job's 512 slots
+START_WINDOW = 64           # the window a transport starts with ...
+MIN_WINDOW = 16             # ... the least it shrinks to (see Transport._adapt_window) ...
+WINDOW_STEP = 16            # ... and its additive increase past the last halving
 
 
 class Transport:
@@ -295,9 +298,10 @@ class Transport:
         job is waiting for, and notices a restarted PS (the worker then registers again and
         resumes the interrupted phase with the other ranks).
 
-        `window` is how many chunks this worker keeps in flight, at most the job's slots ×
-        shards (a switch job's 64 slots bound it there); a small window leaves the cores
-        idle between round trips (docs/bench.md, "the window").
+        `window` is the most chunks this worker keeps in flight, at most the job's slots ×
+        shards (a switch job's 64 slots bound it there); the window in use starts at 64 and
+        adapts per phase (`_adapt_window`): a small window leaves the cores idle between
+        round trips, a large one overflows a slow link's queue (docs/bench.md).
         `batched` sends a window's packets with one sendmmsg and takes every waiting result
         with one recvmmsg (worker/_batchio.c); False is the one-call-per-datagram loop,
         kept for comparison (bench/bench_e2e.py) and for platforms without the extension.
@@ -370,6 +374,8 @@ class Transport:
         self.rejoined = any(s["rejoin"] for s in self.sessions)
         self._rx_size = max(self.job.mtu, 2048)
         self.window = min(window, self.job.slots * len(shards))
+        self.cwnd = min(START_WINDOW, self.window)
+        self.ssthresh = self.window
         self.slot_round = np.zeros((len(shards), self.job.slots + self.job.norm_slots), dtype=np.int64)
         self._stash: dict = {}
         self._phase_no = 0
@@ -727,13 +733,30 @@ class Transport:
 
     def _run_phase_once(self, kind: int, chunks, phase_index: int):
         shard, slot, rounds = self._place(kind, len(chunks), phase_index)
+        timeouts = self.stats.counters["timeouts"]
         if self._c_phase():
             results = self._run_phase_c(kind, chunks, shard, slot, rounds)
         else:
             results = self._run_phase_python(kind, chunks, list(zip(shard.tolist(), slot.tolist())),
                                              rounds.tolist())
         self._gc_stash()
+        self._adapt_window(len(chunks), self.stats.counters["timeouts"] - timeouts)
         return results
+
+    def _adapt_window(self, nchunks: int, timeouts: int) -> None:
+        """The chunks in flight, adapted once per phase as TCP adapts its congestion window:
+        a phase with a timeout halves `cwnd` (a queue overflowed or filled past the timeout
+        somewhere — a rate-limited link, a switch buffer under incast, a socket — or a rank
+        straggled) and remembers the half as `ssthresh`; a phase that filled the window
+        without one doubles it below `ssthresh` and adds WINDOW_STEP above, up to `window`.
+        On loopback the window reaches `window` in a few phases and keeps the cores busy; on
+        a slow link it stays near what the bottleneck queue holds, with a timeout only
+        every (cwnd / 2) / WINDOW_STEP phases."""
+        if timeouts:
+            self.ssthresh = self.cwnd = max(min(MIN_WINDOW, self.window), self.cwnd // 2)
+        elif nchunks > self.cwnd:
+            grown = self.cwnd * 2 if self.cwnd < self.ssthresh else self.cwnd + WINDOW_STEP
+            self.cwnd = min(self.window, grown, max(self.ssthresh, self.cwnd + WINDOW_STEP))
 
     def _run_phase_python(self, kind: int, chunks, where: list, rounds: list) -> list:
         """The phase loop in Python (injected faults, phase_engine='python', no _batchio)."""
@@ -758,7 +781,7 @@ class Transport:
             # fill the window: every packet that fits goes out in one batch
             out = []
             now = time.monotonic()
-            while next_c < nchunks and len(pending) < self.window and where[next_c] not in pending:
+            while next_c < nchunks and len(pending) < self.cwnd and where[next_c] not in pending:
                 c = next_c
                 next_c += 1
                 sh, slot = where[c]
@@ -827,7 +850,7 @@ class Transport:
                     res.settle(c, *self._stash.pop(key))
         elem_bits, op = (32, H.OP_MAX_U32) if kind == H.NORM else (job.up_bits, job.op)
         P = np.array([kind, H.NORM_RESULT if kind == H.NORM else H.RESULT, job.job_id, self.worker_id,
-                      job.num_workers, elem_bits, op, n, self.window, nslots, len(self.shard_addrs),
+                      job.num_workers, elem_bits, op, n, self.cwnd, nslots, len(self.shard_addrs),
                       self.policy == "zero", self.max_retries, self._gso, 0, 0,
                       int(np.count_nonzero(res.state == _SETTLED))], dtype=np.int64)
         T = np.array([self.timeout, self.max_timeout])
