@@ -86,7 +86,7 @@ def _worker(addr, rank, job_msg, dim, rounds, q) -> None:
     q.put((rank, out))
 
 
-def run_rounds(codec: str, dim: int, workers: int, rounds: int) -> dict:
+def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = False) -> dict:
     """PS + `workers` processes, `rounds` timed rounds; per-round means."""
     from ps_server.server import PSServer
     job = JobConfig(num_workers=workers, codec=codec)
@@ -108,7 +108,9 @@ def run_rounds(codec: str, dim: int, workers: int, rounds: int) -> dict:
             p.join(timeout=30)
         ps.stop()
     per = np.array([res[r] for r in range(workers)])          # workers × rounds × 5
-    print(codec, "per-round ms", np.round(per[:, :, 0] * 1e3).tolist(), "retransmissions", per[:, -1, 4].tolist())
+    if not quiet:
+        print(f"{codec}: round ms per worker (rows) and round (columns) "
+              f"{np.round(per[:, :, 0] * 1e3).astype(int).tolist()}, retransmissions {int(per[:, -1, 4].sum())}")
     wall = per[:, :, 0].max(axis=0)                            # a round ends with its slowest worker
     return {"round_ms": 1e3 * wall.mean(), "worker_cpu_ms": 1e3 * per[:, :, 1].sum(axis=0).mean(),
             "ps_cpu_ms": 1e3 * ps_cpu / (rounds + 1), "up_mb": per[0, :, 2].mean() / 1e6,
