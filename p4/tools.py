@@ -36,6 +36,7 @@ TESTED = {
     "simple_switch": "1.15.5",
     "simple_switch_CLI": "1.15.5",
     "p4c-bm2-ss": "1.2.5.16",
+    "p4c-barefoot": "9.13.4",    # p4c v1.2.5.16; the Tofino compile is an expected failure for now
     "mininet": "2.3.0",
     "nft": "1.0.6",
     "ethtool": "6.1",

@@ -166,7 +166,7 @@ header norm_t {
 }
 
 typedef bit<16> slot_index_t;
-typedef bit<32> bank_index_t;
+typedef bit<17> bank_index_t;   // slot ++ round parity
 
 // how a packet's round relates to its slot's round
 typedef bit<3> relation_t;
@@ -217,6 +217,7 @@ struct metadata_t {
     round_t round_plus_one;
     round_t last;               // the slot's round + 1 before this packet (0: slot not used yet)
     round_t diff;               // packet round − slot round (mod 2^32)
+    round_t gap;                // packet round − (slot round + 1), 0 when that is negative
     relation_t rel;
     bit<32> off_old;            // the slot's offset before this packet
     bit<32> arrived_old;        // workers seen this round before this packet
@@ -712,17 +713,15 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             }
         }
     };
-    // Above it, a round more than ROUND_WINDOW ahead leaves the slot alone and reads as 0 (the
-    // SALU compares in 34 bits, so this is the software PS's unsigned test, without wrapping).
+    // Above it, a round more than ROUND_WINDOW ahead leaves the slot alone (the SALU compares
+    // in 34 bits, so this is the software PS's unsigned test, without wrapping).  The output
+    // is the old cell in every branch (a SALU output has one source on Tofino); the MAU tells
+    // "too far ahead" from round |-| last >= ROUND_WINDOW, the same test (see apply).
     RegisterAction<round_t, slot_index_t, round_t>(round_reg) round_far = {
         void apply(inout round_t cell, out round_t last) {
+            last = cell;
             if (cell <= hdr.thc.round && cell + (ROUND_WINDOW - 1) >= hdr.thc.round) {
-                last = cell;
                 cell = hdr.thc.round + 1;
-            } else if (cell <= hdr.thc.round) {
-                last = 0;
-            } else {
-                last = cell;
             }
         }
     };
@@ -982,7 +981,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
     // ---- indices and the actions of the outputs
     action slot_indices() {
         meta.round_plus_one = hdr.thc.round + 1;
-        meta.bank_idx = ((bank_index_t)hdr.thc.slot << 1) | (bank_index_t)hdr.thc.round[0:0];
+        meta.bank_idx = hdr.thc.slot ++ hdr.thc.round[0:0];
     }
 
     // Reply to the sender: swap addresses, send back out of the ingress port.
@@ -1124,13 +1123,17 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                     meta.last = round_near.execute(hdr.thc.slot);
                 }
                 meta.diff = meta.round_plus_one - meta.last;
-                // last = 0: an unused slot, or (above ROUND_WINDOW) a round too far ahead
+                meta.gap = hdr.thc.round |-| meta.last;      // 0 when last > round: no wrap
+                // last = 0: an unused slot; a gap of ROUND_WINDOW or more: too far ahead (only
+                // above ROUND_WINDOW, where round_far left the slot alone)
                 if (meta.last == 0) {
                     if (hdr.thc.round > ROUND_WINDOW) {
                         meta.rel = REL_AHEAD;
                     } else {
                         meta.rel = REL_NEW;
                     }
+                } else if (meta.gap >= ROUND_WINDOW) {
+                    meta.rel = REL_AHEAD;
                 } else if (meta.diff == 0) {
                     meta.rel = REL_SAME;
                 } else if (meta.diff == 0xffffffff) {

@@ -40,8 +40,7 @@ class TnaSlots:
         cell = self.round_reg.get(s, 0)
         if cell <= rnd and cell + (W - 1) >= rnd:         # 34-bit SALU compare: no wrap
             self.round_reg[s] = (rnd + 1) & M32
-            return cell
-        return 0 if cell <= rnd else cell                 # too far ahead reads as 0
+        return cell
 
     def contrib_start(self, s, me_cb, keep):
         cell = self.contrib_reg.get(s, 0)
@@ -60,8 +59,11 @@ class TnaSlots:
         me_cb = ONE | me
         last = self.round_far(s, rnd) if rnd > W else self.round_near(s, rnd)
         diff = ((rnd + 1) - last) & M32
+        gap = max(rnd - last, 0)                          # round |-| last (saturating)
         if last == 0:
             rel = "ahead" if rnd > W else "new"
+        elif gap >= W:
+            rel = "ahead"
         elif diff == 0:
             rel = "same"
         elif diff == M32:

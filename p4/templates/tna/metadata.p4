@@ -1,5 +1,5 @@
 typedef bit<16> slot_index_t;
-typedef bit<32> bank_index_t;
+typedef bit<17> bank_index_t;   // slot ++ round parity
 
 // how a packet's round relates to its slot's round
 typedef bit<3> relation_t;
@@ -50,6 +50,7 @@ struct metadata_t {
     round_t round_plus_one;
     round_t last;               // the slot's round + 1 before this packet (0: slot not used yet)
     round_t diff;               // packet round − slot round (mod 2^32)
+    round_t gap;                // packet round − (slot round + 1), 0 when that is negative
     relation_t rel;
     bit<32> off_old;            // the slot's offset before this packet
     bit<32> arrived_old;        // workers seen this round before this packet
