@@ -246,10 +246,24 @@ $word_registers
         ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port;
     }
 
-    // the result's contributors, from a count << 24 | bitmap word
-    action set_contributors(bit<32> cb) {
-        hdr.thc.contributors = cb[31:24];
-        hdr.thc.bitmap = (bit<32>)cb[23:0];
+    // the result's contributors, from meta.cb (count << 24 | bitmap): two actions in two
+    // keyless tables, because one action writing both would need more sources than a
+    // Tofino action has (the count shares its container with `op` and `reserved`)
+    action set_count() {
+        hdr.thc.contributors = meta.count;
+    }
+    table count_tbl {
+        actions = { set_count; }
+        default_action = set_count();
+        size = 1;
+    }
+    action set_bitmap() {
+        hdr.thc.bitmap = (bit<32>)meta.cb[23:0];
+    }
+    table bitmap_tbl {
+        actions = { set_bitmap; }
+        default_action = set_bitmap();
+        size = 1;
     }
 
     // DATA -> RESULT in place: header fields and payload (indices out, lane sums in).
@@ -285,10 +299,136 @@ $word_registers
         hdr.udp.length = hdr.udp.length - payload;
     }
 
+    // ---- the two packet shapes the switch aggregates (more header bytes than one gateway
+    // compares, so a table); anything else of type DATA or NORM is malformed
+    action shape_is_ok() {
+        meta.shape_ok = 1;
+    }
+    action shape_is_bad() {
+        meta.shape_ok = 0;
+    }
+    table shape {
+        key = {
+            hdr.thc.type: exact;
+            hdr.thc.elem_bits: exact;
+            hdr.thc.op: exact;
+            hdr.thc.count: exact;
+            hdr.thc.payload_len: exact;
+            hdr.udp.length: exact;
+        }
+        actions = { shape_is_ok; shape_is_bad; }
+        const entries = {
+            (T_DATA, 4, OP_LOOKUP_SUM, LANES, IDX_BYTES, 8 + HDR_BYTES + IDX_BYTES) : shape_is_ok();
+            (T_NORM, 32, OP_MAX_U32, 1, 4, 8 + HDR_BYTES + 4) : shape_is_ok();
+        }
+        default_action = shape_is_bad();
+        size = 2;
+    }
+
+    // ---- narrow flags for the gateways.  Tofino's `if` hardware (a gateway) takes at most 4
+    // bytes + 12 bits of PHV and compares fields with constants, so arithmetic and
+    // field-with-field tests are computed by actions of keyless tables (which the front end
+    // does not fold back into the conditions) and the round classification is a table.
+    action round_near_side() {
+        meta.far = 0;
+    }
+    action round_far_side() {
+        meta.far = 1;
+    }
+    table round_class {
+        key = { hdr.thc.round: ternary; }     // 0 … ROUND_WINDOW (range keys: 20 bits at most)
+        actions = { round_near_side; round_far_side; }
+        const entries = {
+            0 &&& GAP_SMALL_MASK : round_near_side();
+            ROUND_WINDOW : round_near_side();
+        }
+        default_action = round_far_side();
+        size = 2;
+    }
+
+    action round_math() {
+        meta.diff = meta.round_plus_one - meta.last;
+        meta.gap = hdr.thc.round |-| meta.last;      // 0 when last > round: no wrap
+    }
+    table round_math_tbl {
+        actions = { round_math; }
+        default_action = round_math();
+        size = 1;
+    }
+
+    // How the packet's round relates to the slot's, in the software PS's order (first match):
+    // an unused slot (last = 0) is new, or too far ahead above ROUND_WINDOW (round_far left
+    // it alone); a gap of ROUND_WINDOW or more is too far ahead; diff 0 is the same round,
+    // −1 the previous one; diff 1 … ROUND_WINDOW a new round (diff 1: the next one, whose
+    // completed predecessor the shadow copy keeps); anything else is stale.
+    action set_relation(relation_t rel, bit<1> next) {
+        meta.rel = rel;
+        meta.next_round = next;
+    }
+    table relation {
+        key = {
+            meta.last: ternary;
+            meta.far: ternary;
+            meta.gap: ternary;
+            meta.diff: ternary;                 // 2 … ROUND_WINDOW as power-of-two blocks
+        }
+        actions = { set_relation; }
+        const entries = {
+            (0, 1, _, _) : set_relation(REL_AHEAD, 0);
+            (0, _, _, _) : set_relation(REL_NEW, 0);
+            (_, _, 0 &&& GAP_SMALL_MASK, 0) : set_relation(REL_SAME, 0);
+            (_, _, 0 &&& GAP_SMALL_MASK, 0xffffffff) : set_relation(REL_PREV, 0);
+            (_, _, 0 &&& GAP_SMALL_MASK, 1) : set_relation(REL_NEW, 1);
+            (_, _, 0 &&& GAP_SMALL_MASK, 2 &&& 0xfffffffe) : set_relation(REL_NEW, 0);
+            (_, _, 0 &&& GAP_SMALL_MASK, 4 &&& 0xfffffffc) : set_relation(REL_NEW, 0);
+            (_, _, 0 &&& GAP_SMALL_MASK, 8 &&& 0xfffffff8) : set_relation(REL_NEW, 0);
+            (_, _, 0 &&& GAP_SMALL_MASK, 16 &&& 0xfffffff0) : set_relation(REL_NEW, 0);
+            (_, _, 0 &&& GAP_SMALL_MASK, 32 &&& 0xffffffe0) : set_relation(REL_NEW, 0);
+            (_, _, 0 &&& GAP_SMALL_MASK, 64 &&& 0xffffffc0) : set_relation(REL_NEW, 0);
+            (_, _, 0 &&& GAP_SMALL_MASK, 128 &&& 0xffffff80) : set_relation(REL_NEW, 0);
+            (_, _, 0 &&& GAP_SMALL_MASK, 256 &&& 0xffffff00) : set_relation(REL_NEW, 0);
+            (_, _, 0 &&& GAP_SMALL_MASK, 512 &&& 0xfffffe00) : set_relation(REL_NEW, 0);
+            (_, _, 0 &&& GAP_SMALL_MASK, ROUND_WINDOW) : set_relation(REL_NEW, 0);
+            (_, _, 0 &&& GAP_SMALL_MASK, _) : set_relation(REL_STALE, 0);
+        }
+        default_action = set_relation(REL_AHEAD, 0);
+        size = 17;
+    }
+
+    action seen_math() {
+        meta.seen = meta.arrived_old & meta.me;
+    }
+    table seen_tbl {
+        actions = { seen_math; }
+        default_action = seen_math();
+        size = 1;
+    }
+    // cb's count as 8 bits, and how many contributors are still missing to the quorum and
+    // to n (saturating: 0 once reached), so the tests are 8-bit compares with 0
+    action count_math() {
+        meta.mine = meta.cb & meta.me;
+        meta.count = meta.cb[31:24];
+    }
+    table count_math_tbl {
+        actions = { count_math; }
+        default_action = count_math();
+        size = 1;
+    }
+    action short_math() {
+        meta.quorum_short = meta.quorum |-| meta.count;
+        meta.n_short = meta.n |-| meta.count;
+    }
+    table short_math_tbl {
+        actions = { short_math; }
+        default_action = short_math();
+        size = 1;
+    }
+
     apply {
         meta.event = C_NONE;
         meta.extra_event = C_NONE;
         meta.first = 0;
+        meta.same_ok = 0;
         meta.verdict = V_DROP_MALFORMED;
         if (!hdr.thc.isValid()) {
             l2.apply();
@@ -299,6 +439,7 @@ $word_registers
             workers.apply();
             slot_range.apply();
             slot_indices();
+            shape.apply();
             if (hdr.idx.isValid()) {
 $apply_lookups
             }
@@ -316,16 +457,8 @@ $apply_lookups
                 meta.event = C_UNREGISTERED;
             } else if (meta.slot_ok == 0) {
                 meta.event = C_SLOT_OUT_OF_RANGE;
-            } else if (hdr.thc.type == T_NORM) {
-                if (hdr.thc.elem_bits != 32 || hdr.thc.op != OP_MAX_U32 || hdr.thc.count != 1 ||
-                           hdr.thc.payload_len != 4 || hdr.udp.length != 8 + HDR_BYTES + 4) {
-                    meta.event = C_MALFORMED;
-                }
-            } else {
-                if (hdr.thc.elem_bits != 4 || hdr.thc.op != OP_LOOKUP_SUM || hdr.thc.count != LANES ||
-                           hdr.thc.payload_len != IDX_BYTES || hdr.udp.length != 8 + HDR_BYTES + IDX_BYTES) {
-                    meta.event = C_MALFORMED;
-                }
+            } else if (meta.shape_ok == 0) {
+                meta.event = C_MALFORMED;
             }
             if (meta.event == C_NONE && hdr.thc.num_workers != meta.n) {
                 meta.event = C_MALFORMED;
@@ -333,39 +466,21 @@ $apply_lookups
 
             // ---- the slot's round: one register access decides whether the slot moves on
             if (meta.event == C_NONE) {
-                if (hdr.thc.round > ROUND_WINDOW) {
+                round_class.apply();
+                if (meta.far == 1) {
                     meta.last = round_far.execute(hdr.thc.slot);
                 } else {
                     meta.last = round_near.execute(hdr.thc.slot);
                 }
-                meta.diff = meta.round_plus_one - meta.last;
-                meta.gap = hdr.thc.round |-| meta.last;      // 0 when last > round: no wrap
-                // last = 0: an unused slot; a gap of ROUND_WINDOW or more: too far ahead (only
-                // above ROUND_WINDOW, where round_far left the slot alone)
-                if (meta.last == 0) {
-                    if (hdr.thc.round > ROUND_WINDOW) {
-                        meta.rel = REL_AHEAD;
-                    } else {
-                        meta.rel = REL_NEW;
-                    }
-                } else if (meta.gap >= ROUND_WINDOW) {
-                    meta.rel = REL_AHEAD;
-                } else if (meta.diff == 0) {
-                    meta.rel = REL_SAME;
-                } else if (meta.diff == 0xffffffff) {
-                    meta.rel = REL_PREV;
-                } else if (meta.diff <= ROUND_WINDOW) {
-                    meta.rel = REL_NEW;
-                } else {
-                    meta.rel = REL_STALE;
-                }
+                round_math_tbl.apply();
+                relation.apply();
 
                 // ---- offset, arrivals, contributors, shadow copy: one access each, in this order
                 if (meta.rel == REL_NEW) {
                     meta.first = 1;
                     meta.off_old = offset_swap.execute(hdr.thc.slot);
                     arrived_start.execute(hdr.thc.slot);
-                    if (meta.diff == 1) {
+                    if (meta.next_round == 1) {
                         meta.shadow_cb = contrib_start_keep.execute(hdr.thc.slot);
                     } else {
                         meta.shadow_cb = contrib_start.execute(hdr.thc.slot);
@@ -383,28 +498,13 @@ $apply_lookups
                         meta.verdict = V_DROP_MALFORMED;
                     } else {
                         meta.arrived_old = arrived_add.execute(hdr.thc.slot);
-                        meta.seen = meta.arrived_old & meta.me;
+                        seen_tbl.apply();
                         if (meta.seen == 0) {
                             meta.cb = contrib_add.execute(hdr.thc.slot);
                         } else {
                             meta.cb = contrib_get.execute(hdr.thc.slot);
                         }
-                        meta.mine = meta.cb & meta.me;
-                        meta.count_below_quorum = meta.cb - meta.quorum_cb;
-                        if (meta.mine == 0) {
-                            // not a contributor: it came after the quorum (now or before)
-                            meta.verdict = V_LATE;
-                        } else if (meta.seen != 0) {
-                            if (meta.count_below_quorum[31:31] == 1) {
-                                meta.verdict = V_DUP;
-                            } else {
-                                meta.verdict = V_RESEND_CUR;
-                            }
-                        } else if (meta.count_below_quorum[31:31] == 1) {
-                            meta.verdict = V_AGG;
-                        } else {
-                            meta.verdict = V_AGG_DONE;
-                        }
+                        meta.same_ok = 1;       // its verdict below, once the counts are known
                     }
                 } else if (meta.rel == REL_PREV) {
                     meta.off_old = hdr.thc.offset;
@@ -418,6 +518,24 @@ $apply_lookups
                     meta.verdict = V_STALE;
                 } else {
                     meta.verdict = V_AHEAD;
+                }
+                count_math_tbl.apply();
+                short_math_tbl.apply();
+                if (meta.same_ok == 1) {
+                    if (meta.mine == 0) {
+                        // not a contributor: it came after the quorum (now or before)
+                        meta.verdict = V_LATE;
+                    } else if (meta.seen != 0) {
+                        if (meta.quorum_short != 0) {
+                            meta.verdict = V_DUP;
+                        } else {
+                            meta.verdict = V_RESEND_CUR;
+                        }
+                    } else if (meta.quorum_short != 0) {
+                        meta.verdict = V_AGG;
+                    } else {
+                        meta.verdict = V_AGG_DONE;
+                    }
                 }
 
                 // ---- the lanes: overwrite on a round's first packet, add, or only read for a resend
@@ -440,7 +558,6 @@ $apply_get
                 }
 
                 // ---- the outputs
-                meta.count_below_n = meta.cb - meta.n_cb;
                 if (meta.verdict == V_DROP_MALFORMED) {
                     meta.event = C_MALFORMED;
                 } else if (meta.verdict == V_DUP) {
@@ -457,7 +574,8 @@ $apply_get
                 } else {
                     // a result: multicast on completion, else unicast back to the sender
                     hdr.thc.token = 0;
-                    set_contributors(meta.cb);
+                    count_tbl.apply();
+                    bitmap_tbl.apply();
                     if (hdr.thc.type == T_DATA) {
                         hdr.sums.setValid();
                         data_to_result();
@@ -466,7 +584,7 @@ $apply_get
                     }
                     if (meta.verdict == V_AGG_DONE) {
                         meta.event = C_ROUNDS_COMPLETED;
-                        if (meta.count_below_n[31:31] == 1) {
+                        if (meta.n_short != 0) {
                             meta.extra_event = C_PARTIAL_ROUNDS;
                         }
                         hdr.thc.worker_id = 0;

@@ -8,6 +8,8 @@ const relation_t REL_SAME = 1;
 const relation_t REL_PREV = 2;
 const relation_t REL_STALE = 3;
 const relation_t REL_AHEAD = 4;
+// a gap below ROUND_WINDOW (a power of two) has these bits clear
+const round_t GAP_SMALL_MASK = ~(ROUND_WINDOW - 1);
 
 // the event cell of packets that only aggregate (no drop, no reply)
 const event_t C_NONE = $event_cells - 1;
@@ -41,6 +43,7 @@ struct metadata_t {
     mac_addr_t ps_mac;
     bit<1> worker_ok;
     bit<1> slot_ok;
+    bit<1> shape_ok;            // DATA or NORM with that type's element width, op, count and lengths
     // the sender (workers: source address, port and token are the key)
     bit<1> registered;
     bit<8> worker;
@@ -51,6 +54,9 @@ struct metadata_t {
     round_t last;               // the slot's round + 1 before this packet (0: slot not used yet)
     round_t diff;               // packet round − slot round (mod 2^32)
     round_t gap;                // packet round − (slot round + 1), 0 when that is negative
+    bit<1> far;                 // round > ROUND_WINDOW: round_far decides the slot
+    bit<1> next_round;          // the packet starts the round right after the slot's
+    bit<1> same_ok;             // same round, same offset: a contribution, resend or late one
     relation_t rel;
     bit<32> off_old;            // the slot's offset before this packet
     bit<32> arrived_old;        // workers seen this round before this packet
@@ -58,8 +64,9 @@ struct metadata_t {
     bit<32> cb;                 // the slot's count << 24 | bitmap after this packet
     bit<32> shadow_cb;          // what the shadow copy keeps (0: nothing)
     bit<32> mine;               // cb & me
-    bit<32> count_below_quorum; // cb − quorum << 24: bit 31 set when fewer than quorum contributors
-    bit<32> count_below_n;      // cb − n << 24: bit 31 set when fewer than n contributors
+    bit<8> count;               // cb's count (bits 31..24)
+    bit<8> quorum_short;        // quorum |-| count: contributors still missing to the quorum
+    bit<8> n_short;             // n |-| count: contributors still missing to n
     bit<1> first;
     verdict_t verdict;
     bank_index_t bank_idx;      // 2 · slot + round parity
