@@ -36,7 +36,8 @@ TESTED = {
     "simple_switch": "1.15.5",
     "simple_switch_CLI": "1.15.5",
     "p4c-bm2-ss": "1.2.5.16",
-    "p4c-barefoot": "9.13.4",    # p4c v1.2.5.16; the Tofino compile is an expected failure for now
+    "p4c-barefoot": "9.13.4",    # p4c v1.2.5.16
+    "bfas": "9.13.4",            # the assembler of the same build (reported as p4c-barefoot's version)
     "mininet": "2.3.0",
     "nft": "1.0.6",
     "ethtool": "6.1",
@@ -217,6 +218,14 @@ def check(spec: ToolSpec, *, python: str = DEBIAN_PYTHON, **where) -> ToolStatus
         ss = find_tool("simple_switch", **where)      # the CLI has no version of its own
         version = _version(_run([ss, "--version"])[1]) if ss else None
         return _status(spec, path, version, _check_cli(path))
+    if spec.name == "bfas":
+        # the assembler has no version of its own: it is the version of the p4c-barefoot
+        # beside it (one build); without an input it prints its usage line
+        rc, out = _run([path])
+        if "usage:" not in out:
+            return _status(spec, path, None, f"no usage line from {path}: {out[-200:]}")
+        cc = find_tool("p4c-barefoot", **where)
+        return _status(spec, path, _version(_run([cc, "--version"])[1]) if cc else None)
     rc, out = _run([path, "--version"])
     if rc != 0:
         return _status(spec, path, None, f"--version failed (status {rc}): {out[-200:]}")

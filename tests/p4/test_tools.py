@@ -113,6 +113,18 @@ def test_doctor_missing_compiler_names_its_source(tmp_path):
     assert "p4c-bm2-ss" in tools.doctor_text(report).splitlines()[-1]
 
 
+def test_doctor_bfas_takes_the_version_of_its_compiler(tmp_path):
+    """bfas has no --version: it is found by its usage line and reports p4c-barefoot's
+    version; an assembler without a usage line is broken."""
+    d, version = fake_tools(tmp_path), tools.TESTED["p4c-barefoot"]
+    _tool(d, "p4c-barefoot", f'echo "Version {version}"')
+    _tool(d, "bfas", 'echo "No assembly file specified"; echo "usage: bfas [-l:Mo:gqtvh] file..."; exit 0')
+    got = by_name(tools.doctor(**where(d)))
+    assert got["bfas"].status == "ok" and got["bfas"].version == tools.TESTED["bfas"]
+    _tool(d, "bfas", 'echo "Segmentation fault" >&2; exit 139')
+    assert by_name(tools.doctor(**where(d)))["bfas"].status == "broken"
+
+
 def test_doctor_debian_tools_name_their_packages(tmp_path):
     report = tools.doctor(python=str(tmp_path / "no-python3"), **where(tmp_path))
     assert by_name(report)["mininet"].status == "missing"
