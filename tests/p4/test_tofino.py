@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from p4 import control, tools
+from p4 import control, tofino_resources, tools
 
 P4C = tools.find_tool("p4c-barefoot")
 BFAS = tools.find_tool("bfas")
@@ -46,6 +46,11 @@ def test_tna_program_compiles_and_fits(tmp_path, target):
     text = bfa.read_text()
     used = {g: stages_used(text, g) for g in ("ingress", "egress")}
     assert used["ingress"] >= 1 and used["egress"] >= 1, used
+    # the compiler's resource report agrees with the assembly and with the program
+    report = tofino_resources.summarize(bfa.parent)
+    assert report["stages_used"] == max(used.values()), (report, used)
+    registers = len(re.findall(r"\bRegister<", control.HERE.joinpath("tofino", "thc_tna.p4").read_text()))
+    assert report["stateful_alus"] == registers, (report, registers)   # one SALU per register
     if max(used.values()) > STAGES[target]:
         raise TooManyStages(f"{target}: {used} stages used, {STAGES[target]} per pipe")
     if BFAS:
