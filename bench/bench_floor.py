@@ -64,30 +64,56 @@ def _cpu_s() -> float:
     return u.ru_utime + u.ru_stime
 
 
-def _worker(addr, rank, job_msg, dim, rounds, q) -> None:
+def _print_profile(prof, rounds: int, top: int) -> None:
+    """A cProfile of rank 0's allreduces: top functions by own CPU time, ms per round."""
+    import io
+    import pstats
+    st = pstats.Stats(prof, stream=io.StringIO())
+    total = sum(v[2] for v in st.stats.values())
+    print(f"rank 0: {1e3 * total / rounds:.1f} ms CPU per round under the profiler; top functions "
+          f"by own CPU time (ms per round):")
+    for (file, line, name), (_cc, nc, tt, ct, _callers) in sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]:
+        where = f"{Path(file).name}:{line}" if line else "built-in"
+        print(f"  {1e3 * tt / rounds:8.1f}  {1e3 * ct / rounds:8.1f} cum  {nc // rounds:6d} calls  {name} ({where})")
+
+
+def _worker(addr, rank, job_msg, dim, rounds, q, profile_top=0) -> None:
+    """One rank: per round, make the gradient, meet the others, time the allreduce.  With
+    `profile_top`, rank 0's allreduces run under cProfile (CPU time as its clock)."""
+    import cProfile
+
     from worker.client import Worker
     from worker.transport import Transport
     host, data_port, control_port = addr
     t = Transport(host, data_port, rank, control_port=control_port, expect=job_msg, timeout_ms=2000)
     w = Worker(t, error_feedback=True, seed=0, per_round_rng=True)
+    prof = cProfile.Profile(timer=time.process_time) if profile_top and rank == 0 else None
     out = []
     try:
         for r in range(rounds + 1):                     # round 0 warms up (buffers, pages)
             g = gradient(0, r, rank, dim)
             t.barrier(f"r{r}")
             c0, t0 = _cpu_s(), time.perf_counter()
+            if prof is not None and r:
+                prof.enable()
             w.allreduce(g, key="grad", round_no=r)
+            if prof is not None:
+                prof.disable()
             if r:
                 out.append((time.perf_counter() - t0, _cpu_s() - c0, w.last.bytes_up, w.last.bytes_down,
                             t.stats.counters["retransmissions"]))
         t.barrier("end")
     finally:
         t.close()
+    if prof is not None:
+        _print_profile(prof, rounds, profile_top)
     q.put((rank, out))
 
 
-def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = False) -> dict:
-    """PS + `workers` processes, `rounds` timed rounds; per-round means."""
+def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = False,
+               profile_top: int = 0) -> dict:
+    """PS + `workers` processes, `rounds` timed rounds; per-round means (`profile_top`: print
+    rank 0's top functions, see bench/profile_cluster.py)."""
     from ps_server.server import PSServer
     job = JobConfig(num_workers=workers, codec=codec)
     ps = PSServer(job, ("127.0.0.1", 0), control_port=0, engine="c").start()
@@ -95,7 +121,7 @@ def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = Fa
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     addr = ("127.0.0.1", ps.data_addr[1], ps.control_port)
-    procs = [ctx.Process(target=_worker, args=(addr, r, job.to_msg(), dim, rounds, q), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(addr, r, job.to_msg(), dim, rounds, q, profile_top), daemon=True)
              for r in range(workers)]
     try:
         for p in procs:

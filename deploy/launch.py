@@ -56,10 +56,10 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
 
     from worker.client import Worker
     from worker.transport import Transport
-    from worker.transport import DEFAULT_WINDOW
+    sized = {} if window is None else {"window": window}      # None: the transport's default
     try:
         t = Transport(shards[0][0], shards[0][1], worker_id, control_port=shards[0][2], policy=policy,
-                      faults=faults, timeout_ms=timeout_ms, window=window or DEFAULT_WINDOW, shards=shards,
+                      faults=faults, timeout_ms=timeout_ms, shards=shards, **sized,
                       bind_port=bind_port, batched=batched, expect=expect, propose=propose, keys=keys,
                       rejoin=rejoin)
     except ValueError as exc:

@@ -755,8 +755,11 @@ class Transport:
         if timeouts:
             self.ssthresh = self.cwnd = max(min(MIN_WINDOW, self.window), self.cwnd // 2)
         elif nchunks > self.cwnd:
-            grown = self.cwnd * 2 if self.cwnd < self.ssthresh else self.cwnd + WINDOW_STEP
-            self.cwnd = min(self.window, grown, max(self.ssthresh, self.cwnd + WINDOW_STEP))
+            if self.cwnd < self.ssthresh:
+                grown = min(2 * self.cwnd, self.ssthresh)
+            else:
+                grown = self.cwnd + WINDOW_STEP
+            self.cwnd = min(self.window, grown)
 
     def _run_phase_python(self, kind: int, chunks, where: list, rounds: list) -> list:
         """The phase loop in Python (injected faults, phase_engine='python', no _batchio)."""

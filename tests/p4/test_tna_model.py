@@ -27,7 +27,7 @@ class TnaSlots:
         self.job = job
         self.round_reg, self.offset_reg, self.arrived_reg, self.contrib_reg = {}, {}, {}, {}
         self.shadow_reg, self.acc = {}, {}
-        self.quorum_cb, self.n_cb = job.quorum_count << 24, job.num_workers << 24
+        self.quorum_cb = job.quorum_count << 24
 
     # one RegisterAction each
     def round_near(self, s, rnd):
@@ -89,7 +89,7 @@ class TnaSlots:
                 seen = self.arrived_reg.get(s, 0) & me
                 self.arrived_reg[s] = self.arrived_reg.get(s, 0) | me
                 cb = self.contrib_add(s, me_cb) if not seen else self.contrib_reg.get(s, 0)
-                below_quorum = ((cb - self.quorum_cb) & M32) >> 31
+                below_quorum = max(self.job.quorum_count - (cb >> 24), 0)   # quorum |-| count
                 if not cb & me:
                     verdict = "late"
                 elif seen:
@@ -116,7 +116,7 @@ class TnaSlots:
         if verdict == "agg":
             return None, None, None
         if verdict == "done":
-            partial = ((cb - self.n_cb) & M32) >> 31
+            partial = max(self.job.num_workers - (cb >> 24), 0)          # n |-| count
             return "rounds_completed", "partial_rounds" if partial else None, ("mcast", cb, tuple(lanes))
         return "results_resent", "late" if verdict == "late" else None, ("unicast", cb, tuple(lanes))
 

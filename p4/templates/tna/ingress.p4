@@ -10,11 +10,10 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
     Counter<bit<32>, event_t>($event_cells, CounterType_t.PACKETS) extra_events;
 
     // ---- the job: job id and nonce are the key; a miss is `unknown_job`
-    action set_job(bit<8> n, bit<8> quorum, bit<32> n_cb, bit<32> quorum_cb, mac_addr_t ps_mac) {
+    action set_job(bit<8> n, bit<8> quorum, bit<32> quorum_cb, mac_addr_t ps_mac) {
         meta.job_ok = 1;
         meta.n = n;
         meta.quorum = quorum;
-        meta.n_cb = n_cb;
         meta.quorum_cb = quorum_cb;
         meta.ps_mac = ps_mac;
     }

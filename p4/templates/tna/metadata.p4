@@ -38,7 +38,6 @@ struct metadata_t {
     bit<1> job_ok;
     bit<8> n;
     bit<8> quorum;
-    bit<32> n_cb;               // n << 24
     bit<32> quorum_cb;          // quorum << 24
     mac_addr_t ps_mac;
     bit<1> worker_ok;
