@@ -101,7 +101,7 @@ def write_doc(rows, workers, out) -> Path:
                      f"{r['ratio_up']:.1f} | {r['ratio_down']:.1f} | {r['bits_up']:.2f} | {r['bits_down']:.2f} | "
                      f"{r['nmse_lognormal']:.3g} | {r['nmse_normal']:.3g} | {r['encode_mcoord_s']:.1f} | "
                      f"{r['decode_mcoord_s']:.1f} | {r['ps_ms']:.2f} | "
-                     + (f"{r['round_ms']:.0f}" if "round_ms" in r else "-") + " |")
+                     + (f"{r['round_ms']:.2f}" if "round_ms" in r else "-") + " |")
     (outdir / "codecs-table.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib

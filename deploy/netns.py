@@ -62,7 +62,9 @@ def two_hosts(*, rate_mbit: float | None = None, loss: float = 0.0, ps_ports=(90
     """Create PS and worker namespaces joined by a veth pair; optional rate limit and loss.
 
     Loss applies in both directions: the worker namespace drops outgoing DATA and incoming
-    RESULT datagrams of the PS ports with probability `loss` each way.
+    RESULT datagrams of the PS ports with probability `loss` each way.  nftables sees a
+    UDP GSO batch as one packet, so for per-datagram loss run the workers and PS with
+    THC_UDP_OFFLOAD=0 (the loss experiment and tests/test_netns.py do).
     """
     check_available(need_nft=loss > 0, need_tc=rate_mbit is not None)
     tag = uuid.uuid4().hex[:6]
