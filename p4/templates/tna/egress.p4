@@ -2,6 +2,7 @@ parser ThcEgressParser(packet_in pkt, out headers_t hdr, out egress_metadata_t m
                        out egress_intrinsic_metadata_t eg_intr_md) {
     state start {
         pkt.extract(eg_intr_md);
+        pkt.extract(hdr.bridge);        // the ingress deparser puts it in front of every packet
         transition parse_eth;
     }
 $parse_states
@@ -25,6 +26,9 @@ control ThcEgress(inout headers_t hdr, inout egress_metadata_t meta,
         default_action = NoAction();
     }
     apply {
+        if (hdr.bridge.pass2 == 0) {
+            hdr.bridge.setInvalid();    // leaving the switch: no bridge header on the wire
+        }
         if (hdr.thc.isValid() && eg_intr_md.egress_rid != 0) {
             replica_dest.apply();
         }

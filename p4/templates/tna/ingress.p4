@@ -10,8 +10,9 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
     Counter<bit<32>, event_t>($event_cells, CounterType_t.PACKETS) extra_events;
 
     // ---- the job: job id and nonce are the key; a miss is `unknown_job`
-    action set_job(bit<8> n, bit<8> quorum, bit<32> quorum_cb, mac_addr_t ps_mac) {
+    action set_job(bit<8> n, bit<8> quorum, bit<32> quorum_cb, mac_addr_t ps_mac, PortId_t recirc_port) {
         meta.job_ok = 1;
+        meta.recirc_port = recirc_port;
         meta.n = n;
         meta.quorum = quorum;
         meta.quorum_cb = quorum_cb;
@@ -28,6 +29,24 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
         actions = { set_job; no_job; }
         size = 4;
         default_action = no_job();
+    }
+
+    // ---- the job's size: (job id, nonce, n); a packet stating another n is malformed
+    action n_matches() {
+        meta.n_ok = 1;
+    }
+    action n_differs() {
+        meta.n_ok = 0;
+    }
+    table job_size {
+        key = {
+            hdr.thc.job_id: exact;
+            hdr.thc.nonce: exact;
+            hdr.thc.num_workers: exact;
+        }
+        actions = { n_matches; n_differs; }
+        size = 4;
+        default_action = n_differs();
     }
 
     // ---- the job's worker ids: one range entry [0, n − 1]; a miss is `worker_out_of_range`
@@ -61,10 +80,10 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
         default_action = slot_out_of_range();
     }
 
-    // ---- a registration: source address, port and the token the control plane handed out
-    action set_worker(bit<8> wid, bit<32> me) {
+    // ---- a registration: source address, port, the token the control plane handed out and
+    // the worker id it was given
+    action set_worker(bit<32> me) {
         meta.registered = 1;
-        meta.worker = wid;
         meta.me = me;
         meta.me_cb = me | ONE_CONTRIBUTOR;
     }
@@ -76,6 +95,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             hdr.ipv4.src: exact;
             hdr.udp.src_port: exact;
             hdr.thc.token: exact;
+            hdr.thc.worker_id: exact;
         }
         actions = { set_worker; unknown_worker; }
         size = 64;
@@ -130,9 +150,11 @@ $lookup_tables
             cell = hdr.thc.offset;
         }
     };
-    RegisterAction<bit<32>, slot_index_t, bit<32>>(offset_reg) offset_get = {
-        void apply(inout bit<32> cell, out bit<32> old) {
-            old = cell;
+    // 0 when the packet's offset is the slot's (the comparison in the stateful ALU saves the
+    // stage a gateway comparing two 32-bit fields would take)
+    RegisterAction<bit<32>, slot_index_t, bit<32>>(offset_reg) offset_cmp = {
+        void apply(inout bit<32> cell, out bit<32> diff) {
+            diff = cell - hdr.thc.offset;
         }
     };
 
@@ -143,9 +165,10 @@ $lookup_tables
             cell = meta.me;
         }
     };
+    // returns the sender's bit as it was (0: its first packet of this round), then sets it
     RegisterAction<bit<32>, slot_index_t, bit<32>>(arrived_reg) arrived_add = {
-        void apply(inout bit<32> cell, out bit<32> old) {
-            old = cell;
+        void apply(inout bit<32> cell, out bit<32> seen) {
+            seen = cell & meta.me;
             cell = cell | meta.me;
         }
     };
@@ -182,17 +205,19 @@ $lookup_tables
         }
     };
 
-    // the shadow copy's contributors and offset (the lane sums stay in the other bank)
+    // the shadow copy's contributors and offset (the lane sums stay in the other bank); pass 2
+    // saves it from what pass 1 read (the bridge) and reads it for a previous-round packet (whose
+    // offset pass 1 put in bridge.off_old: a stateful ALU takes two PHV inputs)
     Register<shadow_t, slot_index_t>($slots) shadow_reg;
     RegisterAction<shadow_t, slot_index_t, bit<32>>(shadow_reg) shadow_save = {
         void apply(inout shadow_t cell) {
-            cell.cb = meta.shadow_cb;
-            cell.offset = meta.off_old;
+            cell.cb = hdr.bridge.shadow_cb;
+            cell.offset = hdr.bridge.off_old;
         }
     };
     RegisterAction<shadow_t, slot_index_t, bit<32>>(shadow_reg) shadow_get = {
         void apply(inout shadow_t cell, out bit<32> cb) {
-            if (cell.offset == meta.off_old) {
+            if (cell.offset == hdr.bridge.off_old) {
                 cb = cell.cb;
             } else {
                 cb = 0;
@@ -242,14 +267,14 @@ $word_registers
         hdr.udp.dst_port = hdr.udp.src_port;
         hdr.udp.src_port = p;
         hdr.udp.checksum = 0;
-        ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port;
+        ig_tm_md.ucast_egress_port = meta.reply_port;
     }
 
-    // the result's contributors, from meta.cb (count << 24 | bitmap): two actions in two
+    // the result's contributors, from bridge.cb (count << 24 | bitmap): two actions in two
     // keyless tables, because one action writing both would need more sources than a
     // Tofino action has (the count shares its container with `op` and `reserved`)
     action set_count() {
-        hdr.thc.contributors = meta.count;
+        hdr.thc.contributors = hdr.bridge.cb[31:24];
     }
     table count_tbl {
         actions = { set_count; }
@@ -257,7 +282,7 @@ $word_registers
         size = 1;
     }
     action set_bitmap() {
-        hdr.thc.bitmap = (bit<32>)meta.cb[23:0];
+        hdr.thc.bitmap = (bit<32>)hdr.bridge.cb[23:0];
     }
     table bitmap_tbl {
         actions = { set_bitmap; }
@@ -287,7 +312,6 @@ $word_registers
         hdr.thc.type = T_STRAGGLER;
         hdr.thc.flags = 0;
         hdr.thc.elem_bits = 0;
-        hdr.thc.round = meta.last - 1;
         hdr.thc.count = 0;
         hdr.thc.payload_len = 0;
         hdr.thc.bitmap = 0;
@@ -308,6 +332,8 @@ $word_registers
     }
     table shape {
         key = {
+            hdr.thc.magic: exact;
+            hdr.thc.version: exact;
             hdr.thc.type: exact;
             hdr.thc.elem_bits: exact;
             hdr.thc.op: exact;
@@ -317,11 +343,51 @@ $word_registers
         }
         actions = { shape_is_ok; shape_is_bad; }
         const entries = {
-            (T_DATA, 4, OP_LOOKUP_SUM, LANES, IDX_BYTES, 8 + HDR_BYTES + IDX_BYTES) : shape_is_ok();
-            (T_NORM, 32, OP_MAX_U32, 1, 4, 8 + HDR_BYTES + 4) : shape_is_ok();
+            (THC_MAGIC, THC_VERSION, T_DATA, 4, OP_LOOKUP_SUM, LANES, IDX_BYTES, 8 + HDR_BYTES + IDX_BYTES) : shape_is_ok();
+            (THC_MAGIC, THC_VERSION, T_NORM, 32, OP_MAX_U32, 1, 4, 8 + HDR_BYTES + 4) : shape_is_ok();
         }
         default_action = shape_is_bad();
         size = 2;
+    }
+
+    // ---- validation in the software PS's order, as one first-match table over the checks
+    // above (a chain of gateways would take a stage per test): the event of a packet that
+    // fails, C_NONE for one that passes
+    action check(event_t e) {
+        meta.event = e;
+    }
+    table checks {
+        key = {
+            ig_prsr_md.parser_err: ternary;
+            hdr.thc.magic: ternary;
+            hdr.thc.version: ternary;
+            hdr.thc.type: ternary;
+            meta.job_ok: ternary;
+            meta.worker_ok: ternary;
+            meta.registered: ternary;
+            meta.slot_ok: ternary;
+            meta.shape_ok: ternary;
+            meta.n_ok: ternary;
+        }
+        actions = { check; }
+        const entries = {
+            (0, THC_MAGIC, THC_VERSION, T_DATA, 1, 1, 1, 1, 1, 1) : check(C_NONE);
+            (0, THC_MAGIC, THC_VERSION, T_NORM, 1, 1, 1, 1, 1, 1) : check(C_NONE);
+            (0, THC_MAGIC, THC_VERSION, T_DATA, 1, 1, 1, 1, _, _) : check(C_MALFORMED);
+            (0, THC_MAGIC, THC_VERSION, T_NORM, 1, 1, 1, 1, _, _) : check(C_MALFORMED);
+            (0, THC_MAGIC, THC_VERSION, T_DATA, 1, 1, 1, _, _, _) : check(C_SLOT_OUT_OF_RANGE);
+            (0, THC_MAGIC, THC_VERSION, T_NORM, 1, 1, 1, _, _, _) : check(C_SLOT_OUT_OF_RANGE);
+            (0, THC_MAGIC, THC_VERSION, T_DATA, 1, 1, _, _, _, _) : check(C_UNREGISTERED);
+            (0, THC_MAGIC, THC_VERSION, T_NORM, 1, 1, _, _, _, _) : check(C_UNREGISTERED);
+            (0, THC_MAGIC, THC_VERSION, T_DATA, 1, _, _, _, _, _) : check(C_WORKER_OUT_OF_RANGE);
+            (0, THC_MAGIC, THC_VERSION, T_NORM, 1, _, _, _, _, _) : check(C_WORKER_OUT_OF_RANGE);
+            (0, THC_MAGIC, THC_VERSION, T_DATA, _, _, _, _, _, _) : check(C_UNKNOWN_JOB);
+            (0, THC_MAGIC, THC_VERSION, T_NORM, _, _, _, _, _, _) : check(C_UNKNOWN_JOB);
+            (0, THC_MAGIC, THC_VERSION, _, _, _, _, _, _, _) : check(C_MALFORMED);
+            (0, THC_MAGIC, _, _, _, _, _, _, _, _) : check(C_WRONG_VERSION);
+        }
+        default_action = check(C_MALFORMED);       // a parser error or the wrong magic
+        size = 16;
     }
 
     // ---- narrow flags for the gateways.  Tofino's `if` hardware (a gateway) takes at most 4
@@ -346,6 +412,7 @@ $word_registers
     }
 
     action round_math() {
+        meta.slot_round = meta.last - 1;
         meta.diff = meta.round_plus_one - meta.last;
         meta.gap = hdr.thc.round |-| meta.last;      // 0 when last > round: no wrap
     }
@@ -394,19 +461,11 @@ $word_registers
         size = 17;
     }
 
-    action seen_math() {
-        meta.seen = meta.arrived_old & meta.me;
-    }
-    table seen_tbl {
-        actions = { seen_math; }
-        default_action = seen_math();
-        size = 1;
-    }
     // cb's count as 8 bits, and how many contributors are still missing to the quorum and
     // to n (saturating: 0 once reached), so the tests are 8-bit compares with 0
     action count_math() {
-        meta.mine = meta.cb & meta.me;
-        meta.count = meta.cb[31:24];
+        meta.mine = hdr.bridge.cb & hdr.bridge.me;
+        meta.count = hdr.bridge.cb[31:24];
     }
     table count_math_tbl {
         actions = { count_math; }
@@ -423,49 +482,89 @@ $word_registers
         size = 1;
     }
 
+    // ---- pass 2's verdict, first match, from what pass 1 found (the bridge) and the counts:
+    // the round's first packet completes it at quorum 1; a previous round is resent if its
+    // result was kept; in the current round a non-contributor is late, a contributor's first
+    // packet aggregates (completing at the quorum) and its retransmission is a duplicate
+    // before the quorum and a resend after it
+    action set_verdict(verdict_t v) {
+        meta.verdict = v;
+    }
+    table verdict {
+        key = {
+            hdr.bridge.kind: exact;
+            meta.quorum: ternary;
+            hdr.bridge.cb: ternary;
+            meta.mine: ternary;
+            hdr.bridge.seen: ternary;
+            meta.quorum_short: ternary;
+        }
+        actions = { set_verdict; }
+        const entries = {
+            (K_FIRST, 1, _, _, _, _) : set_verdict(V_AGG_DONE);
+            (K_FIRST, _, _, _, _, _) : set_verdict(V_AGG);
+            (K_PREV, _, 0, _, _, _) : set_verdict(V_STALE);
+            (K_PREV, _, _, _, _, _) : set_verdict(V_RESEND_PREV);
+            (K_SAME, _, _, 0, _, _) : set_verdict(V_LATE);
+            (K_SAME, _, _, _, 0, 0) : set_verdict(V_AGG_DONE);
+            (K_SAME, _, _, _, 0, _) : set_verdict(V_AGG);
+            (K_SAME, _, _, _, _, 0) : set_verdict(V_RESEND_CUR);
+            (K_SAME, _, _, _, _, _) : set_verdict(V_DUP);
+        }
+        default_action = set_verdict(V_DROP_MALFORMED);
+        size = 9;
+    }
+
+    // a STRAGGLER notification back to the sender, carrying the slot's round
+    action straggler_reply() {
+        hdr.thc.token = 0;
+        hdr.thc.round = meta.slot_round;
+        hdr.bridge.pass2 = 0;
+        to_straggler();
+        bounce();
+    }
+
     apply {
         meta.event = C_NONE;
         meta.extra_event = C_NONE;
         meta.first = 0;
-        meta.same_ok = 0;
+        meta.rel = REL_NONE;
         meta.verdict = V_DROP_MALFORMED;
         if (!hdr.thc.isValid()) {
             l2.apply();
         } else {
-            // ---- validation, in the software PS's order (a miss in thc_job is unknown_job)
-            thc_job.apply();
-            worker_range.apply();
+          // the job: both passes need n, the quorum and the PS address
+          thc_job.apply();
+          if (!hdr.bridge.isValid()) {
+            // ================= pass 1: validation and the slot's state =================
+            // By default the packet goes on to pass 2 with the bridge header; a drop or a
+            // STRAGGLER reply below clears bridge.pass2.
+            meta.reply_port = ig_intr_md.ingress_port;
+            ig_tm_md.ucast_egress_port = meta.recirc_port;
             workers.apply();
+            job_size.apply();
+            worker_range.apply();
             slot_range.apply();
-            slot_indices();
             shape.apply();
-            if (hdr.idx.isValid()) {
-$apply_lookups
-            }
-            if (ig_prsr_md.parser_err != 0 || hdr.thc.magic != THC_MAGIC) {
-                meta.event = C_MALFORMED;
-            } else if (hdr.thc.version != THC_VERSION) {
-                meta.event = C_WRONG_VERSION;
-            } else if (hdr.thc.type != T_DATA && hdr.thc.type != T_NORM) {
-                meta.event = C_MALFORMED;
-            } else if (meta.job_ok == 0) {
-                meta.event = C_UNKNOWN_JOB;
-            } else if (meta.worker_ok == 0) {
-                meta.event = C_WORKER_OUT_OF_RANGE;
-            } else if (meta.registered == 0 || meta.worker != hdr.thc.worker_id) {
-                meta.event = C_UNREGISTERED;
-            } else if (meta.slot_ok == 0) {
-                meta.event = C_SLOT_OUT_OF_RANGE;
-            } else if (meta.shape_ok == 0) {
-                meta.event = C_MALFORMED;
-            }
-            if (meta.event == C_NONE && hdr.thc.num_workers != meta.n) {
-                meta.event = C_MALFORMED;
-            }
+            round_class.apply();
+            slot_indices();
+            checks.apply();                 // the event of a packet that fails, for the counters
+            hdr.bridge.setValid();
+            hdr.bridge.pass2 = 1;
+            hdr.bridge.kind = K_NONE;
+            hdr.bridge.pad = 0;
+            hdr.bridge.port = ig_intr_md.ingress_port;
+            hdr.bridge.me = meta.me;
+            hdr.bridge.cb = meta.me_cb;
+            hdr.bridge.seen = 0;
+            hdr.bridge.shadow_cb = 0;
+            hdr.bridge.off_old = 0;
 
-            // ---- the slot's round: one register access decides whether the slot moves on
-            if (meta.event == C_NONE) {
-                round_class.apply();
+            // ---- the slot's round: one register access decides whether the slot moves on.  The
+            // gate is the checks' conjunction (a registration implies a worker id in range, a
+            // job_size hit a known job), so the register runs while `checks` names the event.
+            if (ig_prsr_md.parser_err == 0 && meta.shape_ok == 1 && meta.n_ok == 1 &&
+                meta.registered == 1 && meta.slot_ok == 1) {
                 if (meta.far == 1) {
                     meta.last = round_far.execute(hdr.thc.slot);
                 } else {
@@ -473,143 +572,136 @@ $apply_lookups
                 }
                 round_math_tbl.apply();
                 relation.apply();
+            }
 
-                // ---- offset, arrivals, contributors, shadow copy: one access each, in this order
-                if (meta.rel == REL_NEW) {
-                    meta.first = 1;
-                    meta.off_old = offset_swap.execute(hdr.thc.slot);
-                    arrived_start.execute(hdr.thc.slot);
-                    if (meta.next_round == 1) {
-                        meta.shadow_cb = contrib_start_keep.execute(hdr.thc.slot);
-                    } else {
-                        meta.shadow_cb = contrib_start.execute(hdr.thc.slot);
-                    }
-                    shadow_save.execute(hdr.thc.slot);
-                    meta.cb = meta.me_cb;
-                    if (meta.quorum == 1) {
-                        meta.verdict = V_AGG_DONE;
-                    } else {
-                        meta.verdict = V_AGG;
-                    }
-                } else if (meta.rel == REL_SAME) {
-                    meta.off_old = offset_get.execute(hdr.thc.slot);
-                    if (meta.off_old != hdr.thc.offset) {
-                        meta.verdict = V_DROP_MALFORMED;
-                    } else {
-                        meta.arrived_old = arrived_add.execute(hdr.thc.slot);
-                        seen_tbl.apply();
-                        if (meta.seen == 0) {
-                            meta.cb = contrib_add.execute(hdr.thc.slot);
-                        } else {
-                            meta.cb = contrib_get.execute(hdr.thc.slot);
-                        }
-                        meta.same_ok = 1;       // its verdict below, once the counts are known
-                    }
-                } else if (meta.rel == REL_PREV) {
-                    meta.off_old = hdr.thc.offset;
-                    meta.cb = shadow_get.execute(hdr.thc.slot);
-                    if (meta.cb == 0) {
-                        meta.verdict = V_STALE;
-                    } else {
-                        meta.verdict = V_RESEND_PREV;
-                    }
-                } else if (meta.rel == REL_STALE) {
-                    meta.verdict = V_STALE;
+            // ---- offset, arrivals, contributors: one access each, in this order
+            if (meta.rel == REL_NEW) {
+                hdr.bridge.kind = K_FIRST;
+                hdr.bridge.off_old = offset_swap.execute(hdr.thc.slot);
+                arrived_start.execute(hdr.thc.slot);
+                if (meta.next_round == 1) {
+                    hdr.bridge.shadow_cb = contrib_start_keep.execute(hdr.thc.slot);
                 } else {
-                    meta.verdict = V_AHEAD;
+                    hdr.bridge.shadow_cb = contrib_start.execute(hdr.thc.slot);
                 }
-                count_math_tbl.apply();
-                short_math_tbl.apply();
-                if (meta.same_ok == 1) {
-                    if (meta.mine == 0) {
-                        // not a contributor: it came after the quorum (now or before)
-                        meta.verdict = V_LATE;
-                    } else if (meta.seen != 0) {
-                        if (meta.quorum_short != 0) {
-                            meta.verdict = V_DUP;
-                        } else {
-                            meta.verdict = V_RESEND_CUR;
-                        }
-                    } else if (meta.quorum_short != 0) {
-                        meta.verdict = V_AGG;
-                    } else {
-                        meta.verdict = V_AGG_DONE;
-                    }
-                }
-
-                // ---- the lanes: overwrite on a round's first packet, add, or only read for a resend
-                if (hdr.thc.type == T_DATA) {
-                    if (meta.first == 1) {
-$apply_set
-                    } else if (meta.verdict == V_AGG || meta.verdict == V_AGG_DONE) {
-$apply_add
-                    } else if (meta.verdict == V_RESEND_CUR || meta.verdict == V_LATE || meta.verdict == V_RESEND_PREV) {
-$apply_get
-                    }
-                } else {
-                    if (meta.first == 1) {
-                        hdr.norm.v = norm_set.execute(meta.bank_idx);
-                    } else if (meta.verdict == V_AGG || meta.verdict == V_AGG_DONE) {
-                        hdr.norm.v = norm_max.execute(meta.bank_idx);
-                    } else if (meta.verdict == V_RESEND_CUR || meta.verdict == V_LATE || meta.verdict == V_RESEND_PREV) {
-                        hdr.norm.v = norm_get.execute(meta.bank_idx);
-                    }
-                }
-
-                // ---- the outputs
-                if (meta.verdict == V_DROP_MALFORMED) {
+            } else if (meta.rel == REL_SAME) {
+                meta.off_diff = offset_cmp.execute(hdr.thc.slot);
+                if (meta.off_diff != 0) {
                     meta.event = C_MALFORMED;
-                } else if (meta.verdict == V_DUP) {
-                    meta.event = C_DUPLICATE;
-                } else if (meta.verdict == V_AHEAD) {
-                    meta.event = C_AHEAD;
-                } else if (meta.verdict == V_STALE) {
-                    meta.event = C_STALE;
-                    hdr.thc.token = 0;
-                    to_straggler();
-                    bounce();
-                } else if (meta.verdict == V_AGG) {
-                    ig_dprsr_md.drop_ctl = 1;
                 } else {
-                    // a result: multicast on completion, else unicast back to the sender
-                    hdr.thc.token = 0;
-                    count_tbl.apply();
-                    bitmap_tbl.apply();
-                    if (hdr.thc.type == T_DATA) {
-                        hdr.sums.setValid();
-                        data_to_result();
+                    hdr.bridge.kind = K_SAME;
+                    hdr.bridge.seen = arrived_add.execute(hdr.thc.slot);
+                    if (hdr.bridge.seen == 0) {
+                        hdr.bridge.cb = contrib_add.execute(hdr.thc.slot);
                     } else {
-                        norm_to_result();
+                        hdr.bridge.cb = contrib_get.execute(hdr.thc.slot);
                     }
-                    if (meta.verdict == V_AGG_DONE) {
-                        meta.event = C_ROUNDS_COMPLETED;
-                        if (meta.n_short != 0) {
-                            meta.extra_event = C_PARTIAL_ROUNDS;
-                        }
-                        hdr.thc.worker_id = 0;
-                        hdr.thc.flags = 0;
-                        // source: the PS address the workers sent to; destinations are set per replica
-                        hdr.eth.src = meta.ps_mac;
-                        hdr.ipv4.src = hdr.ipv4.dst;
-                        hdr.udp.src_port = hdr.udp.dst_port;
-                        ig_tm_md.mcast_grp_a = 1;
-                    } else {
-                        // V_RESEND_CUR, V_LATE, V_RESEND_PREV
-                        meta.event = C_RESULTS_RESENT;
-                        if (meta.verdict == V_LATE) {
-                            meta.extra_event = C_LATE;
-                        }
-                        hdr.thc.flags = F_RESENT;
-                        bounce();
-                    }
+                }
+            } else if (meta.rel == REL_PREV) {
+                hdr.bridge.kind = K_PREV;         // pass 2 reads the shadow copy
+                hdr.bridge.off_old = hdr.thc.offset;
+            } else if (meta.rel == REL_STALE) {
+                meta.event = C_STALE;
+                straggler_reply();
+            } else if (meta.rel == REL_AHEAD) {
+                meta.event = C_AHEAD;
+            }
+            if (meta.event != C_NONE) {
+                if (meta.event != C_STALE) {
+                    hdr.bridge.pass2 = 0;
+                    ig_dprsr_md.drop_ctl = 1;
+                }
+                events.count(meta.event);
+            }
+          } else {
+            // ================= pass 2: the shadow copy, the verdict, the lanes, the reply =================
+            meta.reply_port = hdr.bridge.port;
+            hdr.bridge.pass2 = 0;
+            slot_indices();
+            if (hdr.idx.isValid()) {
+$apply_lookups
+            }
+            if (hdr.bridge.kind == K_FIRST) {
+                meta.first = 1;
+                shadow_save.execute(hdr.thc.slot);
+            } else if (hdr.bridge.kind == K_PREV) {
+                hdr.bridge.cb = shadow_get.execute(hdr.thc.slot);
+            }
+            count_math_tbl.apply();
+            short_math_tbl.apply();
+            verdict.apply();
+
+            // ---- the lanes: overwrite on a round's first packet, add, or only read for a resend
+            if (hdr.thc.type == T_DATA) {
+                if (meta.first == 1) {
+$apply_set
+                } else if (meta.verdict == V_AGG || meta.verdict == V_AGG_DONE) {
+$apply_add
+                } else if (meta.verdict == V_RESEND_CUR || meta.verdict == V_LATE || meta.verdict == V_RESEND_PREV) {
+$apply_get
+                }
+            } else {
+                if (meta.first == 1) {
+                    hdr.norm.v = norm_set.execute(meta.bank_idx);
+                } else if (meta.verdict == V_AGG || meta.verdict == V_AGG_DONE) {
+                    hdr.norm.v = norm_max.execute(meta.bank_idx);
+                } else if (meta.verdict == V_RESEND_CUR || meta.verdict == V_LATE || meta.verdict == V_RESEND_PREV) {
+                    hdr.norm.v = norm_get.execute(meta.bank_idx);
                 }
             }
-            if (meta.event != C_NONE && meta.event != C_STALE && meta.event != C_ROUNDS_COMPLETED &&
-                meta.event != C_RESULTS_RESENT) {
+
+            // ---- the outputs
+            if (meta.verdict == V_STALE) {
+                // a previous round with nothing kept: the slot is at the packet's round + 1
+                meta.event = C_STALE;
+                meta.slot_round = meta.round_plus_one;
+                straggler_reply();
+            } else if (meta.verdict == V_DUP) {
+                meta.event = C_DUPLICATE;
                 ig_dprsr_md.drop_ctl = 1;
+            } else if (meta.verdict == V_AGG) {
+                ig_dprsr_md.drop_ctl = 1;
+            } else {
+                // a result: multicast on completion, else unicast back to the sender
+                hdr.thc.token = 0;
+                count_tbl.apply();
+                bitmap_tbl.apply();
+                if (hdr.thc.type == T_DATA) {
+                    hdr.sums.setValid();
+                    data_to_result();
+                } else {
+                    norm_to_result();
+                }
+                if (meta.verdict == V_AGG_DONE) {
+                    meta.event = C_ROUNDS_COMPLETED;
+                    if (meta.n_short != 0) {
+                        meta.extra_event = C_PARTIAL_ROUNDS;
+                    }
+                    hdr.thc.worker_id = 0;
+                    hdr.thc.flags = 0;
+                    // source: the PS address the workers sent to; destinations are set per replica
+                    hdr.eth.src = meta.ps_mac;
+                    hdr.ipv4.src = hdr.ipv4.dst;
+                    hdr.udp.src_port = hdr.udp.dst_port;
+                    ig_tm_md.mcast_grp_a = 1;
+                } else {
+                    // V_RESEND_CUR, V_LATE, V_RESEND_PREV
+                    meta.event = C_RESULTS_RESENT;
+                    if (meta.verdict == V_LATE) {
+                        meta.extra_event = C_LATE;
+                    }
+                    hdr.thc.flags = F_RESENT;
+                    bounce();
+                }
             }
             events.count(meta.event);
             extra_events.count(meta.extra_event);
+          }
+        }
+        if (!hdr.bridge.isValid()) {
+            // leaving the switch after this pass: the egress drops the bridge header
+            hdr.bridge.setValid();
+            hdr.bridge.pass2 = 0;
         }
     }
 }

@@ -1,8 +1,18 @@
 parser ThcIngressParser(packet_in pkt, out headers_t hdr, out metadata_t meta,
                         out ingress_intrinsic_metadata_t ig_intr_md) {
+    // the recirculation ports (control plane): packets from them are in their second pass
+    value_set<PortId_t>(4) recirc_ports;
+
     state start {
         pkt.extract(ig_intr_md);
         pkt.advance(PORT_METADATA_SIZE);
+        transition select(ig_intr_md.ingress_port) {
+            recirc_ports: parse_bridge;
+            default: parse_eth;
+        }
+    }
+    state parse_bridge {
+        pkt.extract(hdr.bridge);
         transition parse_eth;
     }
 $parse_states
