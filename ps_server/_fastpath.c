@@ -41,6 +41,7 @@
 #define OP_MAX_U32 3
 #define MAX_WORKERS 32
 #define BATCH 64
+#define OUT_CAP 256        /* output packets queued before a flush: 44-segment GSO runs of RESULTs */
 #include "../proto/udpio.h"
 
 enum { C_PACKETS_IN, C_BYTES_IN, C_PACKETS_OUT, C_BYTES_OUT, C_ROUNDS, C_PARTIAL, C_RESENT,
@@ -116,8 +117,11 @@ typedef struct {
 
 /* ------------------------------------------------------------------ kernels */
 
+/* acc[i] (+)= table[z_i] for the count packed indices; `set` writes instead of adding (a
+ * round's first contribution: no zeroing pass over the accumulator). */
 static void lookup_add_scalar(uint8_t *acc, int lane_bytes, const uint8_t *in, int count, int bits,
-                              const uint32_t *table) {
+                              const uint32_t *table, int set) {
+    if (set) memset(acc, 0, (size_t)count * (size_t)lane_bytes);
     if (bits == 4 && lane_bytes == 1) {
         for (int i = 0; i < count / 2; i++) {
             acc[2 * i] += (uint8_t)table[in[i] >> 4];
@@ -142,7 +146,8 @@ static void lookup_add_scalar(uint8_t *acc, int lane_bytes, const uint8_t *in, i
 
 #if defined(__x86_64__)
 __attribute__((target("avx2")))
-static void lookup_add4_avx2(uint8_t *acc, const uint8_t *in, int count, const uint8_t *table8) {
+static void lookup_add4_avx2(uint8_t *acc, const uint8_t *in, int count, const uint8_t *table8, int set) {
+    if (set) memset(acc, 0, (size_t)count);
     const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table8));
     const __m256i lo_mask = _mm256_set1_epi8(0x0F);
     int nbytes = count / 2, i = 0;
@@ -154,8 +159,12 @@ static void lookup_add4_avx2(uint8_t *acc, const uint8_t *in, int count, const u
         __m256i first = _mm256_permute2x128_si256(a, b, 0x20);
         __m256i second = _mm256_permute2x128_si256(a, b, 0x31);
         __m256i *dst = (__m256i *)(acc + 2 * i);
-        _mm256_storeu_si256(dst, _mm256_add_epi8(_mm256_loadu_si256(dst), first));
-        _mm256_storeu_si256(dst + 1, _mm256_add_epi8(_mm256_loadu_si256(dst + 1), second));
+        if (!set) {
+            first = _mm256_add_epi8(_mm256_loadu_si256(dst), first);
+            second = _mm256_add_epi8(_mm256_loadu_si256(dst + 1), second);
+        }
+        _mm256_storeu_si256(dst, first);
+        _mm256_storeu_si256(dst + 1, second);
     }
     for (; i < nbytes; i++) {
         acc[2 * i] += table8[in[i] >> 4];
@@ -165,14 +174,14 @@ static void lookup_add4_avx2(uint8_t *acc, const uint8_t *in, int count, const u
 }
 #endif
 
-static void lookup_add(Engine *e, uint8_t *acc, const uint8_t *in, int count) {
+static void lookup_add(Engine *e, uint8_t *acc, const uint8_t *in, int count, int set) {
 #if defined(__x86_64__)
     if (e->avx2 && e->bits == 4 && e->lane_bits == 8) {
-        lookup_add4_avx2(acc, in, count, e->table8);
+        lookup_add4_avx2(acc, in, count, e->table8, set);
         return;
     }
 #endif
-    lookup_add_scalar(acc, e->lane_bits / 8, in, count, e->bits, e->table);
+    lookup_add_scalar(acc, e->lane_bits / 8, in, count, e->bits, e->table, set);
 }
 
 static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return ntohl(v); }
@@ -245,7 +254,9 @@ static void make_result(Engine *e, slot_t *st, int type) {
         for (int i = 0; i < n; i++) { uint32_t v; memcpy(&v, st->acc + 4 * i, 4); wr32(r->payload + 4 * i, v); }
         r->len = 4 * n;
     } else if (e->lane_bits == 8) {
-        memcpy(r->payload, st->acc, n);
+        /* the accumulator is the payload: swap the buffers (same size) instead of copying;
+         * the next round's first contribution overwrites the old payload buffer */
+        uint8_t *t = r->payload; r->payload = st->acc; st->acc = t;
         r->len = n;
     } else if (e->lane_bits == 16) {
         for (int i = 0; i < n; i++) wr16(r->payload + 2 * i, ((uint16_t *)st->acc)[i]);
@@ -316,8 +327,7 @@ static int round_step(Engine *e, slot_t *st, const pkt_t *p) {
         st->cur.valid = 0;
         st->active = 1; st->round = p->round; st->count = 0; st->bitmap = 0;
         st->offset = p->offset; st->elems = p->count;
-        memset(st->acc, 0, (size_t)e->elems * 4);
-        return 1;
+        return 1;                       /* aggregate() writes the first contribution over acc */
     }
     if (p->round == st->round) {
         if (p->offset != st->offset || p->count != st->elems) { e->drops[D_MALFORMED]++; return 0; }
@@ -359,7 +369,7 @@ static void aggregate(Engine *e, slot_t *st, const pkt_t *p) {
             a[i] = first ? f : a[i] + f;
         }
     } else {
-        lookup_add(e, st->acc, p->payload, count);
+        lookup_add(e, st->acc, p->payload, count, first);
     }
     st->bitmap |= 1u << p->worker;
     st->count++;
@@ -460,8 +470,8 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
             return -1;
         }
     }
-    e->cap_out = BATCH;
-    e->cap_msgs = BATCH * e->n;
+    e->cap_out = OUT_CAP;
+    e->cap_msgs = OUT_CAP * e->n;
     e->pkt_cap = (size_t)e->elems * 4;
     e->out = PyMem_RawCalloc(e->cap_out, sizeof(outpkt_t));
     e->msgs = PyMem_RawCalloc(e->cap_msgs, sizeof(*e->msgs));
@@ -836,10 +846,10 @@ static PyObject *lookup_accumulate(PyObject *self, PyObject *args) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     if (!force_scalar && bits == 4 && lane == 1 && __builtin_cpu_supports("avx2"))
-        lookup_add4_avx2(acc.buf, in.buf, (int)count, t8);
+        lookup_add4_avx2(acc.buf, in.buf, (int)count, t8, 0);
     else
 #endif
-        lookup_add_scalar(acc.buf, lane, in.buf, (int)count, bits, t);
+        lookup_add_scalar(acc.buf, lane, in.buf, (int)count, bits, t, 0);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&acc);
     PyBuffer_Release(&in);

@@ -715,7 +715,8 @@ class Transport:
             slot = (c // nshards) % job.slots
             use = c // (nshards * job.slots)
         rounds = (self.slot_round[shard, slot] + use + 1) & 0xFFFFFFFF
-        np.add.at(self.slot_round, (shard, slot), 1)
+        uses = np.bincount(shard * self.slot_round.shape[1] + slot, minlength=self.slot_round.size)
+        self.slot_round += uses.reshape(self.slot_round.shape)
         return shard.astype(np.int32), slot.astype(np.int32), rounds.astype(np.uint32)
 
     def skip_phase(self, kind: int, nchunks: int) -> None:
