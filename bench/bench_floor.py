@@ -9,8 +9,10 @@ Then, in the same run, a PS (threads of this process, C engine) and N worker pro
 loopback run real rounds with error feedback, for THC and for float32 (codec none) through
 the same path.  Each worker makes its round's test gradient first (untimed), all meet at a
 barrier, then the allreduce is timed; a round's time is its slowest worker's (the round is
-done when every worker has its result).  The CPU columns say where the cores went: worker
-processes' and the PS's user+system CPU per round, against wall × cores (the rest is idle).
+done when every worker has its result); the table gives the mean and the median round (the
+median is robust to the host's occasional stalls, the mean is not).  The CPU columns say
+where the cores went: worker processes' and the PS's user+system CPU per round, against
+wall × cores (the rest is idle).
 The data path's offload (GSO/GRO) and phase engine as the environment says
 (THC_UDP_OFFLOAD, THC_PHASE_ENGINE).
 
@@ -138,7 +140,8 @@ def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = Fa
         print(f"{codec}: round ms per worker (rows) and round (columns) "
               f"{np.round(per[:, :, 0] * 1e3).astype(int).tolist()}, retransmissions {int(per[:, -1, 4].sum())}")
     wall = per[:, :, 0].max(axis=0)                            # a round ends with its slowest worker
-    return {"round_ms": 1e3 * wall.mean(), "worker_cpu_ms": 1e3 * per[:, :, 1].sum(axis=0).mean(),
+    return {"round_ms": 1e3 * wall.mean(), "median_ms": 1e3 * float(np.median(wall)),
+            "worker_cpu_ms": 1e3 * per[:, :, 1].sum(axis=0).mean(),
             "ps_cpu_ms": 1e3 * ps_cpu / (rounds + 1), "up_mb": per[0, :, 2].mean() / 1e6,
             "down_mb": per[0, :, 3].mean() / 1e6}
 
@@ -156,12 +159,13 @@ def main():
           f"{os.environ.get('THC_UDP_OFFLOAD', '1')}, phase engine {os.environ.get('THC_PHASE_ENGINE', 'c')}")
     print(f"one worker's codec CPU per round: {cpu:.1f} ms -> floor {args.workers} x {cpu:.1f} / {cores} "
           f"= {floor:.1f} ms")
-    print(f"{'codec':>6}{'round ms':>10}{'x floor':>9}{'workers CPU ms':>16}{'PS CPU ms':>11}"
-          f"{'idle ms':>9}{'up MB':>8}{'down MB':>9}")
+    print(f"{'codec':>6}{'round ms':>10}{'x floor':>9}{'median ms':>11}{'x floor':>9}{'workers CPU ms':>16}"
+          f"{'PS CPU ms':>11}{'idle ms':>9}{'up MB':>8}{'down MB':>9}")
     for codec in ("thc", "none"):
         d = run_rounds(codec, dim, args.workers, args.rounds)
         idle = d["round_ms"] * cores - d["worker_cpu_ms"] - d["ps_cpu_ms"]
-        print(f"{codec:>6}{d['round_ms']:10.1f}{d['round_ms'] / floor:9.2f}{d['worker_cpu_ms']:16.1f}"
+        print(f"{codec:>6}{d['round_ms']:10.1f}{d['round_ms'] / floor:9.2f}{d['median_ms']:11.1f}"
+              f"{d['median_ms'] / floor:9.2f}{d['worker_cpu_ms']:16.1f}"
               f"{d['ps_cpu_ms']:11.1f}{idle:9.1f}{d['up_mb']:8.2f}{d['down_mb']:9.2f}", flush=True)
 
 

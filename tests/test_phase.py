@@ -220,8 +220,8 @@ def test_error_feedback_during_the_phase_and_lazy_digests():
 
 @pytest.mark.parametrize("engine", ["c", "python"])
 def test_window_doubles_when_clean_and_halves_on_timeouts(engine):
-    """The chunks in flight start at START_WINDOW, double after each phase that filled them
-    without a timeout (up to `window`), halve after a phase with timeouts (down to
+    """The chunks in flight start at START_WINDOW, double per window-full of chunks a phase
+    carried without a timeout (up to `window`), halve after a phase with timeouts (down to
     MIN_WINDOW), and then grow by WINDOW_STEP per clean phase; results stay exact."""
     from worker.transport import MIN_WINDOW, START_WINDOW, WINDOW_STEP
     server = PSServer(JobConfig(num_workers=1), ("127.0.0.1", 0), control_port=0).start()
@@ -234,11 +234,13 @@ def test_window_doubles_when_clean_and_halves_on_timeouts(engine):
         assert t.cwnd == START_WINDOW
         chunks = [(16 * c, 16, bytes(range(c % 200, c % 200 + 8))) for c in range(400)]
         seen = []
-        for _ in range(4):
-            res = t.run_phase(H.DATA, chunks)
+        for n in (START_WINDOW // 2, START_WINDOW + 1, 2 * START_WINDOW + 1, 400, 400):
+            res = t.run_phase(H.DATA, chunks[:n])
             assert all(r is not None and r[0].contributors == 1 for r in res)
             seen.append(t.cwnd)
-        assert seen == [2 * START_WINDOW, 4 * START_WINDOW, 300, 300]
+        # not filled: no change; one window-full: ×2; 129 chunks at 128 in flight: one more
+        # round trip, ×2; 400 at 256: capped at `window`
+        assert seen == [START_WINDOW, 2 * START_WINDOW, 4 * START_WINDOW, 300, 300]
         assert t.stats.counters["timeouts"] == 0
         t.shard_addrs = [silent.sock.getsockname()]      # nothing answers: every phase times out
         seen = []

@@ -749,15 +749,17 @@ class Transport:
         a phase with a timeout halves `cwnd` (a queue overflowed or filled past the timeout
         somewhere — a rate-limited link, a switch buffer under incast, a socket — or a rank
         straggled) and remembers the half as `ssthresh`; a phase that filled the window
-        without one doubles it below `ssthresh` and adds WINDOW_STEP above, up to `window`.
-        On loopback the window reaches `window` in a few phases and keeps the cores busy; on
+        without one doubles it below `ssthresh` once per round trip it carried (a window-full
+        of chunks: TCP's slow start doubles per round trip, not per phase) and adds
+        WINDOW_STEP above, up to `window`.  On loopback the window reaches `window` after the
+        first large phase and keeps the cores busy; on
         a slow link it stays near what the bottleneck queue holds, with a timeout only
         every (cwnd / 2) / WINDOW_STEP phases."""
         if timeouts:
             self.ssthresh = self.cwnd = max(min(MIN_WINDOW, self.window), self.cwnd // 2)
         elif nchunks > self.cwnd:
             if self.cwnd < self.ssthresh:
-                grown = min(2 * self.cwnd, self.ssthresh)
+                grown = min(self.cwnd << min(nchunks // self.cwnd, 16), self.ssthresh)
             else:
                 grown = self.cwnd + WINDOW_STEP
             self.cwnd = min(self.window, grown)
