@@ -121,15 +121,16 @@ typedef struct {
  * round's first contribution: no zeroing pass over the accumulator). */
 static void lookup_add_scalar(uint8_t *acc, int lane_bytes, const uint8_t *in, int count, int bits,
                               const uint32_t *table, int set) {
-    if (set) memset(acc, 0, (size_t)count * (size_t)lane_bytes);
     if (bits == 4 && lane_bytes == 1) {
+        uint8_t keep = set ? 0 : 0xFF;         /* acc & keep: 0 when writing, acc when adding */
         for (int i = 0; i < count / 2; i++) {
-            acc[2 * i] += (uint8_t)table[in[i] >> 4];
-            acc[2 * i + 1] += (uint8_t)table[in[i] & 15];
+            acc[2 * i] = (uint8_t)((acc[2 * i] & keep) + table[in[i] >> 4]);
+            acc[2 * i + 1] = (uint8_t)((acc[2 * i + 1] & keep) + table[in[i] & 15]);
         }
-        if (count & 1) acc[count - 1] += (uint8_t)table[in[count / 2] >> 4];
+        if (count & 1) acc[count - 1] = (uint8_t)((acc[count - 1] & keep) + table[in[count / 2] >> 4]);
         return;
     }
+    if (set) memset(acc, 0, (size_t)count * (size_t)lane_bytes);
     uint32_t mask = (1u << bits) - 1;
     uint64_t bitpos = 0;
     for (int i = 0; i < count; i++, bitpos += bits) {
@@ -147,7 +148,6 @@ static void lookup_add_scalar(uint8_t *acc, int lane_bytes, const uint8_t *in, i
 #if defined(__x86_64__)
 __attribute__((target("avx2")))
 static void lookup_add4_avx2(uint8_t *acc, const uint8_t *in, int count, const uint8_t *table8, int set) {
-    if (set) memset(acc, 0, (size_t)count);
     const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table8));
     const __m256i lo_mask = _mm256_set1_epi8(0x0F);
     int nbytes = count / 2, i = 0;
@@ -166,11 +166,12 @@ static void lookup_add4_avx2(uint8_t *acc, const uint8_t *in, int count, const u
         _mm256_storeu_si256(dst, first);
         _mm256_storeu_si256(dst + 1, second);
     }
+    uint8_t keep = set ? 0 : 0xFF;
     for (; i < nbytes; i++) {
-        acc[2 * i] += table8[in[i] >> 4];
-        acc[2 * i + 1] += table8[in[i] & 15];
+        acc[2 * i] = (uint8_t)((acc[2 * i] & keep) + table8[in[i] >> 4]);
+        acc[2 * i + 1] = (uint8_t)((acc[2 * i + 1] & keep) + table8[in[i] & 15]);
     }
-    if (count & 1) acc[count - 1] += table8[in[count / 2] >> 4];
+    if (count & 1) acc[count - 1] = (uint8_t)((acc[count - 1] & keep) + table8[in[count / 2] >> 4]);
 }
 #endif
 
@@ -820,13 +821,14 @@ static PyTypeObject EngineType = {
     .tp_doc = "C aggregation engine mirroring ps_server.reference.ReferencePS",
 };
 
-/* lookup_accumulate(acc, packed, table, bits, force_scalar=False): acc[i] += table[z_i] for the
- * indices packed in `packed`; acc is a writable buffer of uint8/16/32 lanes (itemsize = lane). */
+/* lookup_accumulate(acc, packed, table, bits, force_scalar=False, set=False): acc[i] += table[z_i]
+ * (with set: acc[i] = table[z_i], a round's first contribution) for the indices packed in
+ * `packed`; acc is a writable buffer of uint8/16/32 lanes (itemsize = lane). */
 static PyObject *lookup_accumulate(PyObject *self, PyObject *args) {
     Py_buffer acc, in;
     PyObject *table;
-    int bits, force_scalar = 0;
-    if (!PyArg_ParseTuple(args, "w*y*Oi|p", &acc, &in, &table, &bits, &force_scalar)) return NULL;
+    int bits, force_scalar = 0, set = 0;
+    if (!PyArg_ParseTuple(args, "w*y*Oi|pp", &acc, &in, &table, &bits, &force_scalar, &set)) return NULL;
     uint32_t t[256] = {0};
     uint8_t t8[16];
     PyObject *seq = PySequence_Fast(table, "table must be a sequence");
@@ -846,10 +848,10 @@ static PyObject *lookup_accumulate(PyObject *self, PyObject *args) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     if (!force_scalar && bits == 4 && lane == 1 && __builtin_cpu_supports("avx2"))
-        lookup_add4_avx2(acc.buf, in.buf, (int)count, t8, 0);
+        lookup_add4_avx2(acc.buf, in.buf, (int)count, t8, set);
     else
 #endif
-        lookup_add_scalar(acc.buf, lane, in.buf, (int)count, bits, t, 0);
+        lookup_add_scalar(acc.buf, lane, in.buf, (int)count, bits, t, set);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&acc);
     PyBuffer_Release(&in);

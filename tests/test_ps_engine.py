@@ -189,6 +189,19 @@ def test_kernel_simd_equals_scalar():
         lookup_accumulate(a, packed, tab, 4)
         lookup_accumulate(b, packed, tab, 4, True)
         assert a.tolist() == b.tolist() == np.asarray(tab)[z].tolist()
+        # set: a round's first contribution overwrites whatever the accumulator held
+        for force_scalar in (False, True):
+            c = rng.integers(0, 256, count).astype(np.uint8)
+            lookup_accumulate(c, packed, tab, 4, force_scalar, True)
+            assert c.tolist() == np.asarray(tab)[z].tolist()
+            lookup_accumulate(c, packed, tab, 4, force_scalar)
+            assert c.tolist() == (2 * np.asarray(tab)[z]).tolist()
+    for lane, bits in ((np.uint16, 4), (np.uint32, 3), (np.uint8, 2)):   # the generic scalar path
+        z = rng.integers(0, 1 << bits, 301).astype(np.uint8)
+        packed = pack_indices(z, bits).tobytes()
+        c = rng.integers(0, 200, 301).astype(lane)
+        lookup_accumulate(c, packed, tab, bits, False, True)
+        assert c.tolist() == np.asarray(tab)[z].tolist()
 
 
 @pytest.mark.parametrize("codec", ["thc", "none", "topk"])
