@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 
 def nmse_codecs():
@@ -285,6 +286,17 @@ def _p4_mininet(args):
         raise SystemExit(1)
 
 
+def _print_tofino_resources(pipe) -> None:
+    """One line of the compiler's resource report (p4c-barefoot -g), when it wrote one."""
+    from p4 import tofino_resources
+    try:
+        r = tofino_resources.summarize(pipe)
+    except (OSError, ValueError, KeyError):
+        return
+    print(f"{r['stages_used']} of {r['stages']} MAU stages, {r['srams']} SRAM and {r['tcams']} TCAM blocks, "
+          f"{r['stateful_alus']} stateful ALUs ({pipe}/logs/resources.json)")
+
+
 def cmd_p4(args):
     from p4 import control, gen_p4
     if args.action == "doctor":
@@ -305,6 +317,7 @@ def cmd_p4(args):
         if proc.returncode != 0:
             raise RuntimeError(f"p4c-barefoot --target {args.target} failed (status {proc.returncode})")
         print(f"compiled p4/tofino/thc_tna.p4 for {args.target} into {args.out}/{args.target}")
+        _print_tofino_resources(Path(args.out) / args.target / "pipe")
         return None
     ports = {}
     for item in args.iface:

@@ -14,7 +14,7 @@ def _stage(n, tables, srams, tcams, salus, gateways):
             "gateways": {"nRows": 8, "nUnits": 2, "gateways": [{"row": 0}] * gateways}}
 
 
-def test_summary_sums_the_stages_and_counts_used_phv(tmp_path):
+def test_summary_sums_the_stages_and_counts_used_phv(tmp_path, capsys):
     logs = tmp_path / "logs"
     logs.mkdir()
     stages = [_stage(0, 3, 5, 2, 1, 1), _stage(1, 0, 0, 0, 0, 0), _stage(2, 1, 2, 0, 3, 0)]
@@ -28,3 +28,9 @@ def test_summary_sums_the_stages_and_counts_used_phv(tmp_path):
         (7, 2, 4, 4, 1)
     assert got["srams_available"] == 240 and got["stateful_alus_available"] == 12
     assert got["phv_containers_used"] == {8: 1, 16: 1, 32: 1}
+    # `thc p4 build --target tofino` prints it in one line; without a report it prints nothing
+    from deploy.commands import _print_tofino_resources
+    _print_tofino_resources(tmp_path)
+    _print_tofino_resources(tmp_path / "missing")
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"3 of 12 MAU stages, 7 SRAM and 2 TCAM blocks, 4 stateful ALUs ({tmp_path}/logs/resources.json)"]
