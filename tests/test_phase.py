@@ -259,3 +259,33 @@ def test_window_doubles_when_clean_and_halves_on_timeouts(engine):
         silent.stop.set()
         silent.join(2)
         server.stop()
+
+
+def _placer(shards: int, slots: int = 8):
+    """A Transport's chunk placement alone (no sockets)."""
+    t = Transport.__new__(Transport)
+    t.job = JobConfig(num_workers=2, slots=slots)
+    t.shard_addrs = [("127.0.0.1", 9000 + 2 * s) for s in range(shards)]
+    t.slot_round = np.zeros((shards, slots + t.job.norm_slots), dtype=np.int64)
+    return t
+
+
+@pytest.mark.parametrize("shards, nchunks", [(1, 200), (2, 300), (3, 10), (2, 1)])
+def test_chunks_go_to_shards_in_runs_and_slot_rounds_advance_per_use(shards, nchunks):
+    from worker.transport import SHARD_RUN
+    t = _placer(shards)
+    uses: dict = {}
+    for phase in range(2):
+        shard, slot, rounds = t._place(H.DATA, nchunks, phase)
+        length = max(1, min(SHARD_RUN, -(-nchunks // shards)))
+        assert shard.tolist() == [(c // length) % shards for c in range(nchunks)]
+        if shards == 1:                                   # one shard: chunk c in slot c mod slots
+            assert slot.tolist() == [c % 8 for c in range(nchunks)]
+        for s in range(shards):                           # a shard's chunks take its slots in turn
+            mine = np.flatnonzero(shard == s)
+            assert slot[mine].tolist() == [k % 8 for k in range(len(mine))]
+        for key in zip(shard.tolist(), slot.tolist(), rounds.tolist()):   # each use: the next round
+            uses[key[:2]] = uses.get(key[:2], 0) + 1
+            assert key[2] == uses[key[:2]], key
+    if nchunks >= shards:
+        assert set(shard.tolist()) == set(range(shards))  # every shard has work, small phases too

@@ -278,6 +278,7 @@ DEFAULT_WINDOW = 512        # most chunks in flight per worker: the default job'
 START_WINDOW = 64           # the window a transport starts with ...
 MIN_WINDOW = 16             # ... the least it shrinks to (see Transport._adapt_window) ...
 WINDOW_STEP = 16            # ... and its additive increase past the last halving
+SHARD_RUN = 64              # consecutive chunks a shard takes in turn: a GSO message's worth
 
 
 class Transport:
@@ -311,9 +312,12 @@ class Transport:
         $THC_UDP_OFFLOAD unset or 1 the socket receives with UDP GRO and the C phase sends
         runs of packets as UDP GSO messages (proto/udpio.py).
 
-        Chunk c of a DATA phase goes to shard c mod S; NORM phases and control calls
-        (barriers, model sync) go to shard 0.  A shard may name a 4th element, the control
-        host, when the control plane runs elsewhere (a switch aggregates, a host controls).
+        The chunks of a DATA phase go to the shards in runs of SHARD_RUN (run k to shard
+        k mod S: every shard busy from the start, a run one GSO message; shorter runs when a
+        phase has fewer than SHARD_RUN chunks per shard); NORM phases and
+        control calls (barriers, model sync) go to shard 0.  A shard may name a 4th element,
+        the control host, when the control plane runs elsewhere (a switch aggregates, a host
+        controls).
         """
         if policy not in POLICIES:
             raise ValueError(f"loss policy must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -711,9 +715,13 @@ class Transport:
             slot = job.slots + (phase_index + c) % job.norm_slots
             use = c // job.norm_slots                    # earlier uses of the same slot this phase
         else:
-            shard = c % nshards
-            slot = (c // nshards) % job.slots
-            use = c // (nshards * job.slots)
+            # runs of SHARD_RUN chunks, shorter when the phase has fewer than SHARD_RUN per shard
+            length = max(1, min(SHARD_RUN, -(-nchunks // nshards)))
+            run = c // length
+            shard = run % nshards
+            pos = (run // nshards) * length + c % length     # the chunk's place on its shard
+            slot = pos % job.slots
+            use = pos // job.slots
         rounds = (self.slot_round[shard, slot] + use + 1) & 0xFFFFFFFF
         uses = np.bincount(shard * self.slot_round.shape[1] + slot, minlength=self.slot_round.size)
         self.slot_round += uses.reshape(self.slot_round.shape)
