@@ -361,8 +361,9 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                    in ingress_intrinsic_metadata_from_parser_t ig_prsr_md,
                    inout ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md,
                    inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
-    // Each event counter is addressed once per packet on Tofino: `events` counts the packet's
-    // outcome, `extra_events` the second event a few packets have (a partial round, a late
+    // Each event counter is addressed once per packet and pass on Tofino: `events` counts the
+    // packet's outcome once (in pass 1 for what pass 1 finishes, else in pass 2),
+    // `extra_events` the second event a few packets have (a partial round, a late
     // contribution).  The control plane adds the two per index.
     Counter<bit<32>, event_t>(16, CounterType_t.PACKETS) events;
     Counter<bit<32>, event_t>(16, CounterType_t.PACKETS) extra_events;
@@ -764,7 +765,8 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
         default_action = set_v31(0);
     }
 
-    // ---- per-slot state (index: slot).  One RegisterAction runs per register per packet.
+    // ---- per-slot state (index: slot).  One RegisterAction runs per register per packet (each
+    // register belongs to one pass).
     // The slot's round + 1 (0: not used yet).  Below ROUND_WINDOW a round can never be ahead.
     Register<round_t, slot_index_t>(4096, 0) round_reg;
     RegisterAction<round_t, slot_index_t, round_t>(round_reg) round_near = {
