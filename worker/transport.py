@@ -314,10 +314,9 @@ class Transport:
 
         The chunks of a DATA phase go to the shards in runs of SHARD_RUN (run k to shard
         k mod S: every shard busy from the start, a run one GSO message; shorter runs when a
-        phase has fewer than SHARD_RUN chunks per shard); NORM phases and
-        control calls (barriers, model sync) go to shard 0.  A shard may name a 4th element,
-        the control host, when the control plane runs elsewhere (a switch aggregates, a host
-        controls).
+        phase has fewer than SHARD_RUN chunks per shard); NORM phases and control calls
+        (barriers, model sync) go to shard 0.  A shard may name a 4th element, the control
+        host, when the control plane runs elsewhere (a switch aggregates, a host controls).
         """
         if policy not in POLICIES:
             raise ValueError(f"loss policy must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -760,9 +759,8 @@ class Transport:
         without one doubles it below `ssthresh` once per round trip it carried (a window-full
         of chunks: TCP's slow start doubles per round trip, not per phase) and adds
         WINDOW_STEP above, up to `window`.  On loopback the window reaches `window` after the
-        first large phase and keeps the cores busy; on
-        a slow link it stays near what the bottleneck queue holds, with a timeout only
-        every (cwnd / 2) / WINDOW_STEP phases."""
+        first large phase and keeps the cores busy; on a slow link it stays near what the
+        bottleneck queue holds, with a timeout only every (cwnd / 2) / WINDOW_STEP phases."""
         if timeouts:
             self.ssthresh = self.cwnd = max(min(MIN_WINDOW, self.window), self.cwnd // 2)
         elif nchunks > self.cwnd:

@@ -228,8 +228,6 @@ struct headers_t {
 }
 
 struct metadata_t {
-    bit<1> pass2;               // this is the packet's second pass (it came with a bridge header)
-    pass_kind_t kind;           // pass 1: what pass 2 must do (K_NONE: nothing, no recirculation)
     PortId_t reply_port;        // where a reply to the sender goes
     round_t slot_round;         // the slot's round, for a STRAGGLER notification
     // the job (thc_job: job id and nonce are its key), its worker ids and slots
