@@ -3,12 +3,16 @@
 Floor: every worker's own codec work in a round — x = ∇ + e, block norms, the uniforms,
 the fused encode, the fused lanes decode and the error-feedback decode (thc.WorkerRound,
 what Worker._thc_round does besides the transport) — measured as CPU time in this process
-(best of 3), times the number of workers, divided by the cores they share.
+on one thread (the least CPU the work takes), best of 3, times the number of workers,
+divided by the cores they share.  The host's speed drifts by 10-20% within minutes, so the
+floor is measured just before and just after the THC rounds and their mean is used (both
+are printed).
 
 Then, in the same run, a PS (threads of this process, C engine) and N worker processes on
 loopback run real rounds with error feedback, for THC and for float32 (codec none) through
 the same path.  Each worker makes its round's test gradient first (untimed), all meet at a
-barrier, then the allreduce is timed; a round's time is its slowest worker's (the round is
+barrier, then the allreduce (in place: the average is written into the gradient, as
+torch.distributed's all_reduce does) is timed; a round's time is its slowest worker's (the round is
 done when every worker has its result); the table gives the mean and the median round (the
 median is robust to the host's occasional stalls, the mean is not).  The CPU columns say
 where the cores went: worker processes' and the PS's user+system CPU per round, against
@@ -48,16 +52,23 @@ def codec_cpu_ms(dim: int, job: JobConfig) -> float:
     memory = ErrorFeedback()
     memory.update("grad", np.zeros(dim, np.float32))
     lanes = np.full(thc.make_layout(dim, cfg.block_log2).padded_dim, 60, np.uint8)
+    est = np.empty(dim, np.float32)         # the round decodes into the caller's gradient
     best = float("inf")
+    saved = os.environ.get("THC_CODEC_THREADS")
+    os.environ["THC_CODEC_THREADS"] = "1"   # the least CPU: threads on a block each contend for memory
     for r in range(3):
         rng = np.random.default_rng(r)
         t = time.process_time()
         rnd = thc.WorkerRound(cfg, grad, memory, "grad")
         norms = rnd.norms().astype(np.float64)
         rnd.encode(norms, rng, r, packed=True)
-        rnd.decode_lanes(lanes, job.num_workers)
+        rnd.decode_lanes(lanes, job.num_workers, out=est)
         rnd.feedback()
         best = min(best, time.process_time() - t)
+    if saved is None:
+        del os.environ["THC_CODEC_THREADS"]
+    else:
+        os.environ["THC_CODEC_THREADS"] = saved
     return best * 1e3
 
 
@@ -98,7 +109,7 @@ def _worker(addr, rank, job_msg, dim, rounds, q, profile_top=0) -> None:
             c0, t0 = _cpu_s(), time.perf_counter()
             if prof is not None and r:
                 prof.enable()
-            w.allreduce(g, key="grad", round_no=r)
+            w.allreduce(g, key="grad", round_no=r, out=g)      # in place, as dist.all_reduce
             if prof is not None:
                 prof.disable()
             if r:
@@ -153,16 +164,21 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     dim, cores = 1 << args.dim_log2, os.cpu_count()
-    cpu = codec_cpu_ms(dim, JobConfig(num_workers=args.workers))
-    floor = cpu * args.workers / cores
+    job = JobConfig(num_workers=args.workers)
     print(f"d = 2^{args.dim_log2}, {args.workers} workers, {cores} cores; offload "
-          f"{os.environ.get('THC_UDP_OFFLOAD', '1')}, phase engine {os.environ.get('THC_PHASE_ENGINE', 'c')}")
-    print(f"one worker's codec CPU per round: {cpu:.1f} ms -> floor {args.workers} x {cpu:.1f} / {cores} "
-          f"= {floor:.1f} ms")
+          f"{os.environ.get('THC_UDP_OFFLOAD', '1')}, phase engine {os.environ.get('THC_PHASE_ENGINE', 'c')}, "
+          f"codec threads {os.environ.get('THC_CODEC_THREADS', 'one per core')}", flush=True)
+    before = codec_cpu_ms(dim, job)
+    runs = {"thc": run_rounds("thc", dim, args.workers, args.rounds)}
+    after = codec_cpu_ms(dim, job)
+    runs["none"] = run_rounds("none", dim, args.workers, args.rounds)
+    cpu = (before + after) / 2
+    floor = cpu * args.workers / cores
+    print(f"one worker's codec CPU per round: {before:.1f} ms before the THC rounds, {after:.1f} ms after, "
+          f"mean {cpu:.1f} -> floor {args.workers} x {cpu:.1f} / {cores} = {floor:.1f} ms")
     print(f"{'codec':>6}{'round ms':>10}{'x floor':>9}{'median ms':>11}{'x floor':>9}{'workers CPU ms':>16}"
           f"{'PS CPU ms':>11}{'idle ms':>9}{'up MB':>8}{'down MB':>9}")
-    for codec in ("thc", "none"):
-        d = run_rounds(codec, dim, args.workers, args.rounds)
+    for codec, d in runs.items():
         idle = d["round_ms"] * cores - d["worker_cpu_ms"] - d["ps_cpu_ms"]
         print(f"{codec:>6}{d['round_ms']:10.1f}{d['round_ms'] / floor:9.2f}{d['median_ms']:11.1f}"
               f"{d['median_ms'] / floor:9.2f}{d['worker_cpu_ms']:16.1f}"

@@ -70,6 +70,7 @@ class ErrorFeedback:
 
     def __init__(self, store: dict | None = None):
         self.errors = {} if store is None else store
+        self._spare: dict = {}          # key -> buffers a round may take again (see `buffer`)
 
     def get(self, key, like=None):
         """The residual kept under `key` if it has the shape of `like` (any shape when `like`
@@ -79,15 +80,44 @@ class ErrorFeedback:
             return None
         return e
 
-    def compensate(self, key, x, dtype=None):
-        """x + e (x itself, converted to `dtype` if given, when no matching residual is kept)."""
+    def compensate(self, key, x, dtype=None, out=None):
+        """x + e (x itself, converted to `dtype` if given, when no matching residual is kept).
+
+        `out` (a numpy array shaped like x, e.g. from `buffer`): x + e is written there, and
+        so is x when no residual is kept, so the result never aliases x."""
         if dtype is not None:
             x = x.astype(dtype)
         e = self.get(key, x)
-        return x if e is None else x + e
+        if out is None:
+            return x if e is None else x + e
+        if e is None:
+            np.copyto(out, x)
+            return out
+        return np.add(x, e, out=out)
+
+    def buffer(self, key, like) -> np.ndarray:
+        """An array shaped and typed like `like` for a round of `key`: one the round gave back
+        with `recycle` when there is one, else a new one.  A THC round at d = 2^24 needs three
+        64 MB vectors; fresh ones cost the kernel's page zeroing every round (docs/bench.md)."""
+        pool = self._spare.get(key, [])
+        while pool:
+            b = pool.pop()
+            if b.shape == np.shape(like) and b.dtype == like.dtype:
+                return b
+        return np.empty_like(like)
+
+    def recycle(self, key, *arrays) -> None:
+        """Give back arrays a round of `key` no longer reads (at most two are kept; never the
+        residual kept under `key`)."""
+        pool = self._spare.setdefault(key, [])
+        for a in arrays:
+            if isinstance(a, np.ndarray) and a.flags.owndata and a is not self.errors.get(key) \
+                    and all(a is not b for b in pool) and len(pool) < 2:
+                pool.append(a)
 
     def update(self, key, residual) -> None:
-        """Keep `residual` as the error of `key` for the next round."""
+        """Keep `residual` as the error of `key` for the next round (the memory owns it from
+        now on: once replaced, a round may `recycle` its buffer)."""
         self.errors[key] = residual
 
     put = update

@@ -22,7 +22,9 @@ deterministic; numpy arrays and torch tensors are both accepted.
 from __future__ import annotations
 
 import math
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -179,13 +181,69 @@ def _scale(max_norm: float, padded: int, tp: float) -> float:
 _tls = threading.local()
 
 
-def _workspace(n: int) -> np.ndarray:
-    """A per-thread float32 scratch block of n floats, reused across calls (no page faults)."""
-    w = getattr(_tls, "work", None)
+def _workspace(n: int, name: str = "work") -> np.ndarray:
+    """A per-thread float32 scratch block of n floats, reused across calls (no page faults);
+    `name` keeps scratch blocks in use at the same time apart."""
+    w = getattr(_tls, name, None)
     if w is None or w.size < n:
         w = np.empty(n, dtype=np.float32)
-        _tls.work = w
+        setattr(_tls, name, w)
     return w[:n]
+
+
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def codec_threads() -> int:
+    """Threads one encode or decode may use, one RHT block each: $THC_CODEC_THREADS, else the
+    cores.  Blocks are independent (own signs, own scale, own slice of the uniforms), so the
+    result is the same bit for bit whatever the count."""
+    env = os.environ.get("THC_CODEC_THREADS")
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"THC_CODEC_THREADS must be a positive integer, got {env!r}")
+        return int(env)
+    return os.cpu_count() or 1
+
+
+def _forget_pool() -> None:
+    global _pool
+    _pool = None            # a forked child has none of the parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _each_block(fn, blocks: int) -> None:
+    """fn(j) for every RHT block j: block 0 in this thread, the others in a shared pool when
+    there are several blocks and several codec threads (the C kernels release the GIL).  On
+    a host with more cores than workers a 2^24 round's codec time halves; with more workers
+    than cores it lets the last worker of a round use every core."""
+    threads = min(blocks, codec_threads())
+    if threads <= 1:
+        for j in range(blocks):
+            fn(j)
+        return
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < threads - 1:
+            _pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="thc-block")
+        pool = _pool
+    rest = [pool.submit(fn, j) for j in range(1, blocks)]
+    fn(0)
+    for f in rest:
+        f.result()
+
+
+def _out(out, dim: int) -> np.ndarray:
+    """The float32 result vector of a decode: `out` if given (checked), else a new one."""
+    if out is None:
+        return np.empty(dim, dtype=np.float32)
+    if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.size != dim \
+            or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"out must be a writable contiguous float32 numpy array of {dim} elements")
+    return out if out.ndim == 1 else out.reshape(-1)
 
 
 def _kernel_ok(x, cfg: ThcConfig) -> bool:
@@ -206,12 +264,15 @@ def _encode_kernels(x: np.ndarray, max_norms, cfg: ThcConfig, layout: Layout, ro
     out = np.empty(layout.padded_dim // 2 if packed else layout.padded_dim, dtype=np.uint8)
     u = np.ascontiguousarray(uniforms, dtype=np.float32)
     x = np.ascontiguousarray(x, dtype=np.float32)
-    for j, off in enumerate(layout.padded_offsets()):
-        p, s, n = layout.padded[j], layout.starts[j], layout.lengths[j]
+    offsets = layout.padded_offsets()
+
+    def block(j):
+        off, p, s, n = offsets[j], layout.padded[j], layout.starts[j], layout.lengths[j]
         big_m = _scale(float(max_norms[j]), p, table.t_p)
         o = out[off // 2:(off + p) // 2] if packed else out[off:off + p]
         _kernels.rht_encode(x[s:s + n], p, rademacher_bits(cfg.seed, round_no, j, p), big_m,
                             cfg.granularity, tab8, u[off:off + p], o, packed, _workspace(p))
+    _each_block(block, len(offsets))
     return out
 
 
@@ -268,20 +329,24 @@ def lookup_sum(indices, table) -> np.ndarray:
 
 
 def _decode_kernels(src, kind: int, contributors: int, max_norms, cfg: ThcConfig, layout: Layout,
-                    round_no: int, lut: np.ndarray | None = None) -> np.ndarray:
+                    round_no: int, lut: np.ndarray | None = None, out=None) -> np.ndarray:
     """Alg. 3 lines 19-21 per RHT block in one C call: a = v·2M/(g·k) − M from the source
     (kind 0: float32 values, 1: packed 4-bit indices, 2: byte indices, v = T[z]; 3: bytes,
-    v = lut[byte]), then the inverse RHT of §5.1 (FWHT, then the signs D)."""
+    v = lut[byte]), then the inverse RHT of §5.1 (FWHT, then the signs D); into `out` if
+    given."""
     g, table = cfg.granularity, cfg.table
     tab8 = lut.tobytes() if lut is not None else bytes(table.values) if kind else b""
-    out = np.empty(layout.dim, dtype=np.float32)
-    for j, off in enumerate(layout.padded_offsets()):
-        p, s, n = layout.padded[j], layout.starts[j], layout.lengths[j]
+    out = _out(out, layout.dim)
+    offsets = layout.padded_offsets()
+
+    def block(j):
+        off, p, s, n = offsets[j], layout.padded[j], layout.starts[j], layout.lengths[j]
         big_m = _scale(float(max_norms[j]), p, table.t_p)
         seg = src[off // 2:(off + p) // 2] if kind == 1 else src[off:off + p]
         _kernels.rht_decode(seg, kind, 2.0 * big_m / (g * contributors), big_m, p,
                             rademacher_bits(cfg.seed, round_no, j, p), tab8, out[s:s + n],
                             None if n == p else _workspace(p))
+    _each_block(block, len(offsets))
     return out
 
 
@@ -305,32 +370,40 @@ def decode(sums, contributors: int, max_norms, cfg: ThcConfig, layout: Layout, r
     return out
 
 
-def decode_own(z, max_norms, cfg: ThcConfig, layout: Layout, round_no: int, packed: bool = False):
+def decode_own(z, max_norms, cfg: ThcConfig, layout: Layout, round_no: int, packed: bool = False,
+               out=None):
     """RHT⁻¹(X) of this worker's own indices (the error-feedback term of Alg. 3 line 22).
 
     Equal to ``decode(lookup_sum([z], T), 1, ...)``; on numpy input the table lookup is
     fused into the inverse transform.  `packed`: z is the wire form of :func:`encode_packed`.
+    `out`: a float32 vector the C path may write into (the other paths ignore it).
     """
     if _kernel_ok(z, cfg) and (not packed or _packs_per_block(cfg, layout)):
         return _decode_kernels(np.ascontiguousarray(z, dtype=np.uint8), 1 if packed else 2, 1,
-                               max_norms, cfg, layout, round_no)
+                               max_norms, cfg, layout, round_no, out=out)
     if packed:
         z = unpack_indices(np.asarray(z, dtype=np.uint8), cfg.bits, layout.padded_dim)
     own = lookup_sum([z.numpy() if _is_torch(z) else z], cfg.table.values)
     return decode(_asarray(own, z), 1, max_norms, cfg, layout, round_no)
 
 
-def decode_lanes(lanes, contributors: int, max_norms, cfg: ThcConfig, layout: Layout, round_no: int):
+def decode_lanes(lanes, contributors: int, max_norms, cfg: ThcConfig, layout: Layout, round_no: int,
+                 out=None):
     """x̂ from the PS's 8-bit sum lanes Y (uint8, one per padded coordinate) and k contributors.
 
     Equal to ``decode((Y / k).astype(float32), 1, ...)`` (Alg. 3 lines 19–21), with the
-    division done by a 256-entry table inside the fused decode.
+    division done by a 256-entry table inside the fused decode; into `out` (a float32 numpy
+    vector of layout.dim) if given.
     """
     lut = (np.arange(256, dtype=np.int64) / contributors).astype(np.float32)
     lanes = np.ascontiguousarray(lanes, dtype=np.uint8)
     if _kernels is None:
-        return decode(lut[lanes], 1, max_norms, cfg, layout, round_no)
-    return _decode_kernels(lanes, 3, 1, max_norms, cfg, layout, round_no, lut=lut)
+        est = decode(lut[lanes], 1, max_norms, cfg, layout, round_no)
+        if out is None:
+            return est
+        np.copyto(_out(out, layout.dim), est)
+        return out
+    return _decode_kernels(lanes, 3, 1, max_norms, cfg, layout, round_no, lut=lut, out=out)
 
 
 class WorkerRound:
@@ -346,12 +419,24 @@ class WorkerRound:
     `memory` is a :class:`compression.codec.ErrorFeedback` (None: no error feedback);
     `compensate=False` keeps x = ∇ but still records the new residual.  The uniforms of the
     stochastic rounding are one ``rng.random(padded_dim, float32)`` draw per encode.
+
+    With a memory and a float32 numpy gradient the round allocates no vector of d in its
+    steady state: x and the residual take the memory's spare buffers (`ErrorFeedback.buffer`)
+    and `feedback` gives back x and the old residual; the uniforms live in a per-thread
+    scratch, and `decode_lanes(..., out=)` writes x̂ where the caller says.  Fresh 64 MB
+    vectors at d = 2^24 cost the kernel's page zeroing every round (docs/bench.md).
     """
 
     def __init__(self, cfg: ThcConfig, grad, memory=None, key=None, *, compensate: bool = True):
         self.cfg, self.memory, self.key = cfg, memory, key
         self.layout = make_layout(grad.numel() if _is_torch(grad) else grad.size, cfg.block_log2)
-        self.x = memory.compensate(key, grad) if memory is not None and compensate else grad
+        self.pooled = memory is not None and isinstance(grad, np.ndarray) and grad.dtype == np.float32 \
+            and grad.ndim == 1 and grad.flags.c_contiguous
+        self._own_x = self.pooled and compensate          # x is the memory's buffer, not grad
+        if memory is not None and compensate:
+            self.x = memory.compensate(key, grad, out=memory.buffer(key, grad) if self.pooled else None)
+        else:
+            self.x = grad
         self.max_norms = self.z = self.round_no = None
         self.packed = False
 
@@ -362,7 +447,8 @@ class WorkerRound:
     def encode(self, max_norms, rng, round_no: int, *, packed: bool = False):
         """Z for this round with the shared norms: uint8 indices, or packed MSB first."""
         self.max_norms, self.round_no, self.packed = max_norms, round_no, packed
-        uniforms = rng.random(self.layout.padded_dim, dtype=np.float32)
+        n = self.layout.padded_dim
+        uniforms = rng.random(n, dtype=np.float32, out=_workspace(n, "uniforms"))
         fn = encode_packed if packed else encode
         self.z = fn(self.x, max_norms, self.cfg, self.layout, round_no, uniforms)
         return self.z
@@ -371,23 +457,35 @@ class WorkerRound:
         """x̂ from Σ T[Z] over k contributors (or from Y/k with contributors=1)."""
         return decode(sums, contributors, self.max_norms, self.cfg, self.layout, self.round_no)
 
-    def decode_lanes(self, lanes, contributors: int):
-        """x̂ from the PS's 8-bit lanes Y and k, Y/k inside the fused decode."""
-        return decode_lanes(lanes, contributors, self.max_norms, self.cfg, self.layout, self.round_no)
+    def decode_lanes(self, lanes, contributors: int, out=None):
+        """x̂ from the PS's 8-bit lanes Y and k, Y/k inside the fused decode (into `out`)."""
+        return decode_lanes(lanes, contributors, self.max_norms, self.cfg, self.layout, self.round_no,
+                            out=out)
 
     def residual(self):
         """e' = x − RHT⁻¹(X): this worker's own decode with k = 1, so the clamping error is
         carried too (Alg. 3 line 22)."""
-        own = decode_own(self.z, self.max_norms, self.cfg, self.layout, self.round_no, packed=self.packed)
+        spare = self.memory.buffer(self.key, self.x) if self.pooled else None
+        own = decode_own(self.z, self.max_norms, self.cfg, self.layout, self.round_no, packed=self.packed,
+                         out=spare)
         if isinstance(self.x, np.ndarray) and isinstance(own, np.ndarray) and self.x.dtype == own.dtype:
             return np.subtract(self.x, own, out=own)        # no new vector
         return self.x - own
 
     def feedback(self, residual=None) -> None:
         """Keep the residual (`residual` if the caller computed it already, e.g. in a thread
-        during the exchange) in `memory` under `key` (nothing without a memory)."""
-        if self.memory is not None:
-            self.memory.update(self.key, self.residual() if residual is None else residual)
+        during the exchange) in `memory` under `key` (nothing without a memory); a pooled
+        round gives back x and the old residual for the next round to reuse."""
+        if self.memory is None:
+            return
+        e = self.residual() if residual is None else residual
+        old = self.memory.get(self.key)
+        self.memory.update(self.key, e)
+        if self.pooled:
+            self.memory.recycle(self.key, old)
+        if self._own_x:
+            self.memory.recycle(self.key, self.x)
+            self.x = None           # its buffer is the next round's
 
 
 # ----------------------------------------------------------------------------- uniform THC

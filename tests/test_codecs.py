@@ -101,6 +101,40 @@ def test_error_feedback_is_keyed_by_tensor_not_chunking():
     assert not np.array_equal(out[1500][0][0], out[1500][0][1])   # error feedback changed round 2
 
 
+@pytest.mark.parametrize("codec", ["thc", "none", "topk"])
+def test_allreduce_in_place_equals_a_new_result(codec):
+    """allreduce(x, out=x) writes the same average into x as the returned vector of a run
+    without `out`, round after round (THC's error feedback and pooled buffers included);
+    an unusable `out` is refused before anything is sent."""
+    out = {}
+    for in_place in (False, True):
+        server = PSServer(JobConfig(num_workers=2, codec=codec), ("127.0.0.1", 0), control_port=0).start()
+        res = {}
+
+        def run(rank, in_place=in_place, server=server, res=res):
+            t = Transport("127.0.0.1", server.data_addr[1], rank, control_port=server.control_port)
+            w = Worker(t, seed=9)
+            res[rank] = []
+            for r in range(3):
+                g = grads(2, 20000, seed=r)[rank].astype(np.float32)
+                if in_place:
+                    assert w.allreduce(g, key="layer", out=g) is g
+                    res[rank].append(g)
+                else:
+                    res[rank].append(w.allreduce(g, key="layer"))
+            if in_place and rank == 0:
+                with pytest.raises(ValueError, match="out must be"):
+                    w.allreduce(g, key="layer", out=np.empty(10, np.float32))
+            t.close()
+        errors = run_threads(run, 2)
+        server.stop()
+        assert not errors, errors
+        out[in_place] = res
+    for rank in range(2):
+        for r in range(3):
+            assert np.array_equal(out[False][rank][r], out[True][rank][r])
+
+
 def test_blob_path_equals_in_process_aggregate_under_faults():
     doc = run_launch(workers=3, rounds=4, dim=30000, codec="topk", loss=0.03, duplicate=0.03, reorder=0.03)
     assert doc["exact_rounds"] == 4 and doc["mismatched_chunks"] == 0

@@ -166,21 +166,32 @@ print(_kernels.simd(), hashlib.sha256(zp.tobytes() + d.tobytes() + own.tobytes()
 """
 
 
-def _digest(env_kernels):
+def _digest(env_kernels, threads="1"):
     env = dict(os.environ)
     env.pop("THC_KERNELS", None)
     if env_kernels:
         env["THC_KERNELS"] = env_kernels
+    env["THC_CODEC_THREADS"] = threads
     out = subprocess.run([sys.executable, "-c", _DIGEST], capture_output=True, text=True, check=True, env=env)
     return out.stdout.split()
 
 
 def test_same_bytes_in_every_process_and_on_the_scalar_fallback():
-    """Two fresh processes on the default path and one forced to the scalar fallback produce
-    the same packed indices, decoded average and error-feedback term, byte for byte."""
-    a, b, s = _digest(None), _digest(None), _digest("scalar")
+    """Two fresh processes on the default path, one forced to the scalar fallback and one
+    spreading the 4 RHT blocks over 3 codec threads produce the same packed indices, decoded
+    average and error-feedback term, byte for byte."""
+    a, b, s, t = _digest(None), _digest(None), _digest("scalar"), _digest(None, threads="3")
     assert a[0] == ("avx2" if K.has_avx2() else "scalar") and s[0] == "scalar"
-    assert a[1] == b[1] == s[1]
+    assert a[1] == b[1] == s[1] == t[1]
+
+
+def test_codec_threads_setting(monkeypatch):
+    monkeypatch.setenv("THC_CODEC_THREADS", "2")
+    assert thc.codec_threads() == 2
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("THC_CODEC_THREADS", bad)
+        with pytest.raises(ValueError, match="THC_CODEC_THREADS"):
+            thc.codec_threads()
 
 
 @pytest.mark.parametrize("case", ["all", "lost", "mixed_k", "lanes16"])

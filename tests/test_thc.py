@@ -82,6 +82,44 @@ def test_error_feedback_telescopes():
     assert np.abs(err).max() > 0
 
 
+def test_pooled_rounds_equal_fresh_ones_and_reuse_their_buffers():
+    """A float32 round with a memory takes x and the residual from the memory's spares and
+    decodes into the caller's vector: the same bytes as rounds whose memory is new every
+    round (so every vector is fresh), and from the third round on x cycles through the
+    buffers given back."""
+    cfg = thc.ThcConfig(seed=3, block_log2=10)
+    dim = 2500
+    layout = thc.make_layout(dim, cfg.block_log2)
+    rng = np.random.default_rng(4)
+    lanes = rng.integers(0, 121, layout.padded_dim).astype(np.uint8)
+    pooled, e_fresh = ErrorFeedback(), None
+    est = np.empty(dim, np.float32)
+    seen = []
+    for r in range(5):
+        g = rng.standard_normal(dim).astype(np.float32)
+        fresh = ErrorFeedback()
+        if e_fresh is not None:
+            fresh.update("g", e_fresh.copy())
+        a = thc.WorkerRound(cfg, g, pooled, "g")
+        b = thc.WorkerRound(cfg, g.copy(), fresh, "g")
+        assert a.pooled and not np.shares_memory(a.x, g)
+        seen.append(a.x.ctypes.data)
+        na, nb = a.norms(), b.norms()
+        za = a.encode(na, np.random.default_rng(r), r, packed=True)
+        zb = b.encode(nb, np.random.default_rng(r), r, packed=True)
+        assert np.array_equal(za, zb)
+        got = a.decode_lanes(lanes, 3, out=est)
+        assert got is est and np.array_equal(est, b.decode_lanes(lanes, 3))
+        a.feedback()
+        b.feedback()
+        e_fresh = fresh.errors["g"]
+        assert np.array_equal(pooled.errors["g"], e_fresh)
+        assert a.x is None                      # given back for the next round
+    assert len(set(seen[2:])) <= 2              # x reuses the given-back buffers
+    with pytest.raises(ValueError, match="out must be"):
+        thc.decode_lanes(lanes, 3, na, cfg, layout, 0, out=np.empty(dim, np.float64))
+
+
 def test_torch_path_equals_numpy():
     cfg = thc.ThcConfig(seed=4)
     rng = np.random.default_rng(3)

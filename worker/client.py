@@ -180,16 +180,23 @@ class Worker:
             return np.asarray(norms, dtype=np.float32).astype(np.float64)
         return H.ordered_to_float(np.frombuffer(res[1], dtype=">u4")).astype(np.float64)
 
-    def allreduce(self, x, key: str = "grad", round_no: int | None = None):
-        """Average of x over the workers (numpy array or torch tensor in, same kind out)."""
+    def allreduce(self, x, key: str = "grad", round_no: int | None = None, out=None):
+        """Average of x over the workers (numpy array or torch tensor in, same kind out).
+
+        `out`: a float32 numpy array of x's size the average is written into and returned
+        (it may be x itself, as torch.distributed's all_reduce works in place); THC decodes
+        straight into it, so a round makes no new vector of x's size."""
         torch_in = not isinstance(x, np.ndarray)
+        if out is not None and (torch_in or not isinstance(out, np.ndarray) or out.dtype != np.float32
+                                or out.size != np.size(x) or not out.flags.c_contiguous):
+            raise ValueError("out must be a contiguous float32 numpy array of x's size (numpy x)")
         arr = x.detach().cpu().numpy().astype(np.float32).ravel() if torch_in else \
             np.ascontiguousarray(x, dtype=np.float32).ravel()
         start = time.perf_counter()
         rn = self.round_no if round_no is None else round_no
         report = RoundReport(rn, 0, 0)
         if self.job.codec == "thc":
-            est = self._thc_round(arr, key, rn, report)
+            est = self._thc_round(arr, key, rn, report, out)
         elif self.job.blob:
             est = self._blob_round(arr, key, report)
         else:
@@ -197,6 +204,10 @@ class Worker:
         self.round_no = rn + 1
         report.seconds = time.perf_counter() - start
         self.last = report
+        if out is not None:
+            if est is not out and est.base is not out:       # THC decoded into it already
+                np.copyto(out.reshape(-1), est.reshape(-1))
+            return out
         est = est.reshape(np.shape(x) if not torch_in else tuple(x.shape))
         if torch_in:
             import torch
@@ -227,7 +238,7 @@ class Worker:
                 report.digests.append(zlib.crc32(payload))
                 report.bytes_down += len(payload) + H.HEADER_SIZE
 
-    def _thc_round(self, grad: np.ndarray, key: str, rn: int, report: RoundReport) -> np.ndarray:
+    def _thc_round(self, grad: np.ndarray, key: str, rn: int, report: RoundReport, out=None) -> np.ndarray:
         cfg, job = self.cfg, self.job
         rnd = thc.WorkerRound(cfg, grad, self.errors if self.error_feedback else None, key)
         layout = rnd.layout
@@ -244,7 +255,9 @@ class Worker:
             self._collect(results, report)
             whole = joined_lanes(chunks, results, layout.padded_dim, job.lane_bits)
             if whole is not None:       # every chunk back, one k: lanes → Y/k inside the fused decode
-                est = rnd.decode_lanes(whole[0], whole[1])
+                if out is not None and residual is not None and np.shares_memory(out, rnd.x):
+                    residual.result()   # the helper thread still reads x
+                est = rnd.decode_lanes(whole[0], whole[1], out=None if out is None else out.reshape(-1))
             else:
                 est = rnd.decode(average_lanes(chunks, results, layout.padded_dim, cfg.granularity,
                                                job.lane_bits))
