@@ -17,6 +17,7 @@ indices (thc.decode_own).
 from __future__ import annotations
 
 import argparse
+import os
 
 import numpy as np
 import torch
@@ -67,11 +68,14 @@ def main():
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="torch intra-op threads (1: one core like the C kernels; 2 spin-waits badly on a busy host)")
+    ap.add_argument("--codec-threads", type=int, default=1,
+                    help="threads per encode/decode, one RHT block each (THC_CODEC_THREADS; 1: one core)")
     args = ap.parse_args()
     torch.set_num_threads(args.torch_threads)
+    os.environ["THC_CODEC_THREADS"] = str(args.codec_threads)
     cfg = thc.ThcConfig()
-    print(f"torch threads {torch.get_num_threads()}, numpy {np.__version__}, torch {torch.__version__}, "
-          f"kernels {_kernels.simd()}")
+    print(f"torch threads {torch.get_num_threads()}, codec threads {thc.codec_threads()}, numpy {np.__version__}, "
+          f"torch {torch.__version__}, kernels {_kernels.simd()}")
     print(f"{'d':>4} {'backend':>7} {'stage':>17} {'ms':>9} {'Mcoord/s':>9} {'x copyto':>9} {'after/before':>12}")
     for k in args.dims:
         d = 1 << k
