@@ -79,23 +79,29 @@ def test_corrupt_payloads_raise_codec_error(name):
             c.aggregate([ups[0][:-3], ups[1]], {}, ctx)
 
 
+def _two_ranks(job: JobConfig, body) -> dict:
+    """body(rank, worker) for the two ranks of `job` on a fresh PS, in threads: {rank: result}."""
+    server = PSServer(job, ("127.0.0.1", 0), control_port=0).start()
+    res = {}
+
+    def run(rank):
+        t = Transport("127.0.0.1", server.data_addr[1], rank, control_port=server.control_port)
+        try:
+            res[rank] = body(rank, Worker(t, seed=9))
+        finally:
+            t.close()
+    errors = run_threads(run, 2)
+    server.stop()
+    assert not errors, errors
+    return res
+
+
 def test_error_feedback_is_keyed_by_tensor_not_chunking():
     """The same tensor through two PS jobs with different packet sizes gives the same results."""
-    out = {}
-    for mtu in (1500, 600):
-        job = JobConfig(num_workers=2, codec="topk", mtu=mtu)
-        server = PSServer(job, ("127.0.0.1", 0), control_port=0).start()
-        res = {}
-
-        def run(rank):
-            t = Transport("127.0.0.1", server.data_addr[1], rank, control_port=server.control_port)
-            w = Worker(t, seed=9)
-            res[rank] = [w.allreduce(grads(2, 20000, seed=r)[rank], key="layer") for r in range(3)]
-            t.close()
-        errors = run_threads(run, 2)
-        server.stop()
-        assert not errors, errors
-        out[mtu] = res
+    out = {mtu: _two_ranks(JobConfig(num_workers=2, codec="topk", mtu=mtu),
+                           lambda rank, w: [w.allreduce(grads(2, 20000, seed=r)[rank], key="layer")
+                                            for r in range(3)])
+           for mtu in (1500, 600)}
     for r in range(3):
         assert np.array_equal(out[1500][0][r], out[600][0][r])
     assert not np.array_equal(out[1500][0][0], out[1500][0][1])   # error feedback changed round 2
@@ -106,30 +112,22 @@ def test_allreduce_in_place_equals_a_new_result(codec):
     """allreduce(x, out=x) writes the same average into x as the returned vector of a run
     without `out`, round after round (THC's error feedback and pooled buffers included);
     an unusable `out` is refused before anything is sent."""
-    out = {}
-    for in_place in (False, True):
-        server = PSServer(JobConfig(num_workers=2, codec=codec), ("127.0.0.1", 0), control_port=0).start()
-        res = {}
-
-        def run(rank, in_place=in_place, server=server, res=res):
-            t = Transport("127.0.0.1", server.data_addr[1], rank, control_port=server.control_port)
-            w = Worker(t, seed=9)
-            res[rank] = []
-            for r in range(3):
-                g = grads(2, 20000, seed=r)[rank].astype(np.float32)
-                if in_place:
-                    assert w.allreduce(g, key="layer", out=g) is g
-                    res[rank].append(g)
-                else:
-                    res[rank].append(w.allreduce(g, key="layer"))
-            if in_place and rank == 0:
-                with pytest.raises(ValueError, match="out must be"):
-                    w.allreduce(g, key="layer", out=np.empty(10, np.float32))
-            t.close()
-        errors = run_threads(run, 2)
-        server.stop()
-        assert not errors, errors
-        out[in_place] = res
+    def rounds(rank, w, in_place):
+        got = []
+        for r in range(3):
+            g = grads(2, 20000, seed=r)[rank].astype(np.float32)
+            if in_place:
+                assert w.allreduce(g, key="layer", out=g) is g
+                got.append(g)
+            else:
+                got.append(w.allreduce(g, key="layer"))
+        if in_place and rank == 0:
+            with pytest.raises(ValueError, match="out must be"):
+                w.allreduce(g, key="layer", out=np.empty(10, np.float32))
+        return got
+    out = {in_place: _two_ranks(JobConfig(num_workers=2, codec=codec),
+                                lambda rank, w, in_place=in_place: rounds(rank, w, in_place))
+           for in_place in (False, True)}
     for rank in range(2):
         for r in range(3):
             assert np.array_equal(out[False][rank][r], out[True][rank][r])
