@@ -193,6 +193,7 @@ def _workspace(n: int, name: str = "work") -> np.ndarray:
 
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
+_pool_size = 0
 
 
 def codec_threads() -> int:
@@ -208,8 +209,8 @@ def codec_threads() -> int:
 
 
 def _forget_pool() -> None:
-    global _pool
-    _pool = None            # a forked child has none of the parent's threads
+    global _pool, _pool_size
+    _pool, _pool_size = None, 0         # a forked child has none of the parent's threads
 
 
 os.register_at_fork(after_in_child=_forget_pool)
@@ -225,10 +226,10 @@ def _each_block(fn, blocks: int) -> None:
         for j in range(blocks):
             fn(j)
         return
-    global _pool
+    global _pool, _pool_size
     with _pool_lock:
-        if _pool is None or _pool._max_workers < threads - 1:
-            _pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="thc-block")
+        if _pool is None or _pool_size < threads - 1:
+            _pool, _pool_size = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="thc-block"), threads - 1
         pool = _pool
     rest = [pool.submit(fn, j) for j in range(1, blocks)]
     fn(0)
@@ -236,8 +237,8 @@ def _each_block(fn, blocks: int) -> None:
         f.result()
 
 
-def _out(out, dim: int) -> np.ndarray:
-    """The float32 result vector of a decode: `out` if given (checked), else a new one."""
+def result_vector(out, dim: int) -> np.ndarray:
+    """The float32 result vector of a decode, flat: `out` if given (checked), else a new one."""
     if out is None:
         return np.empty(dim, dtype=np.float32)
     if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.size != dim \
@@ -336,7 +337,7 @@ def _decode_kernels(src, kind: int, contributors: int, max_norms, cfg: ThcConfig
     given."""
     g, table = cfg.granularity, cfg.table
     tab8 = lut.tobytes() if lut is not None else bytes(table.values) if kind else b""
-    out = _out(out, layout.dim)
+    out = result_vector(out, layout.dim)
     offsets = layout.padded_offsets()
 
     def block(j):
@@ -401,7 +402,7 @@ def decode_lanes(lanes, contributors: int, max_norms, cfg: ThcConfig, layout: La
         est = decode(lut[lanes], 1, max_norms, cfg, layout, round_no)
         if out is None:
             return est
-        np.copyto(_out(out, layout.dim), est)
+        np.copyto(result_vector(out, layout.dim), est)
         return out
     return _decode_kernels(lanes, 3, 1, max_norms, cfg, layout, round_no, lut=lut, out=out)
 

@@ -187,16 +187,16 @@ class Worker:
         (it may be x itself, as torch.distributed's all_reduce works in place); THC decodes
         straight into it, so a round makes no new vector of x's size."""
         torch_in = not isinstance(x, np.ndarray)
-        if out is not None and (torch_in or not isinstance(out, np.ndarray) or out.dtype != np.float32
-                                or out.size != np.size(x) or not out.flags.c_contiguous):
+        if out is not None and torch_in:
             raise ValueError("out must be a contiguous float32 numpy array of x's size (numpy x)")
+        flat = None if out is None else thc.result_vector(out, np.size(x))
         arr = x.detach().cpu().numpy().astype(np.float32).ravel() if torch_in else \
             np.ascontiguousarray(x, dtype=np.float32).ravel()
         start = time.perf_counter()
         rn = self.round_no if round_no is None else round_no
         report = RoundReport(rn, 0, 0)
         if self.job.codec == "thc":
-            est = self._thc_round(arr, key, rn, report, out)
+            est = self._thc_round(arr, key, rn, report, flat)
         elif self.job.blob:
             est = self._blob_round(arr, key, report)
         else:
@@ -205,8 +205,8 @@ class Worker:
         report.seconds = time.perf_counter() - start
         self.last = report
         if out is not None:
-            if est is not out and est.base is not out:       # THC decoded into it already
-                np.copyto(out.reshape(-1), est.reshape(-1))
+            if est is not flat:                 # THC decoded into it already
+                np.copyto(flat, est.reshape(-1))
             return out
         est = est.reshape(np.shape(x) if not torch_in else tuple(x.shape))
         if torch_in:
@@ -257,7 +257,7 @@ class Worker:
             if whole is not None:       # every chunk back, one k: lanes → Y/k inside the fused decode
                 if out is not None and residual is not None and np.shares_memory(out, rnd.x):
                     residual.result()   # the helper thread still reads x
-                est = rnd.decode_lanes(whole[0], whole[1], out=None if out is None else out.reshape(-1))
+                est = rnd.decode_lanes(whole[0], whole[1], out=out)
             else:
                 est = rnd.decode(average_lanes(chunks, results, layout.padded_dim, cfg.granularity,
                                                job.lane_bits))
