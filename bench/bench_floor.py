@@ -46,8 +46,7 @@ def codec_cpu_ms(dim: int, job: JobConfig) -> float:
     Worker._thc_round runs — x = ∇ + e, block norms, uniforms + fused encode, fused lanes
     decode, and the error-feedback decode e = x − RHT⁻¹(X)."""
     from compression.codec import ErrorFeedback
-    cfg = thc.ThcConfig(bits=job.bits, granularity=job.granularity, p=job.p, lane_bits=job.lane_bits,
-                        block_log2=job.block_log2, seed=job.seed)
+    cfg = job.thc_config()
     grad = np.random.default_rng(0).standard_normal(dim).astype(np.float32)
     memory = ErrorFeedback()
     memory.update("grad", np.zeros(dim, np.float32))

@@ -262,10 +262,11 @@ def summary_text(doc: dict) -> str:
         f"~{doc['packets_per_s']:.0f} packets/s sent" if doc["packets_per_s"] else "",
         "",
     ]
+    who = "all workers" if doc["straggler_rank"] is None else f"rank {doc['straggler_rank']}"
     head = (f"{doc['workers']} workers through bmv2 in Mininet, d={doc['dim']}, loss {doc['loss']} "
             f"(nftables on the host links), policy {doc['policy']}, quorum {doc['quorum']}, "
             f"straggler delay {doc['straggler_delay_ms']} ms "
-            f"({'all workers' if doc['straggler_rank'] is None else 'rank %d' % doc['straggler_rank']})")
+            f"({who})")
     rows = [f"{'workers':<40}| switch counters"] + [f"{a:<40}| {b}" for a, b in zip(left, right)]
     return "\n".join([head] + rows + [f"torn down: namespace removed={not doc['netns_left']}, "
                                       f"{doc['seconds']:.1f} s"])

@@ -67,3 +67,17 @@ def test_refuses_bad_configurations_before_anything_starts():
         mininet_run.run(workers=9)                      # 9 x g=30 overflows the 8-bit lane
     with pytest.raises(ValueError, match="straggler-rank"):
         mininet_run.run(workers=2, straggler_rank=2)
+
+
+def test_summary_names_the_straggler_and_the_switch_drops():
+    sw = {name: 0 for name in EVENTS}
+    sw.update(rounds_completed=5, malformed=2)
+    full = doc(chunks_per_round=3, retransmissions=1, timeouts=1, straggler_notices=0, packets_sent=60,
+               kernel_drops=0, mean_round_ms=12.5, packets_per_s=0, switch=sw, workers=4, dim=4096,
+               loss=0.0, quorum=1.0, straggler_delay_ms=5.0, straggler_rank=2, netns_left=False,
+               seconds=3.3)
+    text = mininet_run.summary_text(full)
+    assert text.splitlines()[0].endswith("straggler delay 5.0 ms (rank 2)")
+    assert "drops {'malformed': 2}" in text and "rounds_completed 5" in text
+    assert "(15 chunk rounds)" in text and text.endswith("3.3 s")
+    assert "(all workers)" in mininet_run.summary_text({**full, "straggler_rank": None})
