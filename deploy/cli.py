@@ -76,10 +76,10 @@ def _rate_list(value: str) -> tuple:
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every option's default printed by the formatter, except where there is none to print
-    (None: decided later, e.g. by the PS; flags)."""
+    (None: decided later, e.g. by the PS; flags; an empty repeatable option)."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False or action.nargs == 0:
+        if action.default is None or action.default is False or action.default == [] or action.nargs == 0:
             return action.help
         return super()._get_help_string(action)
 
@@ -255,41 +255,39 @@ def build_parser() -> argparse.ArgumentParser:
                     help="one PS round per parameter tensor (as 3LC and CASQ are meant to run)")
     ex.set_defaults(func=commands.cmd_experiment)
 
-    p4 = sub.add_parser("p4", help="the P4 switch program: check tools, generate, compile, run under bmv2, "
+    p4 = _command(sub, "p4", help="the P4 switch program: check tools, generate, compile, run under bmv2, "
                                    "run workers through it in Mininet",
                         description="The P4 switch program. Each action is a subcommand with its own "
                                     "options: `thc p4 ACTION --help`.")
     p4_sub = p4.add_subparsers(dest="action", required=True, metavar="ACTION")
     # options several actions share, each added only where it means something
-    p4_job = argparse.ArgumentParser(add_help=False)
-    p4_job.add_argument("--workers", type=_workers, default=4, help="workers (default 4)")
-    p4_job.add_argument("--quorum", type=_quorum, default=1.0)
-    p4_job.add_argument("--granularity", type=_granularity, default=30)
-    p4_job.add_argument("--p", type=_p_arg, default="1/32")
+    p4_job = job_parent("workers", "quorum", "granularity", "p")
     p4_out = argparse.ArgumentParser(add_help=False)
-    p4_out.add_argument("--out", default="build/p4", help="output directory of compiled programs (default build/p4)")
+    p4_out.add_argument("--out", default="build/p4", help="output directory of compiled programs")
 
-    p4_doctor = p4_sub.add_parser(
-        "doctor", help="find and check the P4 tools",
+    p4_doctor = _command(
+        p4_sub, "doctor", help="find and check the P4 tools",
         description="Find and check the P4 tools (PATH, /opt/p4tools/bin, $THC_P4_TOOLS) and Debian's "
                     "mininet, nft, ethtool, ip; exit 0 when simple_switch, simple_switch_CLI and "
                     "p4c-bm2-ss work.")
     p4_doctor.add_argument("--json", action="store_true", help="one JSON document")
 
-    p4_gen = p4_sub.add_parser(
-        "gen", help="write the P4 programs from p4/gen_p4.py",
+    p4_gen = _command(
+        p4_sub, "gen", help="write the P4 programs from p4/gen_p4.py",
         description="Write p4/thc.p4 (v1model) and p4/tofino/thc_tna.p4 (Tofino) from p4/gen_p4.py.")
     p4_gen.add_argument("--check", action="store_true", help="only check that the committed programs are current")
-    p4_gen.add_argument("--target", choices=("all", "v1model", "tna"), default="all")
+    p4_gen.add_argument("--target", choices=("all", "v1model", "tna"), default="all",
+                        help="which program: v1model (bmv2), tna (Tofino) or both")
 
-    p4_build = p4_sub.add_parser(
-        "build", parents=[p4_out], help="compile a P4 program",
+    p4_build = _command(
+        p4_sub, "build", parents=[p4_out], help="compile a P4 program",
         description="Compile p4/thc.p4 with p4c-bm2-ss (bmv2), or p4/tofino/thc_tna.p4 with p4c-barefoot "
                     "(tofino: TNA, tofino2: T2NA).")
-    p4_build.add_argument("--target", choices=("bmv2", "tofino", "tofino2"), default="bmv2")
+    p4_build.add_argument("--target", choices=("bmv2", "tofino", "tofino2"), default="bmv2",
+                          help="compiler back end: bmv2 (p4c-bm2-ss), tofino or tofino2 (p4c-barefoot)")
 
-    p4_run = p4_sub.add_parser(
-        "run", parents=[p4_job, p4_out], help="run the program under simple_switch and serve the workers",
+    p4_run = _command(
+        p4_sub, "run", parents=[p4_job, p4_out], help="run the program under simple_switch and serve the workers",
         description="Start simple_switch on interfaces (or attach to a running one), program the job and "
                     "serve the workers' control plane.")
     p4_run.add_argument("--iface", action="append", default=[], metavar="PORT=IFACE",
@@ -297,29 +295,29 @@ def build_parser() -> argparse.ArgumentParser:
     p4_run.add_argument("--worker-port", action="append", default=[], metavar="IP=PORT,MAC",
                         help="where a worker's address attaches (switch port and MAC), repeatable")
     p4_run.add_argument("--ps-ip", default="10.0.0.254", help="the address workers send to")
-    p4_run.add_argument("--ps-mac", default="00:00:00:00:00:fe")
-    p4_run.add_argument("--control", type=_addr, default=("0.0.0.0", 9001),
-                        help="ZeroMQ control plane address (default 0.0.0.0:9001)")
-    p4_run.add_argument("--thrift-port", type=_port, default=9090, help="simple_switch Thrift port (default 9090)")
+    p4_run.add_argument("--ps-mac", default="00:00:00:00:00:fe", help="the MAC address workers send to")
+    p4_run.add_argument("--control", type=_addr, default="0.0.0.0:9001",
+                        help="ZeroMQ control plane address HOST:PORT")
+    p4_run.add_argument("--thrift-port", type=_port, default=9090, help="simple_switch Thrift port")
     p4_run.add_argument("--attach", action="store_true",
                         help="program a simple_switch that is already running (e.g. started by Mininet) "
                              "on --thrift-port instead of compiling and starting one")
 
-    p4_mn = p4_sub.add_parser(
-        "mininet", parents=[p4_job, p4_out], help="real workers through one bmv2 switch in Mininet (root)",
+    p4_mn = _command(
+        p4_sub, "mininet", parents=[p4_job, p4_out], help="real workers through one bmv2 switch in Mininet (root)",
         description="One bmv2 switch and N hosts running real `thc worker`s in Mininet, every chunk "
                     "checked exactly (root).")
     p4_mn.add_argument("--json", action="store_true", help="one JSON document")
-    p4_mn.add_argument("--rounds", type=_rounds, default=20, help="rounds (default 20)")
-    p4_mn.add_argument("--dim", type=_dim, default=4096, help="coordinates per round (default 4096)")
+    p4_mn.add_argument("--rounds", type=_rounds, default=20, help="rounds")
+    p4_mn.add_argument("--dim", type=_dim, default=4096, help="coordinates per round")
     p4_mn.add_argument("--loss", type=_probability, default=0.0,
-                       help="packet loss each way on every host link (nftables drops; default 0)")
+                       help="packet loss each way on every host link (nftables drops)")
     p4_mn.add_argument("--straggler-delay-ms", type=_delay_ms, default=0.0, help="delay of a straggling round")
     p4_mn.add_argument("--straggler-rank", type=_int_in(0, 31, "a rank"), default=None,
                        help="which worker straggles (default: all)")
     _policy_arg(p4_mn)
     p4_mn.add_argument("--timeout-ms", type=_timeout_ms, default=200.0,
-                       help="the workers' first retransmission timeout (default 200)")
+                       help="the workers' first retransmission timeout")
     p4_mn.add_argument("--control-mode", choices=("static", "p4run"), default="static",
                        help="job preprogrammed with a registration-only control host (static), or "
                             "`thc p4 run --attach` programming it as workers register (p4run)")
