@@ -20,7 +20,10 @@ wall × cores (the rest is idle).
 The data path's offload (GSO/GRO) and phase engine as the environment says
 (THC_UDP_OFFLOAD, THC_PHASE_ENGINE).
 
-    .venv/bin/python bench/bench_floor.py [--dim-log2 24] [--workers 4] [--rounds 5]
+`--timeline` also prints where each worker's median round went: every step's span on one
+clock (time.monotonic, shared by the processes of a host) and its CPU on the calling thread.
+
+    .venv/bin/python bench/bench_floor.py [--dim-log2 24] [--workers 4] [--rounds 5] [--timeline] [--thc-only]
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `bench` is not 
 from compression import thc  # noqa: E402
 from deploy.launch import gradient  # noqa: E402
 from deploy.procs import single_threaded_children  # noqa: E402
+from proto import headers as H  # noqa: E402
 from proto.job import JobConfig  # noqa: E402
 
 
@@ -89,9 +93,54 @@ def _print_profile(prof, rounds: int, top: int) -> None:
         print(f"  {1e3 * tt / rounds:8.1f}  {1e3 * ct / rounds:8.1f} cum  {nc // rounds:6d} calls  {name} ({where})")
 
 
-def _worker(addr, rank, job_msg, dim, rounds, q, profile_top=0) -> None:
+def _record_steps(spans: list) -> None:
+    """Wrap the steps of a THC round (this process only) so each call appends (step, start,
+    end, CPU of the calling thread) to `spans`.  With THC_CODEC_THREADS > 1 the other RHT
+    blocks of an encode or decode run on pool threads, outside that CPU."""
+    from worker.transport import Transport
+    steps = ((thc.WorkerRound, "__init__", lambda a: "x=g+e"), (thc.WorkerRound, "norms", lambda a: "norms"),
+             (Transport, "run_phase", lambda a: "norm phase" if a[1] == H.NORM else "data phase"),
+             (thc.WorkerRound, "encode", lambda a: "encode"), (thc.WorkerRound, "residual", lambda a: "residual"),
+             (thc.WorkerRound, "decode_lanes", lambda a: "decode"))
+
+    def timed(fn, label):
+        def call(*a, **k):
+            t0, c0 = time.monotonic(), time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                spans.append((label(a), t0, time.monotonic(), time.thread_time() - c0))
+        return call
+    for cls, name, label in steps:
+        setattr(cls, name, timed(getattr(cls, name), label))
+
+
+def _print_timeline(rounds: list, spans: dict) -> None:
+    """The median round (by its slowest worker): each worker's steps as start-end ms from the
+    round's first start, with the calling thread's CPU ms; then CPU per step over all rounds."""
+    walls = [max(r[1] for r in by_rank) - min(r[0] for r in by_rank) for by_rank in zip(*rounds.values())]
+    i = int(np.argsort(walls)[len(walls) // 2])
+    t0 = min(rounds[rank][i][0] for rank in rounds)
+    print(f"timeline of round {i + 1} (the median, {1e3 * walls[i]:.0f} ms): step [start-end ms] CPU ms")
+    for rank in sorted(rounds):
+        a, b = rounds[rank][i]
+        inside = [s for s in spans[rank] if a <= s[1] < b]
+        print(f"  rank {rank} {1e3 * (a - t0):4.0f}-{1e3 * (b - t0):3.0f}: " + "  ".join(
+            f"{name} [{1e3 * (s - t0):.0f}-{1e3 * (e - t0):.0f}] {1e3 * c:.0f}" for name, s, e, c in
+            sorted(inside, key=lambda x: x[1])))
+    cpu: dict = {}
+    for rank in spans:
+        for name, _s, _e, c in spans[rank]:
+            cpu[name] = cpu.get(name, 0.0) + c
+    n = len(walls) * len(spans)
+    print("  CPU per worker and round, calling thread: " + ", ".join(
+        f"{name} {1e3 * c / n:.1f} ms" for name, c in cpu.items()))
+
+
+def _worker(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=False) -> None:
     """One rank: per round, make the gradient, meet the others, time the allreduce.  With
-    `profile_top`, rank 0's allreduces run under cProfile (CPU time as its clock)."""
+    `profile_top`, rank 0's allreduces run under cProfile (CPU time as its clock); with
+    `timeline`, the steps of every round are recorded (see _record_steps)."""
     import cProfile
 
     from worker.client import Worker
@@ -100,18 +149,21 @@ def _worker(addr, rank, job_msg, dim, rounds, q, profile_top=0) -> None:
     t = Transport(host, data_port, rank, control_port=control_port, expect=job_msg, timeout_ms=2000)
     w = Worker(t, error_feedback=True, seed=0, per_round_rng=True)
     prof = cProfile.Profile(timer=time.process_time) if profile_top and rank == 0 else None
-    out = []
+    out, spans, marks = [], [], []
+    if timeline:
+        _record_steps(spans)
     try:
         for r in range(rounds + 1):                     # round 0 warms up (buffers, pages)
             g = gradient(0, r, rank, dim)
             t.barrier(f"r{r}")
-            c0, t0 = _cpu_s(), time.perf_counter()
+            c0, t0, m0 = _cpu_s(), time.perf_counter(), time.monotonic()
             if prof is not None and r:
                 prof.enable()
             w.allreduce(g, key="grad", round_no=r, out=g)      # in place, as dist.all_reduce
             if prof is not None:
                 prof.disable()
             if r:
+                marks.append((m0, time.monotonic()))
                 out.append((time.perf_counter() - t0, _cpu_s() - c0, w.last.bytes_up, w.last.bytes_down,
                             t.stats.counters["retransmissions"]))
         t.barrier("end")
@@ -119,11 +171,11 @@ def _worker(addr, rank, job_msg, dim, rounds, q, profile_top=0) -> None:
         t.close()
     if prof is not None:
         _print_profile(prof, rounds, profile_top)
-    q.put((rank, out))
+    q.put((rank, out, [s for s in spans if s[1] >= marks[0][0]] if marks else [], marks))
 
 
 def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = False,
-               profile_top: int = 0) -> dict:
+               profile_top: int = 0, timeline: bool = False) -> dict:
     """PS + `workers` processes, `rounds` timed rounds; per-round means (`profile_top`: print
     rank 0's top functions, see bench/profile_cluster.py)."""
     from ps_server.server import PSServer
@@ -133,13 +185,14 @@ def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = Fa
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     addr = ("127.0.0.1", ps.data_addr[1], ps.control_port)
-    procs = [ctx.Process(target=_worker, args=(addr, r, job.to_msg(), dim, rounds, q, profile_top), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(addr, r, job.to_msg(), dim, rounds, q, profile_top, timeline), daemon=True)
              for r in range(workers)]
     try:
         for p in procs:
             p.start()
         c0 = _cpu_s()
-        res = dict(q.get(timeout=600) for _ in procs)
+        got = {m[0]: m[1:] for m in (q.get(timeout=600) for _ in procs)}
+        res = {rank: v[0] for rank, v in got.items()}
         ps_cpu = _cpu_s() - c0        # this process: the PS threads (the main thread sleeps in get)
     finally:
         for p in procs:
@@ -149,6 +202,8 @@ def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = Fa
     if not quiet:
         print(f"{codec}: round ms per worker (rows) and round (columns) "
               f"{np.round(per[:, :, 0] * 1e3).astype(int).tolist()}, retransmissions {int(per[:, -1, 4].sum())}")
+    if timeline:
+        _print_timeline({rank: v[2] for rank, v in got.items()}, {rank: v[1] for rank, v in got.items()})
     wall = per[:, :, 0].max(axis=0)                            # a round ends with its slowest worker
     return {"round_ms": 1e3 * wall.mean(), "median_ms": 1e3 * float(np.median(wall)),
             "worker_cpu_ms": 1e3 * per[:, :, 1].sum(axis=0).mean(),
@@ -161,6 +216,8 @@ def main():
     ap.add_argument("--dim-log2", type=int, default=24)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--timeline", action="store_true", help="print the median THC round's steps per worker")
+    ap.add_argument("--thc-only", action="store_true", help="skip the float32 rounds")
     args = ap.parse_args()
     dim, cores = 1 << args.dim_log2, os.cpu_count()
     job = JobConfig(num_workers=args.workers)
@@ -168,9 +225,10 @@ def main():
           f"{os.environ.get('THC_UDP_OFFLOAD', '1')}, phase engine {os.environ.get('THC_PHASE_ENGINE', 'c')}, "
           f"codec threads {os.environ.get('THC_CODEC_THREADS', 'one per core')}", flush=True)
     before = codec_cpu_ms(dim, job)
-    runs = {"thc": run_rounds("thc", dim, args.workers, args.rounds)}
+    runs = {"thc": run_rounds("thc", dim, args.workers, args.rounds, timeline=args.timeline)}
     after = codec_cpu_ms(dim, job)
-    runs["none"] = run_rounds("none", dim, args.workers, args.rounds)
+    if not args.thc_only:
+        runs["none"] = run_rounds("none", dim, args.workers, args.rounds)
     cpu = (before + after) / 2
     floor = cpu * args.workers / cores
     print(f"one worker's codec CPU per round: {before:.1f} ms before the THC rounds, {after:.1f} ms after, "
