@@ -115,7 +115,7 @@ def _record_steps(spans: list) -> None:
         setattr(cls, name, timed(getattr(cls, name), label))
 
 
-def _print_timeline(rounds: list, spans: dict) -> None:
+def _print_timeline(rounds: dict, spans: dict) -> None:
     """The median round (by its slowest worker): each worker's steps as start-end ms from the
     round's first start, with the calling thread's CPU ms; then CPU per step over all rounds."""
     walls = [max(r[1] for r in by_rank) - min(r[0] for r in by_rank) for by_rank in zip(*rounds.values())]

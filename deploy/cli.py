@@ -256,9 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.set_defaults(func=commands.cmd_experiment)
 
     p4 = _command(sub, "p4", help="the P4 switch program: check tools, generate, compile, run under bmv2, "
-                                   "run workers through it in Mininet",
-                        description="The P4 switch program. Each action is a subcommand with its own "
-                                    "options: `thc p4 ACTION --help`.")
+                                  "run workers through it in Mininet",
+                  description="The P4 switch program. Each action is a subcommand with its own "
+                              "options: `thc p4 ACTION --help`.")
     p4_sub = p4.add_subparsers(dest="action", required=True, metavar="ACTION")
     # options several actions share, each added only where it means something
     p4_job = job_parent("workers", "quorum", "granularity", "p")
