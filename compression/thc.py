@@ -229,6 +229,8 @@ def _each_block(fn, blocks: int) -> None:
     global _pool, _pool_size
     with _pool_lock:
         if _pool is None or _pool_size < threads - 1:
+            if _pool is not None:
+                _pool.shutdown(wait=False)      # more threads asked for: its idle threads exit
             _pool, _pool_size = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="thc-block"), threads - 1
         pool = _pool
     rest = [pool.submit(fn, j) for j in range(1, blocks)]
