@@ -1,12 +1,16 @@
 """The end-to-end round at d = 2^24 against its CPU floor on this machine.
 
-Floor: every worker's own codec work in a round — x = ∇ + e, block norms, the uniforms,
-the fused encode, the fused lanes decode and the error-feedback decode (thc.WorkerRound,
-what Worker._thc_round does besides the transport) — measured as CPU time in this process
-on one thread (the least CPU the work takes), best of 3, times the number of workers,
-divided by the cores they share.  The host's speed drifts by 10-20% within minutes, so the
-floor is measured just before and just after the THC rounds and their mean is used (both
-are printed).
+Floor: the sum of the workers' codec CPU in a round, divided by the cores they share.  The
+codec work is every step of thc.WorkerRound that Worker._thc_round runs besides the transport
+(x = ∇ + e, block norms, the uniforms, the fused encode, the error-feedback decode and the
+fused lanes decode).  It is measured with the N workers' processes running those steps
+together on one codec thread each, meeting where the round's norm and data phases make them
+wait, with no network and no PS (`lockstep_floor`): the same work in the same company as in
+a round, and nothing the data path does.  Four ranks on two cores spend ~10% more CPU on it
+than one worker alone (their memory-bound steps overlap), so the script also prints the
+floor "alone" (one worker, nothing else running, best of 3, times N / cores) and the
+round against it.  The host's speed drifts by 10-20% within minutes, so both floors are
+measured just before and just after the THC rounds and their means are used (all printed).
 
 Then, in the same run, a PS (threads of this process, C engine) and N worker processes on
 loopback run real rounds with error feedback, for THC and for float32 (codec none) through
@@ -28,6 +32,7 @@ clock (time.monotonic, shared by the processes of a host) and its CPU on the cal
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import resource
@@ -45,34 +50,95 @@ from proto import headers as H  # noqa: E402
 from proto.job import JobConfig  # noqa: E402
 
 
-def codec_cpu_ms(dim: int, job: JobConfig) -> float:
-    """One worker's codec CPU per round (best of 3): the steps of thc.WorkerRound that
-    Worker._thc_round runs — x = ∇ + e, block norms, uniforms + fused encode, fused lanes
-    decode, and the error-feedback decode e = x − RHT⁻¹(X)."""
+def _codec_round(cfg, job, grad, memory, lanes, rng, r, meet=lambda: None) -> float:
+    """One worker's codec work in a round, the steps of thc.WorkerRound that Worker._thc_round
+    runs besides the transport, in its order: x = ∇ + e and block norms, (the norm phase),
+    uniforms + fused encode and the error-feedback decode e = x − RHT⁻¹(X), (the data phase:
+    results need every rank's data), the fused lanes decode into the gradient.  `meet` stands
+    for the two phases.  Returns this thread's CPU seconds in the steps (not in `meet`)."""
+    c = time.thread_time()
+    rnd = thc.WorkerRound(cfg, grad, memory, "grad")
+    norms = rnd.norms().astype(np.float64)
+    cpu = time.thread_time() - c
+    meet()
+    c = time.thread_time()
+    rnd.encode(norms, rng, r, packed=True)
+    e = rnd.residual()
+    cpu += time.thread_time() - c
+    meet()
+    c = time.thread_time()
+    rnd.decode_lanes(lanes, job.num_workers, out=grad)
+    rnd.feedback(e)
+    return cpu + time.thread_time() - c
+
+
+def _codec_state(dim: int, job: JobConfig):
     from compression.codec import ErrorFeedback
-    cfg = job.thc_config()
-    grad = np.random.default_rng(0).standard_normal(dim).astype(np.float32)
     memory = ErrorFeedback()
     memory.update("grad", np.zeros(dim, np.float32))
-    lanes = np.full(thc.make_layout(dim, cfg.block_log2).padded_dim, 60, np.uint8)
-    est = np.empty(dim, np.float32)         # the round decodes into the caller's gradient
-    best = float("inf")
+    lanes = np.full(thc.make_layout(dim, job.thc_config().block_log2).padded_dim, 60, np.uint8)
+    return memory, lanes
+
+
+@contextlib.contextmanager
+def _one_codec_thread():
+    """THC_CODEC_THREADS=1 inside (and in processes spawned inside): the least CPU, since a
+    pool thread per RHT block adds hand-offs and no work."""
     saved = os.environ.get("THC_CODEC_THREADS")
-    os.environ["THC_CODEC_THREADS"] = "1"   # the least CPU: threads on a block each contend for memory
+    os.environ["THC_CODEC_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["THC_CODEC_THREADS"]
+        else:
+            os.environ["THC_CODEC_THREADS"] = saved
+
+
+def codec_cpu_ms(dim: int, job: JobConfig) -> float:
+    """The floor alone: one worker's codec CPU per round (_codec_round) in this process on one
+    thread with nothing else running, best of 3."""
+    memory, lanes = _codec_state(dim, job)
+    best = float("inf")
     for r in range(3):
-        rng = np.random.default_rng(r)
-        t = time.process_time()
-        rnd = thc.WorkerRound(cfg, grad, memory, "grad")
-        norms = rnd.norms().astype(np.float64)
-        rnd.encode(norms, rng, r, packed=True)
-        rnd.decode_lanes(lanes, job.num_workers, out=est)
-        rnd.feedback()
-        best = min(best, time.process_time() - t)
-    if saved is None:
-        del os.environ["THC_CODEC_THREADS"]
-    else:
-        os.environ["THC_CODEC_THREADS"] = saved
+        grad = gradient(0, r, 0, dim)
+        best = min(best, _codec_round(job.thc_config(), job, grad, memory, lanes, np.random.default_rng(r), r))
     return best * 1e3
+
+
+def _lockstep_rank(rank, dim, job_msg, rounds, barrier, q) -> None:
+    job = JobConfig.from_msg(job_msg)
+    memory, lanes = _codec_state(dim, job)
+    out = []
+    for r in range(rounds + 1):                 # round 0 warms up, as in run_rounds
+        grad = gradient(0, r, rank, dim)
+        barrier.wait()
+        t0 = time.monotonic()
+        cpu = _codec_round(job.thc_config(), job, grad, memory, lanes, np.random.default_rng(r), r, barrier.wait)
+        if r:
+            out.append((time.monotonic() - t0, cpu))
+    q.put((rank, out))
+
+
+def lockstep_floor(dim: int, job: JobConfig, rounds: int) -> dict:
+    """The floor in a round's company: `job.num_workers` processes run _codec_round together,
+    meeting where the round's two phases make them wait, with no network and no PS, on one
+    codec thread each.  Returns the least over rounds of the workers' summed codec CPU per
+    round (ms), as the floor alone is a best of 3, and the median of those rounds' wall time
+    (what a round would take if the transport and the PS cost nothing)."""
+    ctx = mp.get_context("spawn")
+    q, barrier = ctx.Queue(), ctx.Barrier(job.num_workers)
+    procs = [ctx.Process(target=_lockstep_rank, args=(r, dim, job.to_msg(), rounds, barrier, q), daemon=True)
+             for r in range(job.num_workers)]
+    for p in procs:
+        p.start()
+    try:
+        per = np.array([out for _rank, out in sorted(q.get(timeout=600) for _ in procs)])   # workers × rounds × 2
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+    return {"cpu_ms": 1e3 * float(per[:, :, 1].sum(axis=0).min()),
+            "wall_ms": 1e3 * float(np.median(per[:, :, 0].max(axis=0)))}
 
 
 def _cpu_s() -> float:
@@ -225,23 +291,32 @@ def main():
     print(f"d = 2^{args.dim_log2}, {args.workers} workers, {cores} cores; offload "
           f"{os.environ.get('THC_UDP_OFFLOAD', '1')}, phase engine {os.environ.get('THC_PHASE_ENGINE', 'c')}, "
           f"codec threads {os.environ.get('THC_CODEC_THREADS', 'one per core')}", flush=True)
-    before = codec_cpu_ms(dim, job)
+    with _one_codec_thread():
+        alone = [codec_cpu_ms(dim, job)]
+        lock = [lockstep_floor(dim, job, args.rounds)]
     runs = {"thc": run_rounds("thc", dim, args.workers, args.rounds, timeline=args.timeline)}
-    after = codec_cpu_ms(dim, job)
+    with _one_codec_thread():
+        alone.append(codec_cpu_ms(dim, job))
+        lock.append(lockstep_floor(dim, job, args.rounds))
     if not args.thc_only:
         runs["none"] = run_rounds("none", dim, args.workers, args.rounds)
-    cpu = (before + after) / 2
-    floor = cpu * args.workers / cores
-    print(f"one worker's codec CPU per round: {before:.1f} ms before the THC rounds, {after:.1f} ms after, "
-          f"mean {cpu:.1f} -> floor {args.workers} x {cpu:.1f} / {cores} = {floor:.1f} ms")
-    print(f"{'codec':>6}{'round ms':>10}{'x floor':>9}{'median ms':>11}{'x floor':>9}{'workers CPU ms':>16}"
-          f"{'PS CPU ms':>11}{'idle ms':>9}{'up MB':>8}{'down MB':>9}")
+    floor = np.mean([f["cpu_ms"] for f in lock]) / cores
+    floor_alone = np.mean(alone) * args.workers / cores
+    print(f"floor: the {args.workers} workers' codec CPU per round, run together in lock-step without the "
+          f"network (least of {args.rounds} rounds): {lock[0]['cpu_ms']:.1f} ms before the THC rounds, "
+          f"{lock[1]['cpu_ms']:.1f} after -> / {cores} cores = {floor:.1f} ms; those rounds took "
+          f"{lock[0]['wall_ms']:.1f} and {lock[1]['wall_ms']:.1f} ms of wall time (median)")
+    print(f"floor alone: one worker's codec CPU per round with nothing else running (best of 3): "
+          f"{alone[0]:.1f} ms before, {alone[1]:.1f} after -> {args.workers} x {np.mean(alone):.1f} / {cores} "
+          f"= {floor_alone:.1f} ms")
+    print(f"{'codec':>6}{'round ms':>10}{'x floor':>9}{'x alone':>9}{'median ms':>11}{'x floor':>9}{'x alone':>9}"
+          f"{'workers CPU ms':>16}{'PS CPU ms':>11}{'idle ms':>9}{'up MB':>8}{'down MB':>9}")
     for codec, d in runs.items():
         idle = d["round_ms"] * cores - d["worker_cpu_ms"] - d["ps_cpu_ms"]
-        print(f"{codec:>6}{d['round_ms']:10.1f}{d['round_ms'] / floor:9.2f}{d['median_ms']:11.1f}"
-              f"{d['median_ms'] / floor:9.2f}{d['worker_cpu_ms']:16.1f}"
-              f"{d['ps_cpu_ms']:11.1f}{idle:9.1f}{d['up_mb']:8.2f}{d['down_mb']:9.2f}", flush=True)
-
+        print(f"{codec:>6}{d['round_ms']:10.1f}{d['round_ms'] / floor:9.2f}{d['round_ms'] / floor_alone:9.2f}"
+              f"{d['median_ms']:11.1f}{d['median_ms'] / floor:9.2f}{d['median_ms'] / floor_alone:9.2f}"
+              f"{d['worker_cpu_ms']:16.1f}{d['ps_cpu_ms']:11.1f}{idle:9.1f}{d['up_mb']:8.2f}{d['down_mb']:9.2f}",
+              flush=True)
 
 if __name__ == "__main__":
     main()
