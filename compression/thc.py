@@ -447,11 +447,16 @@ class WorkerRound:
         """‖x_j‖ per RHT block (the preliminary stage's message, float64)."""
         return block_norms(self.x, self.layout)
 
-    def encode(self, max_norms, rng, round_no: int, *, packed: bool = False):
-        """Z for this round with the shared norms: uint8 indices, or packed MSB first."""
+    def encode(self, max_norms, rng, round_no: int, *, packed: bool = False, uniforms=None):
+        """Z for this round with the shared norms: uint8 indices, or packed MSB first.  The
+        stochastic rounding draws padded_dim float32 uniforms from `rng`, unless the caller
+        has them already (`uniforms`, e.g. drawn ahead: worker/uniforms.py)."""
         self.max_norms, self.round_no, self.packed = max_norms, round_no, packed
         n = self.layout.padded_dim
-        uniforms = rng.random(n, dtype=np.float32, out=_workspace(n, "uniforms"))
+        if uniforms is None:
+            uniforms = rng.random(n, dtype=np.float32, out=_workspace(n, "uniforms"))
+        elif uniforms.shape != (n,) or uniforms.dtype != np.float32:
+            raise ValueError(f"uniforms must be {n} float32 values, got {uniforms.dtype} {uniforms.shape}")
         fn = encode_packed if packed else encode
         self.z = fn(self.x, max_norms, self.cfg, self.layout, round_no, uniforms)
         return self.z

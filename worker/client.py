@@ -14,6 +14,7 @@ the raw lane values (which would decode to −M).
 """
 from __future__ import annotations
 
+import os
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ from compression.codec import ErrorFeedback
 from proto import headers as H
 from proto.packing import unpack_lanes
 from worker.transport import PackedChunks, PhaseResults, Transport
+from worker.uniforms import UniformsAhead
 
 
 def joined_lanes(chunks, results, total: int, lane_bits: int):
@@ -121,6 +123,9 @@ class Worker:
         self._delay_rng = np.random.default_rng(np.random.SeedSequence([seed, transport.worker_id, 99]))
         self.last: RoundReport | None = None
         self._background: ThreadPoolExecutor | None = None
+        # THC_UNIFORMS_AHEAD=0 draws each round's uniforms inside its encode (for comparison)
+        self._uniforms = UniformsAhead(self.round_rng, keyed=per_round_rng) \
+            if os.environ.get("THC_UNIFORMS_AHEAD", "1") != "0" else None
 
     def _in_background(self, fn):
         """Start fn() in this worker's helper thread; returns its Future.  For the
@@ -244,11 +249,18 @@ class Worker:
         layout = rnd.layout
         norms = self._exchange_norms(rnd.norms())
         report.norms = norms.tolist()
-        packed = rnd.encode(norms, self.round_rng(rn), rn, packed=True)
-        chunks = self._chunks(packed, layout.padded_dim, cfg.bits)
+        n = layout.padded_dim
+        if self._uniforms is None:
+            packed = rnd.encode(norms, self.round_rng(rn), rn, packed=True)
+        else:
+            packed = rnd.encode(norms, None, rn, packed=True, uniforms=self._uniforms.take(rn, n))
+        chunks = self._chunks(packed, n, cfg.bits)
         report.bytes_up = chunks.wire_bytes
-        # e = x − RHT⁻¹(X) needs only this worker's own Z: compute it while the phase runs
+        # e = x − RHT⁻¹(X) needs only this worker's own Z: compute it while the phase runs,
+        # then the next round's uniforms
         residual = self._in_background(rnd.residual) if rnd.memory is not None else None
+        if self._uniforms is not None:
+            self._uniforms.draw_ahead(self._in_background, rn + 1, n)
         try:
             self._maybe_straggle()
             results = self.t.run_phase(H.DATA, chunks)
