@@ -1,0 +1,90 @@
+"""THC rounds over a rate-limited link, step by step (root: network namespaces and tc).
+
+A PS (`thc ps`) in one namespace and N worker processes in another, joined by a veth pair
+with a token bucket on both ends (deploy/netns.two_hosts, as `thc experiment bandwidth`).
+The workers run bench_floor.py's rounds — the gradient made first, untimed; a barrier;
+the allreduce timed — so a round is the data path and the codec without a model's compute
+in between, and `--timeline` shows where the median round went.
+
+    .venv/bin/python bench/bench_link.py [--rate 1000] [--dim-log2 21] [--workers 2] [--rounds 16] [--timeline]
+
+Inside the worker namespace this script runs itself again with `--inside HOST` (the workers).
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))   # `bench` is not installed: run from a checkout
+import numpy as np  # noqa: E402
+
+from bench import bench_floor  # noqa: E402
+from proto.job import JobConfig  # noqa: E402
+
+PORT = 9000
+
+
+def workers_inside(host: str, args) -> None:
+    """The worker processes, run inside the worker namespace."""
+    job = JobConfig(num_workers=args.workers)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=bench_floor._worker, daemon=True,
+                         args=((host, PORT, PORT + 1), r, job.to_msg(), 1 << args.dim_log2, args.rounds, q, 0,
+                               args.timeline))
+             for r in range(args.workers)]
+    for p in procs:
+        p.start()
+    reports = sorted((q.get(timeout=600) for _ in procs), key=lambda rep: rep[0])    # (rank, out, spans, marks)
+    for p in procs:
+        p.join(timeout=30)
+    per = np.array([out for _rank, out, _spans, _marks in reports])              # workers × rounds × 5
+    wall = 1e3 * per[:, :, 0].max(axis=0)
+    print(f"rounds ms {np.round(wall).astype(int).tolist()}; mean {wall.mean():.1f}, median "
+          f"{np.median(wall):.1f}; retransmissions {int(per[:, -1, 4].sum())}; up {per[0, :, 2].mean() / 1e6:.2f} "
+          f"MB, down {per[0, :, 3].mean() / 1e6:.2f} MB per worker and round", flush=True)
+    if args.timeline:
+        bench_floor._print_timeline({rank: marks for rank, _o, _s, marks in reports},
+                                    {rank: spans for rank, _o, spans, _m in reports})
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rate", type=float, default=1000.0, help="link rate in Mbit/s (0: no limit)")
+    ap.add_argument("--dim-log2", type=int, default=21)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--timeline", action="store_true", help="print the median round's steps per worker")
+    ap.add_argument("--inside", metavar="HOST", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.inside:
+        workers_inside(args.inside, args)
+        return
+    from deploy import netns
+    from deploy.procs import stop_gracefully
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    print(f"d = 2^{args.dim_log2}, {args.workers} workers, link {args.rate:g} Mbit/s, uniforms ahead "
+          f"{os.environ.get('THC_UNIFORMS_AHEAD', '1')}", flush=True)
+    with netns.two_hosts(rate_mbit=args.rate or None) as net:
+        ps = subprocess.Popen(net.prefix(net.ps_ns) + [sys.executable, "-m", "deploy.cli", "ps", "--bind",
+                                                         f"{net.ps_ip}:{PORT}", "--workers", str(args.workers),
+                                                         "--stats-every", "0"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+        try:
+            time.sleep(2.0)
+            inner = [sys.executable, __file__, "--inside", net.ps_ip, "--dim-log2", str(args.dim_log2),
+                     "--workers", str(args.workers), "--rounds", str(args.rounds)] + \
+                (["--timeline"] if args.timeline else [])
+            subprocess.run(net.prefix(net.worker_ns) + inner, env=env, cwd=ROOT, timeout=900, check=True)
+        finally:
+            stop_gracefully(ps)
+
+
+if __name__ == "__main__":
+    main()
