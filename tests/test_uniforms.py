@@ -22,13 +22,13 @@ def test_pcg64_float32_draws_in_pieces_equal_one_draw():
     np.testing.assert_array_equal(np.concatenate(parts), whole)
 
 
-@pytest.mark.parametrize("threaded", [False, True])
-def test_one_stream_gives_the_stream_in_order_whatever_the_sizes(threaded):
+@pytest.mark.parametrize("threaded, ahead", [(False, True), (True, True), (False, False)])
+def test_one_stream_gives_the_stream_in_order_whatever_the_sizes(threaded, ahead):
     """Rounds of changing sizes (a smaller one leaves values over, a larger one draws the rest)
-    get the stream's values in order, as if each had drawn its own."""
+    get the stream's values in order, as if each had drawn its own; drawing ahead off too."""
     sizes = [64, 64, 16, 64, 33, 128, 128, 5, 7, 200]
     rng = np.random.default_rng(3)
-    ua = UniformsAhead(lambda r: rng, keyed=False)
+    ua = UniformsAhead(lambda r: rng, keyed=False, ahead=ahead)
     pool = ThreadPoolExecutor(max_workers=1) if threaded else None
     got = []
     try:
@@ -50,7 +50,7 @@ def test_keyed_rounds_use_values_drawn_ahead_only_for_their_round_and_size():
     def rng_for(r):
         return np.random.default_rng([11, r])
 
-    ua = UniformsAhead(rng_for, keyed=True)
+    ua = UniformsAhead(rng_for, keyed=True, ahead=True)
     calls = []
 
     def submit(fn):
@@ -69,10 +69,11 @@ def test_a_failed_draw_ahead_surfaces_at_the_next_take():
         def random(self, *a, **k):
             raise MemoryError("no room")
 
-    ua = UniformsAhead(lambda r: Broken(), keyed=True)
-    ua.draw_ahead(lambda fn: ThreadPoolExecutor(1).submit(fn), 1, 10)
-    with pytest.raises(MemoryError, match="no room"):
-        ua.take(1, 10)
+    ua = UniformsAhead(lambda r: Broken(), keyed=True, ahead=True)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        ua.draw_ahead(pool.submit, 1, 10)
+        with pytest.raises(MemoryError, match="no room"):
+            ua.take(1, 10)
 
 
 @pytest.mark.parametrize("ahead", ["1", "0"])
@@ -91,7 +92,7 @@ def test_worker_rounds_of_changing_sizes_encode_the_one_stream_in_order(monkeypa
     t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port)
     try:
         w = Worker(t, seed=3)
-        assert (w._uniforms is not None) == (ahead == "1")
+        assert w._uniforms.ahead == (ahead == "1")
         mirror = np.random.default_rng(np.random.SeedSequence([3, 0]))     # the worker's stream
         data = np.random.default_rng(5)
         e = {}

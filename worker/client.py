@@ -14,7 +14,6 @@ the raw lane values (which would decode to −M).
 """
 from __future__ import annotations
 
-import os
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -123,9 +122,7 @@ class Worker:
         self._delay_rng = np.random.default_rng(np.random.SeedSequence([seed, transport.worker_id, 99]))
         self.last: RoundReport | None = None
         self._background: ThreadPoolExecutor | None = None
-        # THC_UNIFORMS_AHEAD=0 draws each round's uniforms inside its encode (for comparison)
-        self._uniforms = UniformsAhead(self.round_rng, keyed=per_round_rng) \
-            if os.environ.get("THC_UNIFORMS_AHEAD", "1") != "0" else None
+        self._uniforms = UniformsAhead(self.round_rng, keyed=per_round_rng)
 
     def _in_background(self, fn):
         """Start fn() in this worker's helper thread; returns its Future.  For the
@@ -250,17 +247,13 @@ class Worker:
         norms = self._exchange_norms(rnd.norms())
         report.norms = norms.tolist()
         n = layout.padded_dim
-        if self._uniforms is None:
-            packed = rnd.encode(norms, self.round_rng(rn), rn, packed=True)
-        else:
-            packed = rnd.encode(norms, None, rn, packed=True, uniforms=self._uniforms.take(rn, n))
+        packed = rnd.encode(norms, None, rn, packed=True, uniforms=self._uniforms.take(rn, n))
         chunks = self._chunks(packed, n, cfg.bits)
         report.bytes_up = chunks.wire_bytes
         # e = x − RHT⁻¹(X) needs only this worker's own Z: compute it while the phase runs,
         # then the next round's uniforms
         residual = self._in_background(rnd.residual) if rnd.memory is not None else None
-        if self._uniforms is not None:
-            self._uniforms.draw_ahead(self._in_background, rn + 1, n)
+        self._uniforms.draw_ahead(self._in_background, rn + 1, n)
         try:
             self._maybe_straggle()
             results = self.t.run_phase(H.DATA, chunks)

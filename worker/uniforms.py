@@ -6,6 +6,9 @@ worker draws round r+1's while round r's DATA phase waits on the network (and th
 computes its next gradient), and round r+1's encode does not wait for them when the round
 is bound by the link.
 
+`ahead=False` (the worker's default from $THC_UNIFORMS_AHEAD, "0" for off) draws each
+round's values when the round asks, into the same reused buffer: the comparison case.
+
 Exact: a round gets the values it would have drawn itself.
 - Keyed generators (`Worker(per_round_rng=True)`): one generator per round, so values drawn
   ahead for round r are used only by round r with the same count; otherwise they are dropped
@@ -19,6 +22,7 @@ Exact: a round gets the values it would have drawn itself.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -31,8 +35,9 @@ class UniformsAhead:
     `rng_for(round_no)` is the generator a round draws from: a new one per round (keyed) or
     always the same one (one stream)."""
 
-    def __init__(self, rng_for: Callable[[int], np.random.Generator], keyed: bool):
+    def __init__(self, rng_for: Callable[[int], np.random.Generator], keyed: bool, ahead: bool | None = None):
         self.rng_for, self.keyed = rng_for, keyed
+        self.ahead = os.environ.get("THC_UNIFORMS_AHEAD", "1") != "0" if ahead is None else ahead
         self._buf = np.empty(0, np.float32)      # reused, so no new vector of d per round
         self._ahead: tuple[int, int, Future] | None = None     # (round, count, drawing)
         self._left = np.empty(0, np.float32)    # one stream: drawn, not used yet (in order)
@@ -60,8 +65,8 @@ class UniformsAhead:
 
     def draw_ahead(self, submit: Callable[[Callable], Future], round_no: int, n: int) -> None:
         """Start drawing round `round_no`'s n uniforms with `submit` (the helper thread)."""
-        if not self.keyed and self._left.size:
-            return                  # the next round starts with the values left over
+        if not self.ahead or (not self.keyed and self._left.size):
+            return                  # off, or the next round starts with the values left over
         self._grow(n, keep=0)
         rng = self.rng_for(round_no)
         self._ahead = (round_no, n, submit(lambda: self._draw(rng, n)))
