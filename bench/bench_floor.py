@@ -181,7 +181,7 @@ def _record_steps(spans: list) -> None:
         setattr(cls, name, timed(getattr(cls, name), label))
 
 
-def _print_timeline(rounds: dict, spans: dict) -> None:
+def print_timeline(rounds: dict, spans: dict) -> None:
     """The median round (by its slowest worker): each worker's steps as start-end ms from the
     round's first start, with the calling thread's CPU ms; then CPU per step over all rounds."""
     walls = [max(r[1] for r in by_rank) - min(r[0] for r in by_rank) for by_rank in zip(*rounds.values())]
@@ -203,7 +203,7 @@ def _print_timeline(rounds: dict, spans: dict) -> None:
         f"{name} {1e3 * c / n:.1f} ms" for name, c in cpu.items()))
 
 
-def _worker(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=False) -> None:
+def worker_rounds(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=False) -> None:
     """One rank: per round, make the gradient, meet the others, time the allreduce.  With
     `profile_top`, rank 0's allreduces run under cProfile (CPU time as its clock); with
     `timeline`, the steps of every round are recorded (see _record_steps)."""
@@ -251,7 +251,7 @@ def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = Fa
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     addr = ("127.0.0.1", ps.data_addr[1], ps.control_port)
-    procs = [ctx.Process(target=_worker, args=(addr, r, job.to_msg(), dim, rounds, q, profile_top, timeline), daemon=True)
+    procs = [ctx.Process(target=worker_rounds, args=(addr, r, job.to_msg(), dim, rounds, q, profile_top, timeline), daemon=True)
              for r in range(workers)]
     try:
         for p in procs:
@@ -269,7 +269,7 @@ def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = Fa
         print(f"{codec}: round ms per worker (rows) and round (columns) "
               f"{np.round(per[:, :, 0] * 1e3).astype(int).tolist()}, retransmissions {int(per[:, -1, 4].sum())}")
     if timeline:
-        _print_timeline({rank: marks for rank, _out, _spans, marks in reports},
+        print_timeline({rank: marks for rank, _out, _spans, marks in reports},
                         {rank: spans for rank, _out, spans, _marks in reports})
     wall = per[:, :, 0].max(axis=0)                            # a round ends with its slowest worker
     return {"round_ms": 1e3 * wall.mean(), "median_ms": 1e3 * float(np.median(wall)),

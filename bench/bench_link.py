@@ -17,7 +17,6 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +34,7 @@ def workers_inside(host: str, args) -> None:
     job = JobConfig(num_workers=args.workers)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=bench_floor._worker, daemon=True,
+    procs = [ctx.Process(target=bench_floor.worker_rounds, daemon=True,
                          args=((host, PORT, PORT + 1), r, job.to_msg(), 1 << args.dim_log2, args.rounds, q, 0,
                                args.timeline))
              for r in range(args.workers)]
@@ -50,7 +49,7 @@ def workers_inside(host: str, args) -> None:
           f"{np.median(wall):.1f}; retransmissions {int(per[:, -1, 4].sum())}; up {per[0, :, 2].mean() / 1e6:.2f} "
           f"MB, down {per[0, :, 3].mean() / 1e6:.2f} MB per worker and round", flush=True)
     if args.timeline:
-        bench_floor._print_timeline({rank: marks for rank, _o, _s, marks in reports},
+        bench_floor.print_timeline({rank: marks for rank, _o, _s, marks in reports},
                                     {rank: spans for rank, _o, spans, _m in reports})
 
 
@@ -67,17 +66,14 @@ def main():
         workers_inside(args.inside, args)
         return
     from deploy import netns
+    from deploy.experiments import ps_in_namespace
     from deploy.procs import stop_gracefully
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     print(f"d = 2^{args.dim_log2}, {args.workers} workers, link {args.rate:g} Mbit/s, uniforms ahead "
           f"{os.environ.get('THC_UNIFORMS_AHEAD', '1')}", flush=True)
     with netns.two_hosts(rate_mbit=args.rate or None) as net:
-        ps = subprocess.Popen(net.prefix(net.ps_ns) + [sys.executable, "-m", "deploy.cli", "ps", "--bind",
-                                                         f"{net.ps_ip}:{PORT}", "--workers", str(args.workers),
-                                                         "--stats-every", "0"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+        ps = ps_in_namespace(net, JobConfig(num_workers=args.workers), PORT, env)
         try:
-            time.sleep(2.0)
             inner = [sys.executable, __file__, "--inside", net.ps_ip, "--dim-log2", str(args.dim_log2),
                      "--workers", str(args.workers), "--rounds", str(args.rounds)] + \
                 (["--timeline"] if args.timeline else [])

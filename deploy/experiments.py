@@ -130,18 +130,24 @@ def _kernel_loss_rows(base: TrainConfig, log) -> list:
     return rows
 
 
+def ps_in_namespace(net, job, port: int, env: dict) -> subprocess.Popen:
+    """`thc ps` for `job` in net.ps_ns on net.ps_ip:port (stdout piped), given 2 s to bind."""
+    cmd = net.prefix(net.ps_ns) + [sys.executable, "-m", "deploy.cli", "ps", "--bind", f"{net.ps_ip}:{port}",
+                                   "--workers", str(job.num_workers), "--codec", job.codec,
+                                   "--bits", str(job.bits), "--granularity", str(job.granularity),
+                                   "--p", job.p, "--lane-bits", str(job.lane_bits),
+                                   "--quorum", str(job.quorum), "--stats-every", "0"]
+    ps = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    time.sleep(2.0)
+    return ps
+
+
 def run_in_namespaces(net, cfg: TrainConfig, log, port: int = 9000, env_extra: dict | None = None) -> dict:
     """A PS in net.ps_ns and `thc train --ps` in net.worker_ns; returns the train JSON."""
     py, job = sys.executable, cfg.job
-    ps_cmd = net.prefix(net.ps_ns) + [py, "-m", "deploy.cli", "ps", "--bind", f"{net.ps_ip}:{port}",
-                                      "--workers", str(job.num_workers), "--codec", job.codec,
-                                      "--bits", str(job.bits), "--granularity", str(job.granularity),
-                                      "--p", job.p, "--lane-bits", str(job.lane_bits),
-                                      "--quorum", str(job.quorum), "--stats-every", "0"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
-    ps = subprocess.Popen(ps_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    ps = ps_in_namespace(net, job, port, env)
     try:
-        time.sleep(2.0)
         args = ["--workers", str(job.num_workers), "--epochs", str(cfg.epochs), "--model", cfg.model,
                 "--batch", str(cfg.batch), "--lr", str(cfg.lr), "--loss-policy", cfg.loss_policy,
                 "--sync-every", str(cfg.sync_every), "--seed", str(job.seed),
