@@ -17,7 +17,7 @@ import zlib
 
 import numpy as np
 
-from deploy.procs import single_threaded_children
+from deploy.procs import die_with_parent, process_state, single_threaded_children
 
 from compression import thc
 from proto.job import JobConfig
@@ -38,10 +38,34 @@ def gradient(seed: int, round_no: int, worker: int, dim: int) -> np.ndarray:
 KILLED = 17     # exit status of a worker killed by fault injection (`die_at`)
 
 
+def others_step(t) -> int:
+    """The step the other live ranks of the job are on (the PS's status), for a rank that
+    joins late: a restarted one, or one whose lease expired while it was paused."""
+    status = t.call({"type": "status"})
+    others = [v for k, v in status.get("progress", {}).items() if int(k) != t.worker_id and v >= 0]
+    return max(others, default=0)
+
+
+def skip_to_front(t, skip_one, step: int, limit: int, passes: int = 50) -> int:
+    """Skip rounds (`skip_one` advances this rank by one round) past every result the data
+    plane has fanned out to it since it registered again, until a pass finds it at most a
+    few rounds behind the others (the rest its stash answers); returns the step reached.
+    Bounded by `passes` reads of at most 0.1 s each."""
+    for _ in range(passes):
+        seen = t.drain()
+        skipped = 0
+        while step < limit and t.behind(seen):
+            skip_one()
+            step, skipped = step + 1, skipped + 1
+        if skipped <= 4:
+            break
+    return step
+
+
 def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
                 straggler_delay_ms, straggler_prob, timeout_ms, window, report=None, quiet=True,
                 bind_port=0, batched=True, expect=None, propose=None, keys=None, die_at=None,
-                rejoin=False):
+                rejoin=False, progress=None):
     """Run `rounds` allreduces of test gradients against the PS shards [(host, data, control)].
 
     `expect` is the job configuration this worker insists on (a dict of JobConfig fields),
@@ -50,12 +74,18 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
     it fast-forwards to the round the other ranks are at.  `die_at` makes the process exit
     abruptly at the start of that round (fault injection); `rejoin` (a restarted rank) only
     joins a job it held a place in, and returns no rounds if that job has ended meanwhile.
+    A rank whose lease expired while it was paused (SIGSTOP, descheduled, partitioned)
+    rejoins the same way when it wakes: the rounds from the other ranks' step on run again,
+    the ones it skipped are not reported.  If its job ended while it was away, the counters
+    say `ended_while_away` and only the rounds it finished are reported.
+    `progress` (a shared integer) is set to each round this worker starts, for the
+    launcher's watchdog.
     Returns (per-round reports, transport counters, the job as announced by the PS).
     """
     import os
 
     from worker.client import Worker
-    from worker.transport import Transport
+    from worker.transport import JobEnded, LeaseLost, Transport
     sized = {} if window is None else {"window": window}      # None: the transport's default
     try:
         t = Transport(shards[0][0], shards[0][1], worker_id, control_port=shards[0][2], policy=policy,
@@ -71,46 +101,93 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
     w = Worker(t, error_feedback=False, seed=seed, straggler_delay_ms=straggler_delay_ms,
                straggler_prob=straggler_prob, per_round_rng=True)
     out = []
+    lapses, missed, ended, catching = 0, 0, False, False
+    quorum_job = t.job.quorum_count < t.job.num_workers
+
+    def catch_up() -> int:
+        """Fast-forward to the others' step: in a quorum-1 job that is the round they wait in
+        for this rank.  A quorum job goes on meanwhile, and the heartbeats' step is up to a
+        heartbeat old: there the rank reads the results fanned out to it since it registered
+        again and skips past the newest, so its first round is one the others have not
+        finished (a round behind the front would be lost, and at the front's pace it would
+        never catch up)."""
+        nonlocal catching
+        first = min(others_step(t), rounds)
+        w.skip_rounds(first, dim)
+        if quorum_job:
+            first = skip_to_front(t, lambda: w.skip_rounds(1, dim), first, rounds)
+        t.progress = first
+        catching = True
+        if not quiet:
+            print(f"worker {worker_id} rejoined job {t.sessions[0]['job_number']} at round {first}",
+                  file=sys.stderr, flush=True)
+        return first
+
     try:
-        first = 0
-        if t.rejoined:
-            status = t.call({"type": "status"})
-            others = [v for k, v in status.get("progress", {}).items() if int(k) != worker_id and v >= 0]
-            first = max(others, default=0)
-            w.skip_rounds(first, dim)
-            if not quiet:
-                print(f"worker {worker_id} rejoined job {t.sessions[0]['job_number']} at round {first}",
-                      file=sys.stderr, flush=True)
-        else:
-            t.barrier("start")
-        for r in range(first, rounds):
-            t.progress = r
-            if die_at is not None and r == die_at:
-                os._exit(KILLED)
-            w.allreduce(gradient(seed, r, worker_id, dim), key="grad", round_no=r)
-            rep = w.last
-            out.append({"round": r, "lost": rep.lost, "k": rep.contributors, "bitmap": rep.bitmaps,
-                        "digest": rep.chunk_digests(), "norms": rep.norms,
-                        "seconds": rep.seconds, "bytes_up": rep.bytes_up, "bytes_down": rep.bytes_down})
-            if not quiet:
-                print(f"worker {worker_id} round {r + 1}/{rounds} {rep.seconds * 1e3:.1f} ms "
-                      f"lost={rep.lost}", file=sys.stderr, flush=True)
-        t.barrier("end")
+        r = catch_up() if t.rejoined else None
+        while True:
+            try:
+                if r is None:
+                    t.barrier("start")
+                    r = 0
+                if r >= rounds:
+                    t.progress = rounds          # done: a rank that rejoins now skips every round
+                    t.barrier("end")
+                    break
+                t.progress = r
+                if progress is not None:
+                    progress.value = r
+                if die_at is not None and r == die_at:
+                    os._exit(KILLED)
+                notices = t.stats.counters["straggler_notices"]
+                w.allreduce(gradient(seed, r, worker_id, dim), key="grad", round_no=r)
+                rep = w.last
+                r += 1
+                straggled = quorum_job and t.stats.counters["straggler_notices"] > notices
+                if (catching and rep.lost) or straggled:
+                    missed += 1             # too late for it: the job went on without this rank
+                    if straggled:
+                        # a straggler (paused, descheduled) in a quorum job: at the others' pace
+                        # it would stay behind for good; resynchronize at the front
+                        r = skip_to_front(t, lambda: w.skip_rounds(1, dim), r, rounds)
+                        catching = True
+                    continue
+                catching = False
+                out.append({"round": r - 1, "lost": rep.lost, "k": rep.contributors, "bitmap": rep.bitmaps,
+                            "digest": rep.chunk_digests(), "norms": rep.norms,
+                            "seconds": rep.seconds, "bytes_up": rep.bytes_up, "bytes_down": rep.bytes_down})
+                if not quiet:
+                    print(f"worker {worker_id} round {r}/{rounds} {rep.seconds * 1e3:.1f} ms "
+                          f"lost={rep.lost}", file=sys.stderr, flush=True)
+            except LeaseLost as exc:
+                lapses += 1
+                print(f"worker {worker_id}: {exc}; rejoining", file=sys.stderr, flush=True)
+                w.rejoin()
+                r = catch_up()
+                out = [o for o in out if o["round"] < r]     # rounds it runs again
         counters = dict(t.stats.counters)
-        counters["resumes"] = t.resumes
-        announced = t.job.to_msg()
+    except JobEnded as exc:
+        ended = True
+        print(f"worker {worker_id}: {exc}", file=sys.stderr, flush=True)
+        counters = dict(t.stats.counters)
     finally:
-        t.close()
+        t.close(leave=not ended)
+    counters["resumes"] = t.resumes
+    counters["lease_rejoins"] = lapses
+    counters["catch_up_missed_rounds"] = missed
+    counters["ended_while_away"] = int(ended)
+    announced = t.job.to_msg()
     if report is not None:
         report.put((worker_id, out, counters, announced))
     return out, counters, announced
 
 
 def _worker_entry(*args, **kwargs):
+    die_with_parent()
     try:
         worker_loop(*args, **kwargs)
     except Exception as exc:  # reported to the parent, which fails the launch
-        args[-2].put((args[1], f"{type(exc).__name__}: {exc}", None, None))
+        kwargs["report"].put((args[1], f"{type(exc).__name__}: {exc}", None, None))
 
 
 def _by_round(per_worker: dict) -> dict:
@@ -150,8 +227,10 @@ def reference_digests(job: JobConfig, seed: int, round_no: int, dim: int, report
                 continue
             members = [w for w in range(n) if bm >> w & 1]
             if payloads is None:
-                s = np.zeros(count, np.float32)
-                for w in members:
+                # the PS's float32 sum: the first contribution, then IEEE additions in rank
+                # order (exact for these gradients, and −0.0 + −0.0 stays −0.0; 0.0 + … would not)
+                s = grads[members[0]][off:off + count].copy()
+                for w in members[1:]:
                     s = s + grads[w][off:off + count]
                 by_bitmap[bm] = zlib.crc32(s.astype(">f4").tobytes())
             else:
@@ -238,13 +317,105 @@ def parse_ps(ps: str, control_port=None) -> list:
     return shard_list
 
 
+class _Supervisor:
+    """The launcher's worker processes: spawns them, collects their reports, starts a killed
+    rank again (`restart`), and stops the job when no worker has started a round for
+    `stall_s` seconds, naming the ranks behind (a stopped or hung process)."""
+
+    def __init__(self, ranks, worker_args, kill, restart: bool, stall_s: float):
+        self.ctx = mp.get_context("spawn")
+        self.q = self.ctx.Queue()
+        self.ranks, self.worker_args, self.kill, self.restart = ranks, worker_args, kill, restart
+        self.stall_s = stall_s
+        self.progress = {i: self.ctx.Value("q", -1, lock=False) for i in ranks}
+        self.procs: dict = {}
+        self.per_worker, self.counters, self.errors, self.announced = {}, {}, [], None
+        self.restarted = 0
+        self._seen, self._moved = {}, time.monotonic()
+        for i in ranks:
+            self.spawn(i, kill[1] if kill is not None and kill[0] == i else None)
+
+    def spawn(self, i: int, die_at=None, rejoin=False) -> None:
+        args, kwargs = self.worker_args(i)
+        proc = self.ctx.Process(target=_worker_entry, args=args, daemon=True,
+                                kwargs={**kwargs, "report": self.q, "die_at": die_at, "rejoin": rejoin,
+                                        "progress": self.progress[i]})
+        proc.start()
+        self.procs[i] = proc
+
+    def _pending(self) -> bool:
+        return len(self.per_worker) + len(self.errors) < len(self.ranks)
+
+    def run(self) -> None:
+        try:
+            while self._pending():
+                self._watchdog()
+                try:
+                    wid, out, ctr, ann = self.q.get(timeout=0.5)
+                except Exception:
+                    self._exits()
+                    continue
+                if ctr is None:
+                    self.errors.append(f"worker {wid}: {out}")
+                elif ctr.get("rejoin_refused"):        # restarted after its job had ended
+                    self.per_worker[wid], self.counters[wid] = [], ctr
+                else:
+                    self.per_worker[wid], self.counters[wid], self.announced = out, ctr, ann
+        except KeyboardInterrupt:
+            self.errors.append("interrupted")
+            for proc in self.procs.values():
+                proc.kill()
+
+    def _exits(self) -> None:
+        """Workers that ended without a report: a killed rank (restarted, or an error), a crash."""
+        for i, proc in list(self.procs.items()):
+            if proc.exitcode == KILLED and i not in self.per_worker:
+                if self.restart:
+                    self.restarted += 1
+                    self.spawn(i, rejoin=True)
+                else:
+                    self.errors.append(f"worker {i}: killed at round {self.kill[1]} (fault injection)")
+                    self.procs.pop(i)
+            elif proc.exitcode not in (None, 0, KILLED) and i not in self.per_worker and self.q.empty():
+                self.errors.append(f"worker {i}: exited with status {proc.exitcode}")
+                self.procs.pop(i)
+        if not any(p.is_alive() for p in self.procs.values()) and self.q.empty() and self._pending():
+            missing = [i for i in self.ranks if i not in self.per_worker]
+            self.errors.append(f"workers {missing} ended without a report")
+
+    def _watchdog(self) -> None:
+        now = time.monotonic()
+        current = {i: v.value for i, v in self.progress.items()}
+        if current != self._seen:
+            self._seen, self._moved = current, now
+            return
+        if now - self._moved < self.stall_s:
+            return
+        behind = sorted((i for i, p in self.procs.items() if i not in self.per_worker and p.is_alive()),
+                        key=lambda i: current[i])
+        for i in behind:
+            stopped = process_state(self.procs[i].pid) == "T"
+            self.errors.append(f"worker {i}: no worker started a round for {self.stall_s:g} s; rank {i} "
+                               f"is at round {current[i]}"
+                               f"{' (its process is stopped by a signal)' if stopped else ''}; stopped it")
+            self.procs.pop(i).kill()
+
+    def stop(self) -> None:
+        deadline = time.monotonic() + 10
+        for proc in self.procs.values():
+            proc.join(timeout=max(0.1, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+
 def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granularity=30, p="1/32",
                quorum=1.0, loss=0.0, duplicate=0.0, reorder=0.0, straggler_delay_ms=0.0,
                straggler_rank=None, straggler_prob=1.0, policy="retransmit", seed=0, ps=None,
                engine="c", timeout_ms=50.0, window=None, slots=512, lane_bits=8, verbose=False,
                ps_control_port=None, check=True, shards=1, batched=True, rank_base=0,
                local_workers=None, expect=None, keys=None, kill=None, restart=False,
-               lease_s=None) -> dict:
+               lease_s=None, rejoin_grace_s=None, stall_s=180.0) -> dict:
     """Start a PS with `shards` shards (unless `ps` = "host:port[,host:port…]") and worker
     processes for ranks rank_base … rank_base + local_workers − 1 of an n = `workers` job;
     returns the JSON summary, whose `ok` is False when any chunk was inexact or, under
@@ -255,7 +426,12 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
     `kill` = (rank, round) makes that rank's process die at the start of that round;
     with `restart` it is started again and rejoins the running job.
     batched=False makes the workers use one system call per datagram instead of
-    sendmmsg/recvmmsg."""
+    sendmmsg/recvmmsg.
+
+    Every wait is bounded: the workers' own (they fail naming a missing rank or an
+    unreachable PS), and this launcher's watchdog, which stops the job when no worker has
+    started a new round for `stall_s` seconds and names the ranks that are behind.  The
+    workers die with this process (PR_SET_PDEATHSIG); SIGTERM/Ctrl-C stop them at once."""
     from worker.transport import Faults
     local_workers = workers - rank_base if local_workers is None else local_workers
     if not (0 <= rank_base and 1 <= local_workers and rank_base + local_workers <= workers):
@@ -267,6 +443,8 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
     if ps is None:
         from ps_server.server import PSServer
         extra = {} if lease_s is None else {"lease_s": lease_s}
+        if rejoin_grace_s is not None:
+            extra["rejoin_grace_s"] = rejoin_grace_s
         for _ in range(shards):
             servers.append(PSServer(job, ("127.0.0.1", 0), control_port=0, engine=engine, keys=keys,
                                     **extra).start())
@@ -276,66 +454,28 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
     if expect is None:
         expect = job.to_msg()
     single_threaded_children()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = {}
-    t0 = time.perf_counter()
-    ranks = range(rank_base, rank_base + local_workers)
+    faults = Faults(drop_out=loss, drop_in=loss, duplicate=duplicate, reorder=reorder, seed=seed)
 
-    def spawn(i, die_at=None, rejoin=False):
-        faults = Faults(drop_out=loss, drop_in=loss, duplicate=duplicate, reorder=reorder, seed=seed)
+    def worker_args(i):
         delay = straggler_delay_ms if (straggler_rank is None or straggler_rank == i) else 0.0
-        args = (shard_list, i, rounds, dim, seed, policy, faults, delay,
-                straggler_prob, timeout_ms, window, q, not verbose)
-        proc = ctx.Process(target=_worker_entry, args=args, daemon=True,
-                           kwargs={"batched": batched, "expect": expect, "propose": job,
-                                   "keys": None if keys is None else str(keys), "die_at": die_at,
-                                   "rejoin": rejoin})
-        proc.start()
-        procs[i] = proc
+        return ((shard_list, i, rounds, dim, seed, policy, faults, delay, straggler_prob, timeout_ms,
+                 window), {"batched": batched, "expect": expect, "propose": job, "quiet": not verbose,
+                           "keys": None if keys is None else str(keys)})
 
-    for i in ranks:
-        spawn(i, kill[1] if kill is not None and kill[0] == i else None)
-    per_worker, counters, errors, announced = {}, {}, [], None
-    restarted = 0
+    ranks = range(rank_base, rank_base + local_workers)
+    sup = _Supervisor(ranks, worker_args, kill, restart, stall_s)
+    t0 = time.perf_counter()
     try:
-        while len(per_worker) + len(errors) < local_workers:
-            try:
-                wid, out, ctr, ann = q.get(timeout=0.5)
-            except Exception:
-                for i, proc in list(procs.items()):
-                    if proc.exitcode == KILLED and i not in per_worker:
-                        if restart:
-                            restarted += 1
-                            spawn(i, rejoin=True)
-                        else:
-                            errors.append(f"worker {i}: killed at round {kill[1]} (fault injection)")
-                            procs.pop(i)
-                    elif proc.exitcode not in (None, 0, KILLED) and i not in per_worker and q.empty():
-                        errors.append(f"worker {i}: exited with status {proc.exitcode}")
-                        procs.pop(i)
-                if not any(p.is_alive() for p in procs.values()) and q.empty() \
-                        and len(per_worker) + len(errors) < local_workers:
-                    missing = [i for i in ranks if i not in per_worker]
-                    errors.append(f"workers {missing} ended without a report")
-                continue
-            if ctr is None:
-                errors.append(f"worker {wid}: {out}")
-            elif ctr.get("rejoin_refused"):        # restarted after its job had ended
-                per_worker[wid], counters[wid] = [], ctr
-            else:
-                per_worker[wid], counters[wid], announced = out, ctr, ann
-    except KeyboardInterrupt:
-        errors.append("interrupted")
+        sup.run()
     finally:
-        for proc in procs.values():
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.terminate()
+        sup.stop()
         elapsed = time.perf_counter() - t0
-        ps_stats = _merge_stats([s.stats() for s in servers]) if servers else None
+        ps_stats = _merge_stats([s.stats() for s in servers]) if servers else \
+            fetch_ps_stats(shard_list, keys)
         for s in servers:
             s.stop()
+    per_worker, counters, errors, announced = sup.per_worker, sup.counters, sup.errors, sup.announced
+    restarted = sup.restarted
     if not per_worker:
         raise RuntimeError("launch failed: " + ("; ".join(errors) or "no worker reported"))
     used = JobConfig.from_msg(announced) if announced else job
@@ -348,6 +488,10 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
         problems.append(f"{result['mismatched_chunks']} chunks differ from the reference")
     if check and policy == "retransmit" and result["lost_chunks"]:
         problems.append(f"{result['lost_chunks']} chunks lost under retransmit")
+    away = sorted(i for i, c in counters.items() if c.get("ended_while_away"))
+    if away and used.quorum >= 1:
+        problems.append(f"the job ended while rank{'s' if len(away) > 1 else ''} "
+                        f"{', '.join(map(str, away))} {'were' if len(away) > 1 else 'was'} away")
     first = next(iter(per_worker.values()))
     return {**result, "ok": not problems, "problems": problems, "workers": workers,
             "ranks": sorted(per_worker), "dim": dim, "codec": used.codec, "quorum": used.quorum,
@@ -357,12 +501,42 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
             "retransmissions": total("retransmissions"), "timeouts": total("timeouts"),
             "lost_chunks_reported": total("lost_chunks"), "straggler_notices": total("straggler_notices"),
             "resynced_chunks": total("resynced_chunks"), "ps_restarts_survived": total("resumes"),
-            "rejoin_refused": total("rejoin_refused"),
+            "rejoin_refused": total("rejoin_refused"), "lease_rejoins": total("lease_rejoins"),
+            "catch_up_missed_rounds": total("catch_up_missed_rounds"),
+            "away_at_end": away,
             "injected": {k: total(k) for k in ("injected_drops_out", "injected_drops_in",
                                                  "injected_duplicates", "injected_reorders")},
             "drops": ps_stats["drops"] if ps_stats else None, "ps": ps_stats,
             "bytes_up_per_round": first[0]["bytes_up"] if first else 0,
             "bytes_down_per_round": first[0]["bytes_down"] if first else 0}
+
+
+def fetch_ps_stats(shard_list: list, keys=None, timeout_s: float = 2.0) -> dict | None:
+    """A running PS's lifetime counters over its control plane (`stats`), shards added up;
+    None when a shard does not answer within `timeout_s`."""
+    import zmq
+
+    from proto import control
+    ctx = zmq.Context.instance()
+    stats = []
+    for shard in shard_list:
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            if keys is not None:
+                from proto.keys import client_keys
+                sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = client_keys(keys)
+            sock.connect(f"tcp://{shard[3] if len(shard) > 3 else shard[0]}:{shard[2]}")
+            sock.send(control.encode({"type": "stats"}))
+            if not sock.poll(int(timeout_s * 1000)):
+                return None
+            reply = control.decode(sock.recv())
+            if reply.get("type") != "stats":
+                return None
+            stats.append(reply["stats"])
+        finally:
+            sock.close(0)
+    return _merge_stats(stats)
 
 
 def _merge_stats(stats: list) -> dict:

@@ -112,3 +112,19 @@ def nft_drop_counters(ns: str) -> int:
         if "counter packets" in line:
             total += int(line.split("counter packets")[1].split()[0])
     return total
+
+
+def partition(ns: str) -> None:
+    """Cut `ns` off: drop every packet in and out of it (data and control plane alike), as a
+    switch failure or a cable pulled would, until `heal(ns)`."""
+    _run("ip", "netns", "exec", ns, "nft", "add", "table", "inet", "thcpart")
+    for hook, dev in (("input", "iifname"), ("output", "oifname")):
+        _run("ip", "netns", "exec", ns, "nft", "add", "chain", "inet", "thcpart", hook,
+             f"{{ type filter hook {hook} priority -10; }}")
+        _run("ip", "netns", "exec", ns, "nft", "add", "rule", "inet", "thcpart", hook,
+             "meta", dev, "!=", "lo", "counter", "drop")
+
+
+def heal(ns: str) -> None:
+    """Undo `partition(ns)`."""
+    _run("ip", "netns", "exec", ns, "nft", "delete", "table", "inet", "thcpart")

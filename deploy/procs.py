@@ -29,3 +29,27 @@ def stop_gracefully(proc: subprocess.Popen, timeout: float = 20.0) -> str:
         proc.kill()
         out, _ = proc.communicate()
     return out or ""
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Make the kernel send `sig` to this process when its parent dies (Linux
+    PR_SET_PDEATHSIG), so a worker never outlives a launcher that was killed; exits at once
+    if the parent is already gone.  A no-op where prctl is not available."""
+    import ctypes
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(sig), 0, 0, 0)        # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent or parent == 1:   # it died before the call took effect
+        os._exit(1)
+
+
+def process_state(pid: int) -> str:
+    """The kernel's one-letter state of a process ('R', 'S', 'T' stopped, 'Z', ...), '' if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from deploy.procs import single_threaded_children
+from deploy.procs import die_with_parent, single_threaded_children
 from proto.job import JobConfig
 
 
@@ -71,6 +71,7 @@ def _evaluate(model, x, y, batch=1000) -> tuple[float, float]:
 def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | None = None,
                 rejoin: bool = False) -> None:
     """One worker process: train, report per-epoch metrics on the queue."""
+    die_with_parent()
     try:
         import torch
         import torch.nn.functional as F
@@ -78,8 +79,9 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
         from worker import data
         from worker.client import Worker
         from deploy.launch import KILLED
-        from worker.training import MODELS, GradientSync, flat_params, rejoin_training, sync_model
-        from worker.transport import Faults, Transport
+        from worker.training import (MODELS, GradientSync, flat_params, rejoin_step, rejoin_training,
+                                     sync_model)
+        from worker.transport import Faults, LeaseLost, Transport
         torch.set_num_threads(1)
         torch.manual_seed(cfg.job.seed)                  # identical initial models
         xtr, ytr = data.load("train")
@@ -111,42 +113,55 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
             first = rejoin_training(sync, model, steps, cfg.sync_every)
         else:
             t.barrier("start")
-        step = first * steps
-        for epoch in range(first, cfg.epochs):
-            idx = data.shard(len(xtr), rank, cfg.job.num_workers, cfg.job.seed, epoch)
-            t0 = time.perf_counter()
-            comm, up, down, losses, lost, curve = 0.0, 0, 0, [], 0, []
-            for s in range(steps):
-                b = idx[s * cfg.batch:(s + 1) * cfg.batch]
-                xb, yb = torch.from_numpy(xtr[b]), torch.from_numpy(ytr[b])
-                t.progress = step
-                if rank == cfg.kill_rank and step == cfg.kill_at_step and not rejoin:
-                    os._exit(KILLED)
-                opt.zero_grad()
-                loss = F.cross_entropy(model(xb), yb)
-                loss.backward()
-                sync()
-                opt.step()
-                rep = w.last
-                comm += rep.seconds
-                up += rep.bytes_up
-                down += rep.bytes_down
-                lost += rep.lost
-                losses.append(float(loss.detach()))
-                step += 1
-                if step % cfg.curve_every == 0:
-                    curve.append((step, float(np.mean(losses[-cfg.curve_every:]))))
-            if cfg.sync_every and (epoch + 1) % cfg.sync_every == 0:
-                sync_model(w, model, epoch)
-            t.progress = step
-            acc, test_loss = _evaluate(model, xte, yte)
-            digest = float(np.abs(flat_params(model)).sum())
-            q.put(("epoch", rank, {"epoch": epoch + 1, "train_loss": float(np.mean(losses)),
-                                   "test_accuracy": acc, "test_loss": test_loss,
-                                   "epoch_seconds": time.perf_counter() - t0,
-                                   "mean_round_ms": 1e3 * comm / max(steps, 1), "steps": steps,
-                                   "bytes_up": up, "bytes_down": down, "lost_chunks": lost,
-                                   "param_digest": digest, "step": step, "loss_curve": curve}))
+        while True:             # again from the epoch a rank that lost its lease rejoined at
+            try:
+                step = first * steps
+                for epoch in range(first, cfg.epochs):
+                    idx = data.shard(len(xtr), rank, cfg.job.num_workers, cfg.job.seed, epoch)
+                    t0 = time.perf_counter()
+                    comm, up, down, losses, lost, curve = 0.0, 0, 0, [], 0, []
+                    for s in range(steps):
+                        b = idx[s * cfg.batch:(s + 1) * cfg.batch]
+                        xb, yb = torch.from_numpy(xtr[b]), torch.from_numpy(ytr[b])
+                        t.progress = step
+                        if rank == cfg.kill_rank and step == cfg.kill_at_step and not rejoin:
+                            os._exit(KILLED)
+                        opt.zero_grad()
+                        loss = F.cross_entropy(model(xb), yb)
+                        loss.backward()
+                        try:
+                            sync()
+                        except LeaseLost as exc:
+                            print(f"rank {rank}: {exc}; rejoining", file=sys.stderr, flush=True)
+                            if cfg.job.quorum < 1:       # the others went on: take the model at a sync
+                                w.rejoin()
+                                raise _Rejoined(rejoin_training(sync, model, steps, cfg.sync_every)) from None
+                            rejoin_step(sync, step)
+                            sync()
+                        opt.step()
+                        rep = w.last
+                        comm += rep.seconds
+                        up += rep.bytes_up
+                        down += rep.bytes_down
+                        lost += rep.lost
+                        losses.append(float(loss.detach()))
+                        step += 1
+                        if step % cfg.curve_every == 0:
+                            curve.append((step, float(np.mean(losses[-cfg.curve_every:]))))
+                    if cfg.sync_every and (epoch + 1) % cfg.sync_every == 0:
+                        sync_model(w, model, epoch)
+                    t.progress = step
+                    acc, test_loss = _evaluate(model, xte, yte)
+                    digest = float(np.abs(flat_params(model)).sum())
+                    q.put(("epoch", rank, {"epoch": epoch + 1, "train_loss": float(np.mean(losses)),
+                                           "test_accuracy": acc, "test_loss": test_loss,
+                                           "epoch_seconds": time.perf_counter() - t0,
+                                           "mean_round_ms": 1e3 * comm / max(steps, 1), "steps": steps,
+                                           "bytes_up": up, "bytes_down": down, "lost_chunks": lost,
+                                           "param_digest": digest, "step": step, "loss_curve": curve}))
+                break
+            except _Rejoined as again:
+                first = again.epoch
         t.barrier("end")
         counters = dict(t.stats.counters)
         if rank == 0:
@@ -155,6 +170,14 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
         t.close()
     except Exception as exc:
         q.put(("error", rank, f"{type(exc).__name__}: {exc}"))
+
+
+class _Rejoined(Exception):
+    """Internal: this rank lost its lease in a quorum job and rejoined at a model sync."""
+
+    def __init__(self, epoch: int):
+        super().__init__(epoch)
+        self.epoch = epoch
 
 
 def _log_epoch(cfg: TrainConfig, e: dict, log) -> None:

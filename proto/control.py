@@ -13,7 +13,8 @@ ZMQ_MAXMSGSIZE.  Requests and their replies:
              again); `rejoin` (a restarted rank) is refused unless a job in which the rank
              held a place is still running.
   heartbeat  {worker_id, session, progress?}  -> status (below); renews the lease
-  status     {}                               -> status {job_number, members, missing, ...}
+  status     {}                               -> status {job_number, live, missing, progress,
+             barriers, stalled?, rejoin_grace_s, ...}
   leave      {worker_id, session}             -> ok; the job ends when every rank left or died
   barrier    {name, worker_id, session}       -> ok, once every live rank arrived
   sync_put   {round, worker_id, session, blob} -> ok   (model sync: the sync source's state)
@@ -24,8 +25,9 @@ ZMQ_MAXMSGSIZE.  Requests and their replies:
   stats      {}                               -> stats {stats}
   shutdown   {}                               -> ok, then the PS stops
 Anything else, a field of the wrong type or range, or undecodable bytes, gets
-{type: error, message}.  `session` is the secret the registration handed out: every
-request made for a rank must carry it (docs/design.md, "What is protected").
+{type: error, message, code} (ERROR_CODES below says what each code asks of a worker).
+`session` is the secret the registration handed out: every request made for a rank must
+carry it (docs/design.md, "What is protected").
 """
 from __future__ import annotations
 
@@ -57,8 +59,36 @@ def decode(raw: bytes) -> dict:
     return msg
 
 
-def error(message: str) -> dict:
-    return {"type": "error", "message": message}
+#: Error reply codes: what a worker must do about an error, without parsing its message.
+#:   refused          a refusal or a malformed request (the message says which)
+#:   unknown_session  the PS does not know the session: compare the reply's `incarnation`
+#:                    with the config reply's — different: the PS restarted (register again,
+#:                    then `resume`); the same: the rank's job ended while it was away
+#:   lease_expired    the rank's lease ran out while it was silent (paused, descheduled,
+#:                    partitioned): register again with `rejoin` and catch up; never `resume`
+#:   job_stalled      the job cannot complete: a rank it needs is dead past the rejoin grace
+ERROR_CODES = ("refused", "unknown_session", "lease_expired", "job_stalled")
+
+
+class CodedError(ControlError):
+    """A refusal with a code from ERROR_CODES and extra reply fields."""
+
+    def __init__(self, message: str, code: str, **extra):
+        super().__init__(message)
+        if code not in ERROR_CODES:
+            raise ValueError(f"unknown error code {code!r}")
+        self.code, self.extra = code, extra
+
+
+def error(message: str, code: str = "refused", **extra) -> dict:
+    return {"type": "error", "message": message, "code": code, **extra}
+
+
+def error_from(exc: Exception) -> dict:
+    """The error reply for an exception (a CodedError keeps its code and fields)."""
+    if isinstance(exc, CodedError):
+        return error(str(exc), exc.code, **exc.extra)
+    return error(str(exc) or type(exc).__name__)
 
 
 def describe_missing(missing: list) -> str:

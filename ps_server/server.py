@@ -121,16 +121,30 @@ class Job:
         rejoining (a rejoining rank is the one that needs the state)."""
         return next((r for r in self.live() if not self.members[r].joining), None)
 
-    def missing(self, now: float) -> list:
-        """Ranks the job is waiting for: never registered, dead, with how long they are silent."""
+    def missing(self, now: float, grace: float) -> list:
+        """Ranks the job is waiting for: never registered, or dead, with how long they are
+        silent and `rejoin_s`, the seconds left of their rejoin grace (0: past it)."""
         out = []
         for r in range(self.config.num_workers):
             m = self.members.get(r)
             if m is None:
                 out.append({"rank": r, "why": "never registered"})
             elif m.state == "dead":
-                out.append({"rank": r, "why": f"no heartbeat for {now - m.last_seen:.1f} s"})
+                left = max(0.0, grace - (now - m.died))
+                why = f"no heartbeat for {now - m.last_seen:.1f} s" + \
+                    ("" if left else f", past the {grace:g} s rejoin grace")
+                out.append({"rank": r, "why": why, "rejoin_s": round(left, 3)})
         return out
+
+    def stalled(self, now: float, grace: float) -> str | None:
+        """Why the job can no longer complete, or None: fewer than ⌈q·n⌉ ranks are live and a
+        dead rank is past its rejoin grace (a rank within it may still come back)."""
+        if len(self.live()) >= self.config.quorum_count:
+            return None
+        if not any(m.state == "dead" and now - m.died > grace for m in self.members.values()):
+            return None
+        return (f"job {self.number} needs {self.config.quorum_count} live ranks and is missing "
+                f"{control.describe_missing(self.missing(now, grace))}")
 
 
 class PSServer:
@@ -288,10 +302,16 @@ class PSServer:
         rank = msg["worker_id"]
         m = job.members.get(rank) if job else None
         if m is None or not secrets.compare_digest(m.session, msg["session"]):
-            raise control.ControlError(f"unknown session for rank {rank}: the job it belonged to has "
-                                       f"ended or this PS restarted; register again")
+            raise control.CodedError(f"unknown session for rank {rank}: the job it belonged to has "
+                                     f"ended or this PS restarted", "unknown_session",
+                                     incarnation=self.incarnation)
+        if m.state == "dead":
+            raise control.CodedError(
+                f"rank {rank} lost its lease in job {job.number} (no heartbeat for "
+                f"{m.died - m.last_seen:.1f} s, lease {self.lease_s:g} s); register again with "
+                f"rejoin and catch up", "lease_expired", job_number=job.number)
         if m.state != "live":
-            raise control.ControlError(f"rank {rank} is {m.state} in job {job.number}; register again")
+            raise control.ControlError(f"rank {rank} is {m.state} in job {job.number}")
         return job, m
 
     def _register(self, ident, msg: dict, peer: str) -> dict:
@@ -326,7 +346,9 @@ class PSServer:
                 raise control.ControlError(f"rank {rank} out of range 0..{job.config.num_workers - 1}")
         now = time.monotonic()
         old = job.members.get(rank)
-        same = old is not None and "session" in msg and secrets.compare_digest(old.session, msg["session"])
+        # the same live registration again (a lost reply); a dead one's session rejoins
+        same = old is not None and old.state == "live" and "session" in msg \
+            and secrets.compare_digest(old.session, msg["session"])
         if old is not None and old.state == "live" and not same:
             raise control.ControlError(f"rank {rank} is held by a live worker in job {job.number} "
                                        f"(heard from {now - old.last_seen:.1f} s ago); pick another "
@@ -353,11 +375,17 @@ class PSServer:
         if job is None:
             return {"type": "status", "job_number": None, "incarnation": self.incarnation}
         live = job.live()
-        return {"type": "status", "job_number": job.number, "incarnation": self.incarnation,
-                "num_workers": job.config.num_workers, "live": live, "missing": job.missing(now),
-                "progress": {str(r): m.progress for r, m in job.members.items() if m.state == "live"},
-                "sync_source": job.sync_source(),
-                "age_s": now - job.started}
+        doc = {"type": "status", "job_number": job.number, "incarnation": self.incarnation,
+               "num_workers": job.config.num_workers, "live": live,
+               "missing": job.missing(now, self.rejoin_grace_s),
+               "progress": {str(r): m.progress for r, m in job.members.items() if m.state == "live"},
+               "barriers": {name: sorted(arrived) for name, arrived in job.barriers.items()},
+               "sync_source": job.sync_source(), "rejoin_grace_s": self.rejoin_grace_s,
+               "age_s": now - job.started}
+        stalled = job.stalled(now, self.rejoin_grace_s)
+        if stalled:
+            doc["stalled"] = stalled
+        return doc
 
     def _try_release(self, job: Job, name: str, now: float) -> None:
         arrived = job.barriers.get(name, {})
@@ -368,14 +396,11 @@ class PSServer:
                 self._reply(ident, {"type": "ok"})
             job.released = (job.released + [name])[-64:]
             return
-        dead_long = [m for m in job.members.values()
-                     if m.state == "dead" and now - m.died > self.rejoin_grace_s]
-        if dead_long and len(live) < job.config.quorum_count:
-            why = (f"barrier {name!r} cannot complete: job {job.number} needs "
-                   f"{job.config.quorum_count} live ranks and is missing "
-                   f"{control.describe_missing(job.missing(now))}")
+        stalled = job.stalled(now, self.rejoin_grace_s)
+        if stalled:
+            why = f"barrier {name!r} cannot complete: {stalled}"
             for ident in job.barriers.pop(name).values():
-                self._reply(ident, control.error(why))
+                self._reply(ident, control.error(why, "job_stalled"))
 
     def _handle(self, ident, msg: dict, peer: str):
         kind = control.validate(msg)["type"]
@@ -469,7 +494,7 @@ class PSServer:
                     reply = self._handle(ident, control.decode(body.bytes), peer)
                 except Exception as exc:        # every failure is answered; the loop goes on
                     self._control["control_errors"] += 1
-                    reply = control.error(str(exc) or type(exc).__name__)
+                    reply = control.error_from(exc)
                 if reply is not None:
                     try:
                         self._reply(ident, reply)

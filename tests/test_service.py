@@ -208,7 +208,7 @@ def test_curve_keys_keep_strangers_out(tmp_path):
 
 def test_killed_worker_is_named_when_the_job_needs_it():
     """Reproduction: survivors blamed 'no reply from PS' after 58 s; the PS knew who was missing."""
-    server = ps(JobConfig(num_workers=3), lease_s=0.5)
+    server = ps(JobConfig(num_workers=3), lease_s=0.5, rejoin_grace_s=1.0)
     try:
         ts = transports(server, 3, timeout_ms=20, max_timeout_ms=100, max_retries=40)
         ws = [Worker(t, error_feedback=False) for t in ts]

@@ -174,6 +174,13 @@ class Worker:
                 self.t.skip_phase(H.DATA, -(-dim // per))
             self.round_no += 1
 
+    def rejoin(self) -> None:
+        """After the transport's `LeaseLost`: register again as a rejoining rank and restart the
+        round count, so that `skip_rounds(step, d)` brings the slot rounds to the other ranks'
+        step exactly as for a restarted rank (the error-feedback memory is kept)."""
+        self.t.rejoin()
+        self.round_no = 0
+
     def _exchange_norms(self, norms: np.ndarray) -> np.ndarray:
         """Preliminary stage: elementwise max over workers of float statistics (NORM phase)."""
         payload = H.float_to_ordered(norms).astype(">u4").tobytes()

@@ -101,12 +101,14 @@ class GradientSync:
         if not self.per_tensor:
             write_flat_grad(self.params, self.worker.allreduce(flat_grad(self.params), key=self.key))
             return
-        last = None
+        last, averages = None, []
         for i, p in enumerate(self.params):
             g = p.grad if p.grad is not None else torch.zeros_like(p)
-            avg = self.worker.allreduce(g.reshape(-1), key=f"{self.key}.{i}")
-            write_flat_grad([p], avg)
+            averages.append(self.worker.allreduce(g.reshape(-1), key=f"{self.key}.{i}"))
             last = self._merge(last, self.worker.last)
+        # written once every tensor is back: a step interrupted (LeaseLost) can run again
+        for p, avg in zip(self.params, averages):
+            write_flat_grad([p], avg)
         self.worker.last = last
 
     def skip_step(self) -> None:
@@ -125,6 +127,23 @@ class GradientSync:
         acc.bytes_down += rep.bytes_down
         acc.lost += rep.lost
         return acc
+
+
+def rejoin_step(sync: GradientSync, step: int) -> None:
+    """A rank whose lease expired during `step`'s allreduce, in a quorum-1 job: the others
+    cannot have gone past that step without it, so it registers again, fast-forwards its
+    slot rounds to the step and the caller runs the step's allreduce again (its gradients
+    are untouched until every tensor is back)."""
+    from deploy.launch import others_step
+    w = sync.worker
+    w.rejoin()
+    others = others_step(w.t)
+    if others != step:
+        raise RuntimeError(f"rank {w.t.worker_id} lost its lease at step {step}, and the others are "
+                           f"at step {others}: a quorum-1 job cannot have moved on without it")
+    for _ in range(step):
+        sync.skip_step()
+    w.t.progress = step
 
 
 def rejoin_training(sync: GradientSync, model: nn.Module, steps_per_epoch: int, sync_every: int) -> int:

@@ -65,6 +65,16 @@ class JobStalled(RuntimeError):
     """The PS is alive but the job cannot go on: the message names the ranks it waits for."""
 
 
+class LeaseLost(RuntimeError):
+    """This rank's lease ran out while it was silent (paused, descheduled, partitioned): the
+    PS counts it as missing and the job went on, or waits for it.  The caller rejoins
+    (`Transport.rejoin`) and fast-forwards to the other ranks' step, as a restarted rank does."""
+
+
+class JobEnded(RuntimeError):
+    """The job this rank belonged to ended while it was away (its lease had expired)."""
+
+
 class _PSRestarted(Exception):
     """Internal: a shard no longer knows this worker's session (it restarted)."""
 
@@ -367,6 +377,8 @@ class Transport:
         self.status: list = [None] * len(shards)        # latest heartbeat reply per shard
         self._hb_ok = [time.monotonic()] * len(shards)
         self._restarted: set = set()
+        self._lease_lost: set = set()       # shards that answered lease_expired
+        self._job_gone: str | None = None   # why the PS no longer knows our job (it ended)
         self._session_lock = threading.Lock()
         self._hb_stop = threading.Event()
         self._hb_thread = None
@@ -392,14 +404,15 @@ class Transport:
             self._hb_thread.start()
 
     # ---------------------------------------------------------------- membership
-    def _register(self, shard: int) -> JobConfig:
-        """Register (again) with one shard; keeps its nonce, token and session."""
+    def _register(self, shard: int, rejoin: bool = False) -> JobConfig:
+        """Register (again) with one shard; keeps its nonce, token and session.  `rejoin`:
+        as a rank whose lease expired, into the running job it held a place in."""
         msg = {"type": "register", "worker_id": self.worker_id, "data_addr": list(self.sock.getsockname())}
         if self._expect:
             msg["expect"] = self._expect
         if self._propose is not None:
             msg["job"] = self._propose.to_msg()
-        if self._rejoin and self.job is None:
+        if (self._rejoin and self.job is None) or rejoin:
             msg["rejoin"] = True
         if self.sessions[shard] is not None:        # lets a PS that still knows us replace it
             msg["session"] = self.sessions[shard]["session"]
@@ -419,6 +432,7 @@ class Transport:
         with self._session_lock:        # a heartbeat answered for the old session is stale now
             self.sessions[shard] = reply
             self._restarted.discard(shard)
+            self._lease_lost.discard(shard)
         self._hb_ok[shard] = time.monotonic()
         return job
 
@@ -446,13 +460,60 @@ class Transport:
                     continue
                 if reply.get("type") == "error":
                     with self._session_lock:
-                        if "register again" in reply.get("message", "") and self.sessions[shard] is sess:
-                            self._restarted.add(shard)
+                        if self.sessions[shard] is sess:
+                            self._membership_error(shard, sess, reply)
                     continue
                 self.status[shard] = reply
                 self._hb_ok[shard] = time.monotonic()
         for sock in socks.values():
             sock.close(0)
+
+    def _membership_error(self, shard: int, sess: dict, reply: dict) -> None:
+        """A heartbeat refused: note what happened to this rank's membership (the data-plane
+        and control waits act on it: `_check_membership`)."""
+        code = reply.get("code")
+        if code == "lease_expired":
+            self._lease_lost.add(shard)
+        elif code == "unknown_session":
+            if reply.get("incarnation") != sess.get("incarnation"):
+                self._restarted.add(shard)          # a new PS process: resume
+            else:
+                self._job_gone = (f"job {sess.get('job_number')} ended while rank "
+                                  f"{self.worker_id} was away: {reply.get('message')}")
+
+    def _check_membership(self) -> None:
+        """Raise what the last heartbeats found: the job ended, this rank's lease expired,
+        the PS restarted (internal: resumed), or the job can no longer complete."""
+        if self._job_gone:
+            raise JobEnded(self._job_gone)
+        if self._lease_lost:
+            raise LeaseLost(f"rank {self.worker_id} lost its lease (it was silent for longer than "
+                            f"{self.sessions[0]['lease_s']:g} s)")
+        if self._restarted:
+            raise _PSRestarted(min(self._restarted))
+        stalled = (self.status[0] or {}).get("stalled")
+        if stalled:
+            raise JobStalled(f"the job cannot complete: {stalled}")
+
+    def rejoin(self) -> None:
+        """After `LeaseLost`: register again as a rejoining rank (new token and session) and
+        start the data plane afresh, as a restarted rank would; the caller then fast-forwards
+        the slot rounds to the other ranks' step (`Worker.skip_rounds`).  Raises JobEnded
+        when the job ended meanwhile."""
+        for shard in range(len(self.sessions)):
+            try:
+                self._register(shard, rejoin=True)
+            except ValueError as exc:
+                if "no running job to rejoin" in str(exc):
+                    raise JobEnded(f"rank {self.worker_id}'s job ended while it was away") from None
+                raise
+        self._lease_lost.clear()
+        self.status = [None] * len(self.sessions)
+        self.slot_round[:] = 0
+        self._stash.clear()
+        self._blob_q = []
+        self._phase_no, self._last_phase, self.blob_round, self._skip_until = 0, None, 0, 0
+        self.rejoined = True
 
     def waiting_for(self) -> str:
         """What the job waits for, from the latest heartbeat: '' if nothing is known missing."""
@@ -534,6 +595,9 @@ class Transport:
                         "does not answer clients without its keys)") if self._curve is None else ""
                 raise PSUnavailable(f"no reply from the PS control plane at {self._endpoints[shard]} "
                                     f"within {self._control_timeout:.0f} s ({msg['type']}){hint}")
+            if self._lease_lost or self._job_gone or (self.status[shard] or {}).get("stalled"):
+                self._drop_socket(shard)
+                self._check_membership()
             silent = time.monotonic() - self._hb_ok[shard]
             missing = (self.status[shard] or {}).get("missing") or []
             never = [m for m in missing if m["why"] == "never registered"]
@@ -547,6 +611,16 @@ class Transport:
                                  f"waiting for {control.describe_missing(never)}".replace("  ", " "))
         reply = control.decode(sock.recv())
         if reply.get("type") == "error":
+            code = reply.get("code")
+            if code == "lease_expired":
+                self._lease_lost.add(shard)
+                self._check_membership()
+            if code == "unknown_session" and self.sessions[shard] is not None:
+                self._membership_error(shard, self.sessions[shard], reply)
+                if self._job_gone:
+                    raise JobEnded(self._job_gone)
+            if code == "job_stalled":
+                raise JobStalled(f"PS refused {msg['type']}: {reply.get('message')}")
             raise ValueError(f"PS refused {msg['type']}: {reply.get('message')}")
         return reply
 
@@ -788,8 +862,7 @@ class Transport:
             finished += 1
 
         while finished < nchunks:
-            if self._restarted:
-                raise _PSRestarted(min(self._restarted))
+            self._check_membership()
             # fill the window: every packet that fits goes out in one batch
             out = []
             now = time.monotonic()
@@ -875,8 +948,7 @@ class Transport:
         counters = np.zeros(len(PHASE_COUNTERS), np.int64)
         extras: list = []
         while True:
-            if self._restarted:
-                raise _PSRestarted(min(self._restarted))
+            self._check_membership()
             status, c = _batchio.phase_run(
                 self.sock.fileno(), PHASE_BUDGET_MS, P, T, dests, shard, slot, rounds,
                 packed.offsets32, packed.counts32, packed.poff, packed.buffer, hdr, res.state, deadline,
@@ -896,6 +968,7 @@ class Transport:
                 return res
             if status == 2:
                 self._give_up(f"slot {slot[c]} round {rounds[c]}", self.shard_addrs[shard[c]], int(tries[c]))
+                tries[c] = self.max_retries - 1     # still waiting: the next expiry asks again
             now = time.monotonic()
             live = pend[pend >= 0]
             if now - self._last_note > 5.0 and live.size and tries[live].max() >= STALL_NOTE_TRIES:
@@ -906,9 +979,16 @@ class Transport:
                             self.waiting_for() or "the PS")
 
     def _give_up(self, what: str, dest, tries: int):
-        """Raise the error that names the real cause: missing ranks, or an unreachable PS."""
-        if self._restarted:
-            raise _PSRestarted(min(self._restarted))
+        """After max_retries: raise the error that names the real cause (missing ranks, or an
+        unreachable PS), or return to go on waiting while a missing rank may still rejoin
+        (the PS reports it within its rejoin grace; once it is past the grace the PS reports
+        the job stalled and `_check_membership` raises JobStalled naming it)."""
+        self._check_membership()
+        st = self.status[0] or {}
+        silent = time.monotonic() - self._hb_ok[0]
+        lease = self.sessions[0]["lease_s"]
+        if silent <= 2 * lease and any(m.get("rejoin_s", 0) > 0 for m in st.get("missing") or []):
+            return
         waiting = self.waiting_for()
         if waiting and "PS control plane" not in waiting:
             raise JobStalled(f"{what} unanswered after {tries} retransmissions: the job is waiting "
@@ -929,6 +1009,32 @@ class Transport:
         if len(self._stash) < 4 * self.slot_round.size:
             self._stash[(shard, h.slot, h.round)] = (h, payload)
             self.stats.add("stashed_results")
+
+    def drain(self, max_s: float = 0.1, idle_s: float = 0.05) -> dict:
+        """Read every result waiting on the socket and those that arrive until it has been
+        quiet for `idle_s` (at most `max_s`), keeping them for their phase as a phase would;
+        returns the newest round seen per (shard, slot).  A rank that rejoins a running
+        quorum job reads the fan-outs it is sent again this way, to learn where the other
+        ranks are (`behind`)."""
+        self._gc_stash()
+        seen: dict = {}
+        deadline = time.monotonic() + max_s
+        while time.monotonic() < deadline:
+            batch = self._recv_many(min(idle_s, deadline - time.monotonic()))
+            if not batch:
+                break
+            for shard, h, payload in batch:
+                if h.type in (H.RESULT, H.NORM_RESULT) and h.op != H.OP_BLOB:
+                    self._keep(shard, h, payload)
+                    key = (shard, h.slot)
+                    seen[key] = max(seen.get(key, 0), h.round)
+        return seen
+
+    def behind(self, seen: dict) -> bool:
+        """Whether a round in `seen` (drain's answer) is one this worker's slots have not
+        reached: the other ranks finished it already."""
+        nslots = self.slot_round.shape[1]
+        return any(slot < nslots and rnd > self.slot_round[sh, slot] for (sh, slot), rnd in seen.items())
 
     def _gc_stash(self) -> None:
         stale = [k for k in self._stash if k[2] <= self.slot_round[k[0], k[1]]]
