@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from bench.pauses import run_pause
+from bench.pauses import CASES, DIM, PARTITION_CASES, run_pause
 from deploy import netns
 from deploy.launch import run_launch
 from proto import control
@@ -202,17 +202,10 @@ def test_the_launch_watchdog_names_a_stopped_worker():
 
 
 # ---------------------------------------------------------------- real pauses
-# (pause, quorum, rounds, compute ms per round): a quorum job outlasts the pause, so the
-# paused rank can come back into it; a quorum-1 job waits for it.
-CASES = [(3, 1.0, 600, 2.0), (10, 1.0, 600, 2.0), (40, 1.0, 600, 2.0),
-         (3, 0.66, 3000, 2.0), (10, 0.66, 4000, 2.0), (40, 0.66, 3500, 12.0)]
-
-
 @pytest.mark.parametrize("pause,quorum,rounds,compute_ms", CASES,
                          ids=[f"{p}s-q{q:g}" for p, q, _, _ in CASES])
 def test_a_sigstopped_worker_ends_exact_or_named(pause, quorum, rounds, compute_ms):
-    r = run_pause(pause, quorum, rounds=rounds, dim=4096, compute_ms=compute_ms, lease_s=5.0,
-                  grace_s=30.0)
+    r = run_pause(pause, quorum, rounds=rounds, dim=DIM, compute_ms=compute_ms, lease_s=5.0, grace_s=30.0)
     assert r.mismatched_chunks == 0 and r.lost_chunks == 0, r
     assert r.seconds < pause + 5.0 + 30.0 + 60, r
     if quorum == 1.0 and pause > 5.0 + 30.0:
@@ -237,10 +230,69 @@ def _partition_skip():
 
 
 @pytest.mark.skipif(_partition_skip() is not None, reason=_partition_skip() or "")
-@pytest.mark.parametrize("quorum,rounds", [(1.0, 600), (0.66, 4000)])
-def test_a_partitioned_worker_rejoins_after_its_lease(quorum, rounds):
-    """The victim's namespace drops every packet for 10 s (longer than the 5 s lease)."""
-    r = run_pause(10, quorum, how="partition", rounds=rounds, dim=4096, lease_s=5.0, grace_s=30.0)
+@pytest.mark.parametrize("pause,quorum,rounds,compute_ms", PARTITION_CASES)
+def test_a_partitioned_worker_rejoins_after_its_lease(pause, quorum, rounds, compute_ms):
+    """The victim's namespace drops every packet for longer than the 5 s lease."""
+    r = run_pause(pause, quorum, how="partition", rounds=rounds, dim=DIM, compute_ms=compute_ms,
+                  lease_s=5.0, grace_s=30.0)
     assert r.exit == {0: 0, 1: 0, 2: 0}, r
     assert r.exact_rounds == r.rounds == rounds and r.lost_chunks == 0, r
     assert r.lease_rejoins == 1, r
+
+
+def test_sigterm_stops_a_waiting_worker_without_a_traceback():
+    """Reproduction: a `thc worker` blocked in a control call printed a ZMQError traceback on
+    SIGTERM (its REQ socket, still waiting for a reply, was used to send `leave`)."""
+    server = ps(JobConfig(num_workers=2))
+    try:
+        worker = subprocess.Popen([sys.executable, "-m", "deploy.cli", "worker", "--ps",
+                                   f"127.0.0.1:{server.data_addr[1]}", "--control-port",
+                                   str(server.control_port), "--rank", "0", "--workers", "2"],
+                                  cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        wait_until(lambda: server.job is not None and 0 in server.job.barriers.get("start", {}), 30,
+                   "rank 0 to wait at the start barrier")
+        worker.send_signal(signal.SIGTERM)
+        _, err = worker.communicate(timeout=10)
+        assert worker.returncode == 130 and "Traceback" not in err, err
+        assert err.strip().endswith("thc worker: interrupted"), err
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("quorum", [1.0, 0.75])
+def test_training_goes_on_when_a_worker_is_paused_past_its_lease(quorum):
+    """A training rank SIGSTOPped for 3 s with a 1 s lease: at quorum 1 the others wait, it
+    rejoins and runs the step again; at quorum 0.75 they go on, it rejoins at the next model
+    sync.  The job ends with every rank's model identical."""
+    from bench.pauses import free_port_pair
+    from deploy import train
+    port = free_port_pair()
+    server = PSServer(None, ("127.0.0.1", port), control_port=port + 1, lease_s=1.0).start()
+    cfg = train.TrainConfig(job=JobConfig(num_workers=4 if quorum < 1 else 2, quorum=quorum), epochs=4,
+                            model="mlp", train_limit=2048, test_limit=256, ps=f"127.0.0.1:{port}",
+                            straggler_delay_ms=150, straggler_prob=1.0)
+    result, lines = {}, []
+
+    def run():
+        try:
+            result.update(train.run(cfg, log=lines.append))
+        except Exception as exc:
+            result["error"] = exc
+
+    th = threading.Thread(target=run)
+    th.start()
+    try:
+        wait_until(lambda: server.job is not None and len(server.job.members) == cfg.job.num_workers
+                   and min(m.progress for m in server.job.members.values()) >= 3, 120, "training to start")
+        victim = _spawned_children(os.getpid())[-1]
+        os.kill(victim, signal.SIGSTOP)
+        time.sleep(3.0)
+        os.kill(victim, signal.SIGCONT)
+        th.join(300)
+        assert not th.is_alive() and "error" not in result, result.get("error")
+        stats = server.stats()
+        assert stats["leases_expired"] >= 1 and stats["rejoins"] >= 1, stats
+        assert result["final_params_identical"], lines
+    finally:
+        th.join(5)
+        server.stop()

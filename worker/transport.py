@@ -584,32 +584,11 @@ class Transport:
         if sock is None:
             sock = self._ctl[shard] = self._socket(shard)
         sock.send(control.encode(msg))
-        start = time.monotonic()
-        while not sock.poll(int(min(1.0, self._control_timeout) * 1000)):
-            waited = time.monotonic() - start
-            if not wait or self._hb_thread is None:
-                if waited < self._control_timeout:
-                    continue
-                self._drop_socket(shard)
-                hint = ("; if that PS runs with --keys, this worker needs --keys too (a CURVE server "
-                        "does not answer clients without its keys)") if self._curve is None else ""
-                raise PSUnavailable(f"no reply from the PS control plane at {self._endpoints[shard]} "
-                                    f"within {self._control_timeout:.0f} s ({msg['type']}){hint}")
-            if self._lease_lost or self._job_gone or (self.status[shard] or {}).get("stalled"):
-                self._drop_socket(shard)
-                self._check_membership()
-            silent = time.monotonic() - self._hb_ok[shard]
-            missing = (self.status[shard] or {}).get("missing") or []
-            never = [m for m in missing if m["why"] == "never registered"]
-            if silent > self._control_timeout:
-                self._drop_socket(shard)
-                raise PSUnavailable(f"the PS control plane at {self._endpoints[shard]} stopped answering "
-                                    f"({silent:.0f} s without a heartbeat reply) during {msg['type']}")
-            if never and waited > self._control_timeout:
-                self._drop_socket(shard)
-                raise JobStalled(f"{msg['type']} {msg.get('name', '')} not done after {waited:.0f} s: "
-                                 f"waiting for {control.describe_missing(never)}".replace("  ", " "))
-        reply = control.decode(sock.recv())
+        try:
+            reply = self._await_reply(sock, msg, shard, wait)
+        except BaseException:           # interrupted mid-request (a signal, an error): a REQ
+            self._drop_socket(shard)    # socket waiting for its reply cannot send again
+            raise
         if reply.get("type") == "error":
             code = reply.get("code")
             if code == "lease_expired":
@@ -623,6 +602,32 @@ class Transport:
                 raise JobStalled(f"PS refused {msg['type']}: {reply.get('message')}")
             raise ValueError(f"PS refused {msg['type']}: {reply.get('message')}")
         return reply
+
+    def _await_reply(self, sock, msg: dict, shard: int, wait: bool) -> dict:
+        """The reply to the request just sent on `sock` (see `call` for the bounds); `call`
+        drops the socket when this raises."""
+        start = time.monotonic()
+        while not sock.poll(int(min(1.0, self._control_timeout) * 1000)):
+            waited = time.monotonic() - start
+            if not wait or self._hb_thread is None:
+                if waited < self._control_timeout:
+                    continue
+                hint = ("; if that PS runs with --keys, this worker needs --keys too (a CURVE server "
+                        "does not answer clients without its keys)") if self._curve is None else ""
+                raise PSUnavailable(f"no reply from the PS control plane at {self._endpoints[shard]} "
+                                    f"within {self._control_timeout:.0f} s ({msg['type']}){hint}")
+            if self._lease_lost or self._job_gone or (self.status[shard] or {}).get("stalled"):
+                self._check_membership()
+            silent = time.monotonic() - self._hb_ok[shard]
+            missing = (self.status[shard] or {}).get("missing") or []
+            never = [m for m in missing if m["why"] == "never registered"]
+            if silent > self._control_timeout:
+                raise PSUnavailable(f"the PS control plane at {self._endpoints[shard]} stopped answering "
+                                    f"({silent:.0f} s without a heartbeat reply) during {msg['type']}")
+            if never and waited > self._control_timeout:
+                raise JobStalled(f"{msg['type']} {msg.get('name', '')} not done after {waited:.0f} s: "
+                                 f"waiting for {control.describe_missing(never)}".replace("  ", " "))
+        return control.decode(sock.recv())
 
     def barrier(self, name: str) -> None:
         """Wait until every live rank of the job reached `name`."""
@@ -644,7 +649,7 @@ class Transport:
                     self.call({"type": "leave"}, shard=shard)
                 finally:
                     self._control_timeout = saved
-            except (PSUnavailable, ValueError):
+            except (PSUnavailable, ValueError, RuntimeError, zmq.ZMQError):
                 pass
 
     def close(self, leave: bool = True) -> None:
