@@ -131,6 +131,9 @@ def cmd_worker(args) -> dict:
         with open(args.report, "w") as f:
             json.dump({"rank": rank, "rounds": out, "transport": counters, "job": announced}, f)
     problems = [f"{lost} chunks lost under retransmit"] if lost and args.loss_policy == "retransmit" else []
+    if counters.get("ended_while_away"):
+        problems.append(f"rank {rank}'s job ended while it was away (its lease had expired); it ran "
+                        f"{len(out)} of {args.rounds} rounds")
     return {"ok": not problems, "problems": problems, "rank": rank, "rounds": len(out), "lost_chunks": lost,
             "mean_round_ms": 1e3 * sum(r["seconds"] for r in out) / max(len(out), 1),
             "transport": counters}
