@@ -81,6 +81,8 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):
         if action.default is None or action.default is False or action.default == [] or action.nargs == 0:
             return action.help
+        if isinstance(action.default, (list, tuple)):     # as typed: values separated by spaces
+            return f"{action.help} (default: {' '.join(map(str, action.default))})"
         return super()._get_help_string(action)
 
 
@@ -225,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="k random stragglers per round, all workers agree which (paper §8.3)")
     tr.add_argument("--sync-every", type=_int_in(0, 1 << 20, "epochs"), default=1,
                     help="model sync period in epochs (0: never)")
-    tr.add_argument("--ps", type=str, default="",
+    tr.add_argument("--ps", type=_addr_text, default="",
                     help="use a running PS at HOST:PORT[,HOST:PORT...] (implies --no-baseline)")
     tr.add_argument("--train-limit", type=_count, default=0, help="use only the first N training images (0: all)")
     tr.add_argument("--test-limit", type=_count, default=0, help="use only the first N test images (0: all)")
@@ -236,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=commands.cmd_train)
 
     ex = _command(sub, "experiment", help="rerun the paper's loss/straggler/scale/bandwidth experiments",
-                  description="Each writes docs/experiments/NAME.md (table) and NAME.png (plots).",
+                  description="Each writes NAME.md (table), NAME.json and NAME.png (plots) to --out.",
                   parents=[job_parent("workers", "bits", "granularity", "p", "seed",
                                       workers=None, granularity=None, p=None,
                                       helps={"workers": "workers (default 4; 10 for stragglers)",
@@ -251,12 +253,15 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--kernel-loss", action="store_true",
                     help="loss: also drop real packets with nftables between namespaces (root)")
     ex.add_argument("--delay-ms", type=_delay_ms, default=30.0, help="stragglers: delay per straggling round")
-    ex.add_argument("--codecs", type=_codec_list, default=("none", "thc"),
+    ex.add_argument("--codecs", type=_codec_list, default="none,thc",
                     help="bandwidth: comma list of codecs")
-    ex.add_argument("--rates", type=_rate_list, default=(100, 1000, None),
-                    help="bandwidth: comma list of link rates in Mbit/s, 0 = unlimited (None)")
+    ex.add_argument("--rates", type=_rate_list, default="100,1000,0",
+                    help="bandwidth: comma list of link rates in Mbit/s, 0 = unlimited")
     ex.add_argument("--per-tensor", action="store_true",
                     help="one PS round per parameter tensor (as 3LC and CASQ are meant to run)")
+    ex.add_argument("--out", default=None, metavar="DIR",
+                    help="where NAME.md, NAME.json and the plots go (default: ./thc-results/NAME; "
+                         "`--out docs/experiments` regenerates the committed results)")
     ex.set_defaults(func=commands.cmd_experiment)
 
     p4 = _command(sub, "p4", help="the P4 switch program: check tools, generate, compile, run under bmv2, "
@@ -370,14 +375,29 @@ _quorum = _float_in(0, 1, lo_open=True, hi_open=False, what="a quorum fraction o
 
 
 def _addr(value: str):
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    """HOST:PORT → (host, port), with a message that says what is wrong."""
+    host, sep, port = value.strip().rpartition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (no ':PORT')")
+    if not host:
+        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (no host before ':')")
+    if not port.isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (port {port!r} is not a number)")
+    if not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"port {port} is out of range 1..65535 in {value!r}")
     return host, int(port)
 
 
 def _addr_list(value: str):
-    return [_addr(v.strip()) for v in value.split(",") if v.strip()]
+    addrs = [_addr(v) for v in value.split(",") if v.strip()]
+    if not addrs:
+        raise argparse.ArgumentTypeError(f"{value!r} names no HOST:PORT")
+    return addrs
+
+
+def _addr_text(value: str) -> str:
+    """HOST:PORT[,HOST:PORT…], checked, as the text the run takes ('' stays '': none given)."""
+    return value if value == "" else ",".join(f"{h}:{p}" for h, p in _addr_list(value))
 
 
 def _add_cluster_commands(sub):
@@ -389,7 +409,7 @@ def _add_cluster_commands(sub):
                                  "worker proposes)"})])
     _codec_arg(ps)
     _slots_arg(ps)
-    ps.add_argument("--bind", type=_addr, default=("127.0.0.1", 9000), help="ADDR:PORT of the data plane")
+    ps.add_argument("--bind", type=_addr, default="127.0.0.1:9000", help="ADDR:PORT of the data plane")
     ps.add_argument("--control-port", type=_port, default=None, help="control port (default PORT+1)")
     ps.add_argument("--shards", type=_int_in(1, 16, "a shard count"), default=1,
                     help="PS shards in this process splitting the slot space (data ports PORT, PORT+2, ...)")
@@ -399,6 +419,9 @@ def _add_cluster_commands(sub):
     ps.add_argument("--lease-s", type=_float_in(0.2, 3600, lo_open=False, hi_open=False, what="seconds"),
                     default=5.0, help="a rank without a heartbeat for this long is reported missing "
                                       "and may be claimed again")
+    ps.add_argument("--rejoin-grace-s", type=_float_in(0, 86400, lo_open=False, hi_open=False, what="seconds"),
+                    default=30.0, help="a rank whose lease expired may rejoin within this long; after it, "
+                                       "a job that needs the rank fails naming it")
     ps.add_argument("--stats-every", type=_float_in(0, 86400, lo_open=False, hi_open=False, what="seconds"),
                     default=10.0, help="seconds between stats lines (0: off)")
     ps.set_defaults(func=commands.cmd_ps)
@@ -447,7 +470,7 @@ def _add_cluster_commands(sub):
     _policy_arg(la)
     la.add_argument("--timeout-ms", type=_timeout_ms, default=50.0, help="first retransmission timeout")
     la.add_argument("--engine", choices=("c", "python"), default="c", help="the started PS's aggregation engine")
-    la.add_argument("--ps", type=str, default=None,
+    la.add_argument("--ps", type=_addr_text, default=None,
                     help="use a running PS at HOST:PORT (or a comma list of shards) instead of starting one")
     la.add_argument("--shards", type=_int_in(1, 16, "a shard count"), default=1, help="PS shards to start")
     la.add_argument("--local-workers", "--nproc-per-node", dest="local_workers",
@@ -462,10 +485,15 @@ def _add_cluster_commands(sub):
                     help="key directory (`thc keys`): the started PS and the workers use CURVE")
     la.add_argument("--lease-s", type=_float_in(0.2, 3600, lo_open=False, hi_open=False, what="seconds"),
                     default=None, help="lease of the PS this starts (default 5)")
+    la.add_argument("--rejoin-grace-s", type=_float_in(0, 86400, lo_open=False, hi_open=False, what="seconds"),
+                    default=None, help="rejoin grace of the PS this starts (default 30)")
+    la.add_argument("--stall-s", type=_float_in(0, 86400, lo_open=True, hi_open=False, what="seconds"),
+                    default=180.0, help="stop the job when no worker started a round for this long, "
+                                        "naming the ranks behind")
     la.add_argument("--kill-rank", type=_int_in(0, 31, "a rank"), default=None,
                     help="fault injection: this rank's process dies at --kill-at-round")
-    la.add_argument("--kill-at-round", type=_int_in(0, 1 << 30, "a round"), default=0,
-                    help="the round at whose start --kill-rank dies")
+    la.add_argument("--kill-at-round", type=_int_in(0, 1 << 30, "a round"), default=None,
+                    help="the round at whose start --kill-rank dies (default 0)")
     la.add_argument("--restart-killed", action="store_true",
                     help="start a killed rank again: it rejoins the running job")
     la.add_argument("--json", action="store_true", help="print one JSON summary line")

@@ -75,25 +75,40 @@ def cmd_ps(args) -> None:
     try:
         for s in range(args.shards):
             cport = args.control_port + 2 * s if args.control_port else None
-            servers.append(PSServer(job, (host, port + 2 * s), control_port=cport, engine=args.engine,
-                                    log=say, keys=args.keys, lease_s=args.lease_s).start())
+            servers.append(_bind_ps(PSServer, job, host, port + 2 * s, cport, say, args))
             what = (f"n={job.num_workers}, codec={job.codec}, b={job.bits}, g={job.granularity}, "
                     f"lanes={job.lane_bits} bits, quorum={job.quorum}") if job else \
                 "any job (each job's first worker proposes it)"
             say(f"PS shard {s}: data udp://{host}:{port + 2 * s}, control tcp://{host}:"
                 f"{servers[-1].control_port}{' (CURVE)' if args.keys else ''}, {what}")
-        last = time.monotonic()
+        last, printed = time.monotonic(), [None] * len(servers)
         while not all(s.wait(0.5) for s in servers):
             if args.stats_every and time.monotonic() - last >= args.stats_every:
                 last = time.monotonic()
                 for i, s in enumerate(servers):
-                    say(f"stats shard {i}: {json.dumps(s.stats())}")
+                    line = json.dumps(s.stats())
+                    if line != printed[i]:            # an idle PS says nothing new
+                        printed[i] = line
+                        say(f"stats shard {i}: {line}")
     except KeyboardInterrupt:
         pass
     finally:
         for i, s in enumerate(servers):
             say(f"final stats shard {i}: {json.dumps(s.stats())}")
             s.stop()
+
+
+def _bind_ps(PSServer, job, host: str, port: int, cport, say, args):
+    """One PS shard, started; a bind failure names the plane and the address."""
+    import zmq
+    try:
+        return PSServer(job, (host, port), control_port=cport, engine=args.engine, log=say, keys=args.keys,
+                        lease_s=args.lease_s, rejoin_grace_s=args.rejoin_grace_s).start()
+    except zmq.ZMQError as exc:
+        raise OSError(f"cannot bind the control plane tcp://{host}:{cport or port + 1}: "
+                      f"{zmq.strerror(exc.errno)}") from None
+    except OSError as exc:
+        raise OSError(f"cannot bind the data plane udp://{host}:{port}: {exc.strerror or exc}") from None
 
 
 def _stated_job(args) -> dict:
@@ -155,7 +170,11 @@ def cmd_launch(args):
         raise ValueError("running a share of the ranks needs --ps (the PS the other hosts use too)")
     if args.kill_rank is not None and not base <= args.kill_rank < base + local:
         raise ValueError(f"--kill-rank {args.kill_rank} is not one of this host's ranks {base}..{base + local - 1}")
-    if args.kill_at_round >= args.rounds:
+    if args.kill_rank is None and (args.kill_at_round is not None or args.restart_killed):
+        raise ValueError(f"{'--kill-at-round' if args.kill_at_round is not None else '--restart-killed'} "
+                         f"needs --kill-rank (which rank dies)")
+    kill_at = args.kill_at_round or 0
+    if kill_at >= args.rounds:
         raise ValueError(f"--kill-at-round must be below --rounds ({args.rounds})")
     if args.shards > 1 and args.ps is not None:
         raise ValueError("--shards starts shards here; with --ps list the running shards' addresses instead")
@@ -175,15 +194,18 @@ def cmd_launch(args):
                      policy=args.loss_policy, seed=args.seed, ps=args.ps, engine=args.engine,
                      timeout_ms=args.timeout_ms, slots=args.slots, lane_bits=args.lane_bits,
                      verbose=args.verbose, shards=args.shards, rank_base=base, local_workers=local,
-                     expect=expect, keys=args.keys, lease_s=args.lease_s,
-                     kill=(args.kill_rank, args.kill_at_round) if args.kill_rank is not None else None,
+                     expect=expect, keys=args.keys, lease_s=args.lease_s, rejoin_grace_s=args.rejoin_grace_s,
+                     stall_s=args.stall_s, kill=(args.kill_rank, kill_at) if args.kill_rank is not None else None,
                      restart=args.restart_killed)
     if args.json:
         return doc
     print(f"rounds {doc['rounds']}, exact {doc['exact_rounds']}, mismatched chunks "
           f"{doc['mismatched_chunks']}, lost chunks {doc['lost_chunks']}, retransmissions "
           f"{doc['retransmissions']}, mean round {doc['mean_round_ms']:.1f} ms")
-    print(f"PS counters: {doc['ps']}")
+    if doc["ps"] is not None:
+        print(f"PS counters: {doc['ps']}")
+    if doc["away_at_end"]:
+        print(f"ranks {doc['away_at_end']} were away when the job ended (their leases had expired)")
     return {"ok": doc["ok"], "problems": doc["problems"]} if not doc["ok"] else None
 
 
@@ -238,16 +260,17 @@ def cmd_experiment(args) -> None:
                        test_limit=args.test_limit, per_tensor=args.per_tensor)
     command = experiments.main_command(sys.argv[2:] if sys.argv[1:2] == ["experiment"] else [args.name])
     log = lambda m: print(m, flush=True)
+    out = Path(args.out).expanduser().resolve() if args.out else Path.cwd() / "thc-results" / args.name
     if args.name == "loss":
-        path = experiments.loss(base, command, log, kernel=args.kernel_loss)
+        path = experiments.loss(base, command, log, kernel=args.kernel_loss, out=out)
     elif strag:
-        path = experiments.stragglers(base, command, log, delay_ms=args.delay_ms)
+        path = experiments.stragglers(base, command, log, delay_ms=args.delay_ms, out=out)
     elif args.name == "scale":
-        path = experiments.scale(base, command, log)
+        path = experiments.scale(base, command, log, out=out)
     elif args.name == "codecs":
-        path = experiments.codecs(base, command, log)
+        path = experiments.codecs(base, command, log, out=out)
     else:
-        path = experiments.bandwidth(base, command, log, rates=args.rates, codecs=args.codecs)
+        path = experiments.bandwidth(base, command, log, rates=args.rates, codecs=args.codecs, out=out)
     print(f"wrote {path} and its plot")
 
 

@@ -1,5 +1,6 @@
 """`thc experiment loss|stragglers|scale|bandwidth`: the paper's §8.3 and Fig. 6 experiments
-at a scale this machine runs, each writing a markdown table and a PNG to docs/experiments/.
+at a scale this machine runs, each writing a markdown table, its JSON and a PNG to the directory
+the caller names (`thc experiment --out`; docs/experiments/ holds the committed runs).
 """
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ def _summary(label: str, doc: dict) -> dict:
             "ps": doc.get("ps")}
 
 
-def _write(name: str, title: str, command: str, notes: str, rows: list, extra_cols=()) -> Path:
-    out = ROOT / "docs" / "experiments"
+def _write(name: str, title: str, command: str, notes: str, rows: list, extra_cols=(), *,
+           out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"# {title}\n", f"Command: `{command}`\n", notes.strip() + "\n",
              "| run | final test acc | final train loss | mean round ms | lost chunks | "
@@ -90,7 +91,7 @@ def _runs(configs, log) -> list:
     return rows
 
 
-def loss(base: TrainConfig, command: str, log=print, kernel: bool = False) -> Path:
+def loss(base: TrainConfig, command: str, log=print, kernel: bool = False, *, out: Path) -> Path:
     """Paper §8.3 / Fig. 9: loss both ways, with and without per-epoch model sync."""
     cfgs = [base.with_job(codec="none"), replace(base, sync_every=1)]
     for rate in (0.001, 0.01):
@@ -110,7 +111,7 @@ for many epochs; here the runs are minutes long. Kernel rows (if present) drop r
 rule in a network namespace holding the workers, the PS in another namespace.
 How these results compare with the paper's Fig. 9 is discussed in docs/experiments/README.md.
 """
-    return _write("loss", "Packet loss and model synchronization", command, notes, rows)
+    return _write("loss", "Packet loss and model synchronization", command, notes, rows, out=out)
 
 
 def _kernel_loss_rows(base: TrainConfig, log) -> list:
@@ -168,7 +169,7 @@ def run_in_namespaces(net, cfg: TrainConfig, log, port: int = 9000, env_extra: d
     return {"epochs": doc["epochs"], "seconds": doc["seconds"], "ps": None}
 
 
-def stragglers(base: TrainConfig, command: str, log=print, delay_ms: float = 30.0) -> Path:
+def stragglers(base: TrainConfig, command: str, log=print, delay_ms: float = 30.0, *, out: Path) -> Path:
     """Paper §8.3 / Fig. 9: k random stragglers per round, aggregate at quorum (n−k)/n."""
     n = base.job.num_workers
     cfgs = [base.with_job(codec="none"), replace(base)]
@@ -186,7 +187,7 @@ The last row waits for everybody and pays the delay in round time instead. Compa
 paper's Fig. 9: docs/experiments/README.md.
 """
     return _write("stragglers", "Stragglers and partial aggregation", command, notes, rows,
-                  extra_cols=(("partial rounds", lambda r: (r["ps"] or {}).get("partial_rounds", "-")),))
+                  extra_cols=(("partial rounds", lambda r: (r["ps"] or {}).get("partial_rounds", "-")),), out=out)
 
 
 def paper_rule(n: int) -> tuple[int, int]:
@@ -199,7 +200,7 @@ def paper_rule(n: int) -> tuple[int, int]:
     return (4, g) if g >= 15 else (3, max(g, 7))
 
 
-def scale(base: TrainConfig, command: str, log=print, sizes=(4, 10, 16)) -> Path:
+def scale(base: TrainConfig, command: str, log=print, sizes=(4, 10, 16), *, out: Path) -> Path:
     """Paper Fig. 8: more workers with the per-count (b, g) rule, against uncompressed."""
     cfgs = []
     for n in sizes:
@@ -217,10 +218,11 @@ count follows the paper (38/16 for 4/10 workers with 4 bits; for other counts th
 n·g ≤ 255). The paper trains ResNet50/CIFAR100 for thousands of steps with 4/10/30 workers; here 16
 worker processes share two cores, so the runs are short.
 """
-    return _write("scale", "Scaling the number of workers", command, notes, rows)
+    return _write("scale", "Scaling the number of workers", command, notes, rows, out=out)
 
 
-def bandwidth(base: TrainConfig, command: str, log=print, rates=(100, 1000, None), target: float = 0.8,
+def bandwidth(base: TrainConfig, command: str, log=print, rates=(100, 1000, None), target: float = 0.8, *,
+              out: Path,
               codecs=("none", "thc")) -> Path:
     """Paper Fig. 6: rate-limited links between the PS and worker namespaces, every codec in
     `codecs` at every rate (None = no limit); speed-ups are against `none` at the same rate."""
@@ -258,7 +260,8 @@ small. Discussion: docs/experiments/README.md.
 """
     path = _write("bandwidth", "Bandwidth-limited links", command, notes, rows, extra_cols=(
         ("round speed-up vs none", lambda r: f"{r['speedup']:.2f}x" if "speedup" in r else "-"),
-        (f"time to {target:.0%} (s)", lambda r: f"{r['time_to_target']:.0f}" if r.get("time_to_target") else "-")))
+        (f"time to {target:.0%} (s)", lambda r: f"{r['time_to_target']:.0f}" if r.get("time_to_target") else "-")),
+        out=out)
     if len(codecs) > 2:
         _bandwidth_bars(rows, rates, codecs, path)
     return path
@@ -296,7 +299,7 @@ def main_command(argv) -> str:
 CODEC_ORDER = ("none", "thc", "topk", "terngrad", "3lc", "skcompress", "fastsgd", "casq")
 
 
-def codecs(base: TrainConfig, command: str, log=print, sparse_steps: int = 60) -> Path:
+def codecs(base: TrainConfig, command: str, log=print, sparse_steps: int = 60, *, out: Path) -> Path:
     """Every codec on the sparse (SKCompress/FastSGD) and the dense workload, fixed budgets."""
     from deploy import sparse_lr
     sparse_rows, dense_rows = [], []
@@ -309,7 +312,6 @@ def codecs(base: TrainConfig, command: str, log=print, sparse_steps: int = 60) -
         doc = run(base.with_job(codec=name), log=lambda m: log("    " + m))
         dense_rows.append({"codec": name, **_summary(name, doc),
                            "bytes_up": doc["bytes_up"], "bytes_down": doc["bytes_down"]})
-    out = ROOT / "docs" / "experiments"
     out.mkdir(parents=True, exist_ok=True)
     base_up = next(r["bytes_up"] for r in sparse_rows if r["codec"] == "none")
     lines = ["# Codecs on the papers' workloads\n", f"Command: `{command}`\n",
