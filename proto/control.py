@@ -67,7 +67,18 @@ def decode(raw: bytes) -> dict:
 #:   lease_expired    the rank's lease ran out while it was silent (paused, descheduled,
 #:                    partitioned): register again with `rejoin` and catch up; never `resume`
 #:   job_stalled      the job cannot complete: a rank it needs is dead past the rejoin grace
-ERROR_CODES = ("refused", "unknown_session", "lease_expired", "job_stalled")
+ERROR_CODES = {
+    "refused": "a refusal or a malformed request; the message says which (a configuration "
+               "conflict names every differing field)",
+    "unknown_session": "the PS does not know the session; the reply carries the PS's `incarnation`: "
+                       "if it differs from the config reply's, the PS restarted (register again, then "
+                       "`resume`); if it is the same, the rank's job ended while it was away (stop)",
+    "lease_expired": "the rank's lease ran out while it was silent (paused, descheduled, partitioned); "
+                     "the reply carries `job_number`: register again with `rejoin: true` and catch up "
+                     "(never `resume`)",
+    "job_stalled": "the job cannot complete: a rank it needs is dead past the rejoin grace; the message "
+                   "names the ranks",
+}
 
 
 class CodedError(ControlError):
@@ -102,7 +113,21 @@ def describe_missing(missing: list) -> str:
 
 
 # ---------------------------------------------------------------------- validation
+def _described(text: str):
+    """Attach the msgpack type a check accepts, as docs/protocol.md states it."""
+    def mark(check):
+        check.describe = text
+        return check
+    return mark
+
+
+def _bound(v: int) -> str:
+    return f"2^{v.bit_length() - 1}" if v > 1 << 20 and v & (v - 1) == 0 else \
+        f"2^{v.bit_length()}−1" if v > 1 << 20 and v & (v + 1) == 0 else str(v)
+
+
 def _int(lo: int, hi: int):
+    @_described(f"int {_bound(lo)}..{_bound(hi)}")
     def check(name, v):
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
             raise ControlError(f"{name} must be an integer in {lo}..{hi}, got {v!r:.40}")
@@ -110,6 +135,7 @@ def _int(lo: int, hi: int):
 
 
 def _str(max_len: int):
+    @_described(f"str, 1..{max_len} characters")
     def check(name, v):
         if not isinstance(v, str) or not 0 < len(v) <= max_len:
             raise ControlError(f"{name} must be a string of 1..{max_len} characters")
@@ -117,12 +143,14 @@ def _str(max_len: int):
 
 
 def _bytes(exact: int | None = None):
+    @_described(f"bin, {exact} bytes" if exact is not None else "bin, any length (up to the message cap)")
     def check(name, v):
         if not isinstance(v, bytes) or (exact is not None and len(v) != exact):
             raise ControlError(f"{name} must be {exact or 'some'} bytes")
     return check
 
 
+@_described("array [str (dotted IPv4), int 0..65535]")
 def _addr(name, v):
     if not isinstance(v, (list, tuple)) or len(v) != 2:
         raise ControlError(f"{name} must be [ip, port]")
@@ -130,11 +158,13 @@ def _addr(name, v):
     _int(0, 65535)(f"{name} port", v[1])
 
 
+@_described("bool")
 def _bool(name, v):
     if not isinstance(v, bool):
         raise ControlError(f"{name} must be true or false")
 
 
+@_described("map, str keys")
 def _map(name, v):
     if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
         raise ControlError(f"{name} must be a map with string keys")
