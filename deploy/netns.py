@@ -28,6 +28,15 @@ def check_available(need_nft: bool = False, need_tc: bool = False) -> None:
                                    f"{ {'ip': 'iproute2', 'nft': 'nftables', 'tc': 'iproute2'}[tool]})")
 
 
+def unavailable(need_nft: bool = False, need_tc: bool = False) -> str | None:
+    """Why namespaces cannot be used here (a test's skip reason), or None."""
+    try:
+        check_available(need_nft=need_nft, need_tc=need_tc)
+    except NetnsUnavailable as exc:
+        return str(exc)
+    return None
+
+
 def _run(*cmd: str) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -16,15 +16,8 @@ from deploy.procs import stop_gracefully
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _skip_reason():
-    try:
-        netns.check_available(need_nft=True)
-    except netns.NetnsUnavailable as exc:
-        return str(exc)
-    return None
-
-
-@pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+@pytest.mark.skipif(netns.unavailable(need_nft=True) is not None,
+                    reason=netns.unavailable(need_nft=True) or "")
 def test_kernel_loss_between_namespaces_is_repaired_exactly():
     # Offload off: nftables sees a GSO batch as one packet, so with offload on one
     # "drop" removes a whole batch and a short run may see none.  Per-datagram loss is

@@ -221,15 +221,8 @@ def test_a_sigstopped_worker_ends_exact_or_named(pause, quorum, rounds, compute_
     assert r.victim_rounds > 0, r
 
 
-def _partition_skip():
-    try:
-        netns.check_available(need_nft=True)
-    except netns.NetnsUnavailable as exc:
-        return str(exc)
-    return None
-
-
-@pytest.mark.skipif(_partition_skip() is not None, reason=_partition_skip() or "")
+@pytest.mark.skipif(netns.unavailable(need_nft=True) is not None,
+                    reason=netns.unavailable(need_nft=True) or "")
 @pytest.mark.parametrize("pause,quorum,rounds,compute_ms", PARTITION_CASES)
 def test_a_partitioned_worker_rejoins_after_its_lease(pause, quorum, rounds, compute_ms):
     """The victim's namespace drops every packet for longer than the 5 s lease."""
