@@ -1,0 +1,169 @@
+"""DDP's own answers beside THC: the same training under torch DDP with a plain fp32
+all-reduce, PyTorch's `fp16_compress_hook`, PyTorch's `PowerSGDHook` (rank 1 and 4, with its
+warm-up) and this project's THC hook (worker/ddp_hook.py); THC-PS itself is `deploy/train.py`.
+
+Every method trains the same model from the same seed on the same shards with the same
+optimizer as `thc train` (deploy/train.py), N processes over gloo on loopback.  Bytes are
+counted where the hooks hand tensors to `torch.distributed.all_reduce`: the payload of every
+call, and what a ring all-reduce puts on each rank's link for it, 2(N−1)/N × payload (the
+plain fp32 run uses PyTorch's `allreduce_hook`, which is DDP's default all-reduce written as
+a hook, so it is counted the same way).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from deploy.procs import die_with_parent, single_threaded_children
+
+#: method name -> (hook family, PowerSGD rank); "thc-ps" is the PS path (deploy/train.py).
+METHODS = {"ddp-fp32": ("allreduce", 0), "ddp-fp16": ("fp16", 0), "powersgd-1": ("powersgd", 1),
+           "powersgd-4": ("powersgd", 4), "thc-hook": ("thc", 0)}
+
+
+@dataclass
+class AllReduceCounter:
+    """Payload bytes of every all_reduce a rank makes (installed over dist.all_reduce)."""
+
+    calls: int = 0
+    payload: int = 0
+
+    def install(self):
+        import torch.distributed as dist
+        original = dist.all_reduce
+
+        def counted(tensor, *args, **kwargs):
+            self.calls += 1
+            self.payload += tensor.numel() * tensor.element_size()
+            return original(tensor, *args, **kwargs)
+        dist.all_reduce = counted
+        return original
+
+
+def make_hook(method: str, world: int, rank: int, seed: int, warmup: int):
+    """(state, hook) for a DDP model's register_comm_hook; `warmup`: PowerSGD's plain
+    all-reduce iterations before it compresses (start_powerSGD_iter)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    family, r = METHODS[method]
+    if family == "allreduce":
+        return None, default_hooks.allreduce_hook
+    if family == "fp16":
+        return None, default_hooks.fp16_compress_hook
+    if family == "powersgd":
+        # PyTorch's warm-up: plain all-reduce for the first iterations; its default
+        # min_compression_rate 2 keeps layers that would not shrink uncompressed
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=r,
+                                            start_powerSGD_iter=max(2, warmup), random_seed=seed)
+        return state, powerSGD_hook.powerSGD_hook
+    from worker.ddp_hook import THCHookState, thc_hook
+    return THCHookState(world, rank, seed=seed), thc_hook
+
+
+def _rank_main(method: str, cfg, rank: int, port: int, q, warmup) -> None:
+    die_with_parent()
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from deploy.train import _evaluate
+    from worker import data
+    from worker.training import MODELS, flat_params
+    torch.set_num_threads(1)
+    n = cfg.job.num_workers
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+    try:
+        torch.manual_seed(cfg.job.seed)                       # identical initial models, as thc train
+        xtr, ytr = data.load("train")
+        xte, yte = data.load("test")
+        if cfg.train_limit:
+            xtr, ytr = xtr[:cfg.train_limit], ytr[:cfg.train_limit]
+        if cfg.test_limit:
+            xte, yte = xte[:cfg.test_limit], yte[:cfg.test_limit]
+        model = MODELS[cfg.model]()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        steps = (len(xtr) // n) // cfg.batch
+        # PowerSGD's warm-up defaults to one epoch of steps (at most PyTorch's default 1000)
+        state, hook = make_hook(method, n, rank, cfg.job.seed, min(1000, steps) if warmup is None else warmup)
+        ddp.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+        counter = AllReduceCounter()
+        counter.install()
+        t_start = time.perf_counter()
+        for epoch in range(cfg.epochs):
+            idx = data.shard(len(xtr), rank, n, cfg.job.seed, epoch)
+            before, t0, losses = counter.payload, time.perf_counter(), []
+            for s in range(steps):
+                b = idx[s * cfg.batch:(s + 1) * cfg.batch]
+                opt.zero_grad()
+                loss = F.cross_entropy(ddp(torch.from_numpy(xtr[b])), torch.from_numpy(ytr[b]))
+                loss.backward()
+                opt.step()
+                losses.append(float(loss.detach()))
+            seconds = time.perf_counter() - t0
+            acc, _ = _evaluate(model, xte, yte)
+            payload = (counter.payload - before) / max(steps, 1)
+            q.put(("epoch", rank, {"epoch": epoch + 1, "test_accuracy": acc, "train_loss": float(np.mean(losses)),
+                                   "step_ms": 1e3 * seconds / max(steps, 1), "payload_per_step": payload,
+                                   "wire_per_step": payload * 2 * (n - 1) / n, "steps": steps,
+                                   "wall_s": time.perf_counter() - t_start,
+                                   "param_digest": float(np.abs(flat_params(model)).sum())}))
+        q.put(("done", rank, None))
+    except Exception as exc:           # reported to the parent
+        q.put(("error", rank, f"{type(exc).__name__}: {exc}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_peer(method: str, cfg, log=print, timeout_s: float = 3600, warmup: int | None = None) -> dict:
+    """Train cfg's model with `method` (a METHODS key) under DDP; per-epoch rank-0 metrics.
+    `warmup`: PowerSGD's uncompressed iterations (default: one epoch's steps, at most 1000)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    single_threaded_children()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    n = cfg.job.num_workers
+    procs = [ctx.Process(target=_rank_main, args=(method, cfg, r, port, q, warmup), daemon=True) for r in range(n)]
+    for p in procs:
+        p.start()
+    epochs: dict = {}
+    done, deadline = set(), time.monotonic() + timeout_s
+    try:
+        while len(done) < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{method}: no result within {timeout_s:g} s")
+            try:
+                kind, rank, body = q.get(timeout=1)
+            except Exception:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"{method}: rank {dead[0]} exited with status "
+                                       f"{procs[dead[0]].exitcode}") from None
+                continue
+            if kind == "error":
+                raise RuntimeError(f"{method}: rank {rank} failed: {body}")
+            if kind == "done":
+                done.add(rank)
+                continue
+            epochs.setdefault(body["epoch"], {})[rank] = body
+            if len(epochs[body["epoch"]]) == n:
+                e = epochs[body["epoch"]][0]
+                log(f"[{method}] epoch {e['epoch']}/{cfg.epochs}: test acc {e['test_accuracy']:.4f}, step "
+                    f"{e['step_ms']:.1f} ms, {e['wire_per_step'] / 1e3:.1f} kB per rank per step each way")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    rows = [epochs[e][0] for e in sorted(epochs)]
+    digests = [r["param_digest"] for r in epochs[max(epochs)].values()]
+    return {"method": method, "epochs": rows, "final_test_accuracy": rows[-1]["test_accuracy"],
+            "replicas_identical": max(digests) - min(digests) <= 1e-6 * max(digests)}
+

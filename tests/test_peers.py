@@ -1,0 +1,87 @@
+"""DDP's own hooks beside THC (deploy/peers.py): each method trains a tiny step, replicas stay
+identical, the bytes are what each method should move, and DDP's fp32 sum equals the PS's."""
+import multiprocessing as mp
+import os
+import socket
+
+import numpy as np
+import pytest
+
+from deploy.launch import gradient
+from deploy.peers import METHODS, run_peer
+from deploy.train import TrainConfig
+from proto.job import JobConfig
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists("/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz")
+    and not os.environ.get("THC_FASHION_MNIST"), reason="Fashion-MNIST not installed (apt-get install "
+    "dataset-fashion-mnist)")
+
+CFG = TrainConfig(job=JobConfig(num_workers=2), epochs=1, model="mlp", train_limit=512, test_limit=64)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    # 4 steps per rank; PowerSGD compresses from its 3rd step
+    return {m: run_peer(m, CFG, log=lambda _m: None, timeout_s=300, warmup=2) for m in METHODS}
+
+
+def test_every_method_trains_and_keeps_replicas_identical(runs):
+    for m, doc in runs.items():
+        e = doc["epochs"][0]
+        assert doc["replicas_identical"], m
+        assert e["steps"] == 4 and 0 <= e["test_accuracy"] <= 1 and e["payload_per_step"] > 0, (m, e)
+
+
+def test_each_method_moves_the_bytes_it_should(runs):
+    from worker.training import MODELS
+    params = sum(p.numel() for p in MODELS["mlp"]().parameters())
+    pay = {m: doc["epochs"][0]["payload_per_step"] for m, doc in runs.items()}
+    assert pay["ddp-fp32"] == 4 * params                     # one float32 per parameter
+    assert pay["ddp-fp16"] == 2 * params
+    assert runs["ddp-fp32"]["epochs"][0]["wire_per_step"] == 4 * params   # ring, n = 2: 2(n−1)/n = 1
+    # 8-bit lanes of the RHT-padded bucket, plus its one float32 norm
+    assert pay["thc-hook"] == (1 << (params - 1).bit_length()) + 4
+    assert pay["powersgd-1"] < pay["powersgd-4"] < pay["ddp-fp32"]
+
+
+def _gloo_sum(rank, port, q):
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        x = torch.from_numpy(gradient(5, 0, rank, 3000))
+        dist.all_reduce(x)
+        q.put((rank, x.numpy()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_fp32_sum_equals_the_ps_float32_path():
+    from ps_server.server import PSServer
+    from tests.helpers import run_threads
+    from worker.client import Worker
+    from worker.transport import Transport
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_sum, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    gloo = dict(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    server = PSServer(JobConfig(num_workers=2, codec="none"), ("127.0.0.1", 0), control_port=0).start()
+    ps = {}
+
+    def run(rank):
+        t = Transport("127.0.0.1", server.data_addr[1], rank, control_port=server.control_port)
+        ps[rank] = Worker(t).allreduce(gradient(5, 0, rank, 3000)) * 2     # the PS returns sum / k
+        t.close()
+    try:
+        assert not run_threads(run, 2)
+    finally:
+        server.stop()
+    assert np.array_equal(gloo[0], gloo[1]) and np.array_equal(gloo[0], ps[0]) and np.array_equal(ps[0], ps[1])
