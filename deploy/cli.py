@@ -237,14 +237,15 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--json", action="store_true", help="print one JSON summary line at the end")
     tr.set_defaults(func=commands.cmd_train)
 
-    ex = _command(sub, "experiment", help="rerun the paper's loss/straggler/scale/bandwidth experiments",
+    ex = _command(sub, "experiment", help="rerun the paper's loss/straggler/scale/bandwidth experiments, "
+                                           "the codec comparison, or DDP's own hooks beside THC (peers)",
                   description="Each writes NAME.md (table), NAME.json and NAME.png (plots) to --out.",
                   parents=[job_parent("workers", "bits", "granularity", "p", "seed",
                                       workers=None, granularity=None, p=None,
                                       helps={"workers": "workers (default 4; 10 for stragglers)",
                                              "granularity": "granularity g (default 30; 20 for stragglers)",
                                              "p": "support fraction p (default 1/32; 1/512 for stragglers)"})])
-    ex.add_argument("name", choices=("loss", "stragglers", "scale", "bandwidth", "codecs"),
+    ex.add_argument("name", choices=("loss", "stragglers", "scale", "bandwidth", "codecs", "peers"),
                     help="which experiment")
     ex.add_argument("--epochs", type=_int_in(1, 10000, "epochs"), default=3, help="epochs per training run")
     _model_arg(ex)

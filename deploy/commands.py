@@ -269,6 +269,8 @@ def cmd_experiment(args) -> None:
         path = experiments.scale(base, command, log, out=out)
     elif args.name == "codecs":
         path = experiments.codecs(base, command, log, out=out)
+    elif args.name == "peers":
+        path = experiments.peers(base, command, log, out=out)
     else:
         path = experiments.bandwidth(base, command, log, rates=args.rates, codecs=args.codecs, out=out)
     print(f"wrote {path} and its plot")

@@ -13,6 +13,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 from deploy.procs import stop_gracefully
 from deploy.train import TrainConfig, run
 
@@ -353,4 +355,69 @@ def codecs(base: TrainConfig, command: str, log=print, sparse_steps: int = 60, *
     path.write_text("\n".join(lines) + "\n")
     (out / "codecs.json").write_text(json.dumps({"sparse": sparse_rows, "dense": dense_rows}, indent=1,
                                                 default=str))
+    return path
+
+
+def peers(base: TrainConfig, command: str, log=print, target: float = 0.8, *, out: Path,
+          methods=("ddp-fp32", "ddp-fp16", "powersgd-1", "powersgd-4", "thc-hook", "thc-ps")) -> Path:
+    """"Why not DDP's own hooks?": the same training (model, seed, shards, optimizer) under DDP
+    with a plain fp32 all-reduce, fp16_compress_hook, PowerSGD rank 1 and 4, the THC hook, and
+    THC-PS (PS + workers), on loopback; final accuracy, bytes per step each way per worker,
+    step time and time to `target` accuracy.  Writes peers.md, peers.json and peers.png."""
+    from deploy import peers as P
+    rows = []
+    for i, m in enumerate(methods):
+        log(f"[peers {i + 1}/{len(methods)}] {m}")
+        if m == "thc-ps":
+            doc = run(base.with_job(codec="thc"), log=lambda s: log("    " + s))
+            ep = [{"epoch": e["epoch"], "test_accuracy": e["test_accuracy"], "steps": e["steps"],
+                   "step_ms": 1e3 * e["epoch_seconds"] / max(e["steps"], 1),
+                   "up_per_step": e["bytes_up"] / max(e["steps"], 1),
+                   "down_per_step": e["bytes_down"] / max(e["steps"], 1)} for e in doc["epochs"]]
+            walls = np.cumsum([e["epoch_seconds"] for e in doc["epochs"]]).tolist()
+        else:
+            doc = P.run_peer(m, base, log=lambda s: log("    " + s))
+            ep = [{**e, "up_per_step": e["wire_per_step"], "down_per_step": e["wire_per_step"]}
+                  for e in doc["epochs"]]
+            walls = [e["wall_s"] for e in doc["epochs"]]
+        hit = next((w for e, w in zip(ep, walls) if e["test_accuracy"] >= target), None)
+        rows.append({"method": m, "final_test_accuracy": ep[-1]["test_accuracy"],
+                     "up_per_step": float(np.mean([e["up_per_step"] for e in ep])),
+                     "down_per_step": float(np.mean([e["down_per_step"] for e in ep])),
+                     "step_ms": float(np.mean([e["step_ms"] for e in ep])), "time_to_target": hit,
+                     "accuracy_by_epoch": [e["test_accuracy"] for e in ep], "wall_by_epoch": walls})
+    out.mkdir(parents=True, exist_ok=True)
+    lines = ["# DDP's own hooks beside THC\n", f"Command: `{command}`\n",
+             f"{base.job.num_workers} ranks on loopback, {base.model} on Fashion-MNIST "
+             f"({base.train_limit or 60000} images), {base.epochs} epochs, seed {base.job.seed}, the same "
+             f"shards and optimizer for every method. Bytes are per worker per step, each way: for DDP "
+             f"what a ring all-reduce puts on a rank's link (2(n−1)/n × the payload each hook hands to "
+             f"all_reduce), for THC-PS the datagrams to and from the PS. \"time to {target:.0%}\" is the "
+             f"training wall time until rank 0's test accuracy first reaches it (\"-\": never). Links are "
+             f"not rate-limited here: see docs/bench.md, \"Break-even link rate\", for where bytes start "
+             f"to cost more than THC-PS's extra CPU.\n",
+             "| method | final test acc | up bytes/step | down bytes/step | step ms | "
+             f"time to {target:.0%} (s) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        ttt = f"{r['time_to_target']:.0f}" if r["time_to_target"] is not None else "-"
+        lines.append(f"| {r['method']} | {r['final_test_accuracy']:.4f} | {r['up_per_step']:,.0f} | "
+                     f"{r['down_per_step']:,.0f} | {r['step_ms']:.1f} | {ttt} |")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for r in rows:
+            ax.plot(r["wall_by_epoch"], r["accuracy_by_epoch"], marker="o", label=r["method"])
+        ax.set(xlabel="training wall time (s)", ylabel="test accuracy", title="Accuracy against wall time")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "peers.png", dpi=100)
+        lines.append("\n![Accuracy against wall time](peers.png)")
+    except ImportError:
+        lines.append("\n(matplotlib missing: no plot)")
+    path = out / "peers.md"
+    path.write_text("\n".join(lines) + "\n")
+    (out / "peers.json").write_text(json.dumps(rows, indent=1))
     return path

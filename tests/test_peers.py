@@ -85,3 +85,15 @@ def test_ddp_fp32_sum_equals_the_ps_float32_path():
     finally:
         server.stop()
     assert np.array_equal(gloo[0], gloo[1]) and np.array_equal(gloo[0], ps[0]) and np.array_equal(ps[0], ps[1])
+
+
+def test_the_peers_experiment_writes_its_table_and_plot(tmp_path):
+    from deploy import experiments
+    path = experiments.peers(CFG, "thc experiment peers", log=lambda _m: None, out=tmp_path,
+                             methods=("ddp-fp16", "thc-ps"))
+    text = path.read_text()
+    assert path == tmp_path / "peers.md" and (tmp_path / "peers.json").exists()
+    assert "| ddp-fp16 |" in text and "| thc-ps |" in text
+    import json
+    rows = {r["method"]: r for r in json.loads((tmp_path / "peers.json").read_text())}
+    assert rows["thc-ps"]["up_per_step"] < rows["thc-ps"]["down_per_step"] < rows["ddp-fp16"]["up_per_step"]
