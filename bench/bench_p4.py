@@ -1,7 +1,9 @@
 """Packets per second through bmv2 simple_switch running p4/thc.p4 (a correctness target:
 bmv2 is slow by design), and the program's resource summary from the compiled JSON.
 
-Needs root, simple_switch and p4c-bm2-ss (PATH or /opt/p4tools/bin).
+Needs root, simple_switch and p4c-bm2-ss (PATH or /opt/p4tools/bin).  The job and the workers
+are programmed by p4.control.SwitchEngine, as `thc p4 run` programs them (job nonce, rank
+tokens); the script exits 1 when a row completes fewer rounds than it sent.
 
     .venv/bin/python bench/bench_p4.py [--rounds 200]
 """
@@ -9,18 +11,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from p4.control import compile_program, job_commands, l2_commands, switch_job, worker_commands
-from p4.harness.veth_switch import VethSwitch
-from scapy.layers.inet import IP, UDP
-from scapy.layers.l2 import Ether
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `bench`, `tests`: run from a checkout
+from p4.control import SwitchEngine, compile_program, l2_commands, switch_job  # noqa: E402
+from p4.harness.veth_switch import VethSwitch  # noqa: E402
+from scapy.layers.inet import IP, UDP  # noqa: E402
+from scapy.layers.l2 import Ether  # noqa: E402
 
-from tests.p4.test_switch import N, OTHER_MAC, PS_MAC, WORKERS, datagram, frame
+from tests.p4.test_switch import N, NONCE, OTHER_MAC, PS_MAC, TOKENS, WORKERS, datagram, frame  # noqa: E402
 
 
 def resources(json_path: Path) -> dict:
@@ -86,7 +90,16 @@ def run_forwarding(sw, packets: int, window: int) -> tuple[int, float]:
     return pump(sw, [(1, f)] * packets, window)
 
 
-def main():
+def program(sw, job) -> None:
+    """The job and its workers, through the one code path `thc p4 run` uses."""
+    engine = SwitchEngine(job, sw.cli, {w.ip: (w.switch_port, w.mac) for w in WORKERS}, PS_MAC)
+    engine.start_job(job, NONCE)
+    for w in WORKERS:
+        engine.register(w.worker_id, w.ip, w.udp_port, TOKENS[w.worker_id])
+    sw.cli.run(l2_commands({OTHER_MAC: N + 1}))
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=200, help="THC rounds per measurement")
     args = ap.parse_args()
@@ -96,23 +109,28 @@ def main():
     job = switch_job(N, slots=64, norm_slots=8)
     sw = VethSwitch(json_path, N + 1)
     try:
-        cmds = job_commands(job, PS_MAC) + l2_commands({OTHER_MAC: N + 1})
-        for h, w in enumerate(WORKERS):
-            cmds += worker_commands(w, h)
-        sw.cli.run(cmds)
+        program(sw, job)
         rng = np.random.default_rng(0)
         print("pkts/s = input packets the switch fully processed per second (rounds done x n / time)")
         print(f"{'traffic':<22}{'window':>8}{'sent':>7}{'done':>7}{'pkts/s':>9}{'coord/s':>9}")
+        short = []
         for window in (8, 32, None):
             sw.reset()
             done, dt = run_rounds(sw, job, args.rounds, window, rng)
+            if done < args.rounds:
+                short.append(f"window {window or 'none'}: {done} of {args.rounds} rounds completed")
             print(f"{'THC DATA (rounds)':<22}{window or 'none':>8}{args.rounds:>7}{done:>7}"
                   f"{done * N / dt:>9.0f}{done * 32 / dt:>9.0f}")
         got, dt = run_forwarding(sw, args.rounds * N, 32)
         print(f"{'non-THC L2 (frames)':<22}{32:>8}{args.rounds * N:>7}{got:>7}{got / dt:>9.0f}")
+        if got < args.rounds * N:
+            short.append(f"L2 forwarding: {got} of {args.rounds * N} frames forwarded")
     finally:
         sw.close()
+    for problem in short:
+        print(f"bench_p4: {problem}", file=sys.stderr)
+    return 1 if short else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
