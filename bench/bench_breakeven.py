@@ -18,6 +18,7 @@ what this machine's CPU and protocol cost; docs/bench.md, "Break-even link rate"
 a run.
 
     .venv/bin/python bench/bench_breakeven.py [--workers 4] [--dims 20 22 24] [--rounds 5] [--json FILE]
+        [--background N] [--background-memory M]     # a busy host
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_floor import run_rounds  # noqa: E402
+from bench.common import background_load  # noqa: E402
 from deploy.launch import gradient  # noqa: E402
 from deploy.procs import single_threaded_children  # noqa: E402
 
@@ -98,7 +100,22 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", type=int, nargs="+", default=[20, 22, 24], help="log2 of d")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per measurement (after one warm-up)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON here")
+    ap.add_argument("--background", type=int, default=0, metavar="N",
+                    help="run N busy-loop processes at nice 19 for the whole run (a busy host)")
+    ap.add_argument("--background-memory", type=int, default=0, metavar="M",
+                    help="and M memory-bound ones (64 MB copies) at nice 19")
     args = ap.parse_args(argv)
+    with background_load(args.background, args.background_memory):
+        rows = _measure(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def _measure(args) -> list:
+    if args.background or args.background_memory:
+        print(f"background: {args.background} busy loop(s) and {args.background_memory} memory-bound "
+              f"process(es) at nice 19, the whole run", flush=True)
     print(f"{args.workers} ranks, {os.cpu_count()} cores, {args.rounds} rounds each (median of the "
           f"slowest rank's time)", flush=True)
     print(f"{'d':>6}{'gloo ms':>9}{'THC-PS ms':>11}{'ring MB':>9}{'THC up MB':>11}{'THC down MB':>13}"
@@ -116,9 +133,7 @@ def main(argv=None) -> int:
                      "break_even_gbps": bstar / 1e9})
         print(f"{'2^' + str(k):>6}{t_gloo:9.1f}{thc['median_ms']:11.1f}{b_ring / 1e6:9.2f}{thc['up_mb']:11.2f}"
               f"{thc['down_mb']:13.2f}{bstar / 1e9:11.2f}", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

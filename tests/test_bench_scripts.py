@@ -17,3 +17,16 @@ def test_script_help_runs_from_anywhere(script, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "usage:" in proc.stdout
+
+
+def test_background_load_runs_niced_hogs_and_stops_them():
+    import time
+
+    from bench.common import background_load
+    with background_load(2, 1) as procs:
+        assert len(procs) == 3
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(os.getpriority(os.PRIO_PROCESS, p.pid) != 19 for p in procs):
+            time.sleep(0.05)
+        assert all(p.is_alive() and os.getpriority(os.PRIO_PROCESS, p.pid) == 19 for p in procs)
+    assert not any(p.is_alive() for p in procs)
