@@ -382,15 +382,17 @@ def peers(base: TrainConfig, command: str, log=print, target: float = 0.8, *, ou
             walls = [e["wall_s"] for e in doc["epochs"]]
         hit = next((w for e, w in zip(ep, walls) if e["test_accuracy"] >= target), None)
         rows.append({"method": m, "final_test_accuracy": ep[-1]["test_accuracy"],
-                     "up_per_step": float(np.mean([e["up_per_step"] for e in ep])),
-                     "down_per_step": float(np.mean([e["down_per_step"] for e in ep])),
+                     # the last epoch's: PowerSGD's first epoch is its uncompressed warm-up
+                     "up_per_step": float(ep[-1]["up_per_step"]), "down_per_step": float(ep[-1]["down_per_step"]),
+                     "up_by_epoch": [e["up_per_step"] for e in ep],
                      "step_ms": float(np.mean([e["step_ms"] for e in ep])), "time_to_target": hit,
                      "accuracy_by_epoch": [e["test_accuracy"] for e in ep], "wall_by_epoch": walls})
     out.mkdir(parents=True, exist_ok=True)
     lines = ["# DDP's own hooks beside THC\n", f"Command: `{command}`\n",
              f"{base.job.num_workers} ranks on loopback, {base.model} on Fashion-MNIST "
              f"({base.train_limit or 60000} images), {base.epochs} epochs, seed {base.job.seed}, the same "
-             f"shards and optimizer for every method. Bytes are per worker per step, each way: for DDP "
+             f"shards and optimizer for every method. Bytes are per worker per step in the last epoch (PowerSGD "
+             f"runs its first epoch uncompressed, as its warm-up), each way: for DDP "
              f"what a ring all-reduce puts on a rank's link (2(n−1)/n × the payload each hook hands to "
              f"all_reduce), for THC-PS the datagrams to and from the PS. \"time to {target:.0%}\" is the "
              f"training wall time until rank 0's test accuracy first reaches it (\"-\": never). Links are "
