@@ -26,7 +26,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_floor import run_rounds  # noqa: E402
 from bench.common import background_load  # noqa: E402
 from deploy.launch import gradient  # noqa: E402
-from deploy.procs import single_threaded_children  # noqa: E402
+from deploy.procs import free_tcp_port, single_threaded_children  # noqa: E402
 
 
 def ring_bytes(dim: int, workers: int) -> float:
@@ -66,9 +65,7 @@ def _gloo_rank(rank: int, workers: int, port: int, dim: int, rounds: int, q) -> 
 
 def gloo_round_ms(dim: int, workers: int, rounds: int) -> float:
     """Median over rounds of the slowest rank's gloo all-reduce time, ms."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_tcp_port()
     single_threaded_children()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

@@ -12,13 +12,12 @@ a hook, so it is counted the same way).
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from deploy.procs import die_with_parent, single_threaded_children
+from deploy.procs import die_with_parent, free_tcp_port, single_threaded_children
 
 #: method name -> (hook family, PowerSGD rank); "thc-ps" is the PS path (deploy/train.py).
 METHODS = {"ddp-fp32": ("allreduce", 0), "ddp-fp16": ("fp16", 0), "powersgd-1": ("powersgd", 1),
@@ -69,7 +68,7 @@ def _rank_main(method: str, cfg, rank: int, port: int, q, warmup) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from deploy.train import _evaluate
+    from deploy.train import _evaluate, training_data
     from worker import data
     from worker.training import MODELS, flat_params
     torch.set_num_threads(1)
@@ -77,12 +76,7 @@ def _rank_main(method: str, cfg, rank: int, port: int, q, warmup) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
     try:
         torch.manual_seed(cfg.job.seed)                       # identical initial models, as thc train
-        xtr, ytr = data.load("train")
-        xte, yte = data.load("test")
-        if cfg.train_limit:
-            xtr, ytr = xtr[:cfg.train_limit], ytr[:cfg.train_limit]
-        if cfg.test_limit:
-            xte, yte = xte[:cfg.test_limit], yte[:cfg.test_limit]
+        xtr, ytr, xte, yte = training_data(cfg)
         model = MODELS[cfg.model]()
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         steps = (len(xtr) // n) // cfg.batch
@@ -123,9 +117,7 @@ def run_peer(method: str, cfg, log=print, timeout_s: float = 3600, warmup: int |
     `warmup`: PowerSGD's uncompressed iterations (default: one epoch's steps, at most 1000)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_tcp_port()
     single_threaded_children()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

@@ -53,3 +53,11 @@ def process_state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return ""
+
+
+def free_tcp_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a rendezvous for torch.distributed's gloo)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -53,6 +53,18 @@ class TrainConfig:
         return replace(self, job=replace(self.job, **{"table": (), "elems_per_packet": 0, **changes}))
 
 
+def training_data(cfg: TrainConfig) -> tuple:
+    """(train images, train labels, test images, test labels) of a run, cut to its limits."""
+    from worker import data
+    xtr, ytr = data.load("train")
+    xte, yte = data.load("test")
+    if cfg.train_limit:
+        xtr, ytr = xtr[:cfg.train_limit], ytr[:cfg.train_limit]
+    if cfg.test_limit:
+        xte, yte = xte[:cfg.test_limit], yte[:cfg.test_limit]
+    return xtr, ytr, xte, yte
+
+
 def _evaluate(model, x, y, batch=1000) -> tuple[float, float]:
     import torch
     import torch.nn.functional as F
@@ -84,12 +96,7 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
         from worker.transport import Faults, LeaseLost, Transport
         torch.set_num_threads(1)
         torch.manual_seed(cfg.job.seed)                  # identical initial models
-        xtr, ytr = data.load("train")
-        xte, yte = data.load("test")
-        if cfg.train_limit:
-            xtr, ytr = xtr[:cfg.train_limit], ytr[:cfg.train_limit]
-        if cfg.test_limit:
-            xte, yte = xte[:cfg.test_limit], yte[:cfg.test_limit]
+        xtr, ytr, xte, yte = training_data(cfg)
         model = MODELS[cfg.model]()
         opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
         faults = Faults(drop_out=cfg.loss, drop_in=cfg.loss, seed=cfg.job.seed)
