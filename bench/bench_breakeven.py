@@ -101,8 +101,10 @@ def main(argv=None) -> int:
                     help="run N busy-loop processes at nice 19 for the whole run (a busy host)")
     ap.add_argument("--background-memory", type=int, default=0, metavar="M",
                     help="and M memory-bound ones (64 MB copies) at nice 19")
+    ap.add_argument("--background-compile", type=int, default=0, metavar="C",
+                    help="and C compiler loops (cc -O2 of a C file, again and again) at nice 19")
     args = ap.parse_args(argv)
-    with background_load(args.background, args.background_memory):
+    with background_load(args.background, args.background_memory, compile=args.background_compile):
         rows = _measure(args)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
@@ -110,9 +112,9 @@ def main(argv=None) -> int:
 
 
 def _measure(args) -> list:
-    if args.background or args.background_memory:
+    if args.background or args.background_memory or args.background_compile:
         print(f"background: {args.background} busy loop(s) and {args.background_memory} memory-bound "
-              f"process(es) at nice 19, the whole run", flush=True)
+              f"process(es) and {args.background_compile} compiler loop(s) at nice 19, the whole run", flush=True)
     print(f"{args.workers} ranks, {os.cpu_count()} cores, {args.rounds} rounds each (median of the "
           f"slowest rank's time)", flush=True)
     print(f"{'d':>6}{'gloo ms':>9}{'THC-PS ms':>11}{'ring MB':>9}{'THC up MB':>11}{'THC down MB':>13}"

@@ -24,26 +24,41 @@ def _memory_loop() -> None:         # a memory-bound hog: streams 64 MB copies
         np.copyto(b, a)
 
 
-def background_load(busy: int, memory: int = 0, nice: int = 19):
-    """A context manager that keeps `busy` busy-loop processes and `memory` memory-bound
-    processes running at `nice` for its duration (a shared training host: data loaders,
-    monitoring, other users' jobs), and stops them afterwards."""
+def _compile_loop() -> None:      # a compiler: short-lived cc1 processes, as a build
+    import os
+    import subprocess
+    import sysconfig
+    from pathlib import Path
+    src = Path(__file__).resolve().parents[1] / "ps_server" / "_fastpath.c"
+    out = f"/tmp/thc-bg-{os.getpid()}.o"
+    while True:
+        subprocess.run(["cc", "-O2", "-c", str(src), "-I", sysconfig.get_paths()["include"], "-o", out],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def background_load(busy: int, memory: int = 0, nice: int = 19, compile: int = 0):
+    """A context manager that keeps `busy` busy-loop processes, `memory` memory-bound ones
+    and `compile` compiler loops (cc -O2 of a C file, again and again) running at `nice` for
+    its duration (a shared training host: data loaders, monitoring, builds, other users'
+    jobs), and stops them afterwards."""
     import contextlib
     import multiprocessing as mp
+    import os
 
     @contextlib.contextmanager
     def run():
         ctx = mp.get_context("fork")
         procs = []
-        for target in [_busy_loop] * busy + [_memory_loop] * memory:
+        for target in [_busy_loop] * busy + [_memory_loop] * memory + [_compile_loop] * compile:
             p = ctx.Process(target=_niced, args=(target, nice), daemon=True)
             p.start()
             procs.append(p)
         try:
             yield procs
         finally:
-            for p in procs:
-                p.kill()
+            for p in procs:                 # each in its own group: its cc children go too
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, 9)
             for p in procs:
                 p.join(5)
     return run()
@@ -51,5 +66,6 @@ def background_load(busy: int, memory: int = 0, nice: int = 19):
 
 def _niced(target, nice: int) -> None:
     import os
+    os.setpgid(0, 0)                    # its own group: stopping it stops its children too
     os.nice(nice)
     target()
