@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="k random stragglers per round, all workers agree which (paper §8.3)")
     tr.add_argument("--sync-every", type=_int_in(0, 1 << 20, "epochs"), default=1,
                     help="model sync period in epochs (0: never)")
-    tr.add_argument("--ps", type=_addr_text, default="",
+    tr.add_argument("--ps", type=_addr_text, default=None,
                     help="use a running PS at HOST:PORT[,HOST:PORT...] (implies --no-baseline)")
     tr.add_argument("--train-limit", type=_count, default=0, help="use only the first N training images (0: all)")
     tr.add_argument("--test-limit", type=_count, default=0, help="use only the first N test images (0: all)")
@@ -343,7 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="log2 of d for the end-to-end UDP round time (about 3 of the 5 minutes on 2 "
                          "cores are the 2^24 rounds, `--e2e-dims 20` skips them)")
     bc.add_argument("--rounds", type=_rounds, default=2, help="rounds per measurement")
-    bc.add_argument("--out", default="docs", help="where codecs-table.md and codecs.png go")
+    bc.add_argument("--out", default=None, metavar="DIR",
+                    help="where codecs-table.md and codecs.png go (default: ./thc-results/bench-codecs; "
+                         "`--out docs` regenerates the committed table)")
     bc.set_defaults(func=commands.cmd_bench)
 
     d = _command(sub, "demo-nmse", help="print the NMSE comparison of all codecs (quick look)",
@@ -397,8 +399,8 @@ def _addr_list(value: str):
 
 
 def _addr_text(value: str) -> str:
-    """HOST:PORT[,HOST:PORT…], checked, as the text the run takes ('' stays '': none given)."""
-    return value if value == "" else ",".join(f"{h}:{p}" for h, p in _addr_list(value))
+    """HOST:PORT[,HOST:PORT…], checked, as the text the run takes ("host:port,host:port")."""
+    return ",".join(f"{h}:{p}" for h, p in _addr_list(value))
 
 
 def _add_cluster_commands(sub):

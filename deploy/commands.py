@@ -219,7 +219,8 @@ def cmd_train(args):
                             straggler_delay_ms=args.straggler_delay_ms,
                             straggler_prob=args.straggler_prob, sync_every=args.sync_every,
                             train_limit=args.train_limit, test_limit=args.test_limit,
-                            straggler_count=args.straggler_count, ps=args.ps, per_tensor=args.per_tensor)
+                            straggler_count=args.straggler_count, ps=args.ps or "",
+                            per_tensor=args.per_tensor)
     if args.straggler_count and not 0 < args.straggler_count < args.workers:
         raise ValueError(f"--straggler-count must be in 1..{args.workers - 1}")
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else \
@@ -278,8 +279,11 @@ def cmd_experiment(args) -> None:
 
 def cmd_bench(args) -> None:
     from deploy import bench_codecs
+    # not docs/ (the committed table) unless the user says so
+    out = Path(args.out).expanduser() if args.out else Path.cwd() / "thc-results" / "bench-codecs"
+    out.mkdir(parents=True, exist_ok=True)
     path = bench_codecs.run(workers=args.workers, dims=[1 << k for k in args.dims],
-                            e2e_dims=[1 << k for k in args.e2e_dims], rounds=args.rounds, out=args.out,
+                            e2e_dims=[1 << k for k in args.e2e_dims], rounds=args.rounds, out=out,
                             log=lambda m: print(m, flush=True))
     print(f"wrote {path}")
 

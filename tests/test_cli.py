@@ -87,6 +87,37 @@ def test_every_option_has_help_and_no_hand_typed_default():
     assert seen > 140
 
 
+def test_every_default_in_help_is_what_the_user_would_type():
+    """Reproduction: --help showed ('127.0.0.1', 9000), ('none', 'thc') and (100, 1000, None).
+    Every default the help of every command (nested ones too) shows is text that, typed back
+    after its option, gives the value the command uses when the option is left out."""
+    import argparse
+    import re
+
+    from deploy.cli import build_parser
+    needed = {"worker": ["--ps", "127.0.0.1:9000"], "experiment": ["loss"], "keys": ["somewhere"]}
+    parser, checked = build_parser(), 0
+    for name, sub in [("", parser), *_subcommands(parser)]:
+        if any(isinstance(a, argparse._SubParsersAction) for a in sub._actions):
+            continue                                  # `thc p4`, `thc bench`: only their actions run
+        words = name.split() + needed.get(name, [])
+        for action in sub._actions:
+            if not action.option_strings or action.nargs == 0 or action.default is None:
+                continue                              # None: the help says in words what happens
+            shown = re.search(r"\(default: (.*)\)$", sub._get_formatter()._expand_help(action))
+            if shown is None:
+                continue
+            text = shown.group(1)
+            assert not re.search(r"[()\[\]']|None", text), f"thc {name} {action.option_strings[0]}: {text}"
+            typed = parser.parse_args(words + [action.option_strings[0], *text.split()])
+            left_out = parser.parse_args(words)
+            assert getattr(typed, action.dest) == getattr(left_out, action.dest), (name, action.option_strings[0])
+            checked += 1
+    assert checked > 100
+    ps = " ".join(dict(_subcommands(parser))["ps"].format_help().split())
+    assert "(default: 127.0.0.1:9000)" in ps
+
+
 def test_job_options_are_declared_once_and_shared():
     """--workers/--bits/--granularity/--p/--lane-bits/--quorum/--seed come from one table with
     one help text each; the commands differ only in their defaults."""
