@@ -19,11 +19,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dim-log2", type=int, default=18)
     ap.add_argument("--trials", type=int, default=10)
-    ap.add_argument("--out", default="docs")
+    ap.add_argument("--out", default="thc-results/nmse",
+                    help="where nmse.md and nmse.png go (`--out docs` regenerates the committed ones)")
     args = ap.parse_args()
     d, trials = 1 << args.dim_log2, args.trials
     out = Path(args.out)
-    out.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     lines = []
     say = lambda s="": (lines.append(s), print(s, flush=True))
 
