@@ -145,7 +145,28 @@ def _codec_arg(p, stated: bool = False):
 
 
 def _slots_arg(p):
-    p.add_argument("--slots", type=_int_in(1, 65000, "a slot count"), default=512, help="aggregator slots")
+    p.add_argument("--slots", type=_int_in(1, 65000, "a slot count"), default=512,
+                   help="aggregator slots a job asks for (a contended PS may grant fewer)")
+
+
+def _job_name(value: str) -> str:
+    from proto import control
+    try:
+        control.SCHEMA["register"]["job_name"][1]("--job", value)
+    except control.ControlError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}, got {value!r}") from None
+    return value
+
+
+def _job_arg(p, default_help: str):
+    p.add_argument("--job", type=_job_name, default=None, metavar="NAME",
+                   help="the job's name on the PS: workers of one name form one job, other names run "
+                        f"beside it ({default_help})")
+
+
+def _slot_space() -> int:
+    from ps_server.admission import DEFAULT_SLOT_SPACE
+    return DEFAULT_SLOT_SPACE
 
 
 def _policies():
@@ -229,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model sync period in epochs (0: never)")
     tr.add_argument("--ps", type=_addr_text, default=None,
                     help="use a running PS at HOST:PORT[,HOST:PORT...] (implies --no-baseline)")
+    _job_arg(tr, "with --ps; default: a fresh name per run")
     tr.add_argument("--train-limit", type=_count, default=0, help="use only the first N training images (0: all)")
     tr.add_argument("--test-limit", type=_count, default=0, help="use only the first N test images (0: all)")
     tr.add_argument("--per-tensor", action="store_true",
@@ -417,6 +439,9 @@ def _add_cluster_commands(sub):
     ps.add_argument("--shards", type=_int_in(1, 16, "a shard count"), default=1,
                     help="PS shards in this process splitting the slot space (data ports PORT, PORT+2, ...)")
     ps.add_argument("--engine", choices=("c", "python"), default="c", help="aggregation engine")
+    ps.add_argument("--slot-space", type=_int_in(1, 65536, "a slot count"), default=_slot_space(),
+                    help="slots shared by the jobs running at once: each gets a region of them, what "
+                         "it asks for or a fair share (docs/design.md, \"Many jobs on one PS\")")
     ps.add_argument("--keys", default=None, metavar="DIR",
                     help="CURVE key directory from `thc keys DIR`: authenticated, encrypted control plane")
     ps.add_argument("--lease-s", type=_float_in(0.2, 3600, lo_open=False, hi_open=False, what="seconds"),
@@ -454,6 +479,7 @@ def _add_cluster_commands(sub):
                    help="write every round's report (digests, k, bitmaps) as JSON")
     w.add_argument("--keys", default=None, metavar="DIR",
                    help="key directory with client.key_secret and server.key (`thc keys`)")
+    _job_arg(w, "default: \"default\", the name every thc worker without --job shares")
     w.set_defaults(func=commands.cmd_worker)
 
     la = _command(sub, "launch", help="start a PS and N workers here, run rounds, check every one",
@@ -501,7 +527,22 @@ def _add_cluster_commands(sub):
                     help="start a killed rank again: it rejoins the running job")
     la.add_argument("--json", action="store_true", help="print one JSON summary line")
     la.add_argument("--verbose", action="store_true", help="per-round progress from every worker")
+    _job_arg(la, "with --ps; default: a fresh name per launch, or \"default\" when this host runs a "
+                 "share of the ranks")
     la.set_defaults(func=commands.cmd_launch)
+
+    st = _command(sub, "status", help="the jobs a running PS serves: running and queued, with their "
+                                      "workers, slot regions, rounds and counters",
+                  description="Asks a running `thc ps` (its control plane) for its jobs; exits 1 when "
+                              "it does not answer.")
+    st.add_argument("--ps", type=_addr_list, required=True,
+                    help="the PS data address HOST:PORT, or a comma list of shards")
+    st.add_argument("--control-port", type=_port, default=None, help="control port (default data port + 1)")
+    st.add_argument("--keys", default=None, metavar="DIR", help="key directory (`thc keys`) of a PS run with --keys")
+    st.add_argument("--timeout-s", type=_float_in(0.1, 600, lo_open=False, hi_open=False, what="seconds"),
+                    default=3.0, help="how long to wait for the answer")
+    st.add_argument("--json", action="store_true", help="the status reply as JSON (a list for several shards)")
+    st.set_defaults(func=commands.cmd_status)
 
     k = _command(sub, "keys", help="make a CURVE key directory for the control plane",
                  description="Writes DIR/server.key(_secret), DIR/client.key(_secret) and "

@@ -76,6 +76,7 @@ def cmd_ps(args) -> None:
         for s in range(args.shards):
             cport = args.control_port + 2 * s if args.control_port else None
             servers.append(_bind_ps(PSServer, job, host, port + 2 * s, cport, say, args))
+            say(f"PS shard {s}: a slot space of {args.slot_space} slots shared by the running jobs")
             what = (f"n={job.num_workers}, codec={job.codec}, b={job.bits}, g={job.granularity}, "
                     f"lanes={job.lane_bits} bits, quorum={job.quorum}") if job else \
                 "any job (each job's first worker proposes it)"
@@ -103,7 +104,8 @@ def _bind_ps(PSServer, job, host: str, port: int, cport, say, args):
     import zmq
     try:
         return PSServer(job, (host, port), control_port=cport, engine=args.engine, log=say, keys=args.keys,
-                        lease_s=args.lease_s, rejoin_grace_s=args.rejoin_grace_s).start()
+                        lease_s=args.lease_s, rejoin_grace_s=args.rejoin_grace_s,
+                        slot_space=args.slot_space).start()
     except zmq.ZMQError as exc:
         raise OSError(f"cannot bind the control plane tcp://{host}:{cport or port + 1}: "
                       f"{zmq.strerror(exc.errno)}") from None
@@ -139,7 +141,7 @@ def cmd_worker(args) -> dict:
         shards, rank, args.rounds, args.dim, args.seed, args.loss_policy,
         Faults(drop_out=args.loss, drop_in=args.loss, seed=args.seed), args.straggler_delay_ms, 1.0,
         args.timeout_ms, 64, None, False, bind_port=args.bind_port, expect=expect, propose=propose,
-        keys=args.keys)
+        keys=args.keys, job_name=args.job)
     lost = sum(r["lost"] for r in out)
     if args.report:
         import json
@@ -152,6 +154,48 @@ def cmd_worker(args) -> dict:
     return {"ok": not problems, "problems": problems, "rank": rank, "rounds": len(out), "lost_chunks": lost,
             "mean_round_ms": 1e3 * sum(r["seconds"] for r in out) / max(len(out), 1),
             "transport": counters}
+
+
+def cmd_status(args):
+    """The jobs a running PS serves: running (workers, region, rounds, counters) and queued."""
+    import json
+
+    from deploy.launch import fetch_status
+    docs = []
+    for host, port in args.ps:
+        doc = fetch_status((host, port, args.control_port or port + 1), args.keys, args.timeout_s)
+        if doc is None:
+            return {"ok": False, "problems": [f"no status reply from the PS control plane at "
+                                              f"tcp://{host}:{args.control_port or port + 1} within "
+                                              f"{args.timeout_s:g} s"]}
+        docs.append(doc)
+    if args.json:
+        print(json.dumps(docs if len(docs) > 1 else docs[0]))
+        return None
+    for (host, port), doc in zip(args.ps, docs):
+        print(format_status(f"{host}:{port}", doc))
+    return None
+
+
+def format_status(where: str, doc: dict) -> str:
+    """A status reply as the lines `thc status` prints."""
+    jobs, queued = doc.get("jobs", []), doc.get("queued", [])
+    lines = [f"PS {where}: {len(jobs)} job{'s' if len(jobs) != 1 else ''} running, {len(queued)} queued, "
+             f"{doc['slots_free']} of {doc['slot_space']} slots free"]
+    for j in jobs:
+        r, st = j["region"], j["stats"]
+        missing = ", ".join(str(m["rank"]) for m in j["missing"])
+        lines.append(f"  job {j['job_number']} {j['job_name']!r}: id {j['job_id']}, {j['codec']}, "
+                     f"live {len(j['live'])}/{j['num_workers']}"
+                     + (f" (missing {missing})" if missing else "")
+                     + f", slots {r['base']}..{r['base'] + r['data'] + r['norm'] - 1} "
+                       f"({r['data']} data + {r['norm']} norm), rounds {st.get('rounds_completed', 0)}, "
+                       f"packets in {st.get('packets_in', 0)}, drops {sum(st.get('drops', {}).values())}, "
+                       f"age {j['age_s']:.0f} s" + (f"; STALLED: {j['stalled']}" if j.get("stalled") else ""))
+    for q in queued:
+        lines.append(f"  queued {q['job_name']!r}: {q['slots']} slots asked, ranks {q['ranks']}, "
+                     f"waiting {q['waiting_s']:.0f} s")
+    return "\n".join(lines)
 
 
 def cmd_launch(args):
@@ -196,7 +240,7 @@ def cmd_launch(args):
                      verbose=args.verbose, shards=args.shards, rank_base=base, local_workers=local,
                      expect=expect, keys=args.keys, lease_s=args.lease_s, rejoin_grace_s=args.rejoin_grace_s,
                      stall_s=args.stall_s, kill=(args.kill_rank, kill_at) if args.kill_rank is not None else None,
-                     restart=args.restart_killed)
+                     restart=args.restart_killed, job_name=args.job)
     if args.json:
         return doc
     print(f"rounds {doc['rounds']}, exact {doc['exact_rounds']}, mismatched chunks "
@@ -220,7 +264,7 @@ def cmd_train(args):
                             straggler_prob=args.straggler_prob, sync_every=args.sync_every,
                             train_limit=args.train_limit, test_limit=args.test_limit,
                             straggler_count=args.straggler_count, ps=args.ps or "",
-                            per_tensor=args.per_tensor)
+                            per_tensor=args.per_tensor, job_name=args.job or "")
     if args.straggler_count and not 0 < args.straggler_count < args.workers:
         raise ValueError(f"--straggler-count must be in 1..{args.workers - 1}")
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else \

@@ -65,7 +65,7 @@ def skip_to_front(t, skip_one, step: int, limit: int, passes: int = 50) -> int:
 def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
                 straggler_delay_ms, straggler_prob, timeout_ms, window, report=None, quiet=True,
                 bind_port=0, batched=True, expect=None, propose=None, keys=None, die_at=None,
-                rejoin=False, progress=None):
+                rejoin=False, progress=None, job_name=None):
     """Run `rounds` allreduces of test gradients against the PS shards [(host, data, control)].
 
     `expect` is the job configuration this worker insists on (a dict of JobConfig fields),
@@ -79,7 +79,7 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
     the ones it skipped are not reported.  If its job ended while it was away, the counters
     say `ended_while_away` and only the rounds it finished are reported.
     `progress` (a shared integer) is set to each round this worker starts, for the
-    launcher's watchdog.
+    launcher's watchdog.  `job_name` names the job on the PS (None: the PS's default).
     Returns (per-round reports, transport counters, the job as announced by the PS).
     """
     import os
@@ -91,7 +91,7 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
         t = Transport(shards[0][0], shards[0][1], worker_id, control_port=shards[0][2], policy=policy,
                       faults=faults, timeout_ms=timeout_ms, shards=shards, **sized,
                       bind_port=bind_port, batched=batched, expect=expect, propose=propose, keys=keys,
-                      rejoin=rejoin)
+                      rejoin=rejoin, job_name=job_name)
     except ValueError as exc:
         if not rejoin or "no running job to rejoin" not in str(exc):
             raise
@@ -415,14 +415,17 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
                engine="c", timeout_ms=50.0, window=None, slots=512, lane_bits=8, verbose=False,
                ps_control_port=None, check=True, shards=1, batched=True, rank_base=0,
                local_workers=None, expect=None, keys=None, kill=None, restart=False,
-               lease_s=None, rejoin_grace_s=None, stall_s=180.0) -> dict:
+               lease_s=None, rejoin_grace_s=None, stall_s=180.0, job_name=None) -> dict:
     """Start a PS with `shards` shards (unless `ps` = "host:port[,host:port…]") and worker
     processes for ranks rank_base … rank_base + local_workers − 1 of an n = `workers` job;
     returns the JSON summary, whose `ok` is False when any chunk was inexact or, under
     `retransmit`, lost, or when a worker failed.
 
     With `ps`, the workers propose this job to a PS that has none and insist on `expect`
-    (default: every field of this job); the check uses the job the PS announced.
+    (default: every field of this job); the check uses the job the PS announced.  The job
+    is named `job_name` on that PS, by default a fresh name (launch-<8 hex digits>), so that
+    launches started together run beside each other; a launch of a share of the ranks (one
+    host of several) uses the PS's default name unless the hosts pass one.
     `kill` = (rank, round) makes that rank's process die at the start of that round;
     with `restart` it is started again and rejoins the running job.
     batched=False makes the workers use one system call per datagram instead of
@@ -451,6 +454,9 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
         shard_list = [("127.0.0.1", s.data_addr[1], s.control_port) for s in servers]
     else:
         shard_list = parse_ps(ps, ps_control_port)
+        if job_name is None and local_workers == workers:
+            import secrets
+            job_name = f"launch-{secrets.token_hex(4)}"
     if expect is None:
         expect = job.to_msg()
     single_threaded_children()
@@ -460,7 +466,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
         delay = straggler_delay_ms if (straggler_rank is None or straggler_rank == i) else 0.0
         return ((shard_list, i, rounds, dim, seed, policy, faults, delay, straggler_prob, timeout_ms,
                  window), {"batched": batched, "expect": expect, "propose": job, "quiet": not verbose,
-                           "keys": None if keys is None else str(keys)})
+                           "keys": None if keys is None else str(keys), "job_name": job_name})
 
     ranks = range(rank_base, rank_base + local_workers)
     sup = _Supervisor(ranks, worker_args, kill, restart, stall_s)
@@ -493,7 +499,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
         problems.append(f"the job ended while rank{'s' if len(away) > 1 else ''} "
                         f"{', '.join(map(str, away))} {'were' if len(away) > 1 else 'was'} away")
     first = next(iter(per_worker.values()))
-    return {**result, "ok": not problems, "problems": problems, "workers": workers,
+    return {**result, "ok": not problems, "problems": problems, "workers": workers, "job_name": job_name,
             "ranks": sorted(per_worker), "dim": dim, "codec": used.codec, "quorum": used.quorum,
             "loss": loss, "policy": policy, "seconds": elapsed, "restarted_workers": restarted,
             "mean_round_ms": 1e3 * float(np.mean([r["seconds"] for w in per_worker.values() for r in w]
@@ -511,31 +517,42 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
             "bytes_down_per_round": first[0]["bytes_down"] if first else 0}
 
 
-def fetch_ps_stats(shard_list: list, keys=None, timeout_s: float = 2.0) -> dict | None:
-    """A running PS's lifetime counters over its control plane (`stats`), shards added up;
-    None when a shard does not answer within `timeout_s`."""
+def _ask(shard: tuple, msg: dict, keys=None, timeout_s: float = 2.0) -> dict | None:
+    """One control request to a PS shard (host, data_port, control_port[, control_host]) from
+    outside any job; None when it does not answer within `timeout_s`."""
     import zmq
 
     from proto import control
-    ctx = zmq.Context.instance()
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        if keys is not None:
+            from proto.keys import client_keys
+            sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = client_keys(keys)
+        sock.connect(f"tcp://{shard[3] if len(shard) > 3 else shard[0]}:{shard[2]}")
+        sock.send(control.encode(msg))
+        if not sock.poll(int(timeout_s * 1000)):
+            return None
+        return control.decode(sock.recv())
+    finally:
+        sock.close(0)
+
+
+def fetch_status(shard: tuple, keys=None, timeout_s: float = 2.0) -> dict | None:
+    """A running PS's status reply: every running and queued job (None: no answer)."""
+    reply = _ask(shard, {"type": "status"}, keys, timeout_s)
+    return reply if reply is not None and reply.get("type") == "status" else None
+
+
+def fetch_ps_stats(shard_list: list, keys=None, timeout_s: float = 2.0) -> dict | None:
+    """A running PS's lifetime counters over its control plane (`stats`), shards added up;
+    None when a shard does not answer within `timeout_s`."""
     stats = []
     for shard in shard_list:
-        sock = ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            if keys is not None:
-                from proto.keys import client_keys
-                sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = client_keys(keys)
-            sock.connect(f"tcp://{shard[3] if len(shard) > 3 else shard[0]}:{shard[2]}")
-            sock.send(control.encode({"type": "stats"}))
-            if not sock.poll(int(timeout_s * 1000)):
-                return None
-            reply = control.decode(sock.recv())
-            if reply.get("type") != "stats":
-                return None
-            stats.append(reply["stats"])
-        finally:
-            sock.close(0)
+        reply = _ask(shard, {"type": "stats"}, keys, timeout_s)
+        if reply is None or reply.get("type") != "stats":
+            return None
+        stats.append(reply["stats"])
     return _merge_stats(stats)
 
 

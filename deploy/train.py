@@ -46,6 +46,7 @@ class TrainConfig:
     kill_at_step: int = 0
     restart: bool = False     # ... and is started again: it rejoins at the next model sync
     lease_s: float = 5.0      # the PS this starts
+    job_name: str = ""        # the job's name on a running PS ("": a fresh one per run)
 
     def with_job(self, **changes) -> TrainConfig:
         """A copy whose job has `changes` (JobConfig's field names); its derived fields (table,
@@ -105,7 +106,7 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
             t = Transport(shards[0][0], shards[0][1], rank, control_port=shards[0][2],
                           policy=cfg.loss_policy, faults=faults, timeout_ms=cfg.timeout_ms, shards=shards,
                           expect=job_msg, propose=job,   # the PS must run this job (or start it)
-                          rejoin=rejoin)
+                          rejoin=rejoin, job_name=cfg.job_name or None)
         except ValueError as exc:
             if rejoin and "no running job to rejoin" in str(exc):   # the others already finished
                 q.put(("done", rank, {"rejoin_refused": 1}))
@@ -207,6 +208,9 @@ def run(cfg: TrainConfig, log=print) -> dict:
     job = cfg.job
     server = None
     if cfg.ps:
+        if not cfg.job_name:        # a fresh name: runs started together train side by side
+            import secrets
+            cfg = replace(cfg, job_name=f"train-{secrets.token_hex(4)}")
         shards = []
         for item in cfg.ps.split(","):
             host, _, port = item.strip().rpartition(":")

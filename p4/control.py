@@ -268,6 +268,13 @@ class SwitchEngine:
         if handle is not None:
             self.cli.run([f"table_delete {ING}.workers {handle}"])
 
+    def region(self) -> tuple:
+        """The switch serves one job at a time: its slots start at register 0."""
+        return 0, self.job.slots + self.job.norm_slots
+
+    def close(self) -> None:
+        """The next job's start_job resets the registers."""
+
     def process(self, datagram: bytes, addr: tuple) -> list:
         return []               # the switch aggregates; nothing is answered from here
 

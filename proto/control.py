@@ -4,17 +4,24 @@ Every message is a map with a "type" key; every request is checked against SCHEM
 (field types and ranges) before the PS acts on it, and the PS caps message size with
 ZMQ_MAXMSGSIZE.  Requests and their replies:
 
-  register   {worker_id, data_addr: [ip, port], expect?, job?, rejoin?, session?}
-             -> config {job, nonce, token, session, job_number, lease_s, data_port, rejoin}
+  register   {worker_id, data_addr: [ip, port], job_name?, expect?, job?, rejoin?, session?}
+             -> config {job, nonce, token, session, job_number, job_name, lease_s, data_port,
+             rejoin}
+             `job_name` (default "default") names the job: a name no running job has starts
+             a new job beside the running ones (admission gives it a region of the PS's slot
+             space and a job id, both in the reply's `job`: its `slots` and `job_id`), or
+             queues it while the space is full; the same name joins that job.
              `expect` lists the job fields the worker insists on (a mismatch is refused,
-             naming each differing field); `job` proposes a whole job to a PS that has
-             none configured.  A rank held by another live registration is refused unless
+             naming each differing field; `job_id` and `slots` are the PS's to assign); `job`
+             proposes a whole job to a PS that has none configured.  A rank held by another live registration is refused unless
              the request carries that registration's session (the same worker registering
              again); `rejoin` (a restarted rank) is refused unless a job in which the rank
              held a place is still running.
   heartbeat  {worker_id, session, progress?}  -> status (below); renews the lease
-  status     {}                               -> status {job_number, live, missing, progress,
-             barriers, stalled?, rejoin_grace_s, ...}
+  status     {worker_id?, session?}            -> status {job_number, live, missing, progress,
+             barriers, stalled?, region, ..., jobs, queued, slot_space, slots_free}: the
+             asking rank's job (or the only job running) at the top level, every running job
+             under `jobs` and the queued ones under `queued`
   leave      {worker_id, session}             -> ok; the job ends when every rank left or died
   barrier    {name, worker_id, session}       -> ok, once every live rank arrived
   sync_put   {round, worker_id, session, blob} -> ok   (model sync: the sync source's state)
@@ -78,6 +85,9 @@ ERROR_CODES = {
                      "(never `resume`)",
     "job_stalled": "the job cannot complete: a rank it needs is dead past the rejoin grace; the message "
                    "names the ranks",
+    "queued": "the job waits for slots (the PS's slot space is full, or an older queued job goes first); "
+              "the message says what holds the space and `position` the place in the queue: register "
+              "again in a moment (a job whose workers stop asking for 5 s leaves the queue)",
 }
 
 
@@ -158,6 +168,13 @@ def _addr(name, v):
     _int(0, 65535)(f"{name} port", v[1])
 
 
+@_described("str, 1..64 of A-Z a-z 0-9 . _ -")
+def _name(name, v):
+    if not isinstance(v, str) or not 0 < len(v) <= 64 or not all(c.isascii() and (c.isalnum() or c in "._-")
+                                                                  for c in v):
+        raise ControlError(f"{name} must be 1..64 characters of letters, digits, '.', '_' and '-'")
+
+
 @_described("bool")
 def _bool(name, v):
     if not isinstance(v, bool):
@@ -176,11 +193,12 @@ _ROUND = _int(0, (1 << 31) - 1)
 
 #: type -> {field: (required, check)}
 SCHEMA = {
-    "register": {"worker_id": (True, _RANK), "data_addr": (True, _addr), "expect": (False, _map),
+    "register": {"worker_id": (True, _RANK), "data_addr": (True, _addr), "job_name": (False, _name),
+                 "expect": (False, _map),
                  "job": (False, _map), "rejoin": (False, _bool), "session": (False, _SESSION)},
     "heartbeat": {"worker_id": (True, _RANK), "session": (True, _SESSION),
                   "progress": (False, _int(0, 1 << 62))},
-    "status": {},
+    "status": {"worker_id": (False, _RANK), "session": (False, _SESSION)},
     "leave": {"worker_id": (True, _RANK), "session": (True, _SESSION)},
     "barrier": {"name": (True, _str(MAX_NAME)), "worker_id": (True, _RANK), "session": (True, _SESSION)},
     "sync_put": {"round": (True, _ROUND), "worker_id": (True, _RANK), "session": (True, _SESSION),

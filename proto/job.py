@@ -13,6 +13,10 @@ from proto import headers
 from proto.packing import check_lane_capacity, packed_size
 from proto.tables import parse_p, solve_table
 
+#: Fields the PS assigns when it admits a job (its id among the running jobs, the data slots
+#: of its region): a worker's expectation of them is no conflict, it takes the PS's values.
+ADMISSION_FIELDS = ("job_id", "slots")
+
 #: Codecs the data plane aggregates itself (lookup-and-sum or float sum); every other
 #: registered codec travels as BLOB fragments and the PS decodes, sums and re-encodes it.
 DATA_PLANE_CODECS = ("thc", "none")
@@ -132,10 +136,13 @@ class JobConfig:
 
     def differences(self, expect: dict) -> list[str]:
         """The fields where `expect` (a worker's stated job, possibly partial) disagrees with
-        this job, as 'field: PS has X, worker expects Y' — the reason a registration is refused."""
+        this job, as 'field: PS has X, worker expects Y' — the reason a registration is refused.
+        ADMISSION_FIELDS are the PS's to set and never differ."""
         out = []
         mine = self.to_msg()
         for name, want in expect.items():
+            if name in ADMISSION_FIELDS:
+                continue
             if name not in mine:
                 out.append(f"{name}: not a job field")
                 continue

@@ -13,6 +13,7 @@
 #define PY_SSIZE_T_CLEAN
 #define _GNU_SOURCE
 #include <Python.h>
+#include <structmember.h>
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
@@ -84,9 +85,25 @@ typedef struct {
     uint32_t payload_len;
 } outpkt_t;
 
+/* The PS's slot space: every job's slots are a region [base, base + size) of one array, as
+ * a switch's register arrays are shared by the jobs it serves.  An Engine claims its region
+ * when it is made and clears it when it goes, so nothing of one job reaches the next. */
 typedef struct {
     PyObject_HEAD
     pthread_mutex_t lock;
+    int size;
+    slot_t *slot;
+    const void **owner;      /* the Engine holding each slot, NULL when free */
+} SlotSpace;
+
+static PyTypeObject SlotSpaceType;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t lock;
+    SlotSpace *space;        /* NULL: the engine's own slot array */
+    int base;                /* first slot of the region in `space` */
+    int claimed;
     uint16_t job_id;
     uint32_t nonce;
     int n, slots, norm_slots, elems, bits, lane_bits, op, quorum;
@@ -281,19 +298,31 @@ typedef struct {
 /* Validation half of docs/design.md's PS rules (ReferencePS._validate): the drop reason
  * (D_*) of a datagram that is not a well-formed, authorized DATA/NORM packet of this job,
  * or -1 with its fields in *p. */
-static int validate(Engine *e, const uint8_t *buf, uint32_t len, uint32_t ip, uint16_t port, pkt_t *p) {
+/* The checks that need no job (ReferencePS._validate up to the job lookup): the drop reason
+ * of a datagram that is not a well-formed DATA/NORM header, or -1.  The Mux runs them before
+ * it looks the job id up, the Engine again for a datagram handed to it directly. */
+static int header_check(const uint8_t *buf, uint32_t len) {
     if (len < HDR || rd16(buf) != MAGIC) return D_MALFORMED;
     if (buf[2] != VERSION) return D_VERSION;
+    int type = buf[3];
+    if (type < T_DATA || type > T_NORM_RESULT || rd16(buf + 22) != len - HDR) return D_MALFORMED;
+    if (type != T_DATA && type != T_NORM) return D_MALFORMED;
+    return -1;
+}
+
+static int validate(Engine *e, const uint8_t *buf, uint32_t len, uint32_t ip, uint16_t port, pkt_t *p) {
+    int bad = header_check(buf, len);
+    if (bad >= 0) return bad;
     p->type = buf[3]; p->worker = buf[5]; p->nw = buf[6]; p->ebits = buf[7]; p->op = buf[29];
     p->job = rd16(buf + 8); p->slot = rd16(buf + 10); p->count = rd16(buf + 20); p->plen = rd16(buf + 22);
     p->round = rd32(buf + 12); p->offset = rd32(buf + 16); p->nonce = rd32(buf + 32); p->token = rd32(buf + 36);
     p->payload = buf + HDR;
-    if (p->type < T_DATA || p->type > T_NORM_RESULT || p->plen != len - HDR) return D_MALFORMED;
-    if (p->type != T_DATA && p->type != T_NORM) return D_MALFORMED;
-    if (p->job != e->job_id || p->nonce != e->nonce) return D_JOB;
+    if (p->job != e->job_id || p->nonce != e->nonce || !e->slot) return D_JOB;   /* !slot: closed */
     if (p->worker >= e->n) return D_WORKER;
     int w = p->worker;
     if (!e->w_reg[w] || e->w_ip[w] != ip || e->w_port[w] != port || e->w_token[w] != p->token) return D_UNREG;
+    /* the region check: a packet's slot is relative to its job's region and must lie inside
+     * it (data slots first, then norm slots), so it can never reach another job's slots */
     int norm = p->type == T_NORM;
     int lo = norm ? e->slots : 0, hi = norm ? e->slots + e->norm_slots : e->slots;
     if (p->slot < lo || p->slot >= hi) return D_SLOT;
@@ -404,15 +433,37 @@ static void handle_segments(Engine *e, const uint8_t *buf, uint32_t len, uint32_
 
 /* ------------------------------------------------------------------ Python type */
 
-static void Engine_dealloc(Engine *e) {
-    if (e->slot) {
-        for (int i = 0; i < e->slots + e->norm_slots; i++) {
-            PyMem_RawFree(e->slot[i].acc);
-            PyMem_RawFree(e->slot[i].cur.payload);
-            PyMem_RawFree(e->slot[i].prev.payload);
-        }
+/* Free the slots' buffers and give the region back, cleared (under e->lock when the engine
+ * may be serving); the engine answers nothing after it. */
+static void release_slots(Engine *e) {
+    if (!e->slot) return;
+    for (int i = 0; i < e->slots + e->norm_slots; i++) {
+        PyMem_RawFree(e->slot[i].acc);
+        PyMem_RawFree(e->slot[i].cur.payload);
+        PyMem_RawFree(e->slot[i].prev.payload);
+    }
+    if (e->space) {
+        pthread_mutex_lock(&e->space->lock);
+        memset(e->slot, 0, (size_t)(e->slots + e->norm_slots) * sizeof(slot_t));
+        for (int i = 0; i < e->slots + e->norm_slots; i++) e->space->owner[e->base + i] = NULL;
+        pthread_mutex_unlock(&e->space->lock);
+    } else {
         PyMem_RawFree(e->slot);
     }
+    e->slot = NULL;
+}
+
+/* close(): the job ended; its region is free for the next job at once */
+static PyObject *Engine_close(Engine *e, PyObject *noargs) {
+    pthread_mutex_lock(&e->lock);
+    release_slots(e);
+    pthread_mutex_unlock(&e->lock);
+    Py_RETURN_NONE;
+}
+
+static void Engine_dealloc(Engine *e) {
+    release_slots(e);
+    Py_XDECREF((PyObject *)e->space);
     PyMem_RawFree(e->out);
     PyMem_RawFree(e->msgs);
     PyMem_RawFree(e->arena);
@@ -425,16 +476,51 @@ static void Engine_dealloc(Engine *e) {
     Py_TYPE(e)->tp_free((PyObject *)e);
 }
 
+/* Claim slots [base, base + total) of `space` for `e`; refuses a region outside the space or
+ * overlapping another engine's. */
+static int claim_region(Engine *e, SlotSpace *space, int base, int total) {
+    if (base < 0 || base + total > space->size) {
+        PyErr_Format(PyExc_ValueError, "region %d..%d does not fit the slot space of %d slots",
+                     base, base + total - 1, space->size);
+        return -1;
+    }
+    pthread_mutex_lock(&space->lock);
+    for (int i = base; i < base + total; i++)
+        if (space->owner[i]) {
+            pthread_mutex_unlock(&space->lock);
+            PyErr_Format(PyExc_ValueError, "region %d..%d overlaps another job's region at slot %d",
+                         base, base + total - 1, i);
+            return -1;
+        }
+    for (int i = base; i < base + total; i++) space->owner[i] = e;
+    memset(space->slot + base, 0, (size_t)total * sizeof(slot_t));
+    pthread_mutex_unlock(&space->lock);
+    Py_INCREF(space);
+    e->space = space;
+    e->base = base;
+    e->slot = space->slot + base;
+    return 0;
+}
+
 static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"job_id", "num_workers", "slots", "norm_slots", "elems_per_packet",
-                             "bits", "lane_bits", "op", "quorum_count", "table", "nonce", NULL};
-    int job_id;
+                             "bits", "lane_bits", "op", "quorum_count", "table", "nonce", "space",
+                             "base", NULL};
+    int job_id, base = 0;
     unsigned int nonce = 0;
-    PyObject *table;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiiiiiiiO|I", kwlist, &job_id, &e->n, &e->slots,
-                                     &e->norm_slots, &e->elems, &e->bits, &e->lane_bits, &e->op,
-                                     &e->quorum, &table, &nonce))
+    PyObject *table, *space = Py_None;
+    if (e->out) {
+        PyErr_SetString(PyExc_RuntimeError, "an Engine is initialized once");
         return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiiiiiiiO|IOi", kwlist, &job_id, &e->n, &e->slots,
+                                     &e->norm_slots, &e->elems, &e->bits, &e->lane_bits, &e->op,
+                                     &e->quorum, &table, &nonce, &space, &base))
+        return -1;
+    if (space != Py_None && !PyObject_TypeCheck(space, &SlotSpaceType)) {
+        PyErr_SetString(PyExc_TypeError, "space must be a SlotSpace or None");
+        return -1;
+    }
     e->nonce = (uint32_t)nonce;
     if (e->n < 1 || e->n > MAX_WORKERS || e->slots < 1 || e->norm_slots < 1 || e->elems < 1 ||
         e->elems > 65535 || e->bits < 1 || e->bits > 8 ||
@@ -460,8 +546,12 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
     for (int i = 0; i < 16; i++) e->table8[i] = (uint8_t)e->table[i];
     pthread_mutex_init(&e->lock, NULL);
     int total = e->slots + e->norm_slots;
-    e->slot = PyMem_RawCalloc(total, sizeof(slot_t));
-    if (!e->slot) { PyErr_NoMemory(); return -1; }
+    if (space != Py_None) {
+        if (claim_region(e, (SlotSpace *)space, base, total) < 0) return -1;
+    } else {
+        e->slot = PyMem_RawCalloc(total, sizeof(slot_t));
+        if (!e->slot) { PyErr_NoMemory(); return -1; }
+    }
     for (int i = 0; i < total; i++) {
         e->slot[i].acc = PyMem_RawCalloc(e->elems, 4);
         e->slot[i].cur.payload = PyMem_RawCalloc(e->elems, 4);
@@ -703,34 +793,32 @@ static void flush(Engine *e, int fd) {
     e->n_out = e->n_msgs = 0;
 }
 
-/* serve(fd, duration_ms, gro=True, gso=True) -> datagrams handled.  recvmmsg batches with the
- * GIL released; with gro the socket gets UDP_GRO and each message's segments (its UDP_GRO
- * control message gives the size) are handled one by one; replies go out per flush(). */
-static PyObject *Engine_serve(Engine *e, PyObject *args) {
-    int fd, duration_ms, gro = 1, gso = 1;
-    if (!PyArg_ParseTuple(args, "ii|pp", &fd, &duration_ms, &gro, &gso)) return NULL;
-    const size_t cap = 65536;
-    uint8_t *rx = PyMem_RawMalloc(BATCH * cap);
-    if (!rx) return PyErr_NoMemory();
-    int on = gro ? 1 : 0;
-    if (setsockopt(fd, SOL_UDP, UDP_GRO, &on, sizeof on) < 0) gro = 0;  /* kernel without UDP GRO */
-    pthread_mutex_lock(&e->lock);
-    if (!gso) e->gso = 0;
-    pthread_mutex_unlock(&e->lock);
-    long handled = 0;
-    int err = 0;
-    Py_BEGIN_ALLOW_THREADS
+/* The receive loop of Engine.serve and Mux.serve: recvmmsg batches with the GIL released
+ * (the caller releases it); with gro the socket gets UDP_GRO and each message's segments
+ * (its UDP_GRO control message gives the size) go to `segment` one by one; `flush` sends
+ * what a batch queued.  Returns the datagrams handled; stops early when `stop` says so. */
+typedef struct {
+    void (*segment)(void *ctx, const uint8_t *buf, uint32_t len, uint32_t ip, uint16_t port, int fd);
+    void (*flush)(void *ctx, int fd);
+    int (*stop)(void *ctx);
+    void *ctx;
+    uint64_t *io;            /* IO_RX_* counters */
+    pthread_mutex_t *io_lock;
+} rx_t;
+
+static long rx_loop(int fd, int duration_ms, uint8_t *rx, size_t cap, rx_t *h, int *err) {
     struct mmsghdr mm[BATCH];
     struct iovec iov[BATCH];
     struct sockaddr_in sa[BATCH];
     union { char buf[CMSG_SPACE(sizeof(int))]; struct cmsghdr align; } ctl[BATCH];
+    long handled = 0;
     double deadline = now_ms() + duration_ms;
     for (;;) {
         double left = deadline - now_ms();
         if (left <= 0) break;
         struct pollfd pfd = {.fd = fd, .events = POLLIN};
         int pr = poll(&pfd, 1, (int)(left + 1));
-        if (pr < 0) { if (errno == EINTR) continue; err = errno; break; }
+        if (pr < 0) { if (errno == EINTR) continue; *err = errno; break; }
         if (pr == 0) break;
         for (int i = 0; i < BATCH; i++) {
             iov[i].iov_base = rx + i * cap; iov[i].iov_len = cap;
@@ -740,8 +828,7 @@ static PyObject *Engine_serve(Engine *e, PyObject *args) {
             mm[i].msg_hdr.msg_control = ctl[i].buf; mm[i].msg_hdr.msg_controllen = sizeof ctl[i].buf;
         }
         int r = recvmmsg(fd, mm, BATCH, MSG_DONTWAIT, NULL);
-        if (r < 0) { if (errno == EAGAIN || errno == EINTR || errno == ECONNREFUSED) continue; err = errno; break; }
-        pthread_mutex_lock(&e->lock);
+        if (r < 0) { if (errno == EAGAIN || errno == EINTR || errno == ECONNREFUSED) continue; *err = errno; break; }
         for (int i = 0; i < r; i++) {
             uint32_t seg = 0;
             for (struct cmsghdr *c = CMSG_FIRSTHDR(&mm[i].msg_hdr); c; c = CMSG_NXTHDR(&mm[i].msg_hdr, c))
@@ -749,16 +836,59 @@ static PyObject *Engine_serve(Engine *e, PyObject *args) {
                     int v; memcpy(&v, CMSG_DATA(c), sizeof v);
                     seg = v > 0 ? (uint32_t)v : 0;
                 }
-            uint64_t before = e->io[IO_RX_SEGMENTS];
-            handle_segments(e, rx + i * cap, mm[i].msg_len, seg, sa[i].sin_addr.s_addr,
-                            ntohs(sa[i].sin_port), fd);
-            e->io[IO_RX_MSGS]++;
-            if (e->io[IO_RX_SEGMENTS] - before > 1) e->io[IO_RX_COALESCED]++;
-            handled += (long)(e->io[IO_RX_SEGMENTS] - before);
+            const uint8_t *buf = rx + i * cap;
+            uint32_t len = mm[i].msg_len, step = (seg == 0 || seg >= len) ? (len ? len : 1) : seg, off = 0, n = 0;
+            do {    /* every segment exactly as a lone datagram (proto.headers.split_segments) */
+                uint32_t part = len - off < step ? len - off : step;
+                h->segment(h->ctx, buf + off, part, sa[i].sin_addr.s_addr, ntohs(sa[i].sin_port), fd);
+                off += part; n++;
+            } while (off < len);
+            pthread_mutex_lock(h->io_lock);
+            h->io[IO_RX_MSGS]++;
+            h->io[IO_RX_SEGMENTS] += n;
+            if (n > 1) h->io[IO_RX_COALESCED]++;
+            pthread_mutex_unlock(h->io_lock);
+            handled += n;
         }
-        flush(e, fd);
-        pthread_mutex_unlock(&e->lock);
+        h->flush(h->ctx, fd);
+        if (h->stop && h->stop(h->ctx)) break;
     }
+    return handled;
+}
+
+static void engine_segment(void *ctx, const uint8_t *buf, uint32_t len, uint32_t ip, uint16_t port, int fd) {
+    Engine *e = ctx;
+    pthread_mutex_lock(&e->lock);
+    handle(e, buf, len, ip, port);
+    if (e->n_out >= e->cap_out) flush(e, fd);
+    pthread_mutex_unlock(&e->lock);
+}
+
+static void engine_flush(void *ctx, int fd) {
+    Engine *e = ctx;
+    pthread_mutex_lock(&e->lock);
+    flush(e, fd);
+    pthread_mutex_unlock(&e->lock);
+}
+
+/* serve(fd, duration_ms, gro=True, gso=True) -> datagrams handled: this engine alone on the
+ * socket (a PS of several jobs serves through a Mux). */
+static PyObject *Engine_serve(Engine *e, PyObject *args) {
+    int fd, duration_ms, gro = 1, gso = 1;
+    if (!PyArg_ParseTuple(args, "ii|pp", &fd, &duration_ms, &gro, &gso)) return NULL;
+    const size_t cap = 65536;
+    uint8_t *rx = PyMem_RawMalloc(BATCH * cap);
+    if (!rx) return PyErr_NoMemory();
+    int on = gro ? 1 : 0;
+    setsockopt(fd, SOL_UDP, UDP_GRO, &on, sizeof on);    /* a kernel without UDP GRO: plain datagrams */
+    pthread_mutex_lock(&e->lock);
+    if (!gso) e->gso = 0;
+    pthread_mutex_unlock(&e->lock);
+    long handled = 0;
+    int err = 0;
+    rx_t h = {engine_segment, engine_flush, NULL, e, e->io, &e->lock};
+    Py_BEGIN_ALLOW_THREADS
+    handled = rx_loop(fd, duration_ms, rx, cap, &h, &err);
     Py_END_ALLOW_THREADS
     PyMem_RawFree(rx);
     if (err) { errno = err; return PyErr_SetFromErrno(PyExc_OSError); }
@@ -799,7 +929,14 @@ static PyObject *Engine_stats(Engine *e, PyObject *noargs) {
     return d;
 }
 
+/* region() -> (base, size): the engine's slots in its SlotSpace (base 0: its own array) */
+static PyObject *Engine_region(Engine *e, PyObject *noargs) {
+    return Py_BuildValue("(ii)", e->base, e->slots + e->norm_slots);
+}
+
 static PyMethodDef Engine_methods[] = {
+    {"region", (PyCFunction)Engine_region, METH_NOARGS, "(base, size) of the engine's slots"},
+    {"close", (PyCFunction)Engine_close, METH_NOARGS, "close(): free the engine's slots (the job ended)"},
     {"register", (PyCFunction)Engine_register, METH_VARARGS, "register(worker_id, ip, port, token=0): bind a worker to its source address and token"},
     {"unregister", (PyCFunction)Engine_unregister, METH_VARARGS, "unregister(worker_id): forget a worker (left or lease expired)"},
     {"process", (PyCFunction)Engine_process, METH_VARARGS, "process(datagram, (ip, port)) -> [(bytes, (ip, port))]"},
@@ -819,6 +956,366 @@ static PyTypeObject EngineType = {
     .tp_dealloc = (destructor)Engine_dealloc,
     .tp_methods = Engine_methods,
     .tp_doc = "C aggregation engine mirroring ps_server.reference.ReferencePS",
+};
+
+/* ------------------------------------------------------------------ SlotSpace */
+
+static void SlotSpace_dealloc(SlotSpace *sp) {
+    PyMem_RawFree(sp->slot);
+    PyMem_RawFree(sp->owner);
+    pthread_mutex_destroy(&sp->lock);
+    Py_TYPE(sp)->tp_free((PyObject *)sp);
+}
+
+static int SlotSpace_init(SlotSpace *sp, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"size", NULL};
+    int size;
+    if (sp->slot) { PyErr_SetString(PyExc_RuntimeError, "a SlotSpace is initialized once"); return -1; }
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "i", kwlist, &size)) return -1;
+    if (size < 1 || size > 65536) {
+        PyErr_Format(PyExc_ValueError, "a slot space holds 1..65536 slots (the 16-bit slot field), got %d", size);
+        return -1;
+    }
+    pthread_mutex_init(&sp->lock, NULL);
+    sp->size = size;
+    sp->slot = PyMem_RawCalloc(size, sizeof(slot_t));
+    sp->owner = PyMem_RawCalloc(size, sizeof(void *));
+    if (!sp->slot || !sp->owner) { PyErr_NoMemory(); return -1; }
+    return 0;
+}
+
+/* used() -> slots held by engines; the rest is free */
+static PyObject *SlotSpace_used(SlotSpace *sp, PyObject *noargs) {
+    long used = 0;
+    pthread_mutex_lock(&sp->lock);
+    for (int i = 0; i < sp->size; i++) used += sp->owner[i] != NULL;
+    pthread_mutex_unlock(&sp->lock);
+    return PyLong_FromLong(used);
+}
+
+/* slot_state(i) -> (active, round, bitmap, count): one slot's round state, for the isolation
+ * tests (a job's traffic must leave every slot outside its region as it was) */
+static PyObject *SlotSpace_slot_state(SlotSpace *sp, PyObject *args) {
+    int i;
+    if (!PyArg_ParseTuple(args, "i", &i)) return NULL;
+    if (i < 0 || i >= sp->size) { PyErr_Format(PyExc_IndexError, "slot %d out of range", i); return NULL; }
+    pthread_mutex_lock(&sp->lock);
+    slot_t st = sp->slot[i];
+    pthread_mutex_unlock(&sp->lock);
+    return Py_BuildValue("(iIIi)", st.active, st.round, st.bitmap, st.count);
+}
+
+static PyMethodDef SlotSpace_methods[] = {
+    {"used", (PyCFunction)SlotSpace_used, METH_NOARGS, "slots held by engines"},
+    {"slot_state", (PyCFunction)SlotSpace_slot_state, METH_VARARGS, "slot_state(i) -> (active, round, bitmap, count)"},
+    {NULL, NULL, 0, NULL}};
+
+static PyMemberDef SlotSpace_members[] = {
+    {"size", T_INT, offsetof(SlotSpace, size), READONLY, "slots in the space"},
+    {NULL, 0, 0, 0, NULL}};
+
+static PyTypeObject SlotSpaceType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ps_server._fastpath.SlotSpace",
+    .tp_basicsize = sizeof(SlotSpace),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)SlotSpace_init,
+    .tp_dealloc = (destructor)SlotSpace_dealloc,
+    .tp_methods = SlotSpace_methods,
+    .tp_members = SlotSpace_members,
+    .tp_doc = "SlotSpace(size): the PS's slots, shared by the jobs' engines in disjoint regions",
+};
+
+/* ------------------------------------------------------------------ Mux */
+
+/* Several jobs on one socket: each datagram goes to the engine of its job id (the switch's
+ * job table does the same).  A C Engine handles it here, with the GIL released; the
+ * datagrams of a job served by a Python engine (ReferencePS: the decode–sum–re-encode
+ * codecs) are handed back to the caller.  A datagram of no job is counted here under the
+ * reason an engine would have given (ps_server.engine.JobTable is the Python twin). */
+#define MAX_JOBS 64
+enum { M_PACKETS_IN, M_BYTES_IN, N_MUX };
+
+typedef struct {
+    uint16_t job;
+    uint16_t port;
+    uint32_t ip, len;
+    uint8_t *data;
+} pending_t;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t lock;        /* the table; held by serve for a whole batch */
+    pthread_mutex_t io_lock;
+    int n;
+    uint16_t ids[MAX_JOBS];
+    PyObject *obj[MAX_JOBS];     /* owned references */
+    Engine *eng[MAX_JOBS];       /* NULL: a Python engine */
+    uint64_t counters[N_MUX], drops[N_DROPS], io[N_IO];
+    pending_t *pend;
+    int n_pend, cap_pend;
+    int ready;
+} Mux;
+
+static PyTypeObject MuxType;
+
+static int mux_find(Mux *m, uint16_t job) {
+    for (int i = 0; i < m->n; i++) if (m->ids[i] == job) return i;
+    return -1;
+}
+
+static void mux_drop(Mux *m, int reason, uint32_t len) {
+    m->counters[M_PACKETS_IN]++;
+    m->counters[M_BYTES_IN] += len;
+    m->drops[reason]++;
+}
+
+static void mux_segment(void *ctx, const uint8_t *buf, uint32_t len, uint32_t ip, uint16_t port, int fd) {
+    Mux *m = ctx;
+    int bad = header_check(buf, len);
+    if (bad >= 0) { mux_drop(m, bad, len); return; }
+    uint16_t job = rd16(buf + 8);
+    int j = mux_find(m, job);
+    if (j < 0) { mux_drop(m, D_JOB, len); return; }
+    if (m->eng[j]) { engine_segment(m->eng[j], buf, len, ip, port, fd); return; }
+    if (m->n_pend >= m->cap_pend) {
+        int cap = m->cap_pend ? 2 * m->cap_pend : 256;
+        pending_t *p = PyMem_RawRealloc(m->pend, (size_t)cap * sizeof(pending_t));
+        if (!p) { mux_drop(m, D_MALFORMED, len); return; }     /* out of memory: lost, counted */
+        m->pend = p; m->cap_pend = cap;
+    }
+    uint8_t *copy = PyMem_RawMalloc(len);
+    if (!copy) { mux_drop(m, D_MALFORMED, len); return; }
+    memcpy(copy, buf, len);
+    m->pend[m->n_pend++] = (pending_t){job, port, ip, len, copy};
+}
+
+static void mux_flush(void *ctx, int fd) {
+    Mux *m = ctx;
+    for (int j = 0; j < m->n; j++) if (m->eng[j]) engine_flush(m->eng[j], fd);
+}
+
+static int mux_stop(void *ctx) { return ((Mux *)ctx)->n_pend > 0; }   /* Python has work */
+
+static int Mux_init(Mux *m, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {NULL};
+    if (m->ready) { PyErr_SetString(PyExc_RuntimeError, "a Mux is initialized once"); return -1; }
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "", kwlist)) return -1;
+    pthread_mutex_init(&m->lock, NULL);
+    pthread_mutex_init(&m->io_lock, NULL);
+    m->ready = 1;
+    return 0;
+}
+
+static void Mux_dealloc(Mux *m) {
+    for (int j = 0; j < m->n; j++) Py_DECREF(m->obj[j]);
+    for (int i = 0; i < m->n_pend; i++) PyMem_RawFree(m->pend[i].data);
+    PyMem_RawFree(m->pend);
+    if (m->ready) { pthread_mutex_destroy(&m->lock); pthread_mutex_destroy(&m->io_lock); }
+    Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+/* add(job_id, engine): route the job's datagrams to `engine` (a C Engine or any object with
+ * process(datagram, addr)) */
+static PyObject *Mux_add(Mux *m, PyObject *args) {
+    int job;
+    PyObject *obj;
+    if (!PyArg_ParseTuple(args, "iO", &job, &obj)) return NULL;
+    if (job < 0 || job > 0xFFFF) { PyErr_Format(PyExc_ValueError, "job id %d does not fit 16 bits", job); return NULL; }
+    int is_c = PyObject_TypeCheck(obj, &EngineType);
+    if (is_c && ((Engine *)obj)->job_id != job) {
+        PyErr_Format(PyExc_ValueError, "the engine serves job id %d, not %d", ((Engine *)obj)->job_id, job);
+        return NULL;
+    }
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&m->lock);
+    Py_END_ALLOW_THREADS
+    if (mux_find(m, (uint16_t)job) >= 0) err = 1;
+    else if (m->n >= MAX_JOBS) err = 2;
+    else {
+        Py_INCREF(obj);
+        m->ids[m->n] = (uint16_t)job; m->obj[m->n] = obj; m->eng[m->n] = is_c ? (Engine *)obj : NULL;
+        m->n++;
+    }
+    pthread_mutex_unlock(&m->lock);
+    if (err == 1) { PyErr_Format(PyExc_ValueError, "job id %d is already served", job); return NULL; }
+    if (err == 2) { PyErr_Format(PyExc_ValueError, "at most %d jobs at once", MAX_JOBS); return NULL; }
+    Py_RETURN_NONE;
+}
+
+/* remove(job_id): the job's datagrams count as unknown_job from now on */
+static PyObject *Mux_remove(Mux *m, PyObject *args) {
+    int job;
+    if (!PyArg_ParseTuple(args, "i", &job)) return NULL;
+    PyObject *gone = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&m->lock);
+    Py_END_ALLOW_THREADS
+    int j = mux_find(m, (uint16_t)job);
+    if (j >= 0) {
+        gone = m->obj[j];
+        m->n--;
+        m->ids[j] = m->ids[m->n]; m->obj[j] = m->obj[m->n]; m->eng[j] = m->eng[m->n];
+    }
+    pthread_mutex_unlock(&m->lock);
+    if (!gone) { PyErr_Format(PyExc_KeyError, "job id %d is not served", job); return NULL; }
+    Py_DECREF(gone);
+    Py_RETURN_NONE;
+}
+
+/* The handed-back datagrams as [(job_id, bytes, (ip, port))]; clears them. */
+static PyObject *mux_take_pending(Mux *m) {
+    PyObject *list = PyList_New(0);
+    for (int i = 0; i < m->n_pend; i++) {
+        pending_t *p = &m->pend[i];
+        char s[INET_ADDRSTRLEN];
+        struct in_addr a = {.s_addr = p->ip};
+        inet_ntop(AF_INET, &a, s, sizeof s);
+        PyObject *item = list ? Py_BuildValue("(iy#(si))", (int)p->job, (const char *)p->data,
+                                              (Py_ssize_t)p->len, s, (int)p->port) : NULL;
+        if (list && (!item || PyList_Append(list, item) < 0)) Py_CLEAR(list);
+        Py_XDECREF(item);
+        PyMem_RawFree(p->data);
+    }
+    m->n_pend = 0;
+    return list;
+}
+
+/* serve(fd, duration_ms, gro=True, gso=True) -> (datagrams handled, [(job_id, bytes, (ip, port))]):
+ * the datagrams of Python-served jobs are returned (serve returns as soon as there are some) */
+static PyObject *Mux_serve(Mux *m, PyObject *args) {
+    int fd, duration_ms, gro = 1, gso = 1;
+    if (!PyArg_ParseTuple(args, "ii|pp", &fd, &duration_ms, &gro, &gso)) return NULL;
+    const size_t cap = 65536;
+    uint8_t *rx = PyMem_RawMalloc(BATCH * cap);
+    if (!rx) return PyErr_NoMemory();
+    int on = gro ? 1 : 0;
+    setsockopt(fd, SOL_UDP, UDP_GRO, &on, sizeof on);
+    long handled = 0;
+    int err = 0;
+    rx_t h = {mux_segment, mux_flush, mux_stop, m, m->io, &m->io_lock};
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&m->lock);
+    for (int j = 0; j < m->n; j++)
+        if (m->eng[j] && !gso) { pthread_mutex_lock(&m->eng[j]->lock); m->eng[j]->gso = 0; pthread_mutex_unlock(&m->eng[j]->lock); }
+    /* the table may change between calls, never during one: add/remove wait for a batch */
+    pthread_mutex_unlock(&m->lock);
+    double deadline = now_ms() + duration_ms;
+    while (!err && m->n_pend == 0) {
+        double left = deadline - now_ms();
+        if (left <= 0) break;
+        pthread_mutex_lock(&m->lock);
+        handled += rx_loop(fd, left < 10 ? (int)left + 1 : 10, rx, cap, &h, &err);
+        pthread_mutex_unlock(&m->lock);
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(rx);
+    PyObject *pending = mux_take_pending(m);
+    if (err) { Py_XDECREF(pending); errno = err; return PyErr_SetFromErrno(PyExc_OSError); }
+    if (!pending) return NULL;
+    return Py_BuildValue("(lN)", handled, pending);
+}
+
+/* process(datagram, (ip, port)) -> [(bytes, (ip, port))]: one datagram as serve() handles it
+ * (a Python engine's process() is called) */
+static PyObject *Mux_process(Mux *m, PyObject *args) {
+    Py_buffer buf;
+    const char *ip;
+    int port;
+    uint32_t a;
+    if (!PyArg_ParseTuple(args, "y*(si)", &buf, &ip, &port)) return NULL;
+    if (parse_addr(ip, &a) < 0) { PyBuffer_Release(&buf); return NULL; }
+    const uint8_t *b = buf.buf;
+    uint32_t len = (uint32_t)buf.len;
+    PyObject *out = NULL, *py = NULL;
+    Engine *e = NULL;
+    pthread_mutex_lock(&m->lock);
+    int bad = header_check(b, len), j = -1;
+    if (bad < 0) {
+        j = mux_find(m, rd16(b + 8));
+        if (j < 0) bad = D_JOB;
+    }
+    if (bad >= 0) mux_drop(m, bad, len);
+    else if (m->eng[j]) e = m->eng[j];
+    else { py = m->obj[j]; Py_INCREF(py); }
+    pthread_mutex_unlock(&m->lock);
+    if (e) {
+        pthread_mutex_lock(&e->lock);
+        handle(e, b, len, a, (uint16_t)port);
+        out = drain_to_list(e);
+        pthread_mutex_unlock(&e->lock);
+    } else if (py) {
+        out = PyObject_CallMethod(py, "process", "y#(si)", (const char *)b, (Py_ssize_t)len, ip, port);
+        Py_DECREF(py);
+    } else {
+        out = PyList_New(0);
+    }
+    PyBuffer_Release(&buf);
+    return out;
+}
+
+/* stats() -> the counters of datagrams no job received: packets_in, bytes_in, drops */
+static PyObject *Mux_stats(Mux *m, PyObject *noargs) {
+    PyObject *d = PyDict_New(), *drops = PyDict_New();
+    if (!d || !drops) { Py_XDECREF(d); Py_XDECREF(drops); return NULL; }
+    pthread_mutex_lock(&m->io_lock);
+    PyObject *v = PyLong_FromUnsignedLongLong(m->counters[M_PACKETS_IN]);
+    PyDict_SetItemString(d, "packets_in", v); Py_XDECREF(v);
+    v = PyLong_FromUnsignedLongLong(m->counters[M_BYTES_IN]);
+    PyDict_SetItemString(d, "bytes_in", v); Py_XDECREF(v);
+    for (int i = 0; i < N_DROPS; i++) {
+        v = PyLong_FromUnsignedLongLong(m->drops[i]);
+        PyDict_SetItemString(drops, drop_names[i], v);
+        Py_XDECREF(v);
+    }
+    pthread_mutex_unlock(&m->io_lock);
+    PyDict_SetItemString(d, "drops", drops);
+    Py_DECREF(drops);
+    return d;
+}
+
+static PyObject *Mux_io_stats(Mux *m, PyObject *noargs) {
+    PyObject *d = PyDict_New();
+    pthread_mutex_lock(&m->io_lock);
+    for (int i = IO_RX_MSGS; d && i <= IO_RX_SEGMENTS; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(m->io[i]);
+        PyDict_SetItemString(d, io_names[i], v);
+        Py_XDECREF(v);
+    }
+    pthread_mutex_unlock(&m->io_lock);
+    return d;
+}
+
+static PyObject *Mux_jobs(Mux *m, PyObject *noargs) {
+    pthread_mutex_lock(&m->lock);
+    PyObject *list = PyList_New(m->n);
+    for (int j = 0; list && j < m->n; j++) PyList_SET_ITEM(list, j, PyLong_FromLong(m->ids[j]));
+    pthread_mutex_unlock(&m->lock);
+    return list;
+}
+
+static PyMethodDef Mux_methods[] = {
+    {"add", (PyCFunction)Mux_add, METH_VARARGS, "add(job_id, engine): serve a job"},
+    {"remove", (PyCFunction)Mux_remove, METH_VARARGS, "remove(job_id): stop serving a job"},
+    {"jobs", (PyCFunction)Mux_jobs, METH_NOARGS, "the job ids served"},
+    {"serve", (PyCFunction)Mux_serve, METH_VARARGS, "serve(fd, duration_ms, gro=True, gso=True) -> (handled, [(job_id, bytes, (ip, port))] for Python engines)"},
+    {"process", (PyCFunction)Mux_process, METH_VARARGS, "process(datagram, (ip, port)) -> [(bytes, (ip, port))]"},
+    {"stats", (PyCFunction)Mux_stats, METH_NOARGS, "counters of datagrams no job received"},
+    {"io_stats", (PyCFunction)Mux_io_stats, METH_NOARGS, "receive batching counters"},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject MuxType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "ps_server._fastpath.Mux",
+    .tp_basicsize = sizeof(Mux),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Mux_init,
+    .tp_dealloc = (destructor)Mux_dealloc,
+    .tp_methods = Mux_methods,
+    .tp_doc = "Mux(): the jobs of one PS socket, each datagram to its job's engine",
 };
 
 /* lookup_accumulate(acc, packed, table, bits, force_scalar=False, set=False): acc[i] += table[z_i]
@@ -875,12 +1372,16 @@ static PyMethodDef module_methods[] = {
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_fastpath", "THC-PS C hot path", -1, module_methods};
 
 PyMODINIT_FUNC PyInit__fastpath(void) {
-    if (PyType_Ready(&EngineType) < 0) return NULL;
+    if (PyType_Ready(&EngineType) < 0 || PyType_Ready(&SlotSpaceType) < 0 || PyType_Ready(&MuxType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
     Py_INCREF(&EngineType);
-    if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0) {
-        Py_DECREF(&EngineType);
+    Py_INCREF(&SlotSpaceType);
+    Py_INCREF(&MuxType);
+    if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0
+        || PyModule_AddObject(m, "SlotSpace", (PyObject *)&SlotSpaceType) < 0
+        || PyModule_AddObject(m, "Mux", (PyObject *)&MuxType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -21,6 +21,7 @@ import socket
 import time
 from typing import Protocol, runtime_checkable
 
+from proto import headers as H
 from proto.udpio import recv_datagrams
 
 
@@ -44,6 +45,12 @@ class Engine(Protocol):
     def stats(self) -> dict:
         """Counters by name and ``"drops"``: {reason: count}."""
 
+    def region(self) -> tuple:
+        """(base, size): the job's slots in the PS's slot space (or the switch's registers)."""
+
+    def close(self) -> None:
+        """The job ended: free its slots (cleared) for the next job."""
+
 
 @runtime_checkable
 class ExternalEngine(Engine, Protocol):
@@ -56,6 +63,57 @@ class ExternalEngine(Engine, Protocol):
 
     def start_job(self, job, nonce: int) -> None:
         """A new job starts: clean state, its configuration and nonce."""
+
+
+def header_drop(datagram: bytes) -> str | None:
+    """The drop reason of a datagram that is not a well-formed DATA/NORM header (the checks
+    that need no job), or None: what a Mux counts before it looks the job id up."""
+    try:
+        h, _ = H.parse(datagram)
+    except H.PacketError as exc:
+        return exc.reason
+    return None if h.type in (H.DATA, H.NORM) else "malformed"
+
+
+class JobTable:
+    """Several jobs on one socket, in Python: each datagram goes to the engine of its job id,
+    a datagram of no job is counted here (the twin of the C `_fastpath.Mux`, tested equal)."""
+
+    def __init__(self):
+        self.engines: dict = {}
+        self.counters = {"packets_in": 0, "bytes_in": 0}
+        self.drops: dict = {}
+
+    def add(self, job_id: int, engine) -> None:
+        if job_id in self.engines:
+            raise ValueError(f"job id {job_id} is already served")
+        self.engines[job_id] = engine
+
+    def remove(self, job_id: int) -> None:
+        if job_id not in self.engines:
+            raise KeyError(f"job id {job_id} is not served")
+        del self.engines[job_id]
+
+    def jobs(self) -> list:
+        return list(self.engines)
+
+    def process(self, datagram: bytes, addr: tuple) -> list:
+        reason = header_drop(datagram)
+        engine = None if reason else self.engines.get(int.from_bytes(datagram[8:10], "big"))
+        if engine is None:
+            self.counters["packets_in"] += 1
+            self.counters["bytes_in"] += len(datagram)
+            reason = reason or "unknown_job"
+            self.drops[reason] = self.drops.get(reason, 0) + 1
+            return []
+        return engine.process(datagram, addr)
+
+    def serve(self, fd: int, duration_ms: int, gro: bool = True, gso: bool = True) -> tuple:
+        """As Mux.serve: (datagrams handled, []) — every job is handled here."""
+        return serve_by_process(self, fd, duration_ms), []
+
+    def stats(self) -> dict:
+        return {**self.counters, "drops": dict(self.drops)}
 
 
 def serve_by_process(engine: Engine, fd: int, duration_ms: int) -> int:

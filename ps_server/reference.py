@@ -67,6 +67,59 @@ class _Slot:
     previous: _Result | None = None     # shadow copy of round − 1
 
 
+class SlotSpace:
+    """The PS's slots, shared by the jobs' engines in disjoint regions [base, base + size):
+    the twin of the C engine's SlotSpace and of a switch's register arrays.  An engine claims
+    its region when it is made and `close()` gives it back cleared."""
+
+    def __init__(self, size: int):
+        if not 1 <= size <= 65536:
+            raise ValueError(f"a slot space holds 1..65536 slots (the 16-bit slot field), got {size}")
+        self.size = size
+        self.slots = [_Slot() for _ in range(size)]
+        self.owner: list = [None] * size
+
+    def claim(self, owner, base: int, total: int) -> None:
+        if base < 0 or base + total > self.size:
+            raise ValueError(f"region {base}..{base + total - 1} does not fit the slot space of "
+                             f"{self.size} slots")
+        taken = next((i for i in range(base, base + total) if self.owner[i] is not None), None)
+        if taken is not None:
+            raise ValueError(f"region {base}..{base + total - 1} overlaps another job's region at "
+                             f"slot {taken}")
+        for i in range(base, base + total):
+            self.owner[i] = owner
+            self.slots[i] = _Slot()
+
+    def release(self, owner) -> None:
+        for i, o in enumerate(self.owner):
+            if o is owner:
+                self.owner[i] = None
+                self.slots[i] = _Slot()
+
+    def used(self) -> int:
+        return sum(o is not None for o in self.owner)
+
+    def slot_state(self, i: int) -> tuple:
+        st = self.slots[i]
+        return (int(st.active), st.round, st.bitmap, st.count)
+
+
+class _Region:
+    """A job's slots: index s is slot base + s of the space."""
+
+    def __init__(self, space: SlotSpace, base: int, total: int):
+        self.space, self.base, self.total = space, base, total
+
+    def __getitem__(self, s: int) -> _Slot:
+        if not 0 <= s < self.total:
+            raise IndexError(f"slot {s} outside the region of {self.total}")
+        return self.space.slots[self.base + s]
+
+    def __len__(self) -> int:
+        return self.total
+
+
 @dataclass
 class _BlobRound:
     """One round of a decode–sum–re-encode codec: reassembly per worker, then the result."""
@@ -93,11 +146,17 @@ class Stats:
 class ReferencePS:
     """Packet-in, packets-out PS for one job; no sockets (the server shell adds them)."""
 
-    def __init__(self, job: JobConfig, nonce: int = 0):
+    def __init__(self, job: JobConfig, nonce: int = 0, space: SlotSpace | None = None, base: int = 0):
+        """`space`/`base`: the job's slots are slots base.. of a shared SlotSpace (else its own)."""
         self.job = job
         self.nonce = nonce
         self.table = np.asarray(job.table or (0,), dtype=np.int64)
-        self.slots = [_Slot() for _ in range(job.slots + job.norm_slots)]
+        total = job.slots + job.norm_slots
+        self.space = space or SlotSpace(total)
+        self.base = base if space is not None else 0
+        self.space.claim(self, self.base, total)
+        self.slots = _Region(self.space, self.base, total)
+        self.closed = False
         self.workers: dict[int, tuple] = {}
         self.tokens: dict[int, int] = {}
         self.stats = Stats()
@@ -120,6 +179,16 @@ class ReferencePS:
         """Forget a rank (it left or its lease expired): its packets are `unregistered`."""
         self.workers.pop(rank, None)
         self.tokens.pop(rank, None)
+
+    def region(self) -> tuple:
+        """(base, size) of this job's slots in its SlotSpace."""
+        return self.base, len(self.slots)
+
+    def close(self) -> None:
+        """The job ended: give the region back, cleared; later packets count as unknown_job."""
+        if not self.closed:
+            self.closed = True
+            self.space.release(self)
 
     def serve(self, fd: int, duration_ms: int, gro: bool = True, gso: bool = True) -> int:
         """The UDP socket `fd` for `duration_ms`, one datagram at a time through `process`
@@ -211,13 +280,14 @@ class ReferencePS:
         job = self.job
         if h.type not in (H.DATA, H.NORM):
             return "malformed"
-        if h.job_id != job.job_id or h.nonce != self.nonce:
+        if h.job_id != job.job_id or h.nonce != self.nonce or self.closed:
             return "unknown_job"
         if h.worker_id >= job.num_workers:
             return "worker_out_of_range"
         if self.workers.get(h.worker_id) != (addr[0], int(addr[1])) \
                 or self.tokens.get(h.worker_id) != h.token:
             return "unregistered"
+        # the region check: a slot is relative to the job's region and must lie inside it
         lo, hi = (job.slots, job.slots + job.norm_slots) if h.type == H.NORM else (0, job.slots)
         if not lo <= h.slot < hi:
             return "slot_out_of_range"

@@ -1,14 +1,18 @@
 """The software PS process: a UDP data plane (C engine by default) and a ZeroMQ control plane.
 
-Python only does control; the data thread spends its time inside `Engine.serve`, which
-releases the GIL.  One process serves many jobs, one after the other:
+Python only does control; the data thread spends its time inside `Mux.serve`, which
+releases the GIL and hands each datagram to its job's C engine.  One process serves many
+jobs at once, and one after another:
 
-* A **job** starts when the first worker registers while none is running.  Its
-  configuration is the one the PS was started with (`thc ps --workers …`), or, for a PS
-  started without one, the job the first worker proposes.  It gets a fresh engine (clean
-  slots), a random 32-bit nonce that every data packet must carry, and its own barriers and
-  model-sync state.  It ends when every rank has left or lost its lease; nothing of it
-  reaches the next job.
+* A **job** has a name (`--job NAME`; workers without one share the name "default").  It
+  starts when a worker registers under a name no running job has.  Its configuration is the
+  one the PS was started with (`thc ps --workers …`), or, for a PS started without one, the
+  job that worker proposes.  Admission (ps_server/admission.py) gives it a region of the
+  PS's slot space, or queues it while the space is full; the PS gives it a job id no other
+  running job has, a fresh engine on its region (clean slots), a random 32-bit nonce that
+  every data packet must carry, and its own barriers and model-sync state.  Workers of the
+  same name join it while it is assembled.  It ends when every rank has left or lost its
+  lease; its region is cleared and nothing of it reaches another job.
 * **Membership**: a registration binds a rank to a source address, a random data-plane
   token and a random session secret that every later request for that rank must carry.
   A second claim for a live rank is refused.  Workers renew a lease with heartbeats; a rank
@@ -21,6 +25,7 @@ releases the GIL.  One process serves many jobs, one after the other:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import socket
@@ -37,7 +42,9 @@ from proto import udpio
 from proto.job import JobConfig
 from proto.sockets import set_buffer
 from ps_server.engine import Engine, ExternalEngine
-from ps_server.reference import DROP_REASONS, ReferencePS
+from ps_server import admission
+from ps_server.engine import JobTable
+from ps_server.reference import DROP_REASONS, ReferencePS, SlotSpace
 
 log = logging.getLogger(__name__)
 
@@ -46,23 +53,33 @@ DEFAULT_LEASE_S = 5.0
 #: A dead rank may be claimed again this long before barriers give up on it.
 DEFAULT_REJOIN_GRACE_S = 30.0
 JOIN_ROUND = (1 << 31) - 1
+#: The name of a job whose workers gave none (`thc worker` without --job).
+DEFAULT_JOB_NAME = "default"
+#: A queued job whose workers stopped asking for this long leaves the queue.
+QUEUE_FORGET_S = 5.0
 
 
-def make_engine(job: JobConfig, kind: str | ExternalEngine = "c", nonce: int = 0) -> Engine:
+def make_engine(job: JobConfig, kind: str | ExternalEngine = "c", nonce: int = 0, space=None,
+                base: int = 0) -> Engine:
     """A fresh aggregation engine for one job: 'c' (hot path), 'python' (reference), or an
-    ExternalEngine (e.g. p4.control.SwitchEngine) that is told about the new job."""
+    ExternalEngine (e.g. p4.control.SwitchEngine) that is told about the new job.  `space`:
+    the PS's SlotSpace (the C one for 'c', reference.SlotSpace for 'python'), the engine's
+    slots being its slots base..; None gives the engine slots of its own."""
     if not isinstance(kind, str):
         kind.start_job(job, nonce)
         return kind
     if kind == "python" or job.blob:   # decode–sum–re-encode codecs run in Python
-        return ReferencePS(job, nonce)
+        if space is not None and not isinstance(space, SlotSpace):
+            space, base = None, 0      # a Python engine beside C ones: slots of its own
+        return ReferencePS(job, nonce, space, base)
     if kind != "c":
         raise ValueError(f"engine must be 'c' or 'python', got {kind!r}")
     from ps_server._fastpath import Engine
     return Engine(job_id=job.job_id, num_workers=job.num_workers, slots=job.slots,
                   norm_slots=job.norm_slots, elems_per_packet=job.elems_per_packet,
                   bits=job.bits, lane_bits=job.lane_bits, op=job.op,
-                  quorum_count=job.quorum_count, table=list(job.table) or [0], nonce=nonce)
+                  quorum_count=job.quorum_count, table=list(job.table) or [0], nonce=nonce,
+                  space=space, base=base)
 
 
 def udp_socket(bind: tuple) -> socket.socket:
@@ -104,6 +121,8 @@ class Job:
     config: JobConfig
     nonce: int
     engine: object
+    name: str = DEFAULT_JOB_NAME
+    region: admission.Region | None = None
     members: dict = field(default_factory=dict)          # rank -> Member
     barriers: dict = field(default_factory=dict)         # name -> {rank: ident}
     released: list = field(default_factory=list)         # recent released barrier names
@@ -115,6 +134,16 @@ class Job:
 
     def live(self) -> list:
         return sorted(r for r, m in self.members.items() if m.state == "live")
+
+    def label(self) -> str:
+        return f"job {self.number} ({self.name!r})"
+
+    def member(self, rank: int, session) -> Member | None:
+        """The member holding `rank` with this session secret, or None."""
+        m = self.members.get(rank)
+        if m is None or not isinstance(session, bytes) or not secrets.compare_digest(m.session, session):
+            return None
+        return m
 
     def sync_source(self):
         """The rank whose state model sync distributes: the lowest live rank that is not
@@ -147,20 +176,43 @@ class Job:
                 f"{control.describe_missing(self.missing(now, grace))}")
 
 
+@dataclass
+class Queued:
+    """A job waiting for slots: its workers keep asking (register) until it is admitted."""
+
+    name: str
+    data: int
+    norm: int
+    since: float
+    last_asked: float
+    ranks: set = field(default_factory=set)
+
+
 class PSServer:
     """One PS shard: `start()` returns once both planes listen; `stop()` joins everything.
 
     `job` fixes the job configuration every job on this PS must have (workers that expect
     otherwise are refused); None lets the first worker of each job propose it.
+    `slot_space`: the slots all running jobs share (admission gives each a region).
     """
 
     def __init__(self, job: JobConfig | None, bind: tuple = ("127.0.0.1", 9000),
                  control_port: int | None = None, engine="c", log=None, keys: str | Path | None = None,
                  lease_s: float = DEFAULT_LEASE_S, rejoin_grace_s: float = DEFAULT_REJOIN_GRACE_S,
-                 max_message: int = control.DEFAULT_MAX_MESSAGE):
+                 max_message: int = control.DEFAULT_MAX_MESSAGE,
+                 slot_space: int = admission.DEFAULT_SLOT_SPACE):
         self.fixed_job = job
         self.engine_kind = engine
         self._external = None if isinstance(engine, str) else engine    # an ExternalEngine
+        if job is not None and job.slots + job.norm_slots > slot_space:
+            raise ValueError(f"the job's {job.slots} + {job.norm_slots} slots exceed the slot space "
+                             f"of {slot_space}")
+        if engine == "c":
+            from ps_server._fastpath import Mux
+            from ps_server._fastpath import SlotSpace as CSlotSpace
+            self.space, self.mux = CSlotSpace(slot_space), Mux()
+        else:
+            self.space, self.mux = SlotSpace(slot_space), JobTable()
         self.lease_s = lease_s
         self.rejoin_grace_s = rejoin_grace_s
         self.sock = udp_socket(bind)
@@ -178,12 +230,13 @@ class PSServer:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._lock = threading.RLock()
-        self.job: Job | None = None
+        self.jobs: dict = {}                       # number -> Job, the running ones
+        self.queue: dict = {}                      # name -> Queued, oldest first
         self._jobs_started = 0
         self._totals: dict = {"drops": dict.fromkeys(DROP_REASONS, 0)}
         self._control = {"jobs_started": 0, "jobs_ended": 0, "registrations": 0,
-                         "registrations_refused": 0, "control_errors": 0, "leases_expired": 0,
-                         "rejoins": 0}
+                         "registrations_refused": 0, "registrations_queued": 0, "control_errors": 0,
+                         "leases_expired": 0, "rejoins": 0}
         self.incarnation = secrets.randbits(32)
         # event lines: to `log` when given (thc ps prints them), else this module's logger
         self.log = log or _log_event
@@ -194,114 +247,152 @@ class PSServer:
 
     # ---------------------------------------------------------------- jobs
     @property
+    def job(self) -> Job | None:
+        """The most recently started running job (None when none runs): a one-job view."""
+        return self.jobs[max(self.jobs)] if self.jobs else None
+
+    @property
     def engine(self):
         return self.job.engine if self.job else None
 
-    def _start_job(self, config: JobConfig) -> Job:
+    def _by_name(self, name: str) -> Job | None:
+        return next((j for j in self.jobs.values() if j.name == name), None)
+
+    def _job_id(self, wanted: int) -> int:
+        """The job's configured id when no running job has it, else the lowest free one."""
+        used = {j.config.job_id for j in self.jobs.values()}
+        if wanted not in used:
+            return wanted
+        return next(i for i in range(1, 1 << 16) if i not in used)
+
+    def _admit(self, name: str, config: JobConfig, rank: int) -> Job:
+        """Start job `name`: a region of the slot space, a job id and an engine; or raise
+        `queued` (CodedError) saying why it waits and what runs."""
+        now = time.monotonic()
+        if self._external is not None and self.jobs:
+            running = next(iter(self.jobs.values()))
+            raise control.CodedError(
+                f"this PS programs one switch job at a time and {running.label()} runs; "
+                f"job {name!r} waits until it ends", "queued")
+        held = {j.label(): j.region for j in self.jobs.values()}
+        region = admission.grant(config.slots, config.norm_slots, list(held.values()), self.space.size)
+        mine = self.queue.get(name)
+        since = mine.since if mine else now
+        # first come, first served: an older queued job that fits now goes first
+        first = next((q for q in self.queue.values() if q.since < since and q.name != name
+                      and admission.grant(q.data, q.norm, list(held.values()), self.space.size)), None)
+        if region is None or first is not None:
+            q = self.queue.setdefault(name, Queued(name, config.slots, config.norm_slots, now, now))
+            q.last_asked = now
+            q.ranks.add(rank)
+            self._control["registrations_queued"] += 1
+            why = (admission.why_waiting(config.slots, config.norm_slots, held, self.space.size)
+                   if region is None else f"job {first.name!r} has waited longer and goes first")
+            raise control.CodedError(f"job {name!r} is queued: {why}", "queued",
+                                     position=1 + sum(o.since < q.since for o in self.queue.values()))
+        self.queue.pop(name, None)
+        config = dataclasses.replace(config, job_id=self._job_id(config.job_id), slots=region.data)
         self._jobs_started += 1
         # a switch programmed in advance (p4/harness/static_control.py) carries its own nonce
         nonce = self._external.fixed_nonce if self._external else None
-        nonce = nonce or secrets.randbits(32)
-        job = Job(self._jobs_started, config, nonce, make_engine(config, self.engine_kind, nonce))
+        used = {j.nonce for j in self.jobs.values()}
+        while not nonce or nonce in used:
+            nonce = secrets.randbits(32)
+        engine = make_engine(config, self.engine_kind if self._external is None else self._external,
+                             nonce, self.space, region.base)
+        job = Job(self._jobs_started, config, nonce, engine, name, region)
+        if self._external is None:
+            self.mux.add(config.job_id, engine)
         self._control["jobs_started"] += 1
-        self.job = job
-        self.log(f"job {job.number} started: n={config.num_workers}, codec={config.codec}, "
-                 f"quorum={config.quorum}")
+        self.jobs[job.number] = job
+        self.log(f"{job.label()} started: n={config.num_workers}, codec={config.codec}, "
+                 f"quorum={config.quorum}, job id {config.job_id}, slots {region.base}.."
+                 f"{region.end - 1} ({region.data} data + {region.norm} norm)")
         return job
 
-    def _end_job(self, why: str) -> None:
-        job = self.job
-        if job is None:
+    def _end_job(self, job: Job, why: str) -> None:
+        if self.jobs.pop(job.number, None) is None:
             return
+        if self._external is None:
+            self.mux.remove(job.config.job_id)
         _add_stats(self._totals, job.engine.stats())
         for r in list(job.members):
             self._unregister(job, r)
+        if self._external is None:
+            job.engine.close()             # the region is free (and clear) for the next job
         for waiters in ([[w for w, _ in ws] for ws in job.sync_waiters.values()]
                         + [list(b.values()) for b in job.barriers.values()]
                         + [list(job.resume_waiters.values())]):
             for ident in waiters:
                 self._reply(ident, control.error(f"job {job.number} ended ({why})"))
         self._control["jobs_ended"] += 1
-        self.log(f"job {job.number} ended: {why}")
-        self.job = None
+        self.log(f"{job.label()} ended: {why}")
 
     def _unregister(self, job: Job, rank: int) -> None:
         job.engine.unregister(rank)
 
     def _check_leases(self) -> None:
-        job = self.job
-        if job is None:
-            return
         now = time.monotonic()
-        for m in job.members.values():
-            if m.state == "live" and now - m.last_seen > self.lease_s:
-                m.state, m.died = "dead", now
-                self._control["leases_expired"] += 1
-                self._unregister(job, m.rank)
-                self.log(f"job {job.number}: rank {m.rank} lost its lease (no heartbeat for "
-                         f"{now - m.last_seen:.1f} s)")
-        if job.members and not job.live():
-            self._end_job("every rank left or lost its lease")
-            return
-        for name in list(job.barriers):
-            self._try_release(job, name, now)
+        for name in [n for n, q in self.queue.items() if now - q.last_asked > QUEUE_FORGET_S]:
+            del self.queue[name]
+        for job in list(self.jobs.values()):
+            for m in job.members.values():
+                if m.state == "live" and now - m.last_seen > self.lease_s:
+                    m.state, m.died = "dead", now
+                    self._control["leases_expired"] += 1
+                    self._unregister(job, m.rank)
+                    self.log(f"job {job.number}: rank {m.rank} lost its lease (no heartbeat for "
+                             f"{now - m.last_seen:.1f} s)")
+            if job.members and not job.live():
+                self._end_job(job, "every rank left or lost its lease")
+                continue
+            for name in list(job.barriers):
+                self._try_release(job, name, now)
 
     # ---------------------------------------------------------------- data plane
     def _data_loop(self):
         fd = self.sock.fileno()
-        self.sock.settimeout(0.1)
         offload = udpio.offload_enabled()
         while not self._stop.is_set():
-            job = self.job
-            if job is not None:
-                job.engine.serve(fd, 100, offload, offload)
+            if self._external is not None:
+                self._external.serve(fd, 100, offload, offload)
                 continue
             try:
-                datagrams, addr = udpio.recv_datagrams(self.sock)
-            except (TimeoutError, BlockingIOError, ConnectionRefusedError):
-                continue
+                _, pending = self.mux.serve(fd, 100, offload, offload)
             except OSError:
                 if self._stop.is_set():
                     return
                 raise
-            for data in datagrams:      # a GRO batch left queued by the C engine's socket option
-                self._process_python(data, addr)
+            for job_id, data, addr in pending:      # datagrams of jobs a Python engine serves
+                self._process_python(job_id, data, addr)
 
-    def _process_python(self, data: bytes, addr) -> None:
-        job = self.job                  # a job may have started while recvmsg waited
-        engine = job.engine if job else None
-        if engine is None:
-            self._count_idle(data)
-            return
-        for pkt, dest in engine.process(data, addr):
+    def _process_python(self, job_id: int, data: bytes, addr) -> None:
+        with self._lock:
+            job = next((j for j in self.jobs.values() if j.config.job_id == job_id), None)
+        out = job.engine.process(data, addr) if job is not None else []
+        for pkt, dest in out:
             try:
                 self.sock.sendto(pkt, dest)
             except OSError:
                 pass
 
-    def _count_idle(self, data: bytes) -> None:
-        """A datagram while no job runs: counted under the reason a job would have dropped it."""
-        try:
-            H.parse(data)
-            reason = "unknown_job"
-        except H.PacketError as exc:
-            reason = exc.reason
-        with self._lock:
-            t = self._totals
-            t["packets_in"] = t.get("packets_in", 0) + 1
-            t["bytes_in"] = t.get("bytes_in", 0) + len(data)
-            t["drops"][reason] += 1
-
     # ---------------------------------------------------------------- control plane
     def _reply(self, ident, msg):
         self.ctl.send_multipart([ident, b"", control.encode(msg)])
 
+    def _find_session(self, rank: int, session) -> tuple:
+        """(job, member) holding `rank` with this session secret, or (None, None)."""
+        for job in self.jobs.values():
+            m = job.member(rank, session)
+            if m is not None:
+                return job, m
+        return None, None
+
     def _member(self, msg: dict) -> tuple[Job, Member]:
         """The job and member a request speaks for; refuses a wrong or stale session."""
-        job = self.job
         rank = msg["worker_id"]
-        m = job.members.get(rank) if job else None
-        if m is None or not secrets.compare_digest(m.session, msg["session"]):
+        job, m = self._find_session(rank, msg["session"])
+        if m is None:
             raise control.CodedError(f"unknown session for rank {rank}: the job it belonged to has "
                                      f"ended or this PS restarted", "unknown_session",
                                      incarnation=self.incarnation)
@@ -318,10 +409,13 @@ class PSServer:
         rank, (ip, port) = msg["worker_id"], msg["data_addr"]
         socket.inet_aton(ip)                       # a dotted IPv4 address, or OSError → error reply
         expect = msg.get("expect", {})
-        job = self.job
+        name = msg.get("job_name", DEFAULT_JOB_NAME)
+        # the same worker again (a lost reply, a rejoin after its lease ran out), else by name
+        job, _ = self._find_session(rank, msg.get("session"))
+        job = job or self._by_name(name)
         if msg.get("rejoin") and (job is None or rank not in job.members):
-            raise control.ControlError(f"no running job to rejoin as rank {rank} (it ended, or the "
-                                       f"rank never joined it)")
+            raise control.ControlError(f"no running job to rejoin as rank {rank} (job {name!r} ended, "
+                                       f"or the rank never joined it)")
         if job is None:
             if self.fixed_job is not None:
                 config = self.fixed_job
@@ -336,23 +430,23 @@ class PSServer:
                 raise control.ControlError("job configuration differs: " + "; ".join(diffs))
             if not 0 <= rank < config.num_workers:
                 raise control.ControlError(f"rank {rank} out of range 0..{config.num_workers - 1}")
-            job = self._start_job(config)
+            job = self._admit(name, config, rank)
         else:
             diffs = job.config.differences(expect)     # a proposal matters only to start a job
             if diffs:
-                raise control.ControlError(f"job {job.number} is running with another configuration: "
+                raise control.ControlError(f"{job.label()} is running with another configuration: "
                                            + "; ".join(diffs))
             if not 0 <= rank < job.config.num_workers:
                 raise control.ControlError(f"rank {rank} out of range 0..{job.config.num_workers - 1}")
         now = time.monotonic()
         old = job.members.get(rank)
         # the same live registration again (a lost reply); a dead one's session rejoins
-        same = old is not None and old.state == "live" and "session" in msg \
-            and secrets.compare_digest(old.session, msg["session"])
+        same = old is not None and old.state == "live" and job.member(rank, msg.get("session")) is old
         if old is not None and old.state == "live" and not same:
-            raise control.ControlError(f"rank {rank} is held by a live worker in job {job.number} "
+            raise control.ControlError(f"rank {rank} is held by a live worker in {job.label()} "
                                        f"(heard from {now - old.last_seen:.1f} s ago); pick another "
-                                       f"rank, or wait {self.lease_s:g} s after that worker stopped")
+                                       f"rank or job name, or wait {self.lease_s:g} s after that "
+                                       f"worker stopped")
         rejoin = old is not None and not same
         token = self._external.fixed_tokens.get(rank) if self._external else None
         token = secrets.randbits(32) if token is None else token
@@ -366,26 +460,46 @@ class PSServer:
         self.log(f"job {job.number}: {'re' if rejoin else ''}registered rank {rank} at {ip}:{port}"
                  f" (control peer {peer or '?'})")
         return {"type": "config", "job": job.config.to_msg(), "nonce": job.nonce, "token": token,
-                "session": session, "job_number": job.number, "lease_s": self.lease_s,
-                "data_port": self.data_addr[1], "rejoin": rejoin, "incarnation": self.incarnation}
+                "session": session, "job_number": job.number, "job_name": job.name,
+                "lease_s": self.lease_s, "data_port": self.data_addr[1], "rejoin": rejoin,
+                "incarnation": self.incarnation}
 
-    def status(self) -> dict:
-        job = self.job
-        now = time.monotonic()
-        if job is None:
-            return {"type": "status", "job_number": None, "incarnation": self.incarnation}
-        live = job.live()
-        doc = {"type": "status", "job_number": job.number, "incarnation": self.incarnation,
-               "num_workers": job.config.num_workers, "live": live,
+    def job_status(self, job: Job, now: float) -> dict:
+        """One job as the status reply shows it (its workers, region, rounds, counters)."""
+        doc = {"job_number": job.number, "job_name": job.name, "job_id": job.config.job_id,
+               "codec": job.config.codec, "num_workers": job.config.num_workers, "live": job.live(),
                "missing": job.missing(now, self.rejoin_grace_s),
                "progress": {str(r): m.progress for r, m in job.members.items() if m.state == "live"},
                "barriers": {name: sorted(arrived) for name, arrived in job.barriers.items()},
-               "sync_source": job.sync_source(), "rejoin_grace_s": self.rejoin_grace_s,
-               "age_s": now - job.started}
+               "sync_source": job.sync_source(), "age_s": now - job.started,
+               "region": {"base": job.region.base, "data": job.region.data, "norm": job.region.norm}}
         stalled = job.stalled(now, self.rejoin_grace_s)
         if stalled:
             doc["stalled"] = stalled
         return doc
+
+    def status(self, job: Job | None = None) -> dict:
+        """The status reply: one job's (a worker asking, or the only job running) at the top
+        level, and every running and queued job under `jobs` / `queued`."""
+        now = time.monotonic()
+        with self._lock:
+            jobs = sorted(self.jobs.values(), key=lambda j: j.number)
+            doc = {"type": "status", "job_number": None, "incarnation": self.incarnation,
+                   "rejoin_grace_s": self.rejoin_grace_s, "slot_space": self.space.size,
+                   "slots_free": self.space.size - sum(j.region.size for j in jobs)}
+            if job is None and len(jobs) == 1:
+                job = jobs[0]
+            if job is not None:
+                doc.update(self.job_status(job, now))
+            listing = []
+            for j in jobs:
+                entry = self.job_status(j, now)
+                entry["stats"] = j.engine.stats()
+                listing.append(entry)
+            doc["jobs"] = listing
+            doc["queued"] = [{"job_name": q.name, "slots": q.data + q.norm, "waiting_s": now - q.since,
+                              "ranks": sorted(q.ranks)} for q in self.queue.values()]
+            return doc
 
     def _try_release(self, job: Job, name: str, now: float) -> None:
         arrived = job.barriers.get(name, {})
@@ -407,11 +521,19 @@ class PSServer:
         if kind == "register":
             try:
                 reply = self._register(ident, msg, peer)
+            except control.CodedError as exc:
+                if exc.code != "queued":
+                    self._control["registrations_refused"] += 1
+                raise
             except Exception:
                 self._control["registrations_refused"] += 1
                 raise
             return reply
         if kind == "status":
+            if "session" in msg:            # a worker asking about its own job
+                control.require(msg, "worker_id")
+                job, _ = self._member(msg)
+                return self.status(job)
             return self.status()
         if kind == "stats":
             return {"type": "stats", "stats": self.stats()}
@@ -425,12 +547,12 @@ class PSServer:
         m.last_seen = time.monotonic()
         if kind == "heartbeat":
             m.progress = msg.get("progress", m.progress)
-            return self.status()
+            return self.status(job)
         if kind == "leave":
             m.state = "left"
             self._unregister(job, m.rank)
             if not job.live():
-                self._end_job("every rank left")
+                self._end_job(job, "every rank left")
             else:
                 for name in list(job.barriers):
                     self._try_release(job, name, time.monotonic())
@@ -511,13 +633,19 @@ class PSServer:
         return self
 
     def stats(self) -> dict:
-        """Lifetime counters (every job so far, the current one included) and control counters."""
+        """Lifetime counters (every job so far, the running ones included, and the datagrams no
+        job received) and control counters."""
         with self._lock:
             total = {"drops": dict(self._totals["drops"])}
             _add_stats(total, {k: v for k, v in self._totals.items() if k != "drops"})
-            if self.job is not None:
-                _add_stats(total, self.job.engine.stats())
-                total["job_number"] = self.job.number
+            if self._external is None:
+                _add_stats(total, self.mux.stats())
+            for job in self.jobs.values():
+                _add_stats(total, job.engine.stats())
+            if self.jobs:
+                total["job_number"] = max(self.jobs)
+            total["jobs_running"] = len(self.jobs)
+            total["jobs_queued"] = len(self.queue)
             total.update(self._control)
             return total
 

@@ -61,6 +61,22 @@ class PSUnavailable(RuntimeError):
     """The PS did not answer within the retry budget."""
 
 
+class Queued(ValueError):
+    """The PS queued this rank's job: its slot space is full (the message says what holds it)."""
+
+
+def _common_job(jobs: list):
+    """The job every shard announced; each shard admits it on its own, so a contended shard
+    may have granted other slots or another job id, which a worker cannot run with."""
+    for i, j in enumerate(jobs[1:], 1):
+        if j != jobs[0]:
+            what = [f"{k} {getattr(jobs[0], k)!r} / {getattr(j, k)!r}" for k in j.__dataclass_fields__
+                    if getattr(j, k) != getattr(jobs[0], k)]
+            raise ValueError(f"the PS shards disagree on the job (shard 0 / shard {i}: {'; '.join(what)}); "
+                             f"a job spanning shards needs the same free slots and job id on each")
+    return jobs[0]
+
+
 class JobStalled(RuntimeError):
     """The PS is alive but the job cannot go on: the message names the ranks it waits for."""
 
@@ -299,8 +315,13 @@ class Transport:
                  max_retries: int = 60, window: int = DEFAULT_WINDOW, faults: Faults | None = None,
                  control_timeout_s: float = 30.0, shards: list | None = None, bind_port: int = 0,
                  batched: bool = True, expect: dict | None = None, propose: JobConfig | None = None,
-                 keys=None, heartbeat: bool = True, rejoin: bool = False, phase_engine: str | None = None):
+                 keys=None, heartbeat: bool = True, rejoin: bool = False, phase_engine: str | None = None,
+                 job_name: str | None = None, queue_s: float = 600.0):
         """Connect to one PS, or to S shards given as [(host, data_port, control_port), ...].
+
+        `job_name` names the job on the PS (None: the PS's "default"): workers of one name
+        form one job, other names run beside it.  A job the PS queues (its slot space is
+        full) waits up to `queue_s`, asking again twice a second.
 
         `expect` is the part of the job configuration this worker insists on (the PS refuses
         the registration naming every differing field); `propose` is a whole job for a PS
@@ -369,6 +390,8 @@ class Transport:
             from proto.keys import client_keys
             self._curve = client_keys(keys)
         self._expect = dict(expect or {})
+        self.job_name = job_name
+        self._queue_s = queue_s
         self._rejoin = rejoin           # a restarted rank: only a running job of ours will do
         self._propose = propose
         self.sessions: list = [None] * len(shards)      # per shard: register reply
@@ -383,9 +406,7 @@ class Transport:
         self._hb_stop = threading.Event()
         self._hb_thread = None
         jobs = [self._register(i) for i in range(len(shards))]
-        if any(j != jobs[0] for j in jobs[1:]):
-            raise ValueError("the PS shards disagree on the job configuration")
-        self.job = jobs[0]
+        self.job = _common_job(jobs)
         self.rejoined = any(s["rejoin"] for s in self.sessions)
         self._rx_size = max(self.job.mtu, 2048)
         self.window = min(window, self.job.slots * len(shards))
@@ -408,6 +429,8 @@ class Transport:
         """Register (again) with one shard; keeps its nonce, token and session.  `rejoin`:
         as a rank whose lease expired, into the running job it held a place in."""
         msg = {"type": "register", "worker_id": self.worker_id, "data_addr": list(self.sock.getsockname())}
+        if self.job_name is not None:
+            msg["job_name"] = self.job_name
         if self._expect:
             msg["expect"] = self._expect
         if self._propose is not None:
@@ -417,10 +440,18 @@ class Transport:
         if self.sessions[shard] is not None:        # lets a PS that still knows us replace it
             msg["session"] = self.sessions[shard]["session"]
         deadline = time.monotonic() + self._control_timeout
+        queued_until, said = time.monotonic() + self._queue_s, None
         while True:
             try:
                 reply = self.call(msg, shard=shard)
                 break
+            except Queued as exc:
+                if time.monotonic() > queued_until:
+                    raise Queued(f"still queued after {self._queue_s:g} s: {exc}") from None
+                if str(exc) != said:
+                    said = str(exc)
+                    log.warning("rank %d: %s", self.worker_id, said)
+                time.sleep(0.5)
             except ValueError as exc:
                 # a restarted rank: its previous incarnation's lease has not run out yet
                 if "held by a live worker" not in str(exc) or time.monotonic() > deadline:
@@ -600,6 +631,8 @@ class Transport:
                     raise JobEnded(self._job_gone)
             if code == "job_stalled":
                 raise JobStalled(f"PS refused {msg['type']}: {reply.get('message')}")
+            if code == "queued":
+                raise Queued(reply.get("message"))
             raise ValueError(f"PS refused {msg['type']}: {reply.get('message')}")
         return reply
 

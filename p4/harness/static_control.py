@@ -22,8 +22,11 @@ class StaticEngine:
         self.fixed_tokens = {w: token for w, (_, _, token) in expected.items()}
         self.fixed_nonce = nonce
 
+    job = None
+
     def start_job(self, job, nonce: int) -> None:
-        """The switch was programmed for the job before it started: nothing to do."""
+        """The switch was programmed for the job before it started: nothing to program."""
+        self.job = job
 
     def register(self, rank: int, ip: str, port: int, token: int = 0) -> None:
         if self.expected.get(rank) != (ip, port):
@@ -31,6 +34,13 @@ class StaticEngine:
 
     def unregister(self, rank: int) -> None:
         """The switch's workers table is fixed: a rank that left keeps its entry."""
+
+    def region(self) -> tuple:
+        """The switch serves one job at a time: its slots start at register 0."""
+        return 0, self.job.slots + self.job.norm_slots
+
+    def close(self) -> None:
+        """The next job's start_job resets the registers."""
 
     def process(self, datagram: bytes, addr: tuple) -> list:
         return []
