@@ -53,6 +53,9 @@ HEADER_MEANINGS = {
 REQUEST_FIELDS = {
     "worker_id": "the rank",
     "data_addr": "the worker's UDP source address and port, exactly as the PS will see them",
+    "job_name": "the job's name (default `default`): a name no running job has starts a new job "
+                "beside the running ones (or queues it while the slot space is full); the same name "
+                "joins that job",
     "expect": "JobConfig fields (names as in the job table) the worker insists on; a mismatch is "
               "refused naming each differing field",
     "job": "a whole JobConfig map, proposed to a PS started without a job",
@@ -70,7 +73,8 @@ REQUEST_FIELDS = {
 REPLIES = {
     "register": "`config` (fields below)",
     "heartbeat": "`status` (renews the lease)",
-    "status": "`status`",
+    "status": "`status`: with worker_id and session, that rank's job at the top level; without, the "
+              "only running job's (if one), and every job under `jobs` / `queued`",
     "leave": "`ok`; the job ends when every rank left or lost its lease",
     "barrier": "`ok`, once every live rank arrived and at least ⌈q·n⌉ are live; `error` with code "
                "`job_stalled` when it cannot complete",
@@ -89,6 +93,7 @@ CONFIG_REPLY = {
     "token": ("int 0..2^32−1", "this registration's data-plane token; goes in every DATA/NORM packet"),
     "session": ("bin, 16 bytes", "the secret every later request for this rank carries"),
     "job_number": ("int ≥ 1", "the PS's count of jobs so far (names the job in messages)"),
+    "job_name": ("str", "the job's name"),
     "lease_s": ("float", "the lease: send a heartbeat at least every lease_s / 5 seconds"),
     "data_port": ("int", "the PS's UDP port"),
     "rejoin": ("bool", "true when this registration took over a rank that had left or died"),
@@ -98,8 +103,14 @@ CONFIG_REPLY = {
 #: The status reply (to `status` and `heartbeat`).
 STATUS_REPLY = {
     "type": ("str", "`status`"),
-    "job_number": ("int or nil", "the running job, nil when none runs (then only `incarnation` follows)"),
+    "job_number": ("int or nil", "the asking rank's job (or the only running one); nil when there is "
+                                 "none (then the job fields below are absent)"),
     "incarnation": ("int", "as in the config reply"),
+    "job_name": ("str", "the job's name"),
+    "job_id": ("int", "the job id in its packets (the PS gives each running job its own)"),
+    "codec": ("str", "the job's codec"),
+    "region": ("map", "{base, data, norm}: the job's slots in the PS's slot space; packets address "
+                      "slots 0..data−1 (DATA) and data..data+norm−1 (NORM) of the region"),
     "num_workers": ("int", "n"),
     "live": ("array of int", "the live ranks"),
     "missing": ("array of map", "{rank, why, rejoin_s?}: ranks never registered, or dead; `rejoin_s` is "
@@ -110,19 +121,23 @@ STATUS_REPLY = {
     "rejoin_grace_s": ("float", "how long a dead rank may come back before a job that needs it fails"),
     "age_s": ("float", "seconds since the job started"),
     "stalled": ("str, only when set", "why the job can no longer complete (names the missing ranks)"),
+    "jobs": ("array of map", "every running job: the job fields above and `stats` (its counters)"),
+    "queued": ("array of map", "{job_name, slots, waiting_s, ranks}: jobs waiting for slots, oldest first"),
+    "slot_space": ("int", "the slots all running jobs share"),
+    "slots_free": ("int", "slots no running job holds"),
 }
 
 #: JobConfig fields (the `job` map): meaning; types come from the dataclass.
 JOB_FIELDS = {
     "num_workers": "n, 1..32 (the bitmap's width)",
-    "job_id": "the header's job_id",
+    "job_id": "the header's job_id (the PS assigns one no other running job has)",
     "codec": "`thc`, `none` (float32 sums), or a BLOB codec the PS decodes, sums and re-encodes",
     "bits": "b, bits per THC table index",
     "granularity": "g: the table's values lie on 0..g",
     "p": "the table's support fraction, a fraction in text (`1/32`)",
     "lane_bits": "width of one aggregated THC value in RESULT: 8, 16 or 32; n·g must fit",
     "seed": "the job's seed: the RHT sign diagonals, and the test gradients of `thc launch`",
-    "slots": "S, data slots",
+    "slots": "S, data slots: what the job asks for; the PS's config reply has what admission granted",
     "norm_slots": "S_norm, norm slots (numbered S..S+S_norm−1)",
     "mtu": "the path MTU the packet geometry is computed for",
     "elems_per_packet": "elements a DATA/RESULT (or BLOB bytes a fragment) carries at most",
