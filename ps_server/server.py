@@ -37,7 +37,6 @@ from pathlib import Path
 import zmq
 
 from proto import control
-from proto import headers as H
 from proto import udpio
 from proto.job import JobConfig
 from proto.sockets import set_buffer

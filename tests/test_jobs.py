@@ -414,9 +414,9 @@ def test_a_full_slot_space_queues_the_next_job_until_one_ends():
             assert doc["ok"], (name, doc["problems"])
         assert server.stats()["registrations_queued"] >= 1
         order = [e.split(":")[0] for e in events if " started: " in e or " ended: " in e]
-        assert order[:3] == ["job 1 ('%s') started" % docs["a"]["job_name"],
-                             "job 1 ('%s') ended" % docs["a"]["job_name"],
-                             "job 2 ('%s') started" % docs["b"]["job_name"]], order
+        a_name, b_name = docs["a"]["job_name"], docs["b"]["job_name"]
+        assert order[:3] == [f"job 1 ('{a_name}') started", f"job 1 ('{a_name}') ended",
+                             f"job 2 ('{b_name}') started"], order
     finally:
         server.stop()
 
