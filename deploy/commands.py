@@ -76,12 +76,12 @@ def cmd_ps(args) -> None:
         for s in range(args.shards):
             cport = args.control_port + 2 * s if args.control_port else None
             servers.append(_bind_ps(PSServer, job, host, port + 2 * s, cport, say, args))
-            say(f"PS shard {s}: a slot space of {args.slot_space} slots shared by the running jobs")
             what = (f"n={job.num_workers}, codec={job.codec}, b={job.bits}, g={job.granularity}, "
                     f"lanes={job.lane_bits} bits, quorum={job.quorum}") if job else \
                 "any job (each job's first worker proposes it)"
             say(f"PS shard {s}: data udp://{host}:{port + 2 * s}, control tcp://{host}:"
-                f"{servers[-1].control_port}{' (CURVE)' if args.keys else ''}, {what}")
+                f"{servers[-1].control_port}{' (CURVE)' if args.keys else ''}, {what}; "
+                f"{args.slot_space} slots shared by the jobs running at once")
         last, printed = time.monotonic(), [None] * len(servers)
         while not all(s.wait(0.5) for s in servers):
             if args.stats_every and time.monotonic() - last >= args.stats_every:
