@@ -442,3 +442,55 @@ def test_same_name_joins_and_a_different_configuration_is_refused():
             t.close()
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------------- the command line
+
+
+def test_thc_launches_started_together_on_one_thc_ps_are_each_exact_and_listed():
+    """`thc ps` with no job options, three `thc launch --ps` started at the same moment: none is
+    refused, each exits 0 with every round exact; `thc status` lists the running jobs (text and
+    --json) and exits 1 naming the address when no PS answers."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.test_cli_errors import ROOT
+    from tests.test_service import _free_port, _start_ps
+    port = _free_port()
+    proc = _start_ps(port)
+    cli = [sys.executable, "-m", "deploy.cli"]
+    try:
+        launches = [subprocess.Popen(cli + ["launch", "--ps", f"127.0.0.1:{port}", "--workers", str(n),
+                                            "--codec", codec, "--rounds", "600", "--dim", "20000", "--json"],
+                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                    for n, codec in ((2, "thc"), (3, "none"), (2, "thc"))]
+        listed = None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(p.poll() is None for p in launches):
+            st = subprocess.run(cli + ["status", "--ps", f"127.0.0.1:{port}", "--json"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=30)
+            assert st.returncode == 0, st.stderr
+            doc = json.loads(st.stdout)
+            if len(doc["jobs"]) == 3:
+                listed = doc
+                text = subprocess.run(cli + ["status", "--ps", f"127.0.0.1:{port}"], cwd=ROOT,
+                                      capture_output=True, text=True, timeout=30).stdout
+                break
+            time.sleep(0.2)
+        outs = [p.communicate(timeout=180) for p in launches]
+        for p, (out, err) in zip(launches, outs):
+            doc = json.loads(out.strip().splitlines()[-1])
+            assert p.returncode == 0 and doc["ok"] and doc["exact_rounds"] == 600, (doc["problems"], err[-500:])
+        assert listed is not None, "the three jobs never ran at once"
+        names = {j["job_name"] for j in listed["jobs"]}
+        assert len(names) == 3 and all(n.startswith("launch-") for n in names)
+        bases = sorted(j["region"]["base"] for j in listed["jobs"])
+        assert len(set(bases)) == 3 and listed["slots_free"] == listed["slot_space"] - 3 * 528
+        assert text.startswith(f"PS 127.0.0.1:{port}: 3 jobs running, 0 queued") and text.count("  job ") == 3
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=20)
+    gone = subprocess.run(cli + ["status", "--ps", f"127.0.0.1:{port}", "--timeout-s", "0.5"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=30)
+    assert gone.returncode == 1 and f"tcp://127.0.0.1:{port + 1}" in gone.stderr + gone.stdout
