@@ -268,25 +268,27 @@ class PSServer:
         """Start job `name`: a region of the slot space, a job id and an engine; or raise
         `queued` (CodedError) saying why it waits and what runs."""
         now = time.monotonic()
-        if self._external is not None and self.jobs:
-            running = next(iter(self.jobs.values()))
-            raise control.CodedError(
-                f"this PS programs one switch job at a time and {running.label()} runs; "
-                f"job {name!r} waits until it ends", "queued")
         held = {j.label(): j.region for j in self.jobs.values()}
-        region = admission.grant(config.slots, config.norm_slots, list(held.values()), self.space.size)
+        if self._external is not None and self.jobs:       # the switch programs: one job at a time
+            region = None
+            why = (f"this PS programs one switch job at a time and {next(iter(held))} runs; it waits "
+                   f"until that job ends")
+        else:
+            region = admission.grant(config.slots, config.norm_slots, list(held.values()), self.space.size)
+            why = admission.why_waiting(config.slots, config.norm_slots, held, self.space.size)
         mine = self.queue.get(name)
         since = mine.since if mine else now
         # first come, first served: an older queued job that fits now goes first
         first = next((q for q in self.queue.values() if q.since < since and q.name != name
+                      and self._external is None
                       and admission.grant(q.data, q.norm, list(held.values()), self.space.size)), None)
         if region is None or first is not None:
             q = self.queue.setdefault(name, Queued(name, config.slots, config.norm_slots, now, now))
             q.last_asked = now
             q.ranks.add(rank)
             self._control["registrations_queued"] += 1
-            why = (admission.why_waiting(config.slots, config.norm_slots, held, self.space.size)
-                   if region is None else f"job {first.name!r} has waited longer and goes first")
+            if region is not None:
+                why = f"job {first.name!r} has waited longer and goes first"
             raise control.CodedError(f"job {name!r} is queued: {why}", "queued",
                                      position=1 + sum(o.since < q.since for o in self.queue.values()))
         self.queue.pop(name, None)

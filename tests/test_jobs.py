@@ -494,3 +494,26 @@ def test_thc_launches_started_together_on_one_thc_ps_are_each_exact_and_listed()
     gone = subprocess.run(cli + ["status", "--ps", f"127.0.0.1:{port}", "--timeout-s", "0.5"], cwd=ROOT,
                           capture_output=True, text=True, timeout=30)
     assert gone.returncode == 1 and f"tcp://127.0.0.1:{port + 1}" in gone.stderr + gone.stdout
+
+
+def test_a_ps_driving_a_switch_queues_a_second_job():
+    """The P4 programs serve one job at a time: a PS with a switch engine admits one job and
+    answers a second name with `queued`, saying why (no bmv2 needed: the static engine)."""
+    from p4.control import switch_job
+    from p4.harness.static_control import StaticEngine
+    from tests.test_service import _free_port
+    from worker.transport import Transport
+    port = _free_port()
+    static = StaticEngine({0: ("127.0.0.1", port, 7)}, nonce=5)
+    server = ps(switch_job(1), engine=static)
+    try:
+        t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port, bind_port=port,
+                      job_name="first")
+        assert t.sessions[0]["nonce"] == 5 and t.sessions[0]["token"] == 7
+        reply = ask(req_socket(server), {"type": "register", "worker_id": 0, "data_addr": ["127.0.0.1", 1],
+                                         "job_name": "second"})
+        assert reply["code"] == "queued" and "one switch job at a time" in reply["message"]
+        assert [q["job_name"] for q in server.status()["queued"]] == ["second"]
+        t.close()
+    finally:
+        server.stop()
