@@ -910,23 +910,27 @@ static PyObject *Engine_io_stats(Engine *e, PyObject *noargs) {
     return d;
 }
 
-static PyObject *Engine_stats(Engine *e, PyObject *noargs) {
+/* {name: count} of n counters, and their drops under "drops": the stats() of Engine and Mux */
+static PyObject *stats_dict(const char **names, const uint64_t *counts, int n, const uint64_t *drop_counts) {
     PyObject *d = PyDict_New(), *drops = PyDict_New();
-    pthread_mutex_lock(&e->lock);
-    for (int i = 0; i < N_COUNTERS; i++) {
-        PyObject *v = PyLong_FromUnsignedLongLong(e->counters[i]);
-        PyDict_SetItemString(d, counter_names[i], v);
-        Py_DECREF(v);
+    if (!d || !drops) { Py_XDECREF(d); Py_XDECREF(drops); return NULL; }
+    for (int i = 0; i < n + N_DROPS; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(i < n ? counts[i] : drop_counts[i - n]);
+        if (v) PyDict_SetItemString(i < n ? d : drops, i < n ? names[i] : drop_names[i - n], v);
+        Py_XDECREF(v);
     }
-    for (int i = 0; i < N_DROPS; i++) {
-        PyObject *v = PyLong_FromUnsignedLongLong(e->drops[i]);
-        PyDict_SetItemString(drops, drop_names[i], v);
-        Py_DECREF(v);
-    }
-    pthread_mutex_unlock(&e->lock);
     PyDict_SetItemString(d, "drops", drops);
     Py_DECREF(drops);
     return d;
+}
+
+static PyObject *Engine_stats(Engine *e, PyObject *noargs) {
+    uint64_t c[N_COUNTERS], dr[N_DROPS];
+    pthread_mutex_lock(&e->lock);
+    memcpy(c, e->counters, sizeof c);
+    memcpy(dr, e->drops, sizeof dr);
+    pthread_mutex_unlock(&e->lock);
+    return stats_dict(counter_names, c, N_COUNTERS, dr);
 }
 
 /* region() -> (base, size): the engine's slots in its SlotSpace (base 0: its own array) */
@@ -1258,22 +1262,13 @@ static PyObject *Mux_process(Mux *m, PyObject *args) {
 
 /* stats() -> the counters of datagrams no job received: packets_in, bytes_in, drops */
 static PyObject *Mux_stats(Mux *m, PyObject *noargs) {
-    PyObject *d = PyDict_New(), *drops = PyDict_New();
-    if (!d || !drops) { Py_XDECREF(d); Py_XDECREF(drops); return NULL; }
+    static const char *names[N_MUX] = {"packets_in", "bytes_in"};
+    uint64_t c[N_MUX], dr[N_DROPS];
     pthread_mutex_lock(&m->io_lock);
-    PyObject *v = PyLong_FromUnsignedLongLong(m->counters[M_PACKETS_IN]);
-    PyDict_SetItemString(d, "packets_in", v); Py_XDECREF(v);
-    v = PyLong_FromUnsignedLongLong(m->counters[M_BYTES_IN]);
-    PyDict_SetItemString(d, "bytes_in", v); Py_XDECREF(v);
-    for (int i = 0; i < N_DROPS; i++) {
-        v = PyLong_FromUnsignedLongLong(m->drops[i]);
-        PyDict_SetItemString(drops, drop_names[i], v);
-        Py_XDECREF(v);
-    }
+    memcpy(c, m->counters, sizeof c);
+    memcpy(dr, m->drops, sizeof dr);
     pthread_mutex_unlock(&m->io_lock);
-    PyDict_SetItemString(d, "drops", drops);
-    Py_DECREF(drops);
-    return d;
+    return stats_dict(names, c, N_MUX, dr);
 }
 
 static PyObject *Mux_io_stats(Mux *m, PyObject *noargs) {

@@ -95,7 +95,8 @@ def test_every_default_in_help_is_what_the_user_would_type():
     import re
 
     from deploy.cli import build_parser
-    needed = {"worker": ["--ps", "127.0.0.1:9000"], "experiment": ["loss"], "keys": ["somewhere"]}
+    needed = {"worker": ["--ps", "127.0.0.1:9000"], "status": ["--ps", "127.0.0.1:9000"],
+              "experiment": ["loss"], "keys": ["somewhere"]}
     parser, checked = build_parser(), 0
     for name, sub in [("", parser), *_subcommands(parser)]:
         if any(isinstance(a, argparse._SubParsersAction) for a in sub._actions):

@@ -263,6 +263,17 @@ def test_mux_hands_python_jobs_back_and_serves_c_jobs_itself():
 # ---------------------------------------------------------------------- the PS with many jobs
 
 
+def launch_in_background(server, docs: dict, key: str, **kw) -> threading.Thread:
+    """run_launch(**kw) against `server` in a thread, its summary into docs[key]; returns once
+    the server runs a job (the launched one, or one started before)."""
+    t = threading.Thread(target=lambda: docs.__setitem__(key, run_launch(**kw, **at(server))))
+    t.start()
+    deadline = time.monotonic() + 30
+    while server.job is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return t
+
+
 def test_three_jobs_of_different_codecs_at_once_each_exact():
     """The issue's test: thc n=2 d=65536, none n=3 d=20000 and topk n=2 on one PS started with
     no job options, at the same time; each exact, in disjoint regions, with distinct ids."""
@@ -306,12 +317,7 @@ def test_jobs_join_and_leave_while_another_runs():
     server = ps(log=events.append)
     docs = {}
     try:
-        a = threading.Thread(target=lambda: docs.__setitem__("a", run_launch(workers=2, rounds=400, dim=20000,
-                                                                             **at(server))))
-        a.start()
-        deadline = time.monotonic() + 30
-        while server.job is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        a = launch_in_background(server, docs, "a", workers=2, rounds=400, dim=20000)
         docs["b"] = run_launch(workers=3, rounds=20, dim=8192, codec="none", **at(server))
         assert a.is_alive(), "job A ended before B; make A longer"
         docs["c"] = run_launch(workers=2, rounds=20, dim=8192, quorum=1.0, **at(server))
@@ -332,12 +338,7 @@ def test_a_killed_worker_of_one_job_leaves_the_other_untouched():
     server = ps(lease_s=0.5, rejoin_grace_s=1.0)
     docs = {}
     try:
-        b = threading.Thread(target=lambda: docs.__setitem__("b", run_launch(workers=2, rounds=1500, dim=20000,
-                                                                             **at(server))))
-        b.start()
-        deadline = time.monotonic() + 30
-        while server.job is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        b = launch_in_background(server, docs, "b", workers=2, rounds=1500, dim=20000)
         with pytest.raises(RuntimeError, match="missing rank 1"):
             run_launch(workers=2, rounds=200, dim=8192, kill=(1, 5), stall_s=30, **at(server))
         assert b.is_alive(), "job B ended before A failed; make B longer"
@@ -394,15 +395,9 @@ def test_a_full_slot_space_queues_the_next_job_until_one_ends():
     server = ps(log=events.append, slot_space=600)
     docs = {}
     try:
-        a = threading.Thread(target=lambda: docs.__setitem__("a", run_launch(workers=2, rounds=150, dim=20000,
-                                                                             slots=584, **at(server))))
-        a.start()
+        a = launch_in_background(server, docs, "a", workers=2, rounds=150, dim=20000, slots=584)
         deadline = time.monotonic() + 30
-        while server.job is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        b = threading.Thread(target=lambda: docs.__setitem__("b", run_launch(workers=2, rounds=20, dim=8192,
-                                                                             **at(server))))
-        b.start()
+        b = launch_in_background(server, docs, "b", workers=2, rounds=20, dim=8192)
         queued = []
         while a.is_alive() and not queued and time.monotonic() < deadline + 60:
             queued = server.status()["queued"]
