@@ -10,7 +10,9 @@ ZMQ_MAXMSGSIZE.  Requests and their replies:
              `job_name` (default "default") names the job: a name no running job has starts
              a new job beside the running ones (admission gives it a region of the PS's slot
              space and a job id, both in the reply's `job`: its `slots` and `job_id`), or
-             queues it while the space is full; the same name joins that job.
+             queues it while the space is full; the same name and a stated configuration
+             that agrees with it join that job (another configuration starts a job beside
+             it, unless the PS has a fixed job: then it is refused).
              `expect` lists the job fields the worker insists on (a mismatch is refused,
              naming each differing field; `job_id` and `slots` are the PS's to assign); `job`
              proposes a whole job to a PS that has none configured.  A rank held by another live registration is refused unless

@@ -55,7 +55,7 @@ REQUEST_FIELDS = {
     "data_addr": "the worker's UDP source address and port, exactly as the PS will see them",
     "job_name": "the job's name (default `default`): a name no running job has starts a new job "
                 "beside the running ones (or queues it while the slot space is full); the same name "
-                "joins that job",
+                "and a stated configuration that agrees with it join that job",
     "expect": "JobConfig fields (names as in the job table) the worker insists on; a mismatch is "
               "refused naming each differing field",
     "job": "a whole JobConfig map, proposed to a PS started without a job",

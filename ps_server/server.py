@@ -254,9 +254,6 @@ class PSServer:
     def engine(self):
         return self.job.engine if self.job else None
 
-    def _by_name(self, name: str) -> Job | None:
-        return next((j for j in self.jobs.values() if j.name == name), None)
-
     def _job_id(self, wanted: int) -> int:
         """The job's configured id when no running job has it, else the lowest free one."""
         used = {j.config.job_id for j in self.jobs.values()}
@@ -411,9 +408,12 @@ class PSServer:
         socket.inet_aton(ip)                       # a dotted IPv4 address, or OSError → error reply
         expect = msg.get("expect", {})
         name = msg.get("job_name", DEFAULT_JOB_NAME)
-        # the same worker again (a lost reply, a rejoin after its lease ran out), else by name
+        # the same worker again (a lost reply, a rejoin after its lease ran out), else the job
+        # of that name and the configuration the worker states; else a new job (a rejoin
+        # looks only for the job it held a place in)
         job, _ = self._find_session(rank, msg.get("session"))
-        job = job or self._by_name(name)
+        job = job or next((j for j in self.jobs.values() if j.name == name and (
+            not j.config.differences(expect) or msg.get("rejoin"))), None)
         if msg.get("rejoin") and (job is None or rank not in job.members):
             raise control.ControlError(f"no running job to rejoin as rank {rank} (job {name!r} ended, "
                                        f"or the rank never joined it)")

@@ -416,7 +416,10 @@ def test_a_full_slot_space_queues_the_next_job_until_one_ends():
         server.stop()
 
 
-def test_same_name_joins_and_a_different_configuration_is_refused():
+def test_same_name_and_configuration_joins_else_a_job_starts_beside():
+    """Workers of one name and configuration form one job; another name, or the same name
+    with another configuration, starts a job beside it (a PS started with a fixed job refuses
+    the other configuration instead: test_service.test_worker_states_the_job_it_expects)."""
     from worker.transport import Transport
     server = ps()
     try:
@@ -426,14 +429,17 @@ def test_same_name_joins_and_a_different_configuration_is_refused():
         t0 = mk(0, "alpha", 2)
         t1 = mk(1, "alpha", 2)                      # joins alpha
         u0 = mk(0, "beta", 3)                       # rank 0 again, another job
-        assert t0.sessions[0]["job_number"] == t1.sessions[0]["job_number"] != u0.sessions[0]["job_number"]
-        assert t0.job.job_id != u0.job.job_id
-        with pytest.raises(ValueError, match="'alpha'.*running with another configuration: num_workers"):
-            mk(1, "alpha", 3)
+        v1 = mk(1, "alpha", 3)                      # alpha's name, another shape: beside it
+        numbers = [t.sessions[0]["job_number"] for t in (t0, t1, u0, v1)]
+        assert numbers[0] == numbers[1] and len(set(numbers)) == 3
+        assert len({t.job.job_id for t in (t0, u0, v1)}) == 3
+        with pytest.raises(ValueError, match="rank 0 is held by a live worker in job 1 .'alpha'."):
+            Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port, job_name="alpha",
+                      expect={"num_workers": 2}, control_timeout_s=0.5, heartbeat=False)
         st = server.status()
-        assert sorted(j["job_name"] for j in st["jobs"]) == ["alpha", "beta"]
-        assert [j["live"] for j in st["jobs"]] == [[0, 1], [0]]
-        for t in (t0, t1, u0):
+        assert [(j["job_name"], j["num_workers"], j["live"]) for j in st["jobs"]] == \
+            [("alpha", 2, [0, 1]), ("beta", 3, [0]), ("alpha", 3, [1])]
+        for t in (t0, t1, u0, v1):
             t.close()
     finally:
         server.stop()
