@@ -29,6 +29,8 @@ def ps_proc(workers, ports_q, stop_q):
     stop_q.get()
     ps_stats = server.stats()
     io = engine.io_stats() if hasattr(engine, "io_stats") else {}
+    if hasattr(server.mux, "io_stats"):
+        io.update(server.mux.io_stats())    # the receive side is the job table's (one socket, every job)
     server.stop()
     ports_q.put((ps_stats, io))
 
