@@ -10,13 +10,25 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("script", ["bench_p4.py", "bench_breakeven.py", "pauses.py"])
+@pytest.mark.parametrize("script", ["bench_p4.py", "bench_breakeven.py", "pauses.py", "bench_jobs.py"])
 def test_script_help_runs_from_anywhere(script, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "usage:" in proc.stdout
+
+
+def test_bench_jobs_runs_concurrent_jobs_and_compares_them(tmp_path):
+    """A small bench_jobs run: 1 and 2 jobs on one PS, every job started and ended, the ratio
+    line printed (the numbers themselves are docs/bench.md's, from a full run)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_jobs.py"), "--phases", "2",
+                           "--dim-log2", "14", "--jobs", "1", "2"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "2 jobs at once:" in proc.stdout and "x 1 job(s) alone" in proc.stdout
+    assert "jobs started 3, ended 3" in proc.stdout, proc.stdout
 
 
 def test_background_load_runs_niced_hogs_and_stops_them():
