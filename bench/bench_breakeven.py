@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_floor import run_rounds  # noqa: E402
-from bench.common import background_load  # noqa: E402
+from bench.common import add_background_args, background_from_args  # noqa: E402
 from deploy.launch import gradient  # noqa: E402
 from deploy.procs import free_tcp_port, single_threaded_children  # noqa: E402
 
@@ -97,14 +97,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", type=int, nargs="+", default=[20, 22, 24], help="log2 of d")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per measurement (after one warm-up)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON here")
-    ap.add_argument("--background", type=int, default=0, metavar="N",
-                    help="run N busy-loop processes at nice 19 for the whole run (a busy host)")
-    ap.add_argument("--background-memory", type=int, default=0, metavar="M",
-                    help="and M memory-bound ones (64 MB copies) at nice 19")
-    ap.add_argument("--background-compile", type=int, default=0, metavar="C",
-                    help="and C compiler loops (cc -O2 of a C file, again and again) at nice 19")
+    add_background_args(ap)
     args = ap.parse_args(argv)
-    with background_load(args.background, args.background_memory, compile=args.background_compile):
+    with background_from_args(args):
         rows = _measure(args)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -45,7 +45,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `bench` is not installed: run from a checkout
 from compression import thc  # noqa: E402
 from deploy.launch import gradient  # noqa: E402
-from bench.common import background_load  # noqa: E402
+from bench.common import add_background_args, background_from_args  # noqa: E402
 from deploy.procs import single_threaded_children  # noqa: E402
 from proto import headers as H  # noqa: E402
 from proto.job import JobConfig  # noqa: E402
@@ -286,14 +286,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--timeline", action="store_true", help="print the median THC round's steps per worker")
     ap.add_argument("--thc-only", action="store_true", help="skip the float32 rounds")
-    ap.add_argument("--background", type=int, default=0, metavar="N",
-                    help="run N busy-loop processes at nice 19 for the whole run (a busy host)")
-    ap.add_argument("--background-memory", type=int, default=0, metavar="M",
-                    help="and M memory-bound ones (64 MB copies) at nice 19")
-    ap.add_argument("--background-compile", type=int, default=0, metavar="C",
-                    help="and C compiler loops (cc -O2 of a C file, again and again) at nice 19")
+    add_background_args(ap)
     args = ap.parse_args()
-    with background_load(args.background, args.background_memory, compile=args.background_compile):
+    with background_from_args(args):
         if args.background or args.background_memory or args.background_compile:
             print(f"background: {args.background} busy loop(s) and {args.background_memory} memory-bound "
                   f"process(es) and {args.background_compile} compiler loop(s) at nice 19, the whole run", flush=True)

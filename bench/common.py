@@ -69,3 +69,18 @@ def _niced(target, nice: int) -> None:
     os.setpgid(0, 0)                    # its own group: stopping it stops its children too
     os.nice(nice)
     target()
+
+
+def add_background_args(ap) -> None:
+    """The --background* options of the round benchmarks (a busy host, docs/bench.md)."""
+    ap.add_argument("--background", type=int, default=0, metavar="N",
+                    help="run N busy-loop processes at nice 19 for the whole run (a busy host)")
+    ap.add_argument("--background-memory", type=int, default=0, metavar="M",
+                    help="and M memory-bound ones (64 MB copies) at nice 19")
+    ap.add_argument("--background-compile", type=int, default=0, metavar="C",
+                    help="and C compiler loops (cc -O2 of a C file, again and again) at nice 19")
+
+
+def background_from_args(args):
+    """background_load() as the --background* options ask."""
+    return background_load(args.background, args.background_memory, compile=args.background_compile)
