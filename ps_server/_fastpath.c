@@ -310,8 +310,9 @@ static int header_check(const uint8_t *buf, uint32_t len) {
     return -1;
 }
 
-static int validate(Engine *e, const uint8_t *buf, uint32_t len, uint32_t ip, uint16_t port, pkt_t *p) {
-    int bad = header_check(buf, len);
+static int validate(Engine *e, const uint8_t *buf, uint32_t len, uint32_t ip, uint16_t port, pkt_t *p,
+                    int checked) {
+    int bad = checked ? -1 : header_check(buf, len);     /* checked: the Mux ran it already */
     if (bad >= 0) return bad;
     p->type = buf[3]; p->worker = buf[5]; p->nw = buf[6]; p->ebits = buf[7]; p->op = buf[29];
     p->job = rd16(buf + 8); p->slot = rd16(buf + 10); p->count = rd16(buf + 20); p->plen = rd16(buf + 22);
@@ -414,11 +415,11 @@ static void aggregate(Engine *e, slot_t *st, const pkt_t *p) {
 }
 
 /* One datagram; queues output packets.  Mirrors ReferencePS.process. */
-static void handle(Engine *e, const uint8_t *buf, uint32_t len, uint32_t ip, uint16_t port) {
+static void handle(Engine *e, const uint8_t *buf, uint32_t len, uint32_t ip, uint16_t port, int checked) {
     e->counters[C_PACKETS_IN]++;
     e->counters[C_BYTES_IN] += len;
     pkt_t p;
-    int drop = validate(e, buf, len, ip, port, &p);
+    int drop = validate(e, buf, len, ip, port, &p, checked);
     if (drop >= 0) { e->drops[drop]++; return; }
     slot_t *st = &e->slot[p.slot];
     if (round_step(e, st, &p)) aggregate(e, st, &p);
@@ -642,7 +643,7 @@ static void handle_segments(Engine *e, const uint8_t *buf, uint32_t len, uint32_
     uint32_t off = 0;
     do {
         uint32_t n = len - off < seg ? len - off : seg;
-        handle(e, buf + off, n, ip, port);
+        handle(e, buf + off, n, ip, port, 0);
         e->io[IO_RX_SEGMENTS]++;
         if (fd >= 0 && e->n_out >= e->cap_out) flush(e, fd);
         off += n;
@@ -667,7 +668,7 @@ static PyObject *Engine_process(Engine *e, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*(si)", &buf, &ip, &port)) return NULL;
     if (parse_addr(ip, &a) < 0) { PyBuffer_Release(&buf); return NULL; }
     pthread_mutex_lock(&e->lock);
-    handle(e, buf.buf, (uint32_t)buf.len, a, (uint16_t)port);
+    handle(e, buf.buf, (uint32_t)buf.len, a, (uint16_t)port, 0);
     PyObject *out = drain_to_list(e);
     pthread_mutex_unlock(&e->lock);
     PyBuffer_Release(&buf);
@@ -856,12 +857,18 @@ static long rx_loop(int fd, int duration_ms, uint8_t *rx, size_t cap, rx_t *h, i
     return handled;
 }
 
-static void engine_segment(void *ctx, const uint8_t *buf, uint32_t len, uint32_t ip, uint16_t port, int fd) {
-    Engine *e = ctx;
+/* One datagram under the engine's lock, flushing to fd when the output queue is full;
+ * `checked`: its header passed header_check already. */
+static void engine_take(Engine *e, const uint8_t *buf, uint32_t len, uint32_t ip, uint16_t port, int fd,
+                        int checked) {
     pthread_mutex_lock(&e->lock);
-    handle(e, buf, len, ip, port);
-    if (e->n_out >= e->cap_out) flush(e, fd);
+    handle(e, buf, len, ip, port, checked);
+    if (fd >= 0 && e->n_out >= e->cap_out) flush(e, fd);
     pthread_mutex_unlock(&e->lock);
+}
+
+static void engine_segment(void *ctx, const uint8_t *buf, uint32_t len, uint32_t ip, uint16_t port, int fd) {
+    engine_take(ctx, buf, len, ip, port, fd, 0);
 }
 
 static void engine_flush(void *ctx, int fd) {
@@ -1082,7 +1089,7 @@ static void mux_segment(void *ctx, const uint8_t *buf, uint32_t len, uint32_t ip
     uint16_t job = rd16(buf + 8);
     int j = mux_find(m, job);
     if (j < 0) { mux_drop(m, D_JOB, len); return; }
-    if (m->eng[j]) { engine_segment(m->eng[j], buf, len, ip, port, fd); return; }
+    if (m->eng[j]) { engine_take(m->eng[j], buf, len, ip, port, fd, 1); return; }
     if (m->n_pend >= m->cap_pend) {
         int cap = m->cap_pend ? 2 * m->cap_pend : 256;
         pending_t *p = PyMem_RawRealloc(m->pend, (size_t)cap * sizeof(pending_t));
@@ -1247,7 +1254,7 @@ static PyObject *Mux_process(Mux *m, PyObject *args) {
     pthread_mutex_unlock(&m->lock);
     if (e) {
         pthread_mutex_lock(&e->lock);
-        handle(e, b, len, a, (uint16_t)port);
+        handle(e, b, len, a, (uint16_t)port, 1);
         out = drain_to_list(e);
         pthread_mutex_unlock(&e->lock);
     } else if (py) {
