@@ -21,9 +21,9 @@ ZMQ_MAXMSGSIZE.  Requests and their replies:
              held a place is still running.
   heartbeat  {worker_id, session, progress?}  -> status (below); renews the lease
   status     {worker_id?, session?}            -> status {job_number, live, missing, progress,
-             barriers, stalled?, region, ..., jobs, queued, slot_space, slots_free}: the
-             asking rank's job (or the only job running) at the top level, every running job
-             under `jobs` and the queued ones under `queued`
+             barriers, stalled?, region, ..., jobs?, queued?, slot_space?, slots_free?}: to a
+             rank (its session given) its job; to anyone else the only running job's fields
+             (if one runs), every running job under `jobs`, the queued ones under `queued`
   leave      {worker_id, session}             -> ok; the job ends when every rank left or died
   barrier    {name, worker_id, session}       -> ok, once every live rank arrived
   sync_put   {round, worker_id, session, blob} -> ok   (model sync: the sync source's state)

@@ -73,8 +73,8 @@ REQUEST_FIELDS = {
 REPLIES = {
     "register": "`config` (fields below)",
     "heartbeat": "`status` (renews the lease)",
-    "status": "`status`: with worker_id and session, that rank's job at the top level; without, the "
-              "only running job's (if one), and every job under `jobs` / `queued`",
+    "status": "`status`: with worker_id and session, that rank's job; without, the only running "
+              "job's fields (if one runs) and every job under `jobs` / `queued`",
     "leave": "`ok`; the job ends when every rank left or lost its lease",
     "barrier": "`ok`, once every live rank arrived and at least ⌈q·n⌉ are live; `error` with code "
                "`job_stalled` when it cannot complete",
@@ -121,11 +121,15 @@ STATUS_REPLY = {
     "rejoin_grace_s": ("float", "how long a dead rank may come back before a job that needs it fails"),
     "age_s": ("float", "seconds since the job started"),
     "stalled": ("str, only when set", "why the job can no longer complete (names the missing ranks)"),
-    "jobs": ("array of map", "every running job: the job fields above and `stats` (its counters)"),
+    "jobs": ("array of map", "every running job: the job fields above and `stats` (its counters); this "
+                             "and the next three only in the reply to a status without a session"),
     "queued": ("array of map", "{job_name, slots, waiting_s, ranks}: jobs waiting for slots, oldest first"),
     "slot_space": ("int", "the slots all running jobs share"),
     "slots_free": ("int", "slots no running job holds"),
 }
+
+#: The STATUS_REPLY fields only a status without a session gets (the PS-wide listing).
+STATUS_LISTING = ("jobs", "queued", "slot_space", "slots_free")
 
 #: JobConfig fields (the `job` map): meaning; types come from the dataclass.
 JOB_FIELDS = {

@@ -480,24 +480,22 @@ class PSServer:
         return doc
 
     def status(self, job: Job | None = None) -> dict:
-        """The status reply: one job's (a worker asking, or the only job running) at the top
-        level, and every running and queued job under `jobs` / `queued`."""
+        """The status reply.  To a rank (heartbeat, or status with its session): its job.
+        To anyone else: the only running job's fields at the top level, if one runs, and every
+        running and queued job under `jobs` / `queued` (with each job's counters)."""
         now = time.monotonic()
         with self._lock:
             jobs = sorted(self.jobs.values(), key=lambda j: j.number)
             doc = {"type": "status", "job_number": None, "incarnation": self.incarnation,
-                   "rejoin_grace_s": self.rejoin_grace_s, "slot_space": self.space.size,
-                   "slots_free": self.space.size - sum(j.region.size for j in jobs)}
-            if job is None and len(jobs) == 1:
-                job = jobs[0]
-            if job is not None:
+                   "rejoin_grace_s": self.rejoin_grace_s}
+            if job is not None:             # a rank asking: its job, nothing of the others
                 doc.update(self.job_status(job, now))
-            listing = []
-            for j in jobs:
-                entry = self.job_status(j, now)
-                entry["stats"] = j.engine.stats()
-                listing.append(entry)
-            doc["jobs"] = listing
+                return doc
+            if len(jobs) == 1:
+                doc.update(self.job_status(jobs[0], now))
+            doc["slot_space"] = self.space.size
+            doc["slots_free"] = self.space.size - sum(j.region.size for j in jobs)
+            doc["jobs"] = [{**self.job_status(j, now), "stats": j.engine.stats()} for j in jobs]
             doc["queued"] = [{"job_name": q.name, "slots": q.data + q.norm, "waiting_s": now - q.since,
                               "ranks": sorted(q.ranks)} for q in self.queue.values()]
             return doc

@@ -51,7 +51,10 @@ def test_documented_replies_are_what_the_ps_sends():
         assert set(config) == set(protodoc.CONFIG_REPLY)
         assert set(config["job"]) == set(protodoc.JOB_FIELDS)
         status = ask({"type": "heartbeat", "worker_id": 0, "session": config["session"]})
-        assert set(protodoc.STATUS_REPLY) - {"stalled"} == set(status)
+        assert set(protodoc.STATUS_REPLY) - {"stalled", *protodoc.STATUS_LISTING} == set(status)
+        listing = ask({"type": "status"})                 # anyone: the one job and the listing
+        assert set(protodoc.STATUS_REPLY) - {"stalled"} == set(listing)
+        assert [j["job_number"] for j in listing["jobs"]] == [config["job_number"]]
         err = ask({"type": "heartbeat", "worker_id": 1, "session": b"\0" * 16})
         assert set(err) == {"type", "message", "code", "incarnation"} and err["code"] == "unknown_session"
     finally:
