@@ -92,8 +92,8 @@ def run_forwarding(sw, packets: int, window: int) -> tuple[int, float]:
 
 def program(sw, job) -> None:
     """The job and its workers, through the one code path `thc p4 run` uses."""
-    engine = SwitchEngine(job, sw.cli, {w.ip: (w.switch_port, w.mac) for w in WORKERS}, PS_MAC)
-    engine.start_job(job, NONCE)
+    switch = SwitchEngine(sw.cli, {w.ip: (w.switch_port, w.mac) for w in WORKERS}, PS_MAC)
+    engine = switch.start_job(job, NONCE)
     for w in WORKERS:
         engine.register(w.worker_id, w.ip, w.udp_port, TOKENS[w.worker_id])
     sw.cli.run(l2_commands({OTHER_MAC: N + 1}))

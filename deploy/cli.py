@@ -320,8 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p4_run = _command(
         p4_sub, "run", parents=[p4_job, p4_out], help="run the program under simple_switch and serve the workers",
-        description="Start simple_switch on interfaces (or attach to a running one), program the job and "
-                    "serve the workers' control plane.")
+        description="Start simple_switch on interfaces (or attach to a running one) and serve the "
+                    "workers' control plane: each job (workers of one --job name) gets a region of the "
+                    "switch's slots and is programmed when its first worker registers, removed when it "
+                    "ends; up to 8 jobs run at once, more wait in a queue.")
     p4_run.add_argument("--iface", action="append", default=[], metavar="PORT=IFACE",
                         help="switch port number and interface, repeatable")
     p4_run.add_argument("--worker-port", action="append", default=[], metavar="IP=PORT,MAC",
@@ -353,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     p4_mn.add_argument("--control-mode", choices=("static", "p4run"), default="static",
                        help="job preprogrammed with a registration-only control host (static), or "
                             "`thc p4 run --attach` programming it as workers register (p4run)")
+    p4_mn.add_argument("--jobs", type=_int_in(1, 8, "jobs"), default=1,
+                       help="jobs at once, --workers hosts each, sharing the switch (needs --control-mode "
+                            "p4run)")
     p4.set_defaults(func=commands.cmd_p4)
 
     b = _command(sub, "bench", help="benchmarks: `thc bench codecs` compares every codec in one run")

@@ -354,7 +354,7 @@ def _p4_mininet(args):
                           straggler_delay_ms=args.straggler_delay_ms, straggler_rank=args.straggler_rank,
                           quorum=args.quorum, granularity=args.granularity, p=str(args.p),
                           policy=args.loss_policy, control=args.control_mode, timeout_ms=args.timeout_ms,
-                          build_dir=args.out, log=log)
+                          build_dir=args.out, jobs=args.jobs, log=log)
     print(json.dumps(doc) if args.json else mininet_run.summary_text(doc), flush=True)
     why = mininet_run.failed(doc)
     if why:
@@ -419,11 +419,10 @@ def cmd_p4(args):
         proc = control.start_switch(json_path, ports, thrift_port=args.thrift_port)
     try:
         cli = control.SwitchCLI(args.thrift_port)
-        cli.run(control.job_commands(job, args.ps_mac))
         from ps_server.server import PSServer
         host, cport = args.control
         server = PSServer(job, (host, 0), control_port=cport,
-                          engine=control.SwitchEngine(job, cli, topology, args.ps_mac),
+                          engine=control.SwitchEngine(cli, topology, args.ps_mac),
                           log=lambda m: print(m, flush=True)).start()
         where = f"{len(ports)} ports" if proc else f"attached to the switch on Thrift port {args.thrift_port}"
         print(f"switch up: PS address {args.ps_ip}:{gen_p4.PORT}, control tcp://{host}:{cport}, {where}",

@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from p4.spec import DROPS, EVENTS, LANES, PORT, SLOTS  # noqa: F401  (EVENTS: the programs' counters)
+from p4.spec import (DROPS, EVENT_CELLS, EVENTS, LANES, MAX_JOBS, MAX_RANKS, PORT,  # noqa: F401
+                     SLOTS)
 from p4.tools import require
 from proto.job import JobConfig
 from ps_server.engine import wait
@@ -24,9 +25,10 @@ from ps_server.engine import wait
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-REGISTERS = (["active_reg", "round_reg", "count_reg", "bitmap_reg", "offset_reg", "prev_valid_reg",
-              "prev_count_reg", "prev_bitmap_reg", "prev_offset_reg", "norm_acc"]
-             + [f"acc{i}" for i in range(LANES)])
+#: The per-slot registers (index: slot); clearing these over a region frees it.
+SLOT_REGISTERS = ("active_reg", "round_reg", "count_reg", "bitmap_reg", "offset_reg", "prev_valid_reg",
+                  "prev_count_reg", "prev_bitmap_reg", "prev_offset_reg")
+REGISTERS = list(SLOT_REGISTERS) + ["norm_acc"] + [f"acc{i}" for i in range(LANES)]
 ING = "ThcIngress"
 
 
@@ -53,34 +55,71 @@ class WorkerPort:
     switch_port: int
 
 
-def config_command(job: JobConfig, ps_mac: str, nonce: int = 0) -> str:
-    """The job's identity and shape: the one default action of thc_config."""
-    return (f"table_set_default {ING}.thc_config set_config {job.job_id} {nonce} {job.num_workers} "
-            f"{job.quorum_count} {job.slots} {job.norm_slots} {ps_mac}")
+def rid(cell: int, rank: int) -> int:
+    """The multicast replica id of `rank` of the job in job cell `cell` (cells start at 1, so
+    no replica has rid 0, which the egress reads as "not a replica")."""
+    return cell * MAX_RANKS + rank
 
 
-def job_commands(job: JobConfig, ps_mac: str, nonce: int = 0) -> list[str]:
+def config_command(job: JobConfig, ps_mac: str, nonce: int = 0, base: int = 0, cell: int = 1) -> str:
+    """The job's thc_config entry: job id → nonce, shape, region [base, base + slots +
+    norm_slots) of the slot registers, multicast group and event counter block (both its job
+    cell)."""
+    return (f"table_add {ING}.thc_config {ING}.set_config {job.job_id} => {nonce} {job.num_workers} "
+            f"{job.quorum_count} {base} {job.slots} {job.norm_slots} {cell} {cell * EVENT_CELLS} {ps_mac}")
+
+
+def check_shape(job: JobConfig) -> None:
+    """Refuse a job the switch program cannot aggregate, naming what differs."""
     if job.elems_per_packet != LANES or job.lane_bits != 8 or job.bits != 4 or job.codec != "thc":
-        raise ValueError(f"the switch needs codec thc, b=4, 8-bit lanes and {LANES} elements per packet")
-    cmds = [config_command(job, ps_mac, nonce)]
+        raise ValueError(f"the switch aggregates codec thc with b=4, 8-bit lanes and {LANES} elements per "
+                         f"packet; this job has codec {job.codec}, b={job.bits}, {job.lane_bits}-bit lanes, "
+                         f"{job.elems_per_packet} elements per packet")
+    if job.num_workers > MAX_RANKS:
+        raise ValueError(f"the switch serves at most {MAX_RANKS} ranks per job (its contributor bitmap)")
+
+
+def job_commands(job: JobConfig, ps_mac: str, nonce: int = 0, base: int = 0, cell: int = 1) -> list[str]:
+    """Everything a job needs before its first registration: its thc_config entry, its lookup
+    table in every lane's lut (keyed by job id), its multicast group, a clean region and
+    clean counters."""
+    check_shape(job)
+    cmds = [config_command(job, ps_mac, nonce, base, cell)]
     for lane in range(LANES):
         for z, v in enumerate(job.table):
-            cmds.append(f"table_add {ING}.lut{lane} {ING}.set_v{lane} {z} => {v}")
-    cmds.append("mc_mgrp_create 1")
-    return cmds
+            cmds.append(f"table_add {ING}.lut{lane} {ING}.set_v{lane} {job.job_id} {z} => {v}")
+    cmds.append(f"mc_mgrp_create {cell}")
+    return cmds + clear_commands(base, job.slots + job.norm_slots, cell)
 
 
-def registration_command(w: WorkerPort, token: int) -> str:
-    """The data-plane half of a registration: (source address, port, token) → rank."""
-    return f"table_add {ING}.workers {ING}.set_worker {w.ip} {w.udp_port} {token} => {w.worker_id}"
+def clear_commands(base: int, size: int, cell: int | None = None) -> list[str]:
+    """A region's slots back to unused (and a job cell's counters to zero).  The lane and norm
+    banks need no clearing: a slot that is not active takes its first packet's values
+    (overwrite, not add), and a resend reads a bank only once its own job completed it."""
+    cells = [] if cell is None else range(cell * EVENT_CELLS, (cell + 1) * EVENT_CELLS)
+    return ([f"register_write {ING}.{r} {i} 0" for r in SLOT_REGISTERS for i in range(base, base + size)]
+            + [f"counter_write {ING}.events {k} 0 0" for k in cells])
 
 
-def worker_commands(w: WorkerPort, node_handle: int, token: int = 0) -> list[str]:
-    rid = w.worker_id + 1
-    return [registration_command(w, token),
-            f"mc_node_create {rid} {w.switch_port}",
-            f"mc_node_associate 1 {node_handle}",
-            f"table_add ThcEgress.replica_dest ThcEgress.set_dest {rid} => {w.mac} {w.ip} {w.udp_port}"]
+def registration_command(w: WorkerPort, token: int, job_id: int = 1) -> str:
+    """The data-plane half of a registration: (job, source address, port, token) → rank."""
+    return f"table_add {ING}.workers {ING}.set_worker {job_id} {w.ip} {w.udp_port} {token} => {w.worker_id}"
+
+
+def replica_command(w: WorkerPort, cell: int = 1) -> str:
+    """The egress rewrite of the rank's multicast replica: its MAC, address and port."""
+    return (f"table_add ThcEgress.replica_dest ThcEgress.set_dest {rid(cell, w.worker_id)} => "
+            f"{w.mac} {w.ip} {w.udp_port}")
+
+
+def worker_commands(w: WorkerPort, node_handle: int, token: int = 0, job_id: int = 1, cell: int = 1) -> list[str]:
+    """A rank's entries on a switch programmed in one batch: its registration, its multicast
+    node (which bmv2 numbers `node_handle`: nodes are numbered from 0 in creation order) in
+    the job's group, and its replica's rewrite."""
+    return [registration_command(w, token, job_id),
+            f"mc_node_create {rid(cell, w.worker_id)} {w.switch_port}",
+            f"mc_node_associate {cell} {node_handle}",
+            replica_command(w, cell)]
 
 
 def l2_commands(hosts: dict) -> list[str]:
@@ -89,6 +128,7 @@ def l2_commands(hosts: dict) -> list[str]:
 
 
 def reset_commands() -> list[str]:
+    """Every register and counter of the switch to zero (all jobs)."""
     return [f"register_reset {ING}.{r}" for r in REGISTERS] + [f"counter_reset {ING}.events"]
 
 
@@ -113,24 +153,25 @@ class SwitchCLI:
             raise RuntimeError(f"simple_switch_CLI failed: {bad[:5] or out.stderr[-500:]}")
         return out.stdout
 
-    def events(self) -> dict:
-        """Drop/event counters by name."""
-        return parse_events(self.run(events_commands(), check=False))
+    def events(self, cell: int = 0) -> dict:
+        """Drop/event counters by name: block 0 (what no job owns) or a job cell's."""
+        return parse_events(self.run(events_commands(cell), check=False))
 
 
-def events_commands() -> list[str]:
-    return [f"counter_read {ING}.events {i}" for i in range(len(EVENTS))]
+def events_commands(cell: int = 0) -> list[str]:
+    """Reads of one counter block: 0 for what no job owns, a job cell for that job."""
+    return [f"counter_read {ING}.events {cell * EVENT_CELLS + i}" for i in range(len(EVENTS))]
 
 
-def parse_events(text: str) -> dict:
-    """The output of events_commands() as {event: packets}.  bmv2's CLI prints either
-    `packets=N` (older) or `(B bytes, N packets)` (newer); both are read, and a missing line
-    is an error."""
+def parse_events(text: str, blocks: int = 1) -> dict:
+    """The output of events_commands() as {event: packets}, summed over `blocks` blocks read
+    one after the other.  bmv2's CLI prints either `packets=N` (older) or `(B bytes, N
+    packets)` (newer); both are read, and a missing line is an error."""
     counts = [int(a or b) for a, b in re.findall(r"packets=(\d+)|(\d+) packets", text)]
-    if len(counts) != len(EVENTS):
-        raise RuntimeError(f"could not read {len(EVENTS)} event counters from the switch CLI:\n"
+    if len(counts) != blocks * len(EVENTS):
+        raise RuntimeError(f"could not read {blocks} x {len(EVENTS)} event counters from the switch CLI:\n"
                            f"{text[-500:]}")
-    return dict(zip(EVENTS, counts))
+    return {e: sum(counts[b * len(EVENTS) + i] for b in range(blocks)) for i, e in enumerate(EVENTS)}
 
 
 def compile_program(out_dir: Path | str = "build/p4") -> Path:
@@ -212,68 +253,55 @@ def start_switch(json_path: Path, ports: dict, thrift_port: int = 9090, netns: s
     raise RuntimeError("simple_switch did not start (Thrift port never answered)")
 
 
-def _handle(cli_output: str) -> int:
-    found = re.findall(r"handle (\d+)", cli_output)
+def _handles(cli_output: str, what: str = "added with handle") -> list[int]:
+    """The entry (or node) handles a CLI batch reported, in command order."""
+    return [int(h) for h in re.findall(what + r" (\d+)", cli_output)]
+
+
+def _handle(cli_output: str, what: str = "added with handle") -> int:
+    found = _handles(cli_output, what)
     if not found:
-        raise RuntimeError(f"simple_switch_CLI did not report an entry handle: {cli_output[-300:]}")
-    return int(found[-1])
+        raise RuntimeError(f"simple_switch_CLI did not report a handle: {cli_output[-300:]}")
+    return found[-1]
 
 
 class SwitchEngine:
-    """Stands in for the PS engine in PSServer: the switch aggregates, this programs it.
+    """The switch as PSServer sees it: it holds up to `max_jobs` jobs at once, each in a job
+    cell (its multicast group and event counter block) and a region of the slot registers that
+    the PS's admission gives it (ps_server/admission.py).  `start_job` programs a job and
+    returns its engine (SwitchJob), which programs registrations and removes everything of the
+    job when it ends.  Block 0 of the counters (what no job owns) is this object's stats.
 
-    Each job: clean registers and counters and the job's nonce in thc_config.  Each
-    registration: a workers entry keyed by (address, port, token), replaced when the rank
-    registers again; the rank's multicast node and egress rewrite are made once."""
-
-    def __init__(self, job: JobConfig, cli: SwitchCLI, topology: dict, ps_mac: str = "00:00:00:00:00:fe"):
-        self.job, self.cli, self.topology, self.ps_mac = job, cli, topology, ps_mac
-        self._nodes = 0
-        self._placed: dict = {}          # rank -> (ip, port) of its multicast node and rewrite
-        self._entries: dict = {}         # rank -> workers table handle
-
-    def start_job(self, job: JobConfig, nonce: int) -> None:
-        log.info("switch: new job (n=%d, quorum %d): registers and counters reset, nonce programmed",
-                 job.num_workers, job.quorum_count)
-        self.job = job
-        self.cli.run(reset_commands() + [f"table_clear {ING}.workers", config_command(job, self.ps_mac, nonce)])
-        self._entries.clear()
+    On start it clears what a previous control plane left in the THC tables, registers,
+    counters and multicast groups; L2 entries (non-THC forwarding) are left alone."""
 
     fixed_nonce = None          # the PS draws each job's nonce and the ranks' tokens
     fixed_tokens: dict = {}
 
-    def register(self, rank: int, ip: str, port: int, token: int = 0) -> None:
-        worker_id = rank
-        if ip not in self.topology:
-            raise ValueError(f"worker address {ip} is not attached to the switch")
-        switch_port, mac = self.topology[ip]
-        w = WorkerPort(worker_id, ip, port, mac, switch_port)
-        placed = self._placed.get(worker_id)
-        if placed is not None and placed != (ip, port):
-            raise ValueError(f"rank {worker_id} moved from {placed[0]}:{placed[1]} to {ip}:{port}; "
-                             f"the switch's multicast node is fixed until `thc p4 run` restarts")
-        self.unregister(worker_id)
-        if placed is None:
-            cmds = worker_commands(w, self._nodes, token)
-            self._nodes += 1
-            self._placed[worker_id] = (ip, port)
-        else:
-            cmds = [registration_command(w, token)]
-        self._entries[worker_id] = _handle(self.cli.run(cmds[:1]))
-        if len(cmds) > 1:
-            self.cli.run(cmds[1:])
+    def __init__(self, cli: SwitchCLI, topology: dict, ps_mac: str = "00:00:00:00:00:fe",
+                 slots: int = SLOTS, max_jobs: int = MAX_JOBS):
+        self.cli, self.topology, self.ps_mac = cli, topology, ps_mac
+        self.slot_space, self.max_jobs = slots, max_jobs
+        self.cells: dict = {}                 # cell -> SwitchJob
+        tables = ["thc_config", "workers"] + [f"lut{i}" for i in range(LANES)]
+        self.cli.run([f"table_clear {ING}.{t}" for t in tables] + ["table_clear ThcEgress.replica_dest"]
+                     + reset_commands())
+        # groups of an earlier run on an attached switch (absent ones just fail)
+        self.cli.run([f"mc_mgrp_destroy {c}" for c in range(1, max_jobs + 1)], check=False)
 
-    def unregister(self, rank: int) -> None:
-        handle = self._entries.pop(rank, None)
-        if handle is not None:
-            self.cli.run([f"table_delete {ING}.workers {handle}"])
-
-    def region(self) -> tuple:
-        """The switch serves one job at a time: its slots start at register 0."""
-        return 0, self.job.slots + self.job.norm_slots
-
-    def close(self) -> None:
-        """The next job's start_job resets the registers."""
+    def start_job(self, job: JobConfig, nonce: int, base: int = 0) -> "SwitchJob":
+        check_shape(job)
+        if base + job.slots + job.norm_slots > self.slot_space:
+            raise ValueError(f"region {base}..{base + job.slots + job.norm_slots - 1} is past the switch's "
+                             f"{self.slot_space} slots")
+        free = [c for c in range(1, self.max_jobs + 1) if c not in self.cells]
+        if not free:
+            raise ValueError(f"the switch holds {self.max_jobs} jobs at once (its job table)")
+        engine = SwitchJob(self, job, nonce, base, free[0])
+        self.cells[engine.cell] = engine
+        log.info("switch: job id %d (n=%d, quorum %d) in cell %d, slots %d..%d", job.job_id, job.num_workers,
+                 job.quorum_count, engine.cell, base, base + job.slots + job.norm_slots - 1)
+        return engine
 
     def process(self, datagram: bytes, addr: tuple) -> list:
         return []               # the switch aggregates; nothing is answered from here
@@ -282,7 +310,80 @@ class SwitchEngine:
         return wait(duration_ms)
 
     def stats(self) -> dict:
-        return engine_stats(self.cli.events())
+        """What no job owns: malformed headers and unknown job ids (counter block 0)."""
+        ev = self.cli.events(0)
+        return {"drops": {k: ev[k] for k in DROPS}}
+
+
+class SwitchJob:
+    """One job on the switch (the PS's engine for it): its config entry, lookup tables,
+    multicast group and region are programmed at start; each registration adds a workers
+    entry keyed by (job id, address, port, token), replaced when the rank registers again,
+    and the rank's multicast node and egress rewrite once; `close` removes all of it and
+    clears the region and the job's counters."""
+
+    def __init__(self, switch: SwitchEngine, job: JobConfig, nonce: int, base: int, cell: int):
+        self.switch, self.job, self.nonce, self.base, self.cell = switch, job, nonce, base, cell
+        self.cli = switch.cli
+        handles = _handles(self.cli.run(job_commands(job, switch.ps_mac, nonce, base, cell)))
+        self._config, self._luts = handles[0], handles[1:]
+        self._entries: dict = {}         # rank -> workers table handle
+        self._placed: dict = {}          # rank -> (ip, port, node handle, replica_dest handle)
+        self.closed = False
+
+    def register(self, rank: int, ip: str, port: int, token: int = 0) -> None:
+        if ip not in self.switch.topology:
+            raise ValueError(f"worker address {ip} is not attached to the switch")
+        switch_port, mac = self.switch.topology[ip]
+        w = WorkerPort(rank, ip, port, mac, switch_port)
+        self.unregister(rank)
+        placed = self._placed.get(rank)
+        if placed is not None and placed[:2] != (ip, port):      # the rank came back elsewhere
+            self._unplace(rank)
+            placed = None
+        self._entries[rank] = _handle(self.cli.run([registration_command(w, token, self.job.job_id)]))
+        if placed is None:
+            node = _handle(self.cli.run([f"mc_node_create {rid(self.cell, rank)} {switch_port}"]),
+                           "created with handle")
+            out = self.cli.run([f"mc_node_associate {self.cell} {node}", replica_command(w, self.cell)])
+            self._placed[rank] = (ip, port, node, _handle(out))
+
+    def _unplace(self, rank: int) -> None:
+        _, _, node, replica = self._placed.pop(rank)
+        self.cli.run([f"mc_node_dissociate {self.cell} {node}", f"mc_node_destroy {node}",
+                      f"table_delete ThcEgress.replica_dest {replica}"])
+
+    def unregister(self, rank: int) -> None:
+        handle = self._entries.pop(rank, None)
+        if handle is not None:
+            self.cli.run([f"table_delete {ING}.workers {handle}"])
+
+    def region(self) -> tuple:
+        return self.base, self.job.slots + self.job.norm_slots
+
+    def close(self) -> None:
+        """The job ended: its entries, multicast group and nodes go and its region is cleared.
+        Its counters stay readable until the next job in its cell starts (with them at 0)."""
+        if self.closed:
+            return
+        self.closed = True
+        for rank in list(self._entries):
+            self.unregister(rank)
+        for rank in list(self._placed):
+            self._unplace(rank)
+        luts = [f"table_delete {ING}.lut{i // len(self.job.table)} {h}" for i, h in enumerate(self._luts)]
+        self.cli.run([f"table_delete {ING}.thc_config {self._config}", f"mc_mgrp_destroy {self.cell}"]
+                     + luts + clear_commands(self.base, self.job.slots + self.job.norm_slots))
+        self.switch.cells.pop(self.cell, None)
+
+    def process(self, datagram: bytes, addr: tuple) -> list:
+        return []
+
+    def serve(self, fd: int, duration_ms: int, gro: bool = True, gso: bool = True) -> int:
+        return wait(duration_ms)
+
+    def stats(self) -> dict:
+        return engine_stats(self.cli.events(self.cell))
 
 
 def engine_stats(ev: dict) -> dict:

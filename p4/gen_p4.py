@@ -55,9 +55,9 @@ V1MODEL = Target(
         meta.v$i = v;
     }
     table lut$i {
-        key = { hdr.idx.z$i: exact; }
+        key = { hdr.thc.job_id: exact; hdr.idx.z$i: exact; }
         actions = { set_v$i; NoAction; }
-        size = 16;
+        size = $lut_entries;
         default_action = NoAction();
     }""",
         "lane_actions": """\
@@ -87,9 +87,9 @@ TNA = Target(
         meta.in$w[$hi:$lo] = v;
     }
     table lut$i {
-        key = { hdr.idx.z$i: exact; }
+        key = { hdr.thc.job_id: exact; hdr.idx.z$i: exact; }
         actions = { set_v$i; }
-        size = 16;
+        size = $lut_entries;
         default_action = set_v$i(0);
     }""",
         "apply_lookups": "                lut$i.apply();",
@@ -154,6 +154,8 @@ def substitutions(target: Target, lanes: int = LANES, port: int = PORT) -> dict:
     banks = 2 * target.slots
     values = {
         "lanes": lanes, "slots": target.slots, "banks": banks, "port": port,
+        "max_jobs": spec.MAX_JOBS, "max_members": spec.MAX_JOBS * spec.MAX_RANKS,
+        "lut_entries": 16 * spec.MAX_JOBS, "event_counters": (spec.MAX_JOBS + 1) * spec.EVENT_CELLS,
         "magic": f"{H.MAGIC:#06x}", "version": H.VERSION, "header_bytes": H.HEADER_SIZE,
         "round_window": H.ROUND_WINDOW, "f_resent": H.F_RESENT,
         "op_lookup_sum": H.OP_LOOKUP_SUM, "op_max_u32": H.OP_MAX_U32,
@@ -168,7 +170,8 @@ def substitutions(target: Target, lanes: int = LANES, port: int = PORT) -> dict:
         "ipv4_checksum_fields": ",\n".join(f"            hdr.ipv4.{name}" for name in IPV4_CHECKSUMMED),
         "idx_fields": _repeat("    bit<4> z$i;", [{"i": i} for i in range(lanes)]),
     }
-    lane_subs = [{"i": i, "banks": banks, "w": i // 4, "hi": 31 - 8 * (i % 4), "lo": 24 - 8 * (i % 4)}
+    lane_subs = [{"i": i, "banks": banks, "lut_entries": values["lut_entries"], "w": i // 4,
+                  "hi": 31 - 8 * (i % 4), "lo": 24 - 8 * (i % 4)}
                  for i in range(lanes)]
     for name, pattern in target.per_lane.items():
         values[name] = _repeat(pattern, lane_subs)

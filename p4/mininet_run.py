@@ -29,6 +29,7 @@ from pathlib import Path
 from p4 import tools
 from p4.control import (EVENTS, WorkerPort, ensure_program, job_commands, l2_commands, parse_events,
                         switch_job, worker_commands)
+from p4.spec import EVENT_CELLS, MAX_JOBS
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "p4" / "harness" / "mininet_thc.py"
@@ -48,11 +49,13 @@ def static_identity(n: int) -> tuple[int, list]:
     return secrets.randbits(32) or 1, [secrets.randbits(32) for _ in range(n)]
 
 
-def switch_commands(job, mode: str, nonce: int = 0, tokens: list | None = None) -> list[str]:
-    """L2 entries for every host; with mode 'static' also the job (with its nonce) and every
-    worker's entries (with its token); with 'p4run', `thc p4 run --attach` programs those."""
-    workers = worker_ports(job.num_workers)
-    cmds = l2_commands({w.mac: w.switch_port for w in workers} | {CTRL_MAC: job.num_workers + 1})
+def switch_commands(job, mode: str, nonce: int = 0, tokens: list | None = None, jobs: int = 1) -> list[str]:
+    """L2 entries for every host (`jobs` × n workers and the control host); with mode 'static'
+    (one job) also the job (with its nonce) and every worker's entries (with its token); with
+    'p4run', `thc p4 run --attach` programs those."""
+    hosts = worker_ports(jobs * job.num_workers)
+    workers = hosts[:job.num_workers]
+    cmds = l2_commands({w.mac: w.switch_port for w in hosts} | {CTRL_MAC: len(hosts) + 1})
     if mode == "static":
         cmds += job_commands(job, PS_MAC, nonce)
         for handle, w in enumerate(workers):
@@ -141,12 +144,18 @@ def _teardown(proc: subprocess.Popen | None, ns: str, grace: float) -> None:
 def run(*, workers: int = 4, rounds: int = 20, dim: int = 4096, loss: float = 0.0,
         straggler_delay_ms: float = 0.0, straggler_rank: int | None = None, quorum: float = 1.0,
         granularity: int = 30, p: str = "1/32", policy: str = "retransmit", control: str = "static", timeout_ms: float = 200.0,
-        build_dir: str | Path = "build/p4", worker_timeout_s: float = 900.0, log=None) -> dict:
-    """One Mininet run; returns the summary (check, workers' counters, switch counters)."""
+        build_dir: str | Path = "build/p4", worker_timeout_s: float = 900.0, jobs: int = 1, log=None) -> dict:
+    """One Mininet run of `jobs` jobs of `workers` workers each at once; returns the summary
+    (check per job and in all, workers' counters, switch counters)."""
     from deploy.launch import check_rounds
     job = switch_job(workers, quorum=quorum, granularity=granularity, p=p)   # refuses n*g > 255
     if straggler_rank is not None and not 0 <= straggler_rank < workers:
         raise ValueError(f"--straggler-rank must be in 0..{workers - 1}")
+    if not 1 <= jobs <= MAX_JOBS:
+        raise ValueError(f"--jobs must be in 1..{MAX_JOBS} (the jobs the switch holds at once)")
+    if jobs > 1 and control != "p4run":
+        raise ValueError("--jobs above 1 needs --control-mode p4run: a switch programmed in advance "
+                         "holds one job")
     found = preflight(loss)
     json_path = ensure_program(build_dir)
     log = log or (lambda m: None)
@@ -155,7 +164,7 @@ def run(*, workers: int = 4, rounds: int = 20, dim: int = 4096, loss: float = 0.
         tmpd = Path(tmp)
         os.chmod(tmpd, 0o755)
         nonce, tokens = static_identity(workers)
-        (tmpd / "cmds.txt").write_text("\n".join(switch_commands(job, control, nonce, tokens)) + "\n")
+        (tmpd / "cmds.txt").write_text("\n".join(switch_commands(job, control, nonce, tokens, jobs)) + "\n")
         cmd = [found["python"], str(HARNESS), "--json", str(Path(json_path).resolve()),
                "--commands", str(tmpd / "cmds.txt"), "--simple-switch", found["simple_switch"],
                "--simple-switch-cli", found["simple_switch_CLI"], "--python", sys.executable,
@@ -166,7 +175,8 @@ def run(*, workers: int = 4, rounds: int = 20, dim: int = 4096, loss: float = 0.
                "--straggler-rank", str(-1 if straggler_rank is None else straggler_rank),
                "--timeout-ms", str(timeout_ms), "--worker-timeout-s", str(worker_timeout_s),
                "--control-mode", control, "--nonce", str(nonce),
-               "--tokens", ",".join(map(str, tokens)), "--events", str(len(EVENTS))]
+               "--tokens", ",".join(map(str, tokens)), "--events", str(len(EVENTS)),
+               "--event-cells", str(EVENT_CELLS), "--jobs", str(jobs)]
         if loss > 0:
             (tmpd / "loss.nft").write_text(loss_ruleset(loss))
             cmd += ["--loss-rules", str(tmpd / "loss.nft")]
@@ -175,7 +185,8 @@ def run(*, workers: int = 4, rounds: int = 20, dim: int = 4096, loss: float = 0.
         try:
             subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
             subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
-            log(f"mininet: {workers} hosts + bmv2 switch in namespace {ns}; {rounds} rounds of d={dim}")
+            log(f"mininet: {jobs * workers} hosts + bmv2 switch in namespace {ns}; {jobs} job(s) of "
+                f"{workers} workers, {rounds} rounds of d={dim}")
             with open(tmpd / "harness.out", "w") as out, open(tmpd / "harness.err", "w") as err:
                 proc = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--pid", "--fork",
                                          "--kill-child", "--mount-proc"] + cmd,
@@ -198,24 +209,27 @@ def run(*, workers: int = 4, rounds: int = 20, dim: int = 4096, loss: float = 0.
         doc = json.loads(stdout.strip().splitlines()[-1])
         bad = [w for w in doc["workers"] if w["rc"] != 0]
         if bad:
-            raise RuntimeError(f"worker {bad[0]['rank']} exited with status {bad[0]['rc']}: "
+            which = f" of job {bad[0]['job'] + 1}" if jobs > 1 else ""
+            raise RuntimeError(f"worker {bad[0]['rank']}{which} exited with status {bad[0]['rc']}: "
                                f"{_last_lines(bad[0]['stderr'])}")
-        reports = {i: json.loads((tmpd / f"worker{i}.json").read_text()) for i in range(workers)}
-    per_worker = {i: r["rounds"] for i, r in reports.items()}
-    check = check_rounds(job, 0, dim, per_worker)
+        reports = {k: json.loads((tmpd / f"worker{k}.json").read_text()) for k in range(jobs * workers)}
+    per_job = [check_rounds(job, 0, dim, {i: reports[j * workers + i]["rounds"] for i in range(workers)})
+               for j in range(jobs)]
+    check = {key: sum(c[key] for c in per_job) for key in per_job[0]}
     total = lambda key: int(sum(r["transport"][key] for r in reports.values()))
-    round_s = [r["seconds"] for w in per_worker.values() for r in w]
-    busy = max(sum(r["seconds"] for r in w) for w in per_worker.values())
-    return {**check, "workers": workers, "dim": dim, "quorum": quorum, "loss": loss, "policy": policy,
+    round_s = [r["seconds"] for rep in reports.values() for r in rep["rounds"]]
+    busy = max(sum(r["seconds"] for r in rep["rounds"]) for rep in reports.values())
+    return {**check, "jobs": jobs, "per_job": per_job, "workers": workers, "dim": dim, "quorum": quorum,
+            "loss": loss, "policy": policy,
             "straggler_delay_ms": straggler_delay_ms, "straggler_rank": straggler_rank, "control": control,
-            "chunks_per_round": len(per_worker[0][0]["digest"]) + 1,       # DATA chunks + one NORM
+            "chunks_per_round": len(reports[0]["rounds"][0]["digest"]) + 1,   # DATA chunks + one NORM
             "seconds": seconds, "mean_round_ms": 1e3 * sum(round_s) / len(round_s),
             "packets_sent": total("packets_sent"),
             "packets_per_s": total("packets_sent") / busy if busy else None,
             "retransmissions": total("retransmissions"), "timeouts": total("timeouts"),
             "straggler_notices": total("straggler_notices"), "lost_chunks_reported": total("lost_chunks"),
             "kernel_drops": sum(nft_dropped(t) for t in doc["nft"]),
-            "switch": parse_events(doc["counters"]), "netns_left": ns in netns_list(),
+            "switch": parse_events(doc["counters"], jobs + 1), "netns_left": ns in netns_list(),
             "control_output": doc["control"]}
 
 
@@ -263,7 +277,13 @@ def summary_text(doc: dict) -> str:
         "",
     ]
     who = "all workers" if doc["straggler_rank"] is None else f"rank {doc['straggler_rank']}"
-    head = (f"{doc['workers']} workers through bmv2 in Mininet, d={doc['dim']}, loss {doc['loss']} "
+    jobs = doc.get("jobs", 1)
+    if jobs > 1:
+        left.append("; ".join(f"job{j + 1}: {c['exact_rounds']}/{c['rounds']} exact"
+                              for j, c in enumerate(doc["per_job"])))
+        right.append("")
+    size = f"{jobs} jobs of {doc['workers']} workers" if jobs > 1 else f"{doc['workers']} workers"
+    head = (f"{size} through bmv2 in Mininet, d={doc['dim']}, loss {doc['loss']} "
             f"(nftables on the host links), policy {doc['policy']}, quorum {doc['quorum']}, "
             f"straggler delay {doc['straggler_delay_ms']} ms "
             f"({who})")

@@ -7,7 +7,9 @@ and its constants come from proto/headers.py, as everywhere else.
 from __future__ import annotations
 
 LANES = 32           # 4-bit indices per DATA packet, 8-bit sums per RESULT
-SLOTS = 256          # slots (data + norm) of the v1model program; each has two lane banks
+SLOTS = 1024         # slots (data + norm) of the v1model program; each has two lane banks
+MAX_JOBS = 8         # jobs the switch holds at once: each has a region of the slots (p4/control.py)
+MAX_RANKS = 32       # ranks per job (the 32-bit contributor bitmap)
 PORT = 9000          # the UDP port the workers send to
 
 #: The switch's event counters, in counter-index order.  The drop reasons use the software
@@ -18,7 +20,8 @@ EVENTS = ("malformed", "wrong_version", "unknown_job", "slot_out_of_range", "wor
 #: The drop reasons among EVENTS.
 DROPS = ("malformed", "wrong_version", "unknown_job", "slot_out_of_range", "worker_out_of_range",
          "unregistered", "stale", "duplicate", "late", "ahead")
-#: Size of the event counter array in the programs (room for more events).
+#: Counter cells per block (room for more events).  The programs' counter array holds
+#: MAX_JOBS + 1 blocks: block 0 counts what no job owns, block k the job in job cell k.
 EVENT_CELLS = 16
 
 #: Outcomes of the slot update, as the software PS decides them (docs/design.md, PS rules).

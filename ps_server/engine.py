@@ -5,7 +5,8 @@ Four implementations, one signature each:
 
 - ``ps_server.reference.ReferencePS``: the executable specification, in Python;
 - ``ps_server._fastpath.Engine``: the C hot path (recvmmsg/sendmmsg, GIL released);
-- ``p4.control.SwitchEngine``: programs a bmv2 switch, which aggregates;
+- ``p4.control.SwitchJob``: programs one job on a bmv2 switch, which aggregates (made by
+  ``p4.control.SwitchEngine``, the switch's ExternalEngine);
 - ``p4.harness.static_control.StaticEngine``: a switch programmed in advance.
 
 The PS owns the UDP socket and hands its descriptor to ``serve``; ``process`` is the same
@@ -53,16 +54,27 @@ class Engine(Protocol):
 
 
 @runtime_checkable
-class ExternalEngine(Engine, Protocol):
-    """An engine the PS is given rather than one it makes per job (a switch): it is told of
-    each new job.  ``fixed_nonce`` / ``fixed_tokens`` are what a switch programmed in
-    advance already holds (None / {} when the PS draws them)."""
+class ExternalEngine(Protocol):
+    """What aggregates for the PS rather than engines it makes (a switch): the PS admits jobs
+    into its `slot_space` slots, at most `max_jobs` at once, and `start_job` gives each its
+    engine.  ``fixed_nonce`` / ``fixed_tokens`` are what a switch programmed in advance
+    already holds (None / {} when the PS draws them).  ``serve`` and ``stats`` are the
+    switch's own: what no job owns."""
 
     fixed_nonce: int | None
     fixed_tokens: dict
+    slot_space: int
+    max_jobs: int
 
-    def start_job(self, job, nonce: int) -> None:
-        """A new job starts: clean state, its configuration and nonce."""
+    def start_job(self, job, nonce: int, base: int = 0) -> Engine:
+        """A new job starts in slots base..: program it (clean region, its configuration and
+        nonce) and return its engine."""
+
+    def serve(self, fd: int, duration_ms: int, gro: bool = True, gso: bool = True) -> int:
+        """Wait on the PS socket (the switch answers the data plane)."""
+
+    def stats(self) -> dict:
+        """Counters of what no job owns."""
 
 
 def header_drop(datagram: bytes) -> str | None:

@@ -61,12 +61,12 @@ QUEUE_FORGET_S = 5.0
 def make_engine(job: JobConfig, kind: str | ExternalEngine = "c", nonce: int = 0, space=None,
                 base: int = 0) -> Engine:
     """A fresh aggregation engine for one job: 'c' (hot path), 'python' (reference), or an
-    ExternalEngine (e.g. p4.control.SwitchEngine) that is told about the new job.  `space`:
-    the PS's SlotSpace (the C one for 'c', reference.SlotSpace for 'python'), the engine's
-    slots being its slots base..; None gives the engine slots of its own."""
+    ExternalEngine (e.g. p4.control.SwitchEngine), which programs the job in its slots base..
+    and returns its engine.  `space`: the PS's SlotSpace (the C one for 'c',
+    reference.SlotSpace for 'python'), the engine's slots being its slots base..; None gives
+    the engine slots of its own."""
     if not isinstance(kind, str):
-        kind.start_job(job, nonce)
-        return kind
+        return kind.start_job(job, nonce, base)
     if kind == "python" or job.blob:   # decode–sum–re-encode codecs run in Python
         if space is not None and not isinstance(space, SlotSpace):
             space, base = None, 0      # a Python engine beside C ones: slots of its own
@@ -203,10 +203,15 @@ class PSServer:
         self.fixed_job = job
         self.engine_kind = engine
         self._external = None if isinstance(engine, str) else engine    # an ExternalEngine
+        if self._external is not None:          # the switch's registers are the slot space
+            slot_space = self._external.slot_space
         if job is not None and job.slots + job.norm_slots > slot_space:
             raise ValueError(f"the job's {job.slots} + {job.norm_slots} slots exceed the slot space "
                              f"of {slot_space}")
-        if engine == "c":
+        self.space_size = slot_space
+        if self._external is not None:
+            self.space, self.mux = None, self._external
+        elif engine == "c":
             from ps_server._fastpath import Mux
             from ps_server._fastpath import SlotSpace as CSlotSpace
             self.space, self.mux = CSlotSpace(slot_space), Mux()
@@ -266,19 +271,19 @@ class PSServer:
         `queued` (CodedError) saying why it waits and what runs."""
         now = time.monotonic()
         held = {j.label(): j.region for j in self.jobs.values()}
-        if self._external is not None and self.jobs:       # the switch programs: one job at a time
+        full = self._external is not None and len(self.jobs) >= self._external.max_jobs
+        if full:                                           # the switch's job table is full
             region = None
-            why = (f"this PS programs one switch job at a time and {next(iter(held))} runs; it waits "
-                   f"until that job ends")
+            why = (f"the switch holds {self._external.max_jobs} job(s) at once and "
+                   f"{', '.join(held)} run(s); it waits until one ends")
         else:
-            region = admission.grant(config.slots, config.norm_slots, list(held.values()), self.space.size)
-            why = admission.why_waiting(config.slots, config.norm_slots, held, self.space.size)
+            region = admission.grant(config.slots, config.norm_slots, list(held.values()), self.space_size)
+            why = admission.why_waiting(config.slots, config.norm_slots, held, self.space_size)
         mine = self.queue.get(name)
         since = mine.since if mine else now
         # first come, first served: an older queued job that fits now goes first
-        first = next((q for q in self.queue.values() if q.since < since and q.name != name
-                      and self._external is None
-                      and admission.grant(q.data, q.norm, list(held.values()), self.space.size)), None)
+        first = next((q for q in self.queue.values() if q.since < since and q.name != name and not full
+                      and admission.grant(q.data, q.norm, list(held.values()), self.space_size)), None)
         if region is None or first is not None:
             q = self.queue.setdefault(name, Queued(name, config.slots, config.norm_slots, now, now))
             q.last_asked = now
@@ -316,8 +321,7 @@ class PSServer:
         _add_stats(self._totals, job.engine.stats())
         for r in list(job.members):
             self._unregister(job, r)
-        if self._external is None:
-            job.engine.close()             # the region is free (and clear) for the next job
+        job.engine.close()                 # the region is free (and clear) for the next job
         for waiters in ([[w for w, _ in ws] for ws in job.sync_waiters.values()]
                         + [list(b.values()) for b in job.barriers.values()]
                         + [list(job.resume_waiters.values())]):
@@ -493,8 +497,8 @@ class PSServer:
                 return doc
             if len(jobs) == 1:
                 doc.update(self.job_status(jobs[0], now))
-            doc["slot_space"] = self.space.size
-            doc["slots_free"] = self.space.size - sum(j.region.size for j in jobs)
+            doc["slot_space"] = self.space_size
+            doc["slots_free"] = self.space_size - sum(j.region.size for j in jobs)
             doc["jobs"] = [{**self.job_status(j, now), "stats": j.engine.stats()} for j in jobs]
             doc["queued"] = [{"job_name": q.name, "slots": q.data + q.norm, "waiting_s": now - q.since,
                               "ranks": sorted(q.ranks)} for q in self.queue.values()]
@@ -637,8 +641,7 @@ class PSServer:
         with self._lock:
             total = {"drops": dict(self._totals["drops"])}
             _add_stats(total, {k: v for k, v in self._totals.items() if k != "drops"})
-            if self._external is None:
-                _add_stats(total, self.mux.stats())
+            _add_stats(total, self.mux.stats())         # what no job owns
             for job in self.jobs.values():
                 _add_stats(total, job.engine.stats())
             if self.jobs:

@@ -497,9 +497,10 @@ def test_thc_launches_started_together_on_one_thc_ps_are_each_exact_and_listed()
     assert gone.returncode == 1 and f"tcp://127.0.0.1:{port + 1}" in gone.stderr + gone.stdout
 
 
-def test_a_ps_driving_a_switch_queues_a_second_job():
-    """The P4 programs serve one job at a time: a PS with a switch engine admits one job and
-    answers a second name with `queued`, saying why (no bmv2 needed: the static engine)."""
+def test_a_ps_driving_a_switch_queues_a_job_past_its_job_table():
+    """A switch holds `max_jobs` jobs at once (a switch programmed in advance: one): a PS
+    driving it admits that many and answers the next name with `queued`, saying why (no bmv2
+    needed: the static engine)."""
     from p4.control import switch_job
     from p4.harness.static_control import StaticEngine
     from tests.test_service import _free_port
@@ -513,7 +514,7 @@ def test_a_ps_driving_a_switch_queues_a_second_job():
         assert t.sessions[0]["nonce"] == 5 and t.sessions[0]["token"] == 7
         reply = ask(req_socket(server), {"type": "register", "worker_id": 0, "data_addr": ["127.0.0.1", 1],
                                          "job_name": "second"})
-        assert reply["code"] == "queued" and "one switch job at a time" in reply["message"]
+        assert reply["code"] == "queued" and "the switch holds 1 job(s) at once" in reply["message"]
         assert [q["job_name"] for q in server.status()["queued"]] == ["second"]
         t.close()
     finally:

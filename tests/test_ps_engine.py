@@ -300,13 +300,18 @@ def test_switch_engines_follow_the_protocol():
     """The switch engines have the same signatures (checked without bmv2: no switch is run)."""
     import inspect
 
-    from p4.control import SwitchEngine
+    from p4.control import SwitchEngine, SwitchJob
     from p4.harness.static_control import StaticEngine
     from ps_server.engine import Engine, ExternalEngine
-    for cls in (SwitchEngine, StaticEngine, ReferencePS):
+    for cls in (SwitchJob, StaticEngine, ReferencePS):
         # ReferencePS.stats is its Stats object, callable: checked on instances above
-        for name in ("register", "unregister", "process", "serve") + (("stats",) * (cls is not ReferencePS)):
+        for name in ("register", "unregister", "process", "serve", "region", "close") + \
+                (("stats",) * (cls is not ReferencePS)):
             want = list(inspect.signature(getattr(Engine, name)).parameters)
+            assert list(inspect.signature(getattr(cls, name)).parameters) == want, (cls, name)
+    for cls in (SwitchEngine, StaticEngine):            # what the PS needs of a switch
+        for name in ("start_job", "serve", "stats"):
+            want = list(inspect.signature(getattr(ExternalEngine, name)).parameters)
             assert list(inspect.signature(getattr(cls, name)).parameters) == want, (cls, name)
     static = StaticEngine({0: ("10.0.0.1", 5000, 7)}, nonce=3)
     assert isinstance(static, ExternalEngine) and static.fixed_tokens == {0: 7}

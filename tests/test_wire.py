@@ -106,7 +106,7 @@ def test_p4_program_is_generated_from_the_generator():
     from p4 import gen_p4
     assert gen_p4.main(["--check"]) == 0
     text = (gen_p4.HERE / "thc.p4").read_text()
-    assert text.count("register<bit<8>>(512) acc") == gen_p4.LANES
+    assert text.count(f"register<bit<8>>({2 * gen_p4.SLOTS}) acc") == gen_p4.LANES
     assert f"const bit<16> THC_PORT = {gen_p4.PORT};" in text
     tna = gen_p4.TNA.output.read_text()
     assert tna.count("table lut") == gen_p4.LANES                       # one lookup table per lane

@@ -15,8 +15,10 @@ Control plane, `--control-mode`:
   static  the commands file programs the whole job; a control-plane host answers the
           workers' registrations (p4/harness/static_control.py);
   p4run   the commands file holds only L2 entries; `thc p4 run --attach` on a host in the
-          switch's namespace (so it reaches the Thrift port) programs the job, and each
-          worker's entries when that worker registers — the path a user runs.
+          switch's namespace (so it reaches the Thrift port) programs each job when its first
+          worker registers, and each worker's entries when that worker registers — the path a
+          user runs.  `--jobs J` runs J jobs at once (p4run only): job j's rank i on host
+          j·N + i, named `job<j+1>`.
 
 Loss (`--loss-rules FILE`): the ruleset is loaded with `nft -f` in every worker host's
 namespace (real kernel drops on the host links); stragglers: `--straggler-delay-ms` for
@@ -117,7 +119,9 @@ def main():
     ap.add_argument("--timeout-ms", type=float, default=200.0)
     ap.add_argument("--nonce", type=int, default=0, help="static mode: the job nonce programmed")
     ap.add_argument("--tokens", default="", help="static mode: worker tokens programmed, in rank order")
-    ap.add_argument("--events", type=int, default=13, help="event counters to read")
+    ap.add_argument("--events", type=int, default=13, help="event counters to read per block")
+    ap.add_argument("--event-cells", type=int, default=16, help="counter cells per block")
+    ap.add_argument("--jobs", type=int, default=1, help="jobs at once (p4run): --workers hosts each")
     ap.add_argument("--worker-timeout-s", type=float, default=600.0)
     ap.add_argument("--control-mode", choices=("static", "p4run"), default="static")
     args = ap.parse_args()
@@ -127,12 +131,13 @@ def main():
     sw = net.addSwitch("s1", cls=Bmv2Switch, json_path=args.json, simple_switch=args.simple_switch, dpid="1",
                       ipc=os.path.join(args.out, "bmv2-notifications.ipc"))
     hosts = []
-    for i in range(args.workers):
+    total = args.jobs * args.workers
+    for i in range(total):
         h = net.addHost(f"h{i + 1}", ip=f"10.0.0.{i + 1}/24", mac=f"00:00:00:00:00:{i + 1:02x}")
         net.addLink(h, sw, port2=i + 1)
         hosts.append(h)
     ctrl = net.addHost("h0", ip=f"{CTRL_IP}/24", mac=CTRL_MAC, inNamespace=args.control_mode == "static")
-    net.addLink(ctrl, sw, port2=args.workers + 1)
+    net.addLink(ctrl, sw, port2=total + 1)
     procs = []
     try:
         net.build()
@@ -160,30 +165,35 @@ def main():
                    "--workers", str(args.workers), "--nonce", str(args.nonce)] + job + expect
         else:
             attach = sum((["--worker-port", f"10.0.0.{i + 1}={i + 1},00:00:00:00:00:{i + 1:02x}"]
-                          for i in range(args.workers)), [])
+                          for i in range(total)), [])
             cmd = [args.python, "-m", "deploy.cli", "p4", "run", "--attach", "--thrift-port", str(THRIFT_PORT),
                    "--control", f"{CTRL_IP}:{CTRL_PORT}", "--workers", str(args.workers),
                    "--ps-ip", PS_IP, "--ps-mac", PS_MAC] + job + attach
         control = ctrl.popen(cmd, cwd=args.repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(control)
         time.sleep(2.0)
-        for i, h in enumerate(hosts):
+        for k, h in enumerate(hosts):
+            i = k % args.workers                 # rank i of job k // workers
             delay = args.straggler_delay_ms if args.straggler_rank in (-1, i) else 0.0
-            report = os.path.join(args.out, f"worker{i}.json")
+            report = os.path.join(args.out, f"worker{k}.json")
+            name = ["--job", f"job{k // args.workers + 1}"] if args.jobs > 1 else []
             procs.append(h.popen([args.python, "-m", "deploy.cli", "worker", "--ps", f"{PS_IP}:{PS_PORT}",
-                                  "--control-host", CTRL_IP, "--control-port", str(CTRL_PORT),
+                                  "--control-host", CTRL_IP, "--control-port", str(CTRL_PORT), *name,
                                   "--rank", str(i), "--rounds", str(args.rounds), "--dim", str(args.dim),
-                                  "--bind-port", str(5000 + i), "--timeout-ms", str(args.timeout_ms),
+                                  "--bind-port", str(5000 + k), "--timeout-ms", str(args.timeout_ms),
                                   "--loss-policy", args.loss_policy, "--straggler-delay-ms", str(delay),
                                   "--report", report],
                                  cwd=args.repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
         results = []
         deadline = time.monotonic() + args.worker_timeout_s
-        for i, p in enumerate(procs[1:]):
+        for k, p in enumerate(procs[1:]):
             out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append({"rank": i, "rc": p.returncode, "stdout": out.decode()[-2000:],
-                            "stderr": err.decode()[-2000:]})
-        counters = cli(args.simple_switch_cli, [f"counter_read ThcIngress.events {k}" for k in range(args.events)])
+            results.append({"rank": k % args.workers, "job": k // args.workers, "rc": p.returncode,
+                            "stdout": out.decode()[-2000:], "stderr": err.decode()[-2000:]})
+        # block 0 (no job's) and the job cells 1..J (a job's counters outlive it until its
+        # cell's next job)
+        counters = cli(args.simple_switch_cli, [f"counter_read ThcIngress.events {b * args.event_cells + e}"
+                                                for b in range(args.jobs + 1) for e in range(args.events)])
         nft = [h.cmd("nft list table inet thcloss") if args.loss_rules else "" for h in hosts]
         control.send_signal(signal.SIGINT)
         try:

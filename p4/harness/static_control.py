@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from p4.control import switch_job
+from p4.spec import SLOTS
 from ps_server.engine import wait
 from ps_server.server import PSServer
 
@@ -23,10 +24,14 @@ class StaticEngine:
         self.fixed_nonce = nonce
 
     job = None
+    #: The switch was programmed for one job, in slots 0..: the PS admits one at a time.
+    slot_space = SLOTS
+    max_jobs = 1
 
-    def start_job(self, job, nonce: int) -> None:
+    def start_job(self, job, nonce: int, base: int = 0) -> "StaticEngine":
         """The switch was programmed for the job before it started: nothing to program."""
         self.job = job
+        return self
 
     def register(self, rank: int, ip: str, port: int, token: int = 0) -> None:
         if self.expected.get(rank) != (ip, port):
@@ -36,7 +41,7 @@ class StaticEngine:
         """The switch's workers table is fixed: a rank that left keeps its entry."""
 
     def region(self) -> tuple:
-        """The switch serves one job at a time: its slots start at register 0."""
+        """The one job's slots start at register 0."""
         return 0, self.job.slots + self.job.norm_slots
 
     def close(self) -> None:

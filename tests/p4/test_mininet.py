@@ -1,7 +1,8 @@
 """Mininet through `thc p4 mininet`'s code path (p4/mininet_run.py): one bmv2 switch, N hosts
 each running a real `thc worker`, every chunk exact against the in-process reference; the
 switch's counters agree with what the workers did.  Also with real kernel loss on the host
-links (nftables) and a delayed worker, with and without partial aggregation."""
+links (nftables) and a delayed worker, with and without partial aggregation, and two jobs
+sharing the switch."""
 import json
 import os
 import subprocess
@@ -66,3 +67,15 @@ def test_partial_aggregation_with_a_straggler(tmp_path):
     assert doc["mismatched_chunks"] == 0 and doc["lost_chunks"] == 0 and doc["exact_rounds"] == 8
     assert doc["switch"]["partial_rounds"] > 0
     assert doc["switch"]["rounds_completed"] == 8 * doc["chunks_per_round"]
+
+
+def test_two_jobs_share_the_switch(tmp_path):
+    """Two jobs of 3 workers each at once through `thc p4 run --attach` (the user's path):
+    each job gets its own region, cell and lookup tables, and each is exact on its own."""
+    doc = run(tmp_path, workers=3, rounds=10, dim=2048, control="p4run", jobs=2)
+    assert [c["exact_rounds"] for c in doc["per_job"]] == [10, 10]
+    assert doc["mismatched_chunks"] == 0 and doc["lost_chunks"] == 0
+    assert doc["switch"]["rounds_completed"] == 2 * 10 * doc["chunks_per_round"]
+    started = [l for l in doc["control_output"].splitlines() if " started: " in l]
+    assert len(started) == 2 and len({l.split("slots ")[1] for l in started}) == 2, doc["control_output"]
+    assert mininet_run.failed(doc) is None and not doc["netns_left"]

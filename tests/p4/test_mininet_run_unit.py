@@ -50,6 +50,10 @@ def test_switch_counters_parsed_in_both_cli_formats():
     assert parse_events(old) == parse_events(new) == {e: i for i, e in enumerate(EVENTS)}
     with pytest.raises(RuntimeError):
         parse_events(old.splitlines()[0])
+    two = old + "\n" + new          # block 0, then a job cell's block: summed event by event
+    assert parse_events(two, blocks=2) == {e: 2 * i for i, e in enumerate(EVENTS)}
+    with pytest.raises(RuntimeError):
+        parse_events(old, blocks=2)
 
 
 def test_switch_commands_per_control_mode():
@@ -59,7 +63,9 @@ def test_switch_commands_per_control_mode():
     assert all(c.startswith("table_add ThcIngress.l2") for c in p4run) and len(p4run) == 3 + 1
     assert static[:len(p4run)] == p4run
     assert sum("ThcIngress.workers" in c for c in static) == 3
-    assert any(c.startswith("table_set_default ThcIngress.thc_config") for c in static)
+    assert any(c.startswith("table_add ThcIngress.thc_config") for c in static)
+    two = mininet_run.switch_commands(job, "p4run", jobs=2)     # every host of both jobs + the control host
+    assert len(two) == 6 + 1 and any("00:00:00:00:00:06 => 6" in c for c in two)
 
 
 def test_refuses_bad_configurations_before_anything_starts():
@@ -67,6 +73,10 @@ def test_refuses_bad_configurations_before_anything_starts():
         mininet_run.run(workers=9)                      # 9 x g=30 overflows the 8-bit lane
     with pytest.raises(ValueError, match="straggler-rank"):
         mininet_run.run(workers=2, straggler_rank=2)
+    with pytest.raises(ValueError, match="needs --control-mode p4run"):
+        mininet_run.run(workers=2, jobs=2)
+    with pytest.raises(ValueError, match="--jobs must be in 1..8"):
+        mininet_run.run(workers=2, jobs=9, control="p4run")
 
 
 def test_summary_names_the_straggler_and_the_switch_drops():

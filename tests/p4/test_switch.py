@@ -5,7 +5,7 @@ import pytest
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
-from p4.control import WorkerPort, config_command, job_commands, l2_commands, switch_job, worker_commands
+from p4.control import WorkerPort, job_commands, l2_commands, switch_job, worker_commands
 from p4.harness.veth_switch import VethSwitch
 from proto import headers as H
 from proto.packing import pack_indices
@@ -20,13 +20,20 @@ WORKERS = [WorkerPort(i, f"10.0.0.{i + 1}", 5000 + i, f"00:00:00:00:00:{i + 1:02
 OTHER_MAC = "00:00:00:00:00:99"     # a plain host on port N + 1
 NONCE = 0x5EED1234                  # the job's identity, as the control plane would draw it
 TOKENS = [0x7000 + 13 * i for i in range(N)]
+#: A second job on the switch, same workers, partial aggregation: its own id, region and cell.
+QUORUM_JOB_ID, QUORUM_BASE, QUORUM_CELL = 2, 16, 2
 
 
-def make_switch(thc_json, job):
+def make_switch(thc_json, jobs):
+    """The switch with `jobs` programmed in one batch: [(job, base, cell)], every worker in each."""
     sw = VethSwitch(thc_json, N + 1)
-    cmds = job_commands(job, PS_MAC, NONCE) + l2_commands({OTHER_MAC: N + 1, WORKERS[0].mac: 1})
-    for handle, w in enumerate(WORKERS):
-        cmds += worker_commands(w, handle, TOKENS[handle])
+    cmds = l2_commands({OTHER_MAC: N + 1, WORKERS[0].mac: 1})
+    handle = 0
+    for job, base, cell in jobs:
+        cmds += job_commands(job, PS_MAC, NONCE, base, cell)
+        for w in WORKERS:
+            cmds += worker_commands(w, handle, TOKENS[w.worker_id], job.job_id, cell)
+            handle += 1
     sw.cli.run(cmds)
     return sw
 
@@ -76,10 +83,14 @@ def ref_out(ps, worker, dgram):
     return sorted((a[0], a[1], pkt) for pkt, a in ps.process(dgram, (w.ip, w.udp_port)))
 
 
+def quorum_job():
+    return switch_job(N, slots=8, norm_slots=2, quorum=0.75, job_id=QUORUM_JOB_ID)
+
+
 @pytest.fixture(scope="module")
 def env(thc_json):
     job = switch_job(N, slots=8, norm_slots=2)
-    sw = make_switch(thc_json, job)
+    sw = make_switch(thc_json, [(job, 0, 1), (quorum_job(), QUORUM_BASE, QUORUM_CELL)])
     yield sw, job
     sw.close()
 
@@ -139,19 +150,17 @@ def test_retransmission_after_completion(fresh):
 
 def test_partial_aggregation_at_quorum(env):
     sw, _ = env
-    job = switch_job(N, slots=8, norm_slots=2, quorum=0.75)
+    job = quorum_job()
     sw.reset()
-    sw.cli.run([config_command(job, PS_MAC, NONCE)])
     ps, rng = reference(job), np.random.default_rng(1)
-    try:
-        both(sw, ps, 0, datagram(job, 0, 0, 1, rng))
-        both(sw, ps, 1, datagram(job, 1, 0, 1, rng))
-        out = both(sw, ps, 2, datagram(job, 2, 0, 1, rng))
-        assert len(out) == N and H.parse(out[0][2])[0].contributors == 3
-        late = both(sw, ps, 3, datagram(job, 3, 0, 1, rng))
-        assert len(late) == 1 and late[0][0] == WORKERS[3].ip
-    finally:
-        sw.cli.run([config_command(switch_job(N, slots=8, norm_slots=2), PS_MAC, NONCE)])
+    both(sw, ps, 0, datagram(job, 0, 0, 1, rng))
+    both(sw, ps, 1, datagram(job, 1, 0, 1, rng))
+    out = both(sw, ps, 2, datagram(job, 2, 0, 1, rng))
+    assert len(out) == N and H.parse(out[0][2])[0].contributors == 3
+    late = both(sw, ps, 3, datagram(job, 3, 0, 1, rng))
+    assert len(late) == 1 and late[0][0] == WORKERS[3].ip
+    ev = sw.cli.events(QUORUM_CELL)
+    assert (ev["rounds_completed"], ev["partial_rounds"], ev["late"]) == (1, 1, 1)
 
 
 def test_slot_reuse_and_shadow_copy(fresh):
@@ -191,9 +200,10 @@ def test_malformed_and_unregistered_are_dropped(fresh):
     sw.send(1, bytes(Ether(dst=PS_MAC, src=WORKERS[0].mac) / IP(src="10.0.0.77", dst=PS_IP) /
                      UDP(sport=5000, dport=PS_PORT, chksum=0) / good))
     assert sw.drain(0.25) == []
-    ev = sw.cli.events()
-    assert ev["wrong_version"] >= 1 and ev["unknown_job"] >= 1 and ev["slot_out_of_range"] >= 1
-    assert ev["unregistered"] >= 1
+    switch, mine = sw.cli.events(0), sw.cli.events(1)      # no job's; the job's (cell 1)
+    assert (switch["wrong_version"], switch["unknown_job"]) == (1, 1)
+    assert (mine["slot_out_of_range"], mine["unregistered"]) == (1, 1)
+    assert mine["wrong_version"] == mine["unknown_job"] == switch["slot_out_of_range"] == 0
 
 
 def test_differential_random_sequence(fresh):
@@ -223,7 +233,7 @@ def test_job_nonce_token_and_round_window(fresh):
     assert both(sw, ps, 0, patched(good, 32, NONCE ^ 0xFF)) == []          # a previous job's nonce
     assert both(sw, ps, 0, patched(good, 36, TOKENS[1])) == []             # rank 1's token
     assert both(sw, ps, 0, patched(good, 12, 0xFFFFFFFF)) == []            # far-future round
-    ev = sw.cli.events()
+    ev = sw.cli.events(1)                 # a known job id with a wrong nonce counts in its block
     assert (ev["unknown_job"], ev["unregistered"], ev["ahead"]) == (1, 1, 1)
     for w in range(N):
         out = both(sw, ps, w, datagram(job, w, 2, 1, rng))

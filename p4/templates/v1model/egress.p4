@@ -1,5 +1,5 @@
 control ThcEgress(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
-    // each multicast replica (rid = worker id + 1) gets its worker's addresses
+    // each multicast replica (one rid per job and rank, from the control plane) gets its worker's addresses
     action set_dest(mac_addr_t mac, ipv4_addr_t ip, bit<16> port) {
         hdr.eth.dst = mac;
         hdr.ipv4.dst = ip;
@@ -8,7 +8,7 @@ control ThcEgress(inout headers_t hdr, inout metadata_t meta, inout standard_met
     table replica_dest {
         key = { sm.egress_rid: exact; }
         actions = { set_dest; NoAction; }
-        size = 64;
+        size = $max_members;
         default_action = NoAction();
     }
     apply {

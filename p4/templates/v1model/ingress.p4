@@ -1,5 +1,5 @@
 control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
-    // ---- per-slot state (index: slot)
+    // ---- per-slot state (index: the job's region base + slot)
     register<bit<1>>($slots) active_reg;
     register<round_t>($slots) round_reg;
     register<bit<8>>($slots) count_reg;
@@ -9,46 +9,58 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
     register<bit<8>>($slots) prev_count_reg;
     register<bit<32>>($slots) prev_bitmap_reg;
     register<bit<32>>($slots) prev_offset_reg;
-    // ---- lane sums (index: 2·slot + round parity)
+    // ---- lane sums (index: 2·(base + slot) + round parity)
 $lane_registers
     register<bit<32>>($banks) norm_acc;
-    counter($event_cells, CounterType.packets) events;
+    // event counters: block 0 (EVENT_CELLS cells) counts what no job owns (malformed headers,
+    // unknown job ids), block k the events of the job in job cell k (set_config's event_base)
+    counter($event_counters, CounterType.packets) events;
+
+    action count_event(event_t e) {
+        events.count(meta.event_base + e);
+    }
 
     action drop_with(event_t reason) {
-        events.count(reason);
+        count_event(reason);
         mark_to_drop(sm);
     }
 
-    // the job: its identity (job id and nonce) and shape
-    action set_config(bit<16> job, bit<32> nonce, bit<8> n, bit<8> quorum, bit<16> data_slots,
-                      bit<16> norm_slots, mac_addr_t ps_mac) {
-        meta.job = job;
+    // a running job, by its job id: its nonce, shape, region of the slot registers
+    // [base, base + data_slots + norm_slots), multicast group and event counter block
+    action set_config(bit<32> nonce, bit<8> n, bit<8> quorum, bit<16> base, bit<16> data_slots,
+                      bit<16> norm_slots, bit<16> group, event_t event_base, mac_addr_t ps_mac) {
         meta.nonce = nonce;
         meta.n = n;
         meta.quorum = quorum;
+        meta.base = base;
         meta.data_slots = data_slots;
         meta.norm_slots = norm_slots;
+        meta.group = group;
+        meta.event_base = event_base;
         meta.ps_mac = ps_mac;
         meta.configured = 1;
     }
     table thc_config {
+        key = { hdr.thc.job_id: exact; }
         actions = { set_config; NoAction; }
+        size = $max_jobs;
         default_action = NoAction();
     }
 
-    // a registration: source address, port and the token the control plane handed out
+    // a registration: the job, source address, port and the token the control plane handed out
     action set_worker(bit<8> wid) {
         meta.worker = wid;
         meta.registered = 1;
     }
     table workers {
         key = {
+            hdr.thc.job_id: exact;
             hdr.ipv4.src: exact;
             hdr.udp.src_port: exact;
             hdr.thc.token: exact;
         }
         actions = { set_worker; NoAction; }
-        size = 64;
+        size = $max_members;
         default_action = NoAction();
     }
 
@@ -66,12 +78,12 @@ $lane_registers
         default_action = drop_other();
     }
 
-    // ---- per lane: index -> table value (16 entries, written from T by the control plane)
+    // ---- per lane: (job, index) -> table value (16 entries per job, written from its T by the control plane)
 $lookup_tables
 
     // The whole read-check-update of a slot in one action (atomic on bmv2).
     action slot_update() {
-        bit<32> slot = (bit<32>)hdr.thc.slot;
+        bit<32> slot = meta.slot;
         bit<1> act;
         round_t r;
         bit<8> c;
@@ -222,8 +234,7 @@ $lane_actions
             return;
         }
         // ---- validation, in the software PS's order
-        thc_config.apply();
-        if (meta.configured == 0 || sm.parser_error != error.NoError || hdr.thc.magic != THC_MAGIC) {
+        if (sm.parser_error != error.NoError || hdr.thc.magic != THC_MAGIC) {
             drop_with(C_MALFORMED);
             return;
         }
@@ -235,7 +246,9 @@ $lane_actions
             drop_with(C_MALFORMED);
             return;
         }
-        if (hdr.thc.job_id != meta.job || hdr.thc.nonce != meta.nonce) {
+        // the job: an id no running job has counts in block 0; from here on in the job's block
+        thc_config.apply();
+        if (meta.configured == 0 || hdr.thc.nonce != meta.nonce) {
             drop_with(C_UNKNOWN_JOB);
             return;
         }
@@ -273,6 +286,8 @@ $lane_actions
             drop_with(C_MALFORMED);
             return;
         }
+        // the slot is checked against the job's region above: now it is placed in it
+        meta.slot = (bit<32>)meta.base + (bit<32>)hdr.thc.slot;
 
         // ---- the slot's rules
         slot_update();
@@ -292,7 +307,7 @@ $lane_actions
         // replies carry the job's nonce, never a token
         hdr.thc.token = 0;
         if (v == V_STALE) {
-            events.count(C_STALE);
+            count_event(C_STALE);
             to_straggler();
             bounce();
             return;
@@ -318,9 +333,9 @@ $apply_lanes
             norm_to_result();
         }
         if (v == V_AGG_DONE) {
-            events.count(C_ROUNDS_COMPLETED);
+            count_event(C_ROUNDS_COMPLETED);
             if (meta.cnt < meta.n) {
-                events.count(C_PARTIAL_ROUNDS);
+                count_event(C_PARTIAL_ROUNDS);
             }
             hdr.thc.worker_id = 0;
             hdr.thc.flags = 0;
@@ -328,14 +343,14 @@ $apply_lanes
             hdr.eth.src = meta.ps_mac;
             hdr.ipv4.src = hdr.ipv4.dst;
             hdr.udp.src_port = hdr.udp.dst_port;
-            sm.mcast_grp = 1;
+            sm.mcast_grp = meta.group;
             return;
         }
         // V_RESEND_CUR, V_LATE, V_RESEND_PREV: unicast the kept result to the sender
         if (v == V_LATE) {
-            events.count(C_LATE);
+            count_event(C_LATE);
         }
-        events.count(C_RESULTS_RESENT);
+        count_event(C_RESULTS_RESENT);
         hdr.thc.flags = F_RESENT;
         bounce();
     }

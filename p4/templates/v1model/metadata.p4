@@ -10,14 +10,18 @@ struct headers_t {
 
 struct metadata_t {
     // the job (thc_config)
-    bit<16> job;
     bit<32> nonce;
     bit<8> n;
     bit<8> quorum;
+    bit<16> base;
     bit<16> data_slots;
     bit<16> norm_slots;
+    bit<16> group;
+    event_t event_base;
     mac_addr_t ps_mac;
     bit<1> configured;
+    // the packet's slot in the registers (base + slot)
+    bit<32> slot;
     // the sender (workers)
     bit<8> worker;
     bit<1> registered;
