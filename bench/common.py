@@ -36,11 +36,15 @@ def _compile_loop() -> None:      # a compiler: short-lived cc1 processes, as a 
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def background_load(busy: int, memory: int = 0, nice: int = 19, compile: int = 0):
+def background_load(busy: int, memory: int = 0, nice: int = 19, compile: int = 0, session: bool = False):
     """A context manager that keeps `busy` busy-loop processes, `memory` memory-bound ones
     and `compile` compiler loops (cc -O2 of a C file, again and again) running at `nice` for
     its duration (a shared training host: data loaders, monitoring, builds, other users'
-    jobs), and stops them afterwards."""
+    jobs), and stops them afterwards.  `session`: each in a session of its own, as a job
+    started from another login or by a service is — with the kernel's autogroup scheduling
+    (/proc/sys/kernel/sched_autogroup_enabled) a session is a scheduling group of its own,
+    whose share of the CPU its processes' nice does not reduce (docs/bench.md, "A busy
+    host")."""
     import contextlib
     import multiprocessing as mp
     import os
@@ -50,7 +54,7 @@ def background_load(busy: int, memory: int = 0, nice: int = 19, compile: int = 0
         ctx = mp.get_context("fork")
         procs = []
         for target in [_busy_loop] * busy + [_memory_loop] * memory + [_compile_loop] * compile:
-            p = ctx.Process(target=_niced, args=(target, nice), daemon=True)
+            p = ctx.Process(target=_niced, args=(target, nice, session), daemon=True)
             p.start()
             procs.append(p)
         try:
@@ -64,9 +68,12 @@ def background_load(busy: int, memory: int = 0, nice: int = 19, compile: int = 0
     return run()
 
 
-def _niced(target, nice: int) -> None:
+def _niced(target, nice: int, session: bool = False) -> None:
     import os
-    os.setpgid(0, 0)                    # its own group: stopping it stops its children too
+    if session:
+        os.setsid()                     # its own session (and autogroup) and process group
+    else:
+        os.setpgid(0, 0)                # its own group: stopping it stops its children too
     os.nice(nice)
     target()
 
@@ -79,8 +86,13 @@ def add_background_args(ap) -> None:
                     help="and M memory-bound ones (64 MB copies) at nice 19")
     ap.add_argument("--background-compile", type=int, default=0, metavar="C",
                     help="and C compiler loops (cc -O2 of a C file, again and again) at nice 19")
+    ap.add_argument("--background-session", action="store_true",
+                    help="start each background process in a session of its own (as another login's "
+                         "or a service's jobs are): under autogroup scheduling nice 19 then no longer "
+                         "lowers its share")
 
 
 def background_from_args(args):
     """background_load() as the --background* options ask."""
-    return background_load(args.background, args.background_memory, compile=args.background_compile)
+    return background_load(args.background, args.background_memory, compile=args.background_compile,
+                           session=args.background_session)

@@ -49,6 +49,26 @@ def test_background_load_runs_niced_hogs_and_stops_them():
     assert not _live_in_groups(groups)
 
 
+def test_background_load_in_sessions_of_their_own():
+    """--background-session: each hog leads a session of its own (so, under autogroup, a
+    scheduling group of its own), still at nice 19, and goes when the block ends."""
+    import time
+
+    from bench.common import background_load
+    with background_load(1, compile=1, session=True) as procs:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(os.getsid(p.pid) != p.pid or
+                                                   os.getpriority(os.PRIO_PROCESS, p.pid) != 19 for p in procs):
+            time.sleep(0.05)
+        assert all(os.getsid(p.pid) == p.pid != os.getsid(0) for p in procs)
+        assert all(os.getpriority(os.PRIO_PROCESS, p.pid) == 19 for p in procs)
+    assert not any(p.is_alive() for p in procs)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _live_in_groups({p.pid for p in procs}):
+        time.sleep(0.1)
+    assert not _live_in_groups({p.pid for p in procs})
+
+
 def _live_in_groups(groups: set) -> list:
     """Processes (not zombies) whose process group is one of `groups`."""
     live = []
