@@ -289,7 +289,7 @@ class SwitchEngine:
         # groups of an earlier run on an attached switch (absent ones just fail)
         self.cli.run([f"mc_mgrp_destroy {c}" for c in range(1, max_jobs + 1)], check=False)
 
-    def start_job(self, job: JobConfig, nonce: int, base: int = 0) -> "SwitchJob":
+    def start_job(self, job: JobConfig, nonce: int, base: int = 0) -> SwitchJob:
         check_shape(job)
         if base + job.slots + job.norm_slots > self.slot_space:
             raise ValueError(f"region {base}..{base + job.slots + job.norm_slots - 1} is past the switch's "

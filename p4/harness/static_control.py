@@ -28,7 +28,7 @@ class StaticEngine:
     slot_space = SLOTS
     max_jobs = 1
 
-    def start_job(self, job, nonce: int, base: int = 0) -> "StaticEngine":
+    def start_job(self, job, nonce: int, base: int = 0) -> StaticEngine:
         """The switch was programmed for the job before it started: nothing to program."""
         self.job = job
         return self
