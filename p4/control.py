@@ -341,10 +341,13 @@ class SwitchJob:
         if placed is not None and placed[:2] != (ip, port):      # the rank came back elsewhere
             self._unplace(rank)
             placed = None
-        self._entries[rank] = _handle(self.cli.run([registration_command(w, token, self.job.job_id)]))
+        cmds = [registration_command(w, token, self.job.job_id)]
         if placed is None:
-            node = _handle(self.cli.run([f"mc_node_create {rid(self.cell, rank)} {switch_port}"]),
-                           "created with handle")
+            cmds.append(f"mc_node_create {rid(self.cell, rank)} {switch_port}")
+        out = self.cli.run(cmds)            # one CLI run each: the PS's control plane waits for it
+        self._entries[rank] = _handle(out)
+        if placed is None:
+            node = _handle(out, "created with handle")
             out = self.cli.run([f"mc_node_associate {self.cell} {node}", replica_command(w, self.cell)])
             self._placed[rank] = (ip, port, node, _handle(out))
 

@@ -208,10 +208,9 @@ def run(*, workers: int = 4, rounds: int = 20, dim: int = 4096, loss: float = 0.
                                f"{_last_lines(stderr or stdout)}")
         doc = json.loads(stdout.strip().splitlines()[-1])
         bad = [w for w in doc["workers"] if w["rc"] != 0]
-        if bad:
-            which = f" of job {bad[0]['job'] + 1}" if jobs > 1 else ""
-            raise RuntimeError(f"worker {bad[0]['rank']}{which} exited with status {bad[0]['rc']}: "
-                               f"{_last_lines(bad[0]['stderr'])}")
+        if bad:                         # every failed worker: the first to fail may be any of them
+            raise RuntimeError("; ".join(_worker_failure(w, jobs, worker_timeout_s) for w in bad)
+                               + f" | control plane: {_last_lines(doc['control'], 8)}")
         reports = {k: json.loads((tmpd / f"worker{k}.json").read_text()) for k in range(jobs * workers)}
     per_job = [check_rounds(job, 0, dim, {i: reports[j * workers + i]["rounds"] for i in range(workers)})
                for j in range(jobs)]
@@ -231,6 +230,12 @@ def run(*, workers: int = 4, rounds: int = 20, dim: int = 4096, loss: float = 0.
             "kernel_drops": sum(nft_dropped(t) for t in doc["nft"]),
             "switch": parse_events(doc["counters"], jobs + 1), "netns_left": ns in netns_list(),
             "control_output": doc["control"]}
+
+
+def _worker_failure(w: dict, jobs: int, timeout_s: float) -> str:
+    which = f" of job {w['job'] + 1}" if jobs > 1 else ""
+    how = f"did not finish within {timeout_s:g} s" if w.get("timed_out") else f"exited with status {w['rc']}"
+    return f"worker {w['rank']}{which} {how}: {_last_lines(w['stderr'] or w['stdout'])}"
 
 
 def _last_lines(text: str, n: int = 3) -> str:

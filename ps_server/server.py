@@ -56,6 +56,9 @@ JOIN_ROUND = (1 << 31) - 1
 DEFAULT_JOB_NAME = "default"
 #: A queued job whose workers stopped asking for this long leaves the queue.
 QUEUE_FORGET_S = 5.0
+#: A control step (a request, a lease check) that kept the control plane busy at least this
+#: long — programming a switch takes seconds — does not count against any rank's lease.
+DEAF_EXCUSE_S = 0.5
 
 
 def make_engine(job: JobConfig, kind: str | ExternalEngine = "c", nonce: int = 0, space=None,
@@ -333,6 +336,18 @@ class PSServer:
     def _unregister(self, job: Job, rank: int) -> None:
         job.engine.unregister(rank)
 
+    def _excuse(self, busy: float) -> None:
+        """The control plane heard no one for `busy` seconds (it was programming a switch, say):
+        that time does not count against the leases of live ranks, whose heartbeats wait in
+        the queue meanwhile."""
+        if busy < DEAF_EXCUSE_S:
+            return
+        now = time.monotonic()
+        for job in self.jobs.values():
+            for m in job.members.values():
+                if m.state == "live":
+                    m.last_seen = min(now, m.last_seen + busy)
+
     def _check_leases(self) -> None:
         now = time.monotonic()
         for name in [n for n, q in self.queue.items() if now - q.last_asked > QUEUE_FORGET_S]:
@@ -604,6 +619,7 @@ class PSServer:
                 if time.monotonic() - last_check > 0.1:
                     last_check = time.monotonic()
                     self._check_leases()
+                    self._excuse(time.monotonic() - last_check)
                 if not events:
                     continue
                 try:
@@ -615,11 +631,13 @@ class PSServer:
                     peer = body.get("Peer-Address") or ""
                 except (zmq.ZMQError, AttributeError):
                     peer = ""
+                started = time.monotonic()
                 try:
                     reply = self._handle(ident, control.decode(body.bytes), peer)
                 except Exception as exc:        # every failure is answered; the loop goes on
                     self._control["control_errors"] += 1
                     reply = control.error_from(exc)
+                self._excuse(time.monotonic() - started)
                 if reply is not None:
                     try:
                         self._reply(ident, reply)

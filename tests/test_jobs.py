@@ -519,3 +519,33 @@ def test_a_ps_driving_a_switch_queues_a_job_past_its_job_table():
         t.close()
     finally:
         server.stop()
+
+
+def test_a_slow_switch_programming_step_costs_no_rank_its_lease():
+    """Programming a switch takes seconds, during which the control plane hears no heartbeat:
+    that time does not count against the leases of the ranks already registered."""
+    from p4.control import switch_job
+    from p4.harness.static_control import StaticEngine
+
+    class SlowSwitch(StaticEngine):
+        max_jobs = 8
+
+        def register(self, rank, ip, port, token=0):
+            if rank == 1:
+                time.sleep(1.5)                 # three leases long
+            super().register(rank, ip, port, token)
+
+    slow = SlowSwitch({0: ("127.0.0.1", 1, 7), 1: ("127.0.0.1", 2, 8)}, nonce=5)
+    server = ps(switch_job(2), engine=slow, lease_s=0.5, rejoin_grace_s=10.0)
+    try:
+        sock = req_socket(server)
+        first = ask(sock, {"type": "register", "worker_id": 0, "data_addr": ["127.0.0.1", 1]})
+        assert first["type"] == "config"
+        ask(sock, {"type": "heartbeat", "worker_id": 0, "session": first["session"]})
+        second = ask(sock, {"type": "register", "worker_id": 1, "data_addr": ["127.0.0.1", 2]})
+        assert second["type"] == "config"
+        beat = ask(sock, {"type": "heartbeat", "worker_id": 0, "session": first["session"]})
+        assert beat["type"] == "status" and beat["live"] == [0, 1], beat
+        assert server.stats()["leases_expired"] == 0
+    finally:
+        server.stop()

@@ -187,9 +187,15 @@ def main():
         results = []
         deadline = time.monotonic() + args.worker_timeout_s
         for k, p in enumerate(procs[1:]):
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            try:
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                late = False
+            except subprocess.TimeoutExpired:       # stop it, keep what it said
+                p.kill()
+                out, err = p.communicate()
+                late = True
             results.append({"rank": k % args.workers, "job": k // args.workers, "rc": p.returncode,
-                            "stdout": out.decode()[-2000:], "stderr": err.decode()[-2000:]})
+                            "timed_out": late, "stdout": out.decode()[-2000:], "stderr": err.decode()[-2000:]})
         # block 0 (no job's) and the job cells 1..J (a job's counters outlive it until its
         # cell's next job)
         counters = cli(args.simple_switch_cli, [f"counter_read ThcIngress.events {b * args.event_cells + e}"
