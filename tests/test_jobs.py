@@ -320,6 +320,12 @@ def test_jobs_join_and_leave_while_another_runs():
         a = launch_in_background(server, docs, "a", workers=2, rounds=400, dim=20000)
         docs["b"] = run_launch(workers=3, rounds=20, dim=8192, codec="none", **at(server))
         assert a.is_alive(), "job A ended before B; make A longer"
+        # B ends when its last rank's leave arrives (or, on a loaded host where a leave times
+        # out, when its leases run out): C starts after that
+        deadline = time.monotonic() + 30
+        while any(j.name == docs["b"]["job_name"] for j in list(server.jobs.values())) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
         docs["c"] = run_launch(workers=2, rounds=20, dim=8192, quorum=1.0, **at(server))
         a.join(120)
         for name, doc in docs.items():
@@ -395,7 +401,8 @@ def test_a_full_slot_space_queues_the_next_job_until_one_ends():
     server = ps(log=events.append, slot_space=600)
     docs = {}
     try:
-        a = launch_in_background(server, docs, "a", workers=2, rounds=150, dim=20000, slots=584)
+        # A runs long enough for B's workers to start and be queued on a loaded host too
+        a = launch_in_background(server, docs, "a", workers=2, rounds=600, dim=20000, slots=584)
         deadline = time.monotonic() + 30
         b = launch_in_background(server, docs, "b", workers=2, rounds=20, dim=8192)
         queued = []
