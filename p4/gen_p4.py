@@ -87,9 +87,9 @@ TNA = Target(
         meta.in$w[$hi:$lo] = v;
     }
     table lut$i {
-        key = { hdr.thc.job_id: exact; hdr.idx.z$i: exact; }
+        key = { hdr.idx.z$i: exact; }
         actions = { set_v$i; }
-        size = $lut_entries;
+        size = 16;
         default_action = set_v$i(0);
     }""",
         "apply_lookups": "                lut$i.apply();",

@@ -208,7 +208,6 @@ header bridge_t {
     pass_kind_t kind;
     bit<7> pad;
     PortId_t port;                  // the port the packet first came in on (replies go there)
-    slot_index_t slot;              // the slot in the registers (slot_map: the job's base + slot)
     bit<32> me;                     // 1 << worker id
     bit<32> cb;                     // the slot's count << 24 | bitmap: K_FIRST: the sender alone;
                                     // K_SAME: after pass 1; K_PREV: pass 2 reads the shadow copy
@@ -241,9 +240,6 @@ struct metadata_t {
     mac_addr_t ps_mac;
     bit<1> worker_ok;
     bit<1> slot_ok;
-    slot_index_t slot;          // the packet's slot in the registers (slot_map)
-    MulticastGroupId_t group;   // the job's multicast group
-    bit<4> cell;                // the job's cell: its counter block (0: no job)
     bit<1> shape_ok;            // DATA or NORM with that type's element width, op, count and lengths
     // the sender (workers: source address, port and token are the key)
     bit<1> registered;          // source, port, token and worker id are a registration
@@ -267,8 +263,6 @@ struct metadata_t {
     bank_index_t bank_idx;      // 2 · slot + round parity
     event_t event;
     event_t extra_event;
-    event_t event_idx;          // cell ++ event: the counter cell
-    event_t extra_idx;
     // per 32-bit word: the table values of four lanes
     bit<32> in0;
     bit<32> in1;
@@ -368,28 +362,21 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
     // Each event counter is addressed once per packet and pass on Tofino: `events` counts the
     // packet's outcome once (in pass 1 for what pass 1 finishes, else in pass 2),
     // `extra_events` the second event a few packets have (a partial round, a late
-    // contribution).  The control plane adds the two per index.  Block 0 (16 cells)
-    // counts what no job owns, block k the job in job cell k: the index is cell ++ event.
-    Counter<bit<32>, event_t>(144, CounterType_t.PACKETS) events;
-    Counter<bit<32>, event_t>(144, CounterType_t.PACKETS) extra_events;
+    // contribution).  The control plane adds the two per index.
+    Counter<bit<32>, event_t>(16, CounterType_t.PACKETS) events;
+    Counter<bit<32>, event_t>(16, CounterType_t.PACKETS) extra_events;
 
-    // ---- the job: job id and nonce are the key; a miss is `unknown_job`.  Up to 8
-    // jobs at once, each with its job cell (multicast group, counter block); its slots are
-    // placed by slot_map below
-    action set_job(bit<8> n, bit<8> quorum, bit<32> quorum_cb, mac_addr_t ps_mac, PortId_t recirc_port,
-                   MulticastGroupId_t group, bit<4> cell) {
+    // ---- the job: job id and nonce are the key; a miss is `unknown_job`
+    action set_job(bit<8> n, bit<8> quorum, bit<32> quorum_cb, mac_addr_t ps_mac, PortId_t recirc_port) {
         meta.job_ok = 1;
         meta.recirc_port = recirc_port;
         meta.n = n;
         meta.quorum = quorum;
         meta.quorum_cb = quorum_cb;
         meta.ps_mac = ps_mac;
-        meta.group = group;
-        meta.cell = cell;
     }
     action no_job() {
         meta.job_ok = 0;
-        meta.cell = 0;
     }
     table thc_job {
         key = {
@@ -397,7 +384,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             hdr.thc.nonce: exact;
         }
         actions = { set_job; no_job; }
-        size = 8;
+        size = 4;
         default_action = no_job();
     }
 
@@ -415,11 +402,11 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             hdr.thc.num_workers: exact;
         }
         actions = { n_matches; n_differs; }
-        size = 8;
+        size = 4;
         default_action = n_differs();
     }
 
-    // ---- the job's worker ids: one entry (job id, [0, n − 1]) per job; a miss is `worker_out_of_range`
+    // ---- the job's worker ids: one range entry [0, n − 1]; a miss is `worker_out_of_range`
     action worker_in_range() {
         meta.worker_ok = 1;
     }
@@ -427,40 +414,31 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
         meta.worker_ok = 0;
     }
     table worker_range {
-        key = {
-            hdr.thc.job_id: exact;
-            hdr.thc.worker_id: range;
-        }
+        key = { hdr.thc.worker_id: range; }
         actions = { worker_in_range; worker_out_of_range; }
-        size = 8;
+        size = 4;
         default_action = worker_out_of_range();
     }
 
-    // ---- the job's slots and where they are in the registers: one exact entry per slot,
-    // (job id, DATA, s) → base + s for s in [0, S − 1] and (job id, NORM, s) → base + s for
-    // s in [S, S + S_norm − 1], base being the job's region; a miss is `slot_out_of_range`.
-    // One lookup checks the region and places the slot, with no adder between it and the
-    // registers.
-    action slot_in_region(slot_index_t slot) {
+    // ---- the job's slots: (DATA, [0, S − 1]) and (NORM, [S, S + S_norm − 1]); a miss is `slot_out_of_range`
+    action slot_in_range() {
         meta.slot_ok = 1;
-        meta.slot = slot;
     }
     action slot_out_of_range() {
         meta.slot_ok = 0;
     }
-    table slot_map {
+    table slot_range {
         key = {
-            hdr.thc.job_id: exact;
             hdr.thc.type: exact;
-            hdr.thc.slot: exact;
+            hdr.thc.slot: range;
         }
-        actions = { slot_in_region; slot_out_of_range; }
-        size = 4096;
+        actions = { slot_in_range; slot_out_of_range; }
+        size = 4;
         default_action = slot_out_of_range();
     }
 
-    // ---- a registration: the job, source address, port, the token the control plane handed
-    // out and the worker id it was given
+    // ---- a registration: source address, port, the token the control plane handed out and
+    // the worker id it was given
     action set_worker(bit<32> me) {
         meta.registered = 1;
         meta.me = me;
@@ -471,14 +449,13 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
     }
     table workers {
         key = {
-            hdr.thc.job_id: exact;
             hdr.ipv4.src: exact;
             hdr.udp.src_port: exact;
             hdr.thc.token: exact;
             hdr.thc.worker_id: exact;
         }
         actions = { set_worker; unknown_worker; }
-        size = 256;
+        size = 64;
         default_action = unknown_worker();
     }
 
@@ -496,293 +473,293 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
         default_action = drop_other();
     }
 
-    // ---- per lane: (job, index) -> table value (16 entries per job, written from its T by the control plane)
+    // ---- per lane: index -> table value (16 entries, written from T by the control plane)
     action set_v0(bit<8> v) {
         meta.in0[31:24] = v;
     }
     table lut0 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z0: exact; }
+        key = { hdr.idx.z0: exact; }
         actions = { set_v0; }
-        size = 128;
+        size = 16;
         default_action = set_v0(0);
     }
     action set_v1(bit<8> v) {
         meta.in0[23:16] = v;
     }
     table lut1 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z1: exact; }
+        key = { hdr.idx.z1: exact; }
         actions = { set_v1; }
-        size = 128;
+        size = 16;
         default_action = set_v1(0);
     }
     action set_v2(bit<8> v) {
         meta.in0[15:8] = v;
     }
     table lut2 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z2: exact; }
+        key = { hdr.idx.z2: exact; }
         actions = { set_v2; }
-        size = 128;
+        size = 16;
         default_action = set_v2(0);
     }
     action set_v3(bit<8> v) {
         meta.in0[7:0] = v;
     }
     table lut3 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z3: exact; }
+        key = { hdr.idx.z3: exact; }
         actions = { set_v3; }
-        size = 128;
+        size = 16;
         default_action = set_v3(0);
     }
     action set_v4(bit<8> v) {
         meta.in1[31:24] = v;
     }
     table lut4 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z4: exact; }
+        key = { hdr.idx.z4: exact; }
         actions = { set_v4; }
-        size = 128;
+        size = 16;
         default_action = set_v4(0);
     }
     action set_v5(bit<8> v) {
         meta.in1[23:16] = v;
     }
     table lut5 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z5: exact; }
+        key = { hdr.idx.z5: exact; }
         actions = { set_v5; }
-        size = 128;
+        size = 16;
         default_action = set_v5(0);
     }
     action set_v6(bit<8> v) {
         meta.in1[15:8] = v;
     }
     table lut6 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z6: exact; }
+        key = { hdr.idx.z6: exact; }
         actions = { set_v6; }
-        size = 128;
+        size = 16;
         default_action = set_v6(0);
     }
     action set_v7(bit<8> v) {
         meta.in1[7:0] = v;
     }
     table lut7 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z7: exact; }
+        key = { hdr.idx.z7: exact; }
         actions = { set_v7; }
-        size = 128;
+        size = 16;
         default_action = set_v7(0);
     }
     action set_v8(bit<8> v) {
         meta.in2[31:24] = v;
     }
     table lut8 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z8: exact; }
+        key = { hdr.idx.z8: exact; }
         actions = { set_v8; }
-        size = 128;
+        size = 16;
         default_action = set_v8(0);
     }
     action set_v9(bit<8> v) {
         meta.in2[23:16] = v;
     }
     table lut9 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z9: exact; }
+        key = { hdr.idx.z9: exact; }
         actions = { set_v9; }
-        size = 128;
+        size = 16;
         default_action = set_v9(0);
     }
     action set_v10(bit<8> v) {
         meta.in2[15:8] = v;
     }
     table lut10 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z10: exact; }
+        key = { hdr.idx.z10: exact; }
         actions = { set_v10; }
-        size = 128;
+        size = 16;
         default_action = set_v10(0);
     }
     action set_v11(bit<8> v) {
         meta.in2[7:0] = v;
     }
     table lut11 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z11: exact; }
+        key = { hdr.idx.z11: exact; }
         actions = { set_v11; }
-        size = 128;
+        size = 16;
         default_action = set_v11(0);
     }
     action set_v12(bit<8> v) {
         meta.in3[31:24] = v;
     }
     table lut12 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z12: exact; }
+        key = { hdr.idx.z12: exact; }
         actions = { set_v12; }
-        size = 128;
+        size = 16;
         default_action = set_v12(0);
     }
     action set_v13(bit<8> v) {
         meta.in3[23:16] = v;
     }
     table lut13 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z13: exact; }
+        key = { hdr.idx.z13: exact; }
         actions = { set_v13; }
-        size = 128;
+        size = 16;
         default_action = set_v13(0);
     }
     action set_v14(bit<8> v) {
         meta.in3[15:8] = v;
     }
     table lut14 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z14: exact; }
+        key = { hdr.idx.z14: exact; }
         actions = { set_v14; }
-        size = 128;
+        size = 16;
         default_action = set_v14(0);
     }
     action set_v15(bit<8> v) {
         meta.in3[7:0] = v;
     }
     table lut15 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z15: exact; }
+        key = { hdr.idx.z15: exact; }
         actions = { set_v15; }
-        size = 128;
+        size = 16;
         default_action = set_v15(0);
     }
     action set_v16(bit<8> v) {
         meta.in4[31:24] = v;
     }
     table lut16 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z16: exact; }
+        key = { hdr.idx.z16: exact; }
         actions = { set_v16; }
-        size = 128;
+        size = 16;
         default_action = set_v16(0);
     }
     action set_v17(bit<8> v) {
         meta.in4[23:16] = v;
     }
     table lut17 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z17: exact; }
+        key = { hdr.idx.z17: exact; }
         actions = { set_v17; }
-        size = 128;
+        size = 16;
         default_action = set_v17(0);
     }
     action set_v18(bit<8> v) {
         meta.in4[15:8] = v;
     }
     table lut18 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z18: exact; }
+        key = { hdr.idx.z18: exact; }
         actions = { set_v18; }
-        size = 128;
+        size = 16;
         default_action = set_v18(0);
     }
     action set_v19(bit<8> v) {
         meta.in4[7:0] = v;
     }
     table lut19 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z19: exact; }
+        key = { hdr.idx.z19: exact; }
         actions = { set_v19; }
-        size = 128;
+        size = 16;
         default_action = set_v19(0);
     }
     action set_v20(bit<8> v) {
         meta.in5[31:24] = v;
     }
     table lut20 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z20: exact; }
+        key = { hdr.idx.z20: exact; }
         actions = { set_v20; }
-        size = 128;
+        size = 16;
         default_action = set_v20(0);
     }
     action set_v21(bit<8> v) {
         meta.in5[23:16] = v;
     }
     table lut21 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z21: exact; }
+        key = { hdr.idx.z21: exact; }
         actions = { set_v21; }
-        size = 128;
+        size = 16;
         default_action = set_v21(0);
     }
     action set_v22(bit<8> v) {
         meta.in5[15:8] = v;
     }
     table lut22 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z22: exact; }
+        key = { hdr.idx.z22: exact; }
         actions = { set_v22; }
-        size = 128;
+        size = 16;
         default_action = set_v22(0);
     }
     action set_v23(bit<8> v) {
         meta.in5[7:0] = v;
     }
     table lut23 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z23: exact; }
+        key = { hdr.idx.z23: exact; }
         actions = { set_v23; }
-        size = 128;
+        size = 16;
         default_action = set_v23(0);
     }
     action set_v24(bit<8> v) {
         meta.in6[31:24] = v;
     }
     table lut24 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z24: exact; }
+        key = { hdr.idx.z24: exact; }
         actions = { set_v24; }
-        size = 128;
+        size = 16;
         default_action = set_v24(0);
     }
     action set_v25(bit<8> v) {
         meta.in6[23:16] = v;
     }
     table lut25 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z25: exact; }
+        key = { hdr.idx.z25: exact; }
         actions = { set_v25; }
-        size = 128;
+        size = 16;
         default_action = set_v25(0);
     }
     action set_v26(bit<8> v) {
         meta.in6[15:8] = v;
     }
     table lut26 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z26: exact; }
+        key = { hdr.idx.z26: exact; }
         actions = { set_v26; }
-        size = 128;
+        size = 16;
         default_action = set_v26(0);
     }
     action set_v27(bit<8> v) {
         meta.in6[7:0] = v;
     }
     table lut27 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z27: exact; }
+        key = { hdr.idx.z27: exact; }
         actions = { set_v27; }
-        size = 128;
+        size = 16;
         default_action = set_v27(0);
     }
     action set_v28(bit<8> v) {
         meta.in7[31:24] = v;
     }
     table lut28 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z28: exact; }
+        key = { hdr.idx.z28: exact; }
         actions = { set_v28; }
-        size = 128;
+        size = 16;
         default_action = set_v28(0);
     }
     action set_v29(bit<8> v) {
         meta.in7[23:16] = v;
     }
     table lut29 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z29: exact; }
+        key = { hdr.idx.z29: exact; }
         actions = { set_v29; }
-        size = 128;
+        size = 16;
         default_action = set_v29(0);
     }
     action set_v30(bit<8> v) {
         meta.in7[15:8] = v;
     }
     table lut30 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z30: exact; }
+        key = { hdr.idx.z30: exact; }
         actions = { set_v30; }
-        size = 128;
+        size = 16;
         default_action = set_v30(0);
     }
     action set_v31(bit<8> v) {
         meta.in7[7:0] = v;
     }
     table lut31 {
-        key = { hdr.thc.job_id: exact; hdr.idx.z31: exact; }
+        key = { hdr.idx.z31: exact; }
         actions = { set_v31; }
-        size = 128;
+        size = 16;
         default_action = set_v31(0);
     }
 
@@ -893,7 +870,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
         }
     };
 
-    // ---- lane sums (index: 2·(base + slot) + round parity), four lanes per 32-bit cell
+    // ---- lane sums (index: 2·slot + round parity), four lanes per 32-bit cell
     // lanes 0..3: four 8-bit sums in one 32-bit cell (no carry crosses a lane: n·g ≤ 255)
     Register<bit<32>, bank_index_t>(8192, 0) acc0;
     RegisterAction<bit<32>, bank_index_t, bit<32>>(acc0) acc0_set = {
@@ -1071,12 +1048,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
     // ---- indices and the actions of the outputs
     action slot_indices() {
         meta.round_plus_one = hdr.thc.round + 1;
-        meta.bank_idx = hdr.bridge.slot ++ hdr.thc.round[0:0];     // pass 2: the slot pass 1 placed
-    }
-    // the counter cells of this pass's events: the job cell's block (0: no job's)
-    action event_indices() {
-        meta.event_idx = (event_t)(meta.cell ++ meta.event[3:0]);
-        meta.extra_idx = (event_t)(meta.cell ++ meta.extra_event[3:0]);
+        meta.bank_idx = hdr.thc.slot ++ hdr.thc.round[0:0];
     }
 
     // Reply to the sender: swap addresses, send back out of the ingress port.
@@ -1368,7 +1340,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             workers.apply();
             job_size.apply();
             worker_range.apply();
-            slot_map.apply();
+            slot_range.apply();
             shape.apply();
             round_class.apply();
             slot_indices();
@@ -1378,7 +1350,6 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             hdr.bridge.kind = K_NONE;
             hdr.bridge.pad = 0;
             hdr.bridge.port = ig_intr_md.ingress_port;
-            hdr.bridge.slot = meta.slot;
             hdr.bridge.me = meta.me;
             hdr.bridge.cb = meta.me_cb;
             hdr.bridge.seen = 0;
@@ -1391,9 +1362,9 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             if (ig_prsr_md.parser_err == 0 && meta.shape_ok == 1 && meta.n_ok == 1 &&
                 meta.registered == 1 && meta.slot_ok == 1) {
                 if (meta.far == 1) {
-                    meta.last = round_far.execute(meta.slot);
+                    meta.last = round_far.execute(hdr.thc.slot);
                 } else {
-                    meta.last = round_near.execute(meta.slot);
+                    meta.last = round_near.execute(hdr.thc.slot);
                 }
                 round_math_tbl.apply();
                 relation.apply();
@@ -1402,24 +1373,24 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             // ---- offset, arrivals, contributors: one access each, in this order
             if (meta.rel == REL_NEW) {
                 hdr.bridge.kind = K_FIRST;
-                hdr.bridge.off_old = offset_swap.execute(meta.slot);
-                arrived_start.execute(meta.slot);
+                hdr.bridge.off_old = offset_swap.execute(hdr.thc.slot);
+                arrived_start.execute(hdr.thc.slot);
                 if (meta.next_round == 1) {
-                    hdr.bridge.shadow_cb = contrib_start_keep.execute(meta.slot);
+                    hdr.bridge.shadow_cb = contrib_start_keep.execute(hdr.thc.slot);
                 } else {
-                    hdr.bridge.shadow_cb = contrib_start.execute(meta.slot);
+                    hdr.bridge.shadow_cb = contrib_start.execute(hdr.thc.slot);
                 }
             } else if (meta.rel == REL_SAME) {
-                meta.off_diff = offset_cmp.execute(meta.slot);
+                meta.off_diff = offset_cmp.execute(hdr.thc.slot);
                 if (meta.off_diff != 0) {
                     meta.event = C_MALFORMED;
                 } else {
                     hdr.bridge.kind = K_SAME;
-                    hdr.bridge.seen = arrived_add.execute(meta.slot);
+                    hdr.bridge.seen = arrived_add.execute(hdr.thc.slot);
                     if (hdr.bridge.seen == 0) {
-                        hdr.bridge.cb = contrib_add.execute(meta.slot);
+                        hdr.bridge.cb = contrib_add.execute(hdr.thc.slot);
                     } else {
-                        hdr.bridge.cb = contrib_get.execute(meta.slot);
+                        hdr.bridge.cb = contrib_get.execute(hdr.thc.slot);
                     }
                 }
             } else if (meta.rel == REL_PREV) {
@@ -1436,8 +1407,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                     hdr.bridge.pass2 = 0;
                     ig_dprsr_md.drop_ctl = 1;
                 }
-                event_indices();
-                events.count(meta.event_idx);
+                events.count(meta.event);
             }
           } else {
             // ================= pass 2: the shadow copy, the verdict, the lanes, the reply =================
@@ -1480,9 +1450,9 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             }
             if (hdr.bridge.kind == K_FIRST) {
                 meta.first = 1;
-                shadow_save.execute(hdr.bridge.slot);
+                shadow_save.execute(hdr.thc.slot);
             } else if (hdr.bridge.kind == K_PREV) {
-                hdr.bridge.cb = shadow_get.execute(hdr.bridge.slot);
+                hdr.bridge.cb = shadow_get.execute(hdr.thc.slot);
             }
             count_math_tbl.apply();
             short_math_tbl.apply();
@@ -1561,7 +1531,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                     hdr.eth.src = meta.ps_mac;
                     hdr.ipv4.src = hdr.ipv4.dst;
                     hdr.udp.src_port = hdr.udp.dst_port;
-                    ig_tm_md.mcast_grp_a = meta.group;
+                    ig_tm_md.mcast_grp_a = 1;
                 } else {
                     // V_RESEND_CUR, V_LATE, V_RESEND_PREV
                     meta.event = C_RESULTS_RESENT;
@@ -1572,9 +1542,8 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                     bounce();
                 }
             }
-            event_indices();
-            events.count(meta.event_idx);
-            extra_events.count(meta.extra_idx);
+            events.count(meta.event);
+            extra_events.count(meta.extra_event);
           }
         }
         if (!hdr.bridge.isValid()) {
@@ -1636,7 +1605,7 @@ control ThcEgress(inout headers_t hdr, inout egress_metadata_t meta,
                   in egress_intrinsic_metadata_from_parser_t eg_prsr_md,
                   inout egress_intrinsic_metadata_for_deparser_t eg_dprsr_md,
                   inout egress_intrinsic_metadata_for_output_port_t eg_oport_md) {
-    // each multicast replica (one rid per job and rank, from the control plane) gets its worker's addresses
+    // each multicast replica (rid = worker id + 1) gets its worker's addresses
     action set_dest(mac_addr_t mac, ipv4_addr_t ip, bit<16> port) {
         hdr.eth.dst = mac;
         hdr.ipv4.dst = ip;
@@ -1645,7 +1614,7 @@ control ThcEgress(inout headers_t hdr, inout egress_metadata_t meta,
     table replica_dest {
         key = { eg_intr_md.egress_rid: exact; }
         actions = { set_dest; NoAction; }
-        size = 256;
+        size = 64;
         default_action = NoAction();
     }
     apply {

@@ -13,7 +13,7 @@ control ThcEgress(inout headers_t hdr, inout egress_metadata_t meta,
                   in egress_intrinsic_metadata_from_parser_t eg_prsr_md,
                   inout egress_intrinsic_metadata_for_deparser_t eg_dprsr_md,
                   inout egress_intrinsic_metadata_for_output_port_t eg_oport_md) {
-    // each multicast replica (one rid per job and rank, from the control plane) gets its worker's addresses
+    // each multicast replica (rid = worker id + 1) gets its worker's addresses
     action set_dest(mac_addr_t mac, ipv4_addr_t ip, bit<16> port) {
         hdr.eth.dst = mac;
         hdr.ipv4.dst = ip;
@@ -22,7 +22,7 @@ control ThcEgress(inout headers_t hdr, inout egress_metadata_t meta,
     table replica_dest {
         key = { eg_intr_md.egress_rid: exact; }
         actions = { set_dest; NoAction; }
-        size = $max_members;
+        size = 64;
         default_action = NoAction();
     }
     apply {

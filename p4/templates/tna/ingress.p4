@@ -6,28 +6,21 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
     // Each event counter is addressed once per packet and pass on Tofino: `events` counts the
     // packet's outcome once (in pass 1 for what pass 1 finishes, else in pass 2),
     // `extra_events` the second event a few packets have (a partial round, a late
-    // contribution).  The control plane adds the two per index.  Block 0 ($event_cells cells)
-    // counts what no job owns, block k the job in job cell k: the index is cell ++ event.
-    Counter<bit<32>, event_t>($event_counters, CounterType_t.PACKETS) events;
-    Counter<bit<32>, event_t>($event_counters, CounterType_t.PACKETS) extra_events;
+    // contribution).  The control plane adds the two per index.
+    Counter<bit<32>, event_t>($event_cells, CounterType_t.PACKETS) events;
+    Counter<bit<32>, event_t>($event_cells, CounterType_t.PACKETS) extra_events;
 
-    // ---- the job: job id and nonce are the key; a miss is `unknown_job`.  Up to $max_jobs
-    // jobs at once, each with its job cell (multicast group, counter block); its slots are
-    // placed by slot_map below
-    action set_job(bit<8> n, bit<8> quorum, bit<32> quorum_cb, mac_addr_t ps_mac, PortId_t recirc_port,
-                   MulticastGroupId_t group, bit<4> cell) {
+    // ---- the job: job id and nonce are the key; a miss is `unknown_job`
+    action set_job(bit<8> n, bit<8> quorum, bit<32> quorum_cb, mac_addr_t ps_mac, PortId_t recirc_port) {
         meta.job_ok = 1;
         meta.recirc_port = recirc_port;
         meta.n = n;
         meta.quorum = quorum;
         meta.quorum_cb = quorum_cb;
         meta.ps_mac = ps_mac;
-        meta.group = group;
-        meta.cell = cell;
     }
     action no_job() {
         meta.job_ok = 0;
-        meta.cell = 0;
     }
     table thc_job {
         key = {
@@ -35,7 +28,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             hdr.thc.nonce: exact;
         }
         actions = { set_job; no_job; }
-        size = $max_jobs;
+        size = 4;
         default_action = no_job();
     }
 
@@ -53,11 +46,11 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             hdr.thc.num_workers: exact;
         }
         actions = { n_matches; n_differs; }
-        size = $max_jobs;
+        size = 4;
         default_action = n_differs();
     }
 
-    // ---- the job's worker ids: one entry (job id, [0, n − 1]) per job; a miss is `worker_out_of_range`
+    // ---- the job's worker ids: one range entry [0, n − 1]; a miss is `worker_out_of_range`
     action worker_in_range() {
         meta.worker_ok = 1;
     }
@@ -65,40 +58,31 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
         meta.worker_ok = 0;
     }
     table worker_range {
-        key = {
-            hdr.thc.job_id: exact;
-            hdr.thc.worker_id: range;
-        }
+        key = { hdr.thc.worker_id: range; }
         actions = { worker_in_range; worker_out_of_range; }
-        size = $max_jobs;
+        size = 4;
         default_action = worker_out_of_range();
     }
 
-    // ---- the job's slots and where they are in the registers: one exact entry per slot,
-    // (job id, DATA, s) → base + s for s in [0, S − 1] and (job id, NORM, s) → base + s for
-    // s in [S, S + S_norm − 1], base being the job's region; a miss is `slot_out_of_range`.
-    // One lookup checks the region and places the slot, with no adder between it and the
-    // registers.
-    action slot_in_region(slot_index_t slot) {
+    // ---- the job's slots: (DATA, [0, S − 1]) and (NORM, [S, S + S_norm − 1]); a miss is `slot_out_of_range`
+    action slot_in_range() {
         meta.slot_ok = 1;
-        meta.slot = slot;
     }
     action slot_out_of_range() {
         meta.slot_ok = 0;
     }
-    table slot_map {
+    table slot_range {
         key = {
-            hdr.thc.job_id: exact;
             hdr.thc.type: exact;
-            hdr.thc.slot: exact;
+            hdr.thc.slot: range;
         }
-        actions = { slot_in_region; slot_out_of_range; }
-        size = $slots;
+        actions = { slot_in_range; slot_out_of_range; }
+        size = 4;
         default_action = slot_out_of_range();
     }
 
-    // ---- a registration: the job, source address, port, the token the control plane handed
-    // out and the worker id it was given
+    // ---- a registration: source address, port, the token the control plane handed out and
+    // the worker id it was given
     action set_worker(bit<32> me) {
         meta.registered = 1;
         meta.me = me;
@@ -109,14 +93,13 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
     }
     table workers {
         key = {
-            hdr.thc.job_id: exact;
             hdr.ipv4.src: exact;
             hdr.udp.src_port: exact;
             hdr.thc.token: exact;
             hdr.thc.worker_id: exact;
         }
         actions = { set_worker; unknown_worker; }
-        size = $max_members;
+        size = 64;
         default_action = unknown_worker();
     }
 
@@ -134,7 +117,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
         default_action = drop_other();
     }
 
-    // ---- per lane: (job, index) -> table value (16 entries per job, written from its T by the control plane)
+    // ---- per lane: index -> table value (16 entries, written from T by the control plane)
 $lookup_tables
 
     // ---- per-slot state (index: slot).  One RegisterAction runs per register per packet (each
@@ -244,7 +227,7 @@ $lookup_tables
         }
     };
 
-    // ---- lane sums (index: 2·(base + slot) + round parity), four lanes per 32-bit cell
+    // ---- lane sums (index: 2·slot + round parity), four lanes per 32-bit cell
 $word_registers
 
     Register<bit<32>, bank_index_t>($banks, 0) norm_acc;
@@ -271,12 +254,7 @@ $word_registers
     // ---- indices and the actions of the outputs
     action slot_indices() {
         meta.round_plus_one = hdr.thc.round + 1;
-        meta.bank_idx = hdr.bridge.slot ++ hdr.thc.round[0:0];     // pass 2: the slot pass 1 placed
-    }
-    // the counter cells of this pass's events: the job cell's block (0: no job's)
-    action event_indices() {
-        meta.event_idx = (event_t)(meta.cell ++ meta.event[3:0]);
-        meta.extra_idx = (event_t)(meta.cell ++ meta.extra_event[3:0]);
+        meta.bank_idx = hdr.thc.slot ++ hdr.thc.round[0:0];
     }
 
     // Reply to the sender: swap addresses, send back out of the ingress port.
@@ -568,7 +546,7 @@ $word_registers
             workers.apply();
             job_size.apply();
             worker_range.apply();
-            slot_map.apply();
+            slot_range.apply();
             shape.apply();
             round_class.apply();
             slot_indices();
@@ -578,7 +556,6 @@ $word_registers
             hdr.bridge.kind = K_NONE;
             hdr.bridge.pad = 0;
             hdr.bridge.port = ig_intr_md.ingress_port;
-            hdr.bridge.slot = meta.slot;
             hdr.bridge.me = meta.me;
             hdr.bridge.cb = meta.me_cb;
             hdr.bridge.seen = 0;
@@ -591,9 +568,9 @@ $word_registers
             if (ig_prsr_md.parser_err == 0 && meta.shape_ok == 1 && meta.n_ok == 1 &&
                 meta.registered == 1 && meta.slot_ok == 1) {
                 if (meta.far == 1) {
-                    meta.last = round_far.execute(meta.slot);
+                    meta.last = round_far.execute(hdr.thc.slot);
                 } else {
-                    meta.last = round_near.execute(meta.slot);
+                    meta.last = round_near.execute(hdr.thc.slot);
                 }
                 round_math_tbl.apply();
                 relation.apply();
@@ -602,24 +579,24 @@ $word_registers
             // ---- offset, arrivals, contributors: one access each, in this order
             if (meta.rel == REL_NEW) {
                 hdr.bridge.kind = K_FIRST;
-                hdr.bridge.off_old = offset_swap.execute(meta.slot);
-                arrived_start.execute(meta.slot);
+                hdr.bridge.off_old = offset_swap.execute(hdr.thc.slot);
+                arrived_start.execute(hdr.thc.slot);
                 if (meta.next_round == 1) {
-                    hdr.bridge.shadow_cb = contrib_start_keep.execute(meta.slot);
+                    hdr.bridge.shadow_cb = contrib_start_keep.execute(hdr.thc.slot);
                 } else {
-                    hdr.bridge.shadow_cb = contrib_start.execute(meta.slot);
+                    hdr.bridge.shadow_cb = contrib_start.execute(hdr.thc.slot);
                 }
             } else if (meta.rel == REL_SAME) {
-                meta.off_diff = offset_cmp.execute(meta.slot);
+                meta.off_diff = offset_cmp.execute(hdr.thc.slot);
                 if (meta.off_diff != 0) {
                     meta.event = C_MALFORMED;
                 } else {
                     hdr.bridge.kind = K_SAME;
-                    hdr.bridge.seen = arrived_add.execute(meta.slot);
+                    hdr.bridge.seen = arrived_add.execute(hdr.thc.slot);
                     if (hdr.bridge.seen == 0) {
-                        hdr.bridge.cb = contrib_add.execute(meta.slot);
+                        hdr.bridge.cb = contrib_add.execute(hdr.thc.slot);
                     } else {
-                        hdr.bridge.cb = contrib_get.execute(meta.slot);
+                        hdr.bridge.cb = contrib_get.execute(hdr.thc.slot);
                     }
                 }
             } else if (meta.rel == REL_PREV) {
@@ -636,8 +613,7 @@ $word_registers
                     hdr.bridge.pass2 = 0;
                     ig_dprsr_md.drop_ctl = 1;
                 }
-                event_indices();
-                events.count(meta.event_idx);
+                events.count(meta.event);
             }
           } else {
             // ================= pass 2: the shadow copy, the verdict, the lanes, the reply =================
@@ -649,9 +625,9 @@ $apply_lookups
             }
             if (hdr.bridge.kind == K_FIRST) {
                 meta.first = 1;
-                shadow_save.execute(hdr.bridge.slot);
+                shadow_save.execute(hdr.thc.slot);
             } else if (hdr.bridge.kind == K_PREV) {
-                hdr.bridge.cb = shadow_get.execute(hdr.bridge.slot);
+                hdr.bridge.cb = shadow_get.execute(hdr.thc.slot);
             }
             count_math_tbl.apply();
             short_math_tbl.apply();
@@ -709,7 +685,7 @@ $apply_get
                     hdr.eth.src = meta.ps_mac;
                     hdr.ipv4.src = hdr.ipv4.dst;
                     hdr.udp.src_port = hdr.udp.dst_port;
-                    ig_tm_md.mcast_grp_a = meta.group;
+                    ig_tm_md.mcast_grp_a = 1;
                 } else {
                     // V_RESEND_CUR, V_LATE, V_RESEND_PREV
                     meta.event = C_RESULTS_RESENT;
@@ -720,9 +696,8 @@ $apply_get
                     bounce();
                 }
             }
-            event_indices();
-            events.count(meta.event_idx);
-            extra_events.count(meta.extra_idx);
+            events.count(meta.event);
+            extra_events.count(meta.extra_event);
           }
         }
         if (!hdr.bridge.isValid()) {

@@ -41,7 +41,6 @@ header bridge_t {
     pass_kind_t kind;
     bit<7> pad;
     PortId_t port;                  // the port the packet first came in on (replies go there)
-    slot_index_t slot;              // the slot in the registers (slot_map: the job's base + slot)
     bit<32> me;                     // 1 << worker id
     bit<32> cb;                     // the slot's count << 24 | bitmap: K_FIRST: the sender alone;
                                     // K_SAME: after pass 1; K_PREV: pass 2 reads the shadow copy
@@ -74,9 +73,6 @@ struct metadata_t {
     mac_addr_t ps_mac;
     bit<1> worker_ok;
     bit<1> slot_ok;
-    slot_index_t slot;          // the packet's slot in the registers (slot_map)
-    MulticastGroupId_t group;   // the job's multicast group
-    bit<4> cell;                // the job's cell: its counter block (0: no job)
     bit<1> shape_ok;            // DATA or NORM with that type's element width, op, count and lengths
     // the sender (workers: source address, port and token are the key)
     bit<1> registered;          // source, port, token and worker id are a registration
@@ -100,8 +96,6 @@ struct metadata_t {
     bank_index_t bank_idx;      // 2 · slot + round parity
     event_t event;
     event_t extra_event;
-    event_t event_idx;          // cell ++ event: the counter cell
-    event_t extra_idx;
     // per 32-bit word: the table values of four lanes
 $input_fields
 }
