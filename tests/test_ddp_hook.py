@@ -53,6 +53,8 @@ def _hook_proc(rank, port, q, mode):
                 ddp(torch.randn(8, 20, generator=g)).pow(2).mean().backward()
                 opt.step()
             q.put((rank, [torch.cat([p.detach().ravel() for p in model.parameters()]).numpy()]))
+            del ddp
+        dist.barrier()              # no rank tears gloo down while a peer still uses it
     finally:
         dist.destroy_process_group()
 
