@@ -350,8 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     p4_mn.add_argument("--straggler-rank", type=_int_in(0, 31, "a rank"), default=None,
                        help="which worker straggles (default: all)")
     _policy_arg(p4_mn)
-    p4_mn.add_argument("--timeout-ms", type=_timeout_ms, default=200.0,
-                       help="the workers' first retransmission timeout")
+    p4_mn.add_argument("--timeout-ms", type=_timeout_ms, default=200.0, help="the workers' " + TIMEOUT_HELP)
+    _fixed_timeout_arg(p4_mn)
     p4_mn.add_argument("--control-mode", choices=("static", "p4run"), default="static",
                        help="job preprogrammed with a registration-only control host (static), or "
                             "`thc p4 run --attach` programming it as workers register (p4run)")
@@ -401,6 +401,14 @@ def _float_in(lo: float, hi: float, *, lo_open: bool, hi_open: bool, what: str):
 _probability = _float_in(0, 1, lo_open=False, hi_open=True, what="a probability")
 _delay_ms = _float_in(0, 60000, lo_open=False, hi_open=False, what="milliseconds")
 _timeout_ms = _float_in(1, 60000, lo_open=False, hi_open=False, what="milliseconds")
+TIMEOUT_HELP = ("first and least retransmission timeout; above it the timeout follows the "
+                "measured round trip (see --fixed-timeout)")
+
+
+def _fixed_timeout_arg(parser) -> None:
+    parser.add_argument("--fixed-timeout", action="store_true",
+                        help="start every chunk's timer at --timeout-ms instead of the round trip "
+                             "measured on the path (the rule before the adaptive timer, for comparison)")
 _quorum = _float_in(0, 1, lo_open=True, hi_open=False, what="a quorum fraction of workers")
 
 
@@ -479,7 +487,8 @@ def _add_cluster_commands(sub):
     w.add_argument("--control-host", default=None, help="control plane host if not the PS data host")
     w.add_argument("--control-port", type=_port, default=None, help="control port (default data port + 1)")
     w.add_argument("--bind-port", type=_any_port, default=0, help="local UDP port (0: any)")
-    w.add_argument("--timeout-ms", type=_timeout_ms, default=50.0, help="first retransmission timeout")
+    w.add_argument("--timeout-ms", type=_timeout_ms, default=50.0, help=TIMEOUT_HELP)
+    _fixed_timeout_arg(w)
     w.add_argument("--report", type=_report_path, default=None,
                    help="write every round's report (digests, k, bitmaps) as JSON")
     w.add_argument("--keys", default=None, metavar="DIR",
@@ -502,7 +511,8 @@ def _add_cluster_commands(sub):
     la.add_argument("--straggler-rank", type=_int_in(0, 31, "a rank"), default=None,
                     help="which worker straggles (default: all)")
     _policy_arg(la)
-    la.add_argument("--timeout-ms", type=_timeout_ms, default=50.0, help="first retransmission timeout")
+    la.add_argument("--timeout-ms", type=_timeout_ms, default=50.0, help=TIMEOUT_HELP)
+    _fixed_timeout_arg(la)
     la.add_argument("--engine", choices=("c", "python"), default="c", help="the started PS's aggregation engine")
     la.add_argument("--ps", type=_addr_text, default=None,
                     help="use a running PS at HOST:PORT (or a comma list of shards) instead of starting one")

@@ -141,7 +141,7 @@ def cmd_worker(args) -> dict:
         shards, rank, args.rounds, args.dim, args.seed, args.loss_policy,
         Faults(drop_out=args.loss, drop_in=args.loss, seed=args.seed), args.straggler_delay_ms, 1.0,
         args.timeout_ms, 64, None, False, bind_port=args.bind_port, expect=expect, propose=propose,
-        keys=args.keys, job_name=args.job)
+        keys=args.keys, job_name=args.job, fixed_timeout=args.fixed_timeout)
     lost = sum(r["lost"] for r in out)
     if args.report:
         import json
@@ -240,7 +240,7 @@ def cmd_launch(args):
                      verbose=args.verbose, shards=args.shards, rank_base=base, local_workers=local,
                      expect=expect, keys=args.keys, lease_s=args.lease_s, rejoin_grace_s=args.rejoin_grace_s,
                      stall_s=args.stall_s, kill=(args.kill_rank, kill_at) if args.kill_rank is not None else None,
-                     restart=args.restart_killed, job_name=args.job)
+                     restart=args.restart_killed, job_name=args.job, fixed_timeout=args.fixed_timeout)
     if args.json:
         return doc
     print(f"rounds {doc['rounds']}, exact {doc['exact_rounds']}, mismatched chunks "
@@ -354,6 +354,7 @@ def _p4_mininet(args):
                           straggler_delay_ms=args.straggler_delay_ms, straggler_rank=args.straggler_rank,
                           quorum=args.quorum, granularity=args.granularity, p=str(args.p),
                           policy=args.loss_policy, control=args.control_mode, timeout_ms=args.timeout_ms,
+                          fixed_timeout=args.fixed_timeout,
                           build_dir=args.out, jobs=args.jobs, log=log)
     print(json.dumps(doc) if args.json else mininet_run.summary_text(doc), flush=True)
     why = mininet_run.failed(doc)

@@ -65,7 +65,7 @@ def skip_to_front(t, skip_one, step: int, limit: int, passes: int = 50) -> int:
 def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
                 straggler_delay_ms, straggler_prob, timeout_ms, window, report=None, quiet=True,
                 bind_port=0, batched=True, expect=None, propose=None, keys=None, die_at=None,
-                rejoin=False, progress=None, job_name=None):
+                rejoin=False, progress=None, job_name=None, fixed_timeout=False):
     """Run `rounds` allreduces of test gradients against the PS shards [(host, data, control)].
 
     `expect` is the job configuration this worker insists on (a dict of JobConfig fields),
@@ -80,6 +80,7 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
     say `ended_while_away` and only the rounds it finished are reported.
     `progress` (a shared integer) is set to each round this worker starts, for the
     launcher's watchdog.  `job_name` names the job on the PS (None: the PS's default).
+    `fixed_timeout` starts every chunk at `timeout_ms` instead of the measured RTO.
     Returns (per-round reports, transport counters, the job as announced by the PS).
     """
     import os
@@ -91,7 +92,7 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
         t = Transport(shards[0][0], shards[0][1], worker_id, control_port=shards[0][2], policy=policy,
                       faults=faults, timeout_ms=timeout_ms, shards=shards, **sized,
                       bind_port=bind_port, batched=batched, expect=expect, propose=propose, keys=keys,
-                      rejoin=rejoin, job_name=job_name)
+                      rejoin=rejoin, job_name=job_name, adaptive_timeout=not fixed_timeout)
     except ValueError as exc:
         if not rejoin or "no running job to rejoin" not in str(exc):
             raise
@@ -176,6 +177,7 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
     counters["lease_rejoins"] = lapses
     counters["catch_up_missed_rounds"] = missed
     counters["ended_while_away"] = int(ended)
+    counters["rto_ms"] = 1e3 * max(t.rtt.rto(s, t.cwnd) for s in range(len(t.shard_addrs)))
     announced = t.job.to_msg()
     if report is not None:
         report.put((worker_id, out, counters, announced))
@@ -415,7 +417,8 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
                engine="c", timeout_ms=50.0, window=None, slots=512, lane_bits=8, verbose=False,
                ps_control_port=None, check=True, shards=1, batched=True, rank_base=0,
                local_workers=None, expect=None, keys=None, kill=None, restart=False,
-               lease_s=None, rejoin_grace_s=None, stall_s=180.0, job_name=None) -> dict:
+               lease_s=None, rejoin_grace_s=None, stall_s=180.0, job_name=None,
+               fixed_timeout=False) -> dict:
     """Start a PS with `shards` shards (unless `ps` = "host:port[,host:port…]") and worker
     processes for ranks rank_base … rank_base + local_workers − 1 of an n = `workers` job;
     returns the JSON summary, whose `ok` is False when any chunk was inexact or, under
@@ -466,7 +469,8 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
         delay = straggler_delay_ms if (straggler_rank is None or straggler_rank == i) else 0.0
         return ((shard_list, i, rounds, dim, seed, policy, faults, delay, straggler_prob, timeout_ms,
                  window), {"batched": batched, "expect": expect, "propose": job, "quiet": not verbose,
-                           "keys": None if keys is None else str(keys), "job_name": job_name})
+                           "keys": None if keys is None else str(keys), "job_name": job_name,
+                           "fixed_timeout": fixed_timeout})
 
     ranks = range(rank_base, rank_base + local_workers)
     sup = _Supervisor(ranks, worker_args, kill, restart, stall_s)
@@ -505,6 +509,9 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
             "mean_round_ms": 1e3 * float(np.mean([r["seconds"] for w in per_worker.values() for r in w]
                                                   or [0.0])),
             "retransmissions": total("retransmissions"), "timeouts": total("timeouts"),
+            "packets_sent": total("packets_sent"),
+            "rto_ms": max((c.get("rto_ms", 0.0) for c in counters.values()), default=0.0),
+            "fixed_timeout": fixed_timeout,
             "lost_chunks_reported": total("lost_chunks"), "straggler_notices": total("straggler_notices"),
             "resynced_chunks": total("resynced_chunks"), "ps_restarts_survived": total("resumes"),
             "rejoin_refused": total("rejoin_refused"), "lease_rejoins": total("lease_rejoins"),

@@ -123,6 +123,12 @@ def nft_drop_counters(ns: str) -> int:
     return total
 
 
+def qdisc_drops(ns: str) -> int:
+    """Packets the queueing disciplines of `ns` dropped so far (a rate limit's full queue)."""
+    out = subprocess.run(["ip", "netns", "exec", ns, "tc", "-s", "qdisc"], capture_output=True, text=True).stdout
+    return sum(int(line.split("(dropped")[1].split(",")[0]) for line in out.splitlines() if "(dropped" in line)
+
+
 def partition(ns: str) -> None:
     """Cut `ns` off: drop every packet in and out of it (data and control plane alike), as a
     switch failure or a cable pulled would, until `heal(ns)`."""

@@ -143,8 +143,9 @@ def _teardown(proc: subprocess.Popen | None, ns: str, grace: float) -> None:
 
 def run(*, workers: int = 4, rounds: int = 20, dim: int = 4096, loss: float = 0.0,
         straggler_delay_ms: float = 0.0, straggler_rank: int | None = None, quorum: float = 1.0,
-        granularity: int = 30, p: str = "1/32", policy: str = "retransmit", control: str = "static", timeout_ms: float = 200.0,
-        build_dir: str | Path = "build/p4", worker_timeout_s: float = 900.0, jobs: int = 1, log=None) -> dict:
+        granularity: int = 30, p: str = "1/32", policy: str = "retransmit", control: str = "static",
+        timeout_ms: float = 200.0, fixed_timeout: bool = False, build_dir: str | Path = "build/p4",
+        worker_timeout_s: float = 900.0, jobs: int = 1, log=None) -> dict:
     """One Mininet run of `jobs` jobs of `workers` workers each at once; returns the summary
     (check per job and in all, workers' counters, switch counters)."""
     from deploy.launch import check_rounds
@@ -174,6 +175,7 @@ def run(*, workers: int = 4, rounds: int = 20, dim: int = 4096, loss: float = 0.
                "--straggler-delay-ms", str(straggler_delay_ms),
                "--straggler-rank", str(-1 if straggler_rank is None else straggler_rank),
                "--timeout-ms", str(timeout_ms), "--worker-timeout-s", str(worker_timeout_s),
+               *(["--fixed-timeout"] if fixed_timeout else []),
                "--control-mode", control, "--nonce", str(nonce),
                "--tokens", ",".join(map(str, tokens)), "--events", str(len(EVENTS)),
                "--event-cells", str(EVENT_CELLS), "--jobs", str(jobs)]
@@ -226,6 +228,8 @@ def run(*, workers: int = 4, rounds: int = 20, dim: int = 4096, loss: float = 0.
             "packets_sent": total("packets_sent"),
             "packets_per_s": total("packets_sent") / busy if busy else None,
             "retransmissions": total("retransmissions"), "timeouts": total("timeouts"),
+            "fixed_timeout": fixed_timeout,
+            "rto_ms": max(r["transport"].get("rto_ms", 0.0) for r in reports.values()),
             "straggler_notices": total("straggler_notices"), "lost_chunks_reported": total("lost_chunks"),
             "kernel_drops": sum(nft_dropped(t) for t in doc["nft"]),
             "switch": parse_events(doc["counters"], jobs + 1), "netns_left": ns in netns_list(),
@@ -265,6 +269,7 @@ def summary_text(doc: dict) -> str:
         f"lost chunks {doc['lost_chunks']}",
         f"retransmissions {doc['retransmissions']}",
         f"timeouts {doc['timeouts']}",
+        f"retransmission timeout {doc.get('rto_ms', 0):.0f} ms" + (" (fixed)" if doc.get("fixed_timeout") else ""),
         f"straggler notices {doc['straggler_notices']}",
         f"packets sent {doc['packets_sent']}",
         f"kernel (nft) drops {doc['kernel_drops']}",

@@ -168,7 +168,7 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
 /* ------------------------------------------------------------------ a whole phase in C
  *
  * phase_run(fd, budget_ms, P, T, dests, ch_sh, ch_slot, ch_round, ch_off, ch_count, poff,
- *           payload, hdr, state, deadline, tmo, tries, pend, res_hdr, lanes, roff, res_len,
+ *           payload, hdr, state, deadline, tmo, sent, done, tries, pend, res_hdr, lanes, roff, res_len,
  *           slot_round, counters, extras) -> (status, chunk)
  *
  * The loop of Transport._run_phase_python (worker/transport.py) with the GIL released:
@@ -185,7 +185,9 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
  *
  * P (int64): type, want_type, job_id, worker_id, num_workers, elem_bits, op, nchunks,
  *            window, nslots, nshards, zero_policy, max_retries, gso, next_c, npending, finished
- * T (float64): timeout, max_timeout (seconds)
+ * T (float64): RetransmitTimer.T (worker/transport.py): floor, cap, adaptive, then each
+ *              shard's scale (seconds per chunk in flight)
+ * sent, done (float64): each chunk's first send and answer times (RetransmitTimer's samples)
  * dests (int64, nshards x 4): IPv4 address (network order), port, nonce, token
  * state (int8): 0 not sent, 1 pending, 2 result, 3 lost, 4 settled by the caller (stash)
  * counters (int64): see PHASE_COUNTERS in worker/transport.py
@@ -219,7 +221,7 @@ static double mono_s(void) {
 typedef struct {
     int fd;
     int64_t *P, *dests, *counters, *slot_round;
-    double *T, *deadline, *tmo;
+    double *T, *deadline, *tmo, *sent, *done;
     int32_t *sh, *slot, *tries, *pend, *res_len;
     uint32_t *round, *off;
     int32_t *count;
@@ -327,6 +329,14 @@ static void send_chunks(phase_t *ph, const int *cs, int n) {
     }
 }
 
+/* RetransmitTimer.first_timeout (worker/transport.py): a chunk sent to shard s with k chunks
+ * in flight waits clamp(scale_s * k, floor, cap), or the floor (fixed rule). */
+static inline double rto_first(const double *T, int s, int64_t k) {
+    if (T[2] == 0) return T[0];
+    double t = T[3 + s] * (double)k;
+    return t < T[0] ? T[0] : t > T[1] ? T[1] : t;
+}
+
 static void settle(phase_t *ph, int c, int state) {
     int key = ph->sh[c] * (int)ph->P[P_NSLOTS] + ph->slot[c];
     if (ph->pend[key] == c) { ph->pend[key] = -1; ph->P[P_NPENDING]--; }
@@ -359,6 +369,7 @@ static int accept_one(phase_t *ph, const uint8_t *b, uint32_t len, uint32_t ip, 
         uint32_t plen = len - HDR;
         memcpy(ph->lanes + ph->roff[c], b + HDR, plen < room ? plen : (size_t)room);
         ph->res_len[c] = (int32_t)plen;
+        ph->done[c] = mono_s();
         settle(ph, c, S_RESULT);
         return 0;
     }
@@ -382,7 +393,7 @@ static int accept_one(phase_t *ph, const uint8_t *b, uint32_t len, uint32_t ip, 
 
 static PyObject *phase_run(PyObject *self, PyObject *args) {
     enum { A_FD, A_BUDGET, A_P, A_T, A_DESTS, A_SH, A_SLOT, A_ROUND, A_OFF, A_COUNT, A_POFF, A_PAYLOAD,
-           A_HDR, A_STATE, A_DEADLINE, A_TMO, A_TRIES, A_PEND, A_RES_HDR, A_LANES, A_ROFF, A_RES_LEN,
+           A_HDR, A_STATE, A_DEADLINE, A_TMO, A_SENT, A_DONE, A_TRIES, A_PEND, A_RES_HDR, A_LANES, A_ROFF, A_RES_LEN,
            A_SLOT_ROUND, A_COUNTERS, A_EXTRAS, A_N };
     if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) != A_N) {
         PyErr_SetString(PyExc_TypeError, "phase_run: wrong number of arguments");
@@ -409,12 +420,15 @@ static PyObject *phase_run(PyObject *self, PyObject *args) {
     ph.sh = bufs[A_SH].buf; ph.slot = bufs[A_SLOT].buf; ph.round = bufs[A_ROUND].buf; ph.off = bufs[A_OFF].buf;
     ph.count = bufs[A_COUNT].buf; ph.poff = bufs[A_POFF].buf; ph.payload = bufs[A_PAYLOAD].buf;
     ph.hdr = bufs[A_HDR].buf; ph.state = bufs[A_STATE].buf; ph.deadline = bufs[A_DEADLINE].buf;
-    ph.tmo = bufs[A_TMO].buf; ph.tries = bufs[A_TRIES].buf; ph.pend = bufs[A_PEND].buf;
+    ph.tmo = bufs[A_TMO].buf; ph.sent = bufs[A_SENT].buf; ph.done = bufs[A_DONE].buf; ph.tries = bufs[A_TRIES].buf; ph.pend = bufs[A_PEND].buf;
     ph.res_hdr = bufs[A_RES_HDR].buf; ph.lanes = bufs[A_LANES].buf; ph.roff = bufs[A_ROFF].buf;
     ph.res_len = bufs[A_RES_LEN].buf; ph.slot_round = bufs[A_SLOT_ROUND].buf; ph.counters = bufs[A_COUNTERS].buf;
     int64_t *P = ph.P;
     int n = (int)P[P_N];
-    if (bufs[A_P].len < P_COUNT * 8 || bufs[A_COUNTERS].len < K_COUNT * 8 || bufs[A_T].len < 16 ||
+    if (bufs[A_P].len < P_COUNT * 8 || bufs[A_COUNTERS].len < K_COUNT * 8 ||
+        bufs[A_T].len < (Py_ssize_t)(3 + P[P_NSHARDS]) * 8 ||
+        bufs[A_SENT].len < (Py_ssize_t)n * 8 || bufs[A_DONE].len < (Py_ssize_t)n * 8 || bufs[A_TMO].len < (Py_ssize_t)n * 8 ||
+        bufs[A_DEADLINE].len < (Py_ssize_t)n * 8 || bufs[A_TRIES].len < (Py_ssize_t)n * 4 ||
         bufs[A_STATE].len < n || bufs[A_HDR].len < (Py_ssize_t)n * HDR || bufs[A_RES_HDR].len < (Py_ssize_t)n * HDR ||
         bufs[A_POFF].len < (Py_ssize_t)(n + 1) * 8 || bufs[A_ROFF].len < (Py_ssize_t)(n + 1) * 8 ||
         bufs[A_PEND].len < (Py_ssize_t)(P[P_NSHARDS] * P[P_NSLOTS]) * 4 ||
@@ -454,8 +468,9 @@ static PyObject *phase_run(PyObject *self, PyObject *args) {
             ph.pend[key] = c;
             P[P_NPENDING]++;
             ph.state[c] = S_PENDING;
-            ph.tmo[c] = ph.T[0];
-            ph.deadline[c] = now + ph.T[0];
+            ph.tmo[c] = rto_first(ph.T, ph.sh[c], P[P_NPENDING]);
+            ph.deadline[c] = now + ph.tmo[c];
+            ph.sent[c] = now;
             ph.tries[c] = 0;
             batch[nb++] = c;
         }

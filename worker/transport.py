@@ -149,6 +149,97 @@ class _Pending:
     timeout: float
     tries: int = 0
     datagrams: int = 1          # datagrams one resend puts on the wire
+    sent: float = 0.0           # the first send
+
+
+def in_flight_at_send(sent: np.ndarray, done: np.ndarray) -> np.ndarray:
+    """For chunks sent at `sent` (in index order where times are equal: a batch) and
+    finished at `done` (inf: never), how many were in flight when each was sent, itself
+    included: what the phase loop counted when it started the chunk's timer."""
+    order = np.lexsort((np.arange(len(sent)), sent))
+    rank = np.empty(len(sent), np.int64)
+    rank[order] = np.arange(1, len(sent) + 1)
+    return (rank - np.searchsorted(np.sort(done), sent, side="right")).clip(min=1)
+
+
+def rto_scale(per_chunk: np.ndarray) -> float:
+    """The timeout per chunk in flight, from samples of round trip / chunks in flight
+    (seconds): m + 4·max(MAD, m/8), with m the median and MAD the median of |q − m|: RFC
+    6298's srtt + 4·rttvar with the mean and the mean deviation replaced by their robust
+    counterparts (RetransmitTimer says why)."""
+    m = float(np.median(per_chunk))
+    mad = float(np.median(np.abs(per_chunk - m)))
+    return m + 4 * max(mad, m / 8)
+
+
+class RetransmitTimer:
+    """The retransmission timeout of each shard, adapted to the path, once per phase.
+
+    A chunk's round trip through an aggregator is queueing and service there plus the wait
+    for the other ranks' packets of its slot.  A fixed timeout fits one path only: on a
+    software PS over loopback a result takes a few ms, through bmv2 (about a thousand THC
+    packets/s, so a window of 64 chunks from each of 4 workers queues for 250 ms) or behind
+    a slow link it takes hundreds of ms, and a fixed 50 or 200 ms timer resends a fifth of
+    the packets (docs/bench.md, "Retransmission timer").  The time is mostly queueing, so it
+    grows with the chunks in flight, and the window (`Transport._adapt_window`) changes
+    that number from phase to phase.  So the timer measures the path's time per chunk in
+    flight: every answered chunk of a phase gives q = round trip / chunks in flight when it
+    was sent (round trip from its first send), and at the end of a phase with MIN_SAMPLES
+    answers or more from a shard, that shard's scale becomes `rto_scale` of them.  A chunk
+    sent with k chunks in flight then waits clamp(scale · k, floor, cap) before its first
+    resend: the timeout follows the window as the queue does.
+
+    Robust statistics over a whole phase, because some answers wait for a loss to be
+    recovered, the chunk's own or another rank's: at 5% loss and 4 ranks about a fifth of
+    them are one timeout longer than the path.  A mean (TCP's estimator) over them ratchets
+    the timeout up phase after phase, each timeout lengthening the waits it measures; the
+    median ignores them while they are fewer than half, and so it ignores a rank that
+    straggles now and then.  A whole phase, because the chunks answered last in a phase
+    are mostly those that waited.  Timing from the first send, not only chunks never
+    resent (Karn's rule, which TCP needs because its mean is not robust), keeps a path
+    slower than the timeout measurable: there every chunk is resent before its answer
+    comes, and the answer still tells how long the path took.  Phases with fewer answers
+    (a NORM phase's one or two chunks, mostly the wait for the slowest rank) are not used.
+    `floor` is the configured first timeout (`--timeout-ms`): on a path faster than it,
+    loss recovery is as before.
+
+    `T` = [floor, cap, adaptive, then each shard's scale (0: not measured yet, the floor
+    applies)] is what the C phase (_batchio.phase_run) reads; adaptive 0 keeps the fixed
+    rule (every chunk starts at `floor`), for comparison.
+    """
+
+    MIN_SAMPLES = 8
+
+    def __init__(self, floor_s: float, cap_s: float, shards: int, adaptive: bool = True):
+        self.T = np.zeros(3 + shards)
+        self.T[:3] = floor_s, cap_s, float(adaptive)
+
+    @property
+    def adaptive(self) -> bool:
+        return bool(self.T[2])
+
+    def first_timeout(self, shard: int, in_flight: int) -> float:
+        """The first timeout of a chunk sent to `shard` with `in_flight` chunks in flight."""
+        floor, cap, adaptive = self.T[:3]
+        return float(min(max(self.T[3 + shard] * in_flight, floor), cap)) if adaptive else float(floor)
+
+    def rto(self, shard: int, in_flight: int = 1) -> float:
+        """What `first_timeout` gives (the summary's figure: with the window's chunks in flight)."""
+        return self.first_timeout(shard, in_flight)
+
+    def phase_done(self, shard: np.ndarray, sent: np.ndarray, done: np.ndarray) -> None:
+        """A phase ended: chunk c went to shard[c], was first sent at sent[c] (0: never, it
+        was settled beforehand) and answered at done[c] (0: not answered)."""
+        if not self.adaptive:
+            return
+        went = sent > 0
+        shard, sent, done = shard[went], sent[went], done[went]
+        k = in_flight_at_send(sent, np.where(done > 0, done, np.inf))
+        ok = done > 0
+        for s in np.unique(shard[ok]).tolist():
+            mine = ok & (shard == s)
+            if np.count_nonzero(mine) >= self.MIN_SAMPLES:
+                self.T[3 + s] = rto_scale((done[mine] - sent[mine]) / k[mine])
 
 
 class _RetransmitPolicy:
@@ -160,8 +251,13 @@ class _RetransmitPolicy:
     def __init__(self, transport: Transport):
         self.t = transport
 
-    def start(self, chunk: int, packet, now: float, datagrams: int = 1) -> _Pending:
-        return _Pending(chunk, packet, now + self.t.timeout, self.t.timeout, 0, datagrams)
+    def start(self, chunk: int, packet, now: float, datagrams: int = 1, shard: int | None = None,
+              in_flight: int = 1) -> _Pending:
+        """A packet enters flight with `in_flight` chunks in flight (itself included): its
+        first timeout is RetransmitTimer's for the shard (`shard` None: the fixed first
+        timeout, for BLOB rounds, whose round trip includes decoding)."""
+        tmo = self.t.timeout if shard is None else self.t.rtt.first_timeout(shard, in_flight)
+        return _Pending(chunk, packet, now + tmo, tmo, 0, datagrams, now)
 
     def expired(self, p: _Pending, now: float, what: str, dest) -> bool:
         """p's deadline passed: True = resend it (backoff applied, counted); False = it is
@@ -316,7 +412,7 @@ class Transport:
                  control_timeout_s: float = 30.0, shards: list | None = None, bind_port: int = 0,
                  batched: bool = True, expect: dict | None = None, propose: JobConfig | None = None,
                  keys=None, heartbeat: bool = True, rejoin: bool = False, phase_engine: str | None = None,
-                 job_name: str | None = None, queue_s: float = 600.0):
+                 job_name: str | None = None, queue_s: float = 600.0, adaptive_timeout: bool = True):
         """Connect to one PS, or to S shards given as [(host, data_port, control_port), ...].
 
         `job_name` names the job on the PS (None: the PS's "default"): workers of one name
@@ -334,6 +430,10 @@ class Transport:
         shards (a switch job's 64 slots bound it there); the window in use starts at 64 and
         adapts per phase (`_adapt_window`): a small window leaves the cores idle between
         round trips, a large one overflows a slow link's queue (docs/bench.md).
+        `timeout_ms` is the first retransmission timeout and, with `adaptive_timeout`
+        (the default, retransmit policy), the least one: each shard's timeout then follows
+        the measured round trip (RetransmitTimer); without it every chunk starts at
+        `timeout_ms`, and under the `zero` policy that is the deadline of a lost chunk.
         `batched` sends a window's packets with one sendmmsg and takes every waiting result
         with one recvmmsg (worker/_batchio.c); False is the one-call-per-datagram loop,
         kept for comparison (bench/bench_e2e.py) and for platforms without the extension.
@@ -373,6 +473,8 @@ class Transport:
         self.shard_addrs = [(sh[0], int(sh[1])) for sh in shards]
         self._by_addr = {a: i for i, a in enumerate(self.shard_addrs)}
         self.ps = self.shard_addrs[0]
+        self.rtt = RetransmitTimer(self.timeout, self.max_timeout, len(shards),
+                                   adaptive_timeout and policy == "retransmit")
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         set_buffer(self.sock, 8 << 20)
         self.sock.bind((local_ip_towards(*self.shard_addrs[0]), bind_port))
@@ -893,6 +995,7 @@ class Transport:
         next_c, finished = 0, 0
         want_type = H.NORM_RESULT if kind == H.NORM else H.RESULT
         policy = _RetransmitPolicy(self)
+        sent, done = np.zeros(nchunks), np.zeros(nchunks)     # first send, answer (RetransmitTimer)
 
         def complete(c, value):
             nonlocal finished
@@ -917,7 +1020,8 @@ class Transport:
                 pkt = H.build_fast(kind, job.job_id, self.worker_id, job.num_workers, elem_bits, slot,
                                    rounds[c], off, count, op, payload, nonce=ids[sh][0], token=ids[sh][1])
                 out.append((pkt, self.shard_addrs[sh]))
-                pending[(sh, slot)] = policy.start(c, pkt, now)
+                pending[(sh, slot)] = policy.start(c, pkt, now, shard=sh, in_flight=len(pending) + 1)
+                sent[c] = now
             self._emit(out)
             self._flush_held()
             if finished >= nchunks:
@@ -929,6 +1033,7 @@ class Transport:
                 if (h.type == want_type and h.op != H.OP_BLOB and entry is not None
                         and h.round == rounds[entry.chunk]):
                     del pending[pkey]
+                    done[entry.chunk] = time.monotonic()
                     complete(entry.chunk, (h, payload))
                 elif h.type in (H.RESULT, H.NORM_RESULT):
                     self._keep(shard, h, payload)      # a later round's or another phase's
@@ -954,6 +1059,7 @@ class Transport:
                     self.stats.add("lost_chunks")
                     complete(entry.chunk, None)
             self._emit(resend)
+        self.rtt.phase_done(np.array([w[0] for w in where], np.int64), sent, done)
         return results
 
     def _run_phase_c(self, kind: int, chunks, shard, slot, rounds) -> PhaseResults:
@@ -976,11 +1082,11 @@ class Transport:
                       job.num_workers, elem_bits, op, n, self.cwnd, nslots, len(self.shard_addrs),
                       self.policy == "zero", self.max_retries, self._gso, 0, 0,
                       int(np.count_nonzero(res.state == _SETTLED))], dtype=np.int64)
-        T = np.array([self.timeout, self.max_timeout])
         dests = np.array([[int.from_bytes(socket.inet_aton(ip), sys.byteorder), port, s["nonce"], s["token"]]
                           for (ip, port), s in zip(self.shard_addrs, self.sessions)], dtype=np.int64)
         hdr = np.zeros(n * H.HEADER_SIZE, np.uint8)
         deadline, tmo, tries = np.zeros(n), np.zeros(n), np.zeros(n, np.int32)
+        sent, done = np.zeros(n), np.zeros(n)       # first send, answer: RetransmitTimer's samples
         pend = np.full(self.slot_round.size, -1, np.int32)
         slot_round = np.ascontiguousarray(self.slot_round, dtype=np.int64).ravel()
         counters = np.zeros(len(PHASE_COUNTERS), np.int64)
@@ -988,9 +1094,9 @@ class Transport:
         while True:
             self._check_membership()
             status, c = _batchio.phase_run(
-                self.sock.fileno(), PHASE_BUDGET_MS, P, T, dests, shard, slot, rounds,
+                self.sock.fileno(), PHASE_BUDGET_MS, P, self.rtt.T, dests, shard, slot, rounds,
                 packed.offsets32, packed.counts32, packed.poff, packed.buffer, hdr, res.state, deadline,
-                tmo, tries, pend, res.headers, res.lanes, res.roff, res.lengths, slot_round, counters, extras)
+                tmo, sent, done, tries, pend, res.headers, res.lanes, res.roff, res.lengths, slot_round, counters, extras)
             for name, v in zip(PHASE_COUNTERS, counters.tolist()):
                 if name in self.stats.counters:
                     self.stats.add(name, v)
@@ -1003,6 +1109,7 @@ class Transport:
             extras.clear()
             self._gso = int(P[13])
             if status == 0:
+                self.rtt.phase_done(shard, sent, done)
                 return res
             if status == 2:
                 self._give_up(f"slot {slot[c]} round {rounds[c]}", self.shard_addrs[shard[c]], int(tries[c]))

@@ -117,6 +117,7 @@ def main():
     ap.add_argument("--straggler-delay-ms", type=float, default=0.0)
     ap.add_argument("--straggler-rank", type=int, default=-1, help="-1: every worker")
     ap.add_argument("--timeout-ms", type=float, default=200.0)
+    ap.add_argument("--fixed-timeout", action="store_true", help="the workers' fixed-timeout rule")
     ap.add_argument("--nonce", type=int, default=0, help="static mode: the job nonce programmed")
     ap.add_argument("--tokens", default="", help="static mode: worker tokens programmed, in rank order")
     ap.add_argument("--events", type=int, default=13, help="event counters to read per block")
@@ -182,7 +183,7 @@ def main():
                                   "--rank", str(i), "--rounds", str(args.rounds), "--dim", str(args.dim),
                                   "--bind-port", str(5000 + k), "--timeout-ms", str(args.timeout_ms),
                                   "--loss-policy", args.loss_policy, "--straggler-delay-ms", str(delay),
-                                  "--report", report],
+                                  "--report", report, *(["--fixed-timeout"] if args.fixed_timeout else [])],
                                  cwd=args.repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
         results = []
         deadline = time.monotonic() + args.worker_timeout_s
