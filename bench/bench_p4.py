@@ -21,30 +21,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `bench`, `tests`: run from a checkout
 from p4.control import SwitchEngine, compile_program, l2_commands, switch_job  # noqa: E402
 from p4.harness.veth_switch import VethSwitch  # noqa: E402
+from p4.resources import resources  # noqa: E402
 from scapy.layers.inet import IP, UDP  # noqa: E402
 from scapy.layers.l2 import Ether  # noqa: E402
 
 from tests.p4.test_switch import N, NONCE, OTHER_MAC, PS_MAC, TOKENS, WORKERS, datagram, frame  # noqa: E402
-
-
-def resources(json_path: Path) -> dict:
-    """What the compiled program uses: declared match-action tables (p4c adds one `tbl_*`
-    table per straight-line action call; those are listed separately), register arrays and
-    their state bits, actions, conditionals, counters."""
-    doc = json.loads(Path(json_path).read_text())
-    regs = doc.get("register_arrays", [])
-    tables = [t["name"] for p in doc.get("pipelines", []) for t in p.get("tables", [])]
-    declared = [t for t in tables if not t.rsplit(".", 1)[-1].startswith("tbl_")]
-    lane_regs = [r for r in regs if r["name"].rsplit(".", 1)[-1].startswith("acc")]
-    return {"lanes_per_packet": len(lane_regs),
-            "declared_tables": len(declared), "compiler_tables": len(tables) - len(declared),
-            "lookup_tables": sum(1 for t in declared if ".lut" in t),
-            "register_arrays": len(regs), "lane_registers": len(lane_regs),
-            "register_bits": sum(r["size"] * r["bitwidth"] for r in regs),
-            "lane_register_bits": sum(r["size"] * r["bitwidth"] for r in lane_regs),
-            "actions": len(doc.get("actions", [])),
-            "conditionals": sum(len(p.get("conditionals", [])) for p in doc.get("pipelines", [])),
-            "counters": [c["name"] for c in doc.get("counter_arrays", [])]}
 
 
 def _tail(sw, count: int, start: float) -> tuple[int, float]:

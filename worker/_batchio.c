@@ -193,7 +193,7 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
  * counters (int64): see PHASE_COUNTERS in worker/transport.py
  */
 enum { P_TYPE, P_WANT, P_JOB, P_WORKER, P_NW, P_EBITS, P_OP, P_N, P_WINDOW, P_NSLOTS, P_NSHARDS,
-       P_ZERO, P_MAXRETRIES, P_GSO, P_NEXT, P_NPENDING, P_FINISHED, P_COUNT };
+       P_ZERO, P_MAXRETRIES, P_GSO, P_NEXT, P_NPENDING, P_FINISHED, P_SPIN_US, P_COUNT };
 enum { K_SENT, K_RECV, K_BYTES_SENT, K_BYTES_RECV, K_RETRANS, K_TIMEOUTS, K_LOST, K_STRAGGLER,
        K_BAD, K_GSO_MSGS, K_GRO_BATCHES, K_COUNT };
 enum { S_NEW, S_PENDING, S_RESULT, S_LOST, S_SETTLED };
@@ -490,7 +490,14 @@ static PyObject *phase_run(PyObject *self, PyObject *args) {
         double wait = (np ? first : now + ph.T[0]) - now;
         if (wait > end - now) wait = end - now;
         struct pollfd pfd = {.fd = ph.fd, .events = POLLIN};
-        int pr = poll(&pfd, 1, wait > 0 ? (int)(wait * 1e3 + 0.999) : 0);
+        int pr = 0;
+        if (P[P_SPIN_US] > 0 && wait > 0) {      /* bounded busy-poll before sleeping */
+            double spin_end = now + (double)P[P_SPIN_US] * 1e-6;
+            if (spin_end > now + wait) spin_end = now + wait;
+            do pr = poll(&pfd, 1, 0); while (pr == 0 && mono_s() < spin_end);
+            if (pr == 0) { now = mono_s(); wait = (np ? first : now + ph.T[0]) - now; if (wait > end - now) wait = end - now; }
+        }
+        if (pr == 0) pr = poll(&pfd, 1, wait > 0 ? (int)(wait * 1e3 + 0.999) : 0);
         if (pr < 0 && errno != EINTR) { err = errno; break; }
         while (pr > 0) {
             struct mmsghdr mm[8];

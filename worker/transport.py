@@ -133,6 +133,8 @@ class TransportStats:
 PHASE_COUNTERS = ("packets_sent", "packets_received", "bytes_sent", "bytes_received", "retransmissions",
                   "timeouts", "lost_chunks", "straggler_notices", "bad_packets", "gso_messages",
                   "gro_batches")
+#: Busy-poll before the C phase loop sleeps in poll(): microseconds ($THC_BUSY_POLL_US, 0 = off).
+SPIN_US = int(os.environ.get("THC_BUSY_POLL_US", "0") or 0)
 #: The C phase loop returns to Python this often (restarted PS, read-ahead results, warnings).
 PHASE_BUDGET_MS = 100.0
 _SETTLED = 4                 # phase_run chunk state: settled by Python (a stashed result)
@@ -1081,7 +1083,7 @@ class Transport:
         P = np.array([kind, H.NORM_RESULT if kind == H.NORM else H.RESULT, job.job_id, self.worker_id,
                       job.num_workers, elem_bits, op, n, self.cwnd, nslots, len(self.shard_addrs),
                       self.policy == "zero", self.max_retries, self._gso, 0, 0,
-                      int(np.count_nonzero(res.state == _SETTLED))], dtype=np.int64)
+                      int(np.count_nonzero(res.state == _SETTLED)), SPIN_US], dtype=np.int64)
         dests = np.array([[int.from_bytes(socket.inet_aton(ip), sys.byteorder), port, s["nonce"], s["token"]]
                           for (ip, port), s in zip(self.shard_addrs, self.sessions)], dtype=np.int64)
         hdr = np.zeros(n * H.HEADER_SIZE, np.uint8)
