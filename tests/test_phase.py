@@ -105,8 +105,10 @@ def as_plain(results):
                                     bytes(r[1])) for r in results]
 
 
-@pytest.mark.parametrize("offload", [True, False], ids=["gso-gro", "no-offload"])
-def test_c_phase_matches_python_phase(offload, monkeypatch):
+@pytest.mark.parametrize("offload,spin", [(True, 0), (False, 0), (True, 300)],
+                         ids=["gso-gro", "no-offload", "gso-gro-busy-poll"])
+def test_c_phase_matches_python_phase(offload, spin, monkeypatch):
+    monkeypatch.setattr("worker.transport.SPIN_US", spin)     # THC_BUSY_POLL_US: the same results
     c1, c2, c_counts, c_io = run_script("c", offload, monkeypatch)
     p1, p2, p_counts, _ = run_script("python", offload, monkeypatch)
     assert as_plain(c1) == as_plain(p1) and as_plain(c2) == as_plain(p2)
