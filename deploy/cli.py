@@ -280,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="bandwidth: comma list of codecs")
     ex.add_argument("--rates", type=_rate_list, default="100,1000,0",
                     help="bandwidth: comma list of link rates in Mbit/s, 0 = unlimited")
+    ex.add_argument("--peer-rates", type=_rate_list, default="0",
+                    help="peers: comma list of link rates in Mbit/s, 0 = loopback; a capped rate puts every "
+                         "rank and the PS in a host namespace of its own behind a link of that rate (root)")
     ex.add_argument("--per-tensor", action="store_true",
                     help="one PS round per parameter tensor (as 3LC and CASQ are meant to run)")
     ex.add_argument("--out", default=None, metavar="DIR",

@@ -315,7 +315,7 @@ def cmd_experiment(args) -> None:
     elif args.name == "codecs":
         path = experiments.codecs(base, command, log, out=out)
     elif args.name == "peers":
-        path = experiments.peers(base, command, log, out=out)
+        path = experiments.peers(base, command, log, out=out, rates=args.peer_rates)
     else:
         path = experiments.bandwidth(base, command, log, rates=args.rates, codecs=args.codecs, out=out)
     print(f"wrote {path} and its plot")

@@ -4,6 +4,7 @@ the caller names (`thc experiment --out`; docs/experiments/ holds the committed 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -133,9 +134,11 @@ def _kernel_loss_rows(base: TrainConfig, log) -> list:
     return rows
 
 
-def ps_in_namespace(net, job, port: int, env: dict) -> subprocess.Popen:
-    """`thc ps` for `job` in net.ps_ns on net.ps_ip:port (stdout piped), given 2 s to bind."""
-    cmd = net.prefix(net.ps_ns) + [sys.executable, "-m", "deploy.cli", "ps", "--bind", f"{net.ps_ip}:{port}",
+def ps_in_namespace(net, job, port: int, env: dict, host: int | None = None) -> subprocess.Popen:
+    """`thc ps` for `job` in net.ps_ns on net.ps_ip:port (two_hosts), or on a star's host
+    `host` (stdout piped), given 2 s to bind."""
+    prefix, ip = (net.prefix(net.ps_ns), net.ps_ip) if host is None else (net.prefix(host), net.ips[host])
+    cmd = prefix + [sys.executable, "-m", "deploy.cli", "ps", "--bind", f"{ip}:{port}",
                                    "--workers", str(job.num_workers), "--codec", job.codec,
                                    "--bits", str(job.bits), "--granularity", str(job.granularity),
                                    "--p", job.p, "--lane-bits", str(job.lane_bits),
@@ -358,62 +361,102 @@ def codecs(base: TrainConfig, command: str, log=print, sparse_steps: int = 60, *
     return path
 
 
+def _link(rate: float) -> str:
+    return "loopback" if not rate else (f"{rate / 1000:g} Gbit/s" if rate >= 1000 else f"{rate:g} Mbit/s")
+
+
+def _peer_row(base: TrainConfig, m: str, log, target: float, net=None) -> dict:
+    """One method's training (under `net`, a netns.Star with a host per rank and one for the
+    PS, or on loopback) as a peers row."""
+    from deploy import peers as P
+    if m == "thc-ps":
+        cfg = base.with_job(codec="thc")
+        ps = None
+        if net is not None:
+            n = base.job.num_workers
+            env = {**os.environ, "PYTHONPATH": str(ROOT)}
+            ps = ps_in_namespace(net, cfg.job, 9000, env, host=n)
+            cfg = replace(cfg, ps=f"{net.ips[n]}:9000", rank_netns=tuple(net.hosts[:n]))
+        try:
+            doc = run(cfg, log=lambda s: log("    " + s))
+        finally:
+            if ps is not None:
+                ps.terminate()
+                ps.wait(10)
+        ep = [{"epoch": e["epoch"], "test_accuracy": e["test_accuracy"], "steps": e["steps"],
+               "step_ms": 1e3 * e["epoch_seconds"] / max(e["steps"], 1),
+               "up_per_step": e["bytes_up"] / max(e["steps"], 1),
+               "down_per_step": e["bytes_down"] / max(e["steps"], 1)} for e in doc["epochs"]]
+        walls = np.cumsum([e["epoch_seconds"] for e in doc["epochs"]]).tolist()
+        identical = doc["final_params_identical"]
+    else:
+        doc = P.run_peer(m, base, log=lambda s: log("    " + s), net=net)
+        ep = [{**e, "up_per_step": e["wire_per_step"], "down_per_step": e["wire_per_step"]}
+              for e in doc["epochs"]]
+        walls = [e["wall_s"] for e in doc["epochs"]]
+        identical = doc["replicas_identical"]
+    hit = next((w for e, w in zip(ep, walls) if e["test_accuracy"] >= target), None)
+    return {"method": m, "final_test_accuracy": ep[-1]["test_accuracy"],
+            # the last epoch's: PowerSGD's first epoch is its uncompressed warm-up
+            "up_per_step": float(ep[-1]["up_per_step"]), "down_per_step": float(ep[-1]["down_per_step"]),
+            "up_by_epoch": [e["up_per_step"] for e in ep],
+            "step_ms": float(np.mean([e["step_ms"] for e in ep])), "time_to_target": hit,
+            "accuracy_by_epoch": [e["test_accuracy"] for e in ep], "wall_by_epoch": walls,
+            "replicas_identical": bool(identical)}
+
+
 def peers(base: TrainConfig, command: str, log=print, target: float = 0.8, *, out: Path,
-          methods=("ddp-fp32", "ddp-fp16", "powersgd-1", "powersgd-4", "thc-hook", "thc-ps")) -> Path:
+          methods=("ddp-fp32", "ddp-fp16", "powersgd-1", "powersgd-4", "thc-hook", "thc-ps"),
+          rates=(0,)) -> Path:
     """"Why not DDP's own hooks?": the same training (model, seed, shards, optimizer) under DDP
     with a plain fp32 all-reduce, fp16_compress_hook, PowerSGD rank 1 and 4, the THC hook, and
-    THC-PS (PS + workers), on loopback; final accuracy, bytes per step each way per worker,
-    step time and time to `target` accuracy.  Writes peers.md, peers.json and peers.png."""
-    from deploy import peers as P
+    THC-PS (PS + workers), under each link rate in `rates` (Mbit/s; 0: loopback, else a host
+    namespace per rank and one for the PS on a bridge, every link limited to the rate both
+    ways: netns.star); final accuracy, bytes per step each way per worker, step time and time
+    to `target` accuracy.  Writes peers.md, peers.json and peers.png."""
+    from deploy import netns
     rows = []
-    for i, m in enumerate(methods):
-        log(f"[peers {i + 1}/{len(methods)}] {m}")
-        if m == "thc-ps":
-            doc = run(base.with_job(codec="thc"), log=lambda s: log("    " + s))
-            ep = [{"epoch": e["epoch"], "test_accuracy": e["test_accuracy"], "steps": e["steps"],
-                   "step_ms": 1e3 * e["epoch_seconds"] / max(e["steps"], 1),
-                   "up_per_step": e["bytes_up"] / max(e["steps"], 1),
-                   "down_per_step": e["bytes_down"] / max(e["steps"], 1)} for e in doc["epochs"]]
-            walls = np.cumsum([e["epoch_seconds"] for e in doc["epochs"]]).tolist()
-        else:
-            doc = P.run_peer(m, base, log=lambda s: log("    " + s))
-            ep = [{**e, "up_per_step": e["wire_per_step"], "down_per_step": e["wire_per_step"]}
-                  for e in doc["epochs"]]
-            walls = [e["wall_s"] for e in doc["epochs"]]
-        hit = next((w for e, w in zip(ep, walls) if e["test_accuracy"] >= target), None)
-        rows.append({"method": m, "final_test_accuracy": ep[-1]["test_accuracy"],
-                     # the last epoch's: PowerSGD's first epoch is its uncompressed warm-up
-                     "up_per_step": float(ep[-1]["up_per_step"]), "down_per_step": float(ep[-1]["down_per_step"]),
-                     "up_by_epoch": [e["up_per_step"] for e in ep],
-                     "step_ms": float(np.mean([e["step_ms"] for e in ep])), "time_to_target": hit,
-                     "accuracy_by_epoch": [e["test_accuracy"] for e in ep], "wall_by_epoch": walls})
+    total = len(methods) * len(rates)
+    for j, rate in enumerate(rates):
+        with (netns.star(base.job.num_workers + 1, rate_mbit=rate) if rate else contextlib.nullcontext()) as net:
+            for i, m in enumerate(methods):
+                log(f"[peers {j * len(methods) + i + 1}/{total}] {m}, {_link(rate)}")
+                rows.append({**_peer_row(base, m, log, target, net), "rate_mbit": rate})
     out.mkdir(parents=True, exist_ok=True)
+    capped = [r for r in rates if r]
+    where = ("on loopback" if not capped else
+             f"under {', '.join(_link(r) for r in rates)} links: at a capped rate every rank, and the PS, "
+             f"is a network namespace of its own on one bridge, its link limited to the rate both ways "
+             f"(a token bucket at each end), so DDP's ring and THC-PS's star cross links of the same rate "
+             f"and the PS's own link carries all n workers' traffic")
     lines = ["# DDP's own hooks beside THC\n", f"Command: `{command}`\n",
-             f"{base.job.num_workers} ranks on loopback, {base.model} on Fashion-MNIST "
+             f"{base.job.num_workers} ranks {where}; {base.model} on Fashion-MNIST "
              f"({base.train_limit or 60000} images), {base.epochs} epochs, seed {base.job.seed}, the same "
              f"shards and optimizer for every method. Bytes are per worker per step in the last epoch (PowerSGD "
              f"runs its first epoch uncompressed, as its warm-up), each way: for DDP "
              f"what a ring all-reduce puts on a rank's link (2(n−1)/n × the payload each hook hands to "
              f"all_reduce), for THC-PS the datagrams to and from the PS. \"time to {target:.0%}\" is the "
-             f"training wall time until rank 0's test accuracy first reaches it (\"-\": never). Links are "
-             f"not rate-limited here: see docs/bench.md, \"Break-even link rate\", for where bytes start "
-             f"to cost more than THC-PS's extra CPU.\n",
-             "| method | final test acc | up bytes/step | down bytes/step | step ms | "
-             f"time to {target:.0%} (s) |", "|---|---|---|---|---|---|"]
+             f"training wall time until rank 0's test accuracy first reaches it (\"-\": never). "
+             f"docs/bench.md, \"Break-even link rate\", has where bytes start to cost more than THC-PS's "
+             f"extra CPU.\n",
+             "| link | method | final test acc | up bytes/step | down bytes/step | step ms | "
+             f"time to {target:.0%} (s) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         ttt = f"{r['time_to_target']:.0f}" if r["time_to_target"] is not None else "-"
-        lines.append(f"| {r['method']} | {r['final_test_accuracy']:.4f} | {r['up_per_step']:,.0f} | "
-                     f"{r['down_per_step']:,.0f} | {r['step_ms']:.1f} | {ttt} |")
+        lines.append(f"| {_link(r['rate_mbit'])} | {r['method']} | {r['final_test_accuracy']:.4f} | "
+                     f"{r['up_per_step']:,.0f} | {r['down_per_step']:,.0f} | {r['step_ms']:.1f} | {ttt} |")
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for r in rows:
-            ax.plot(r["wall_by_epoch"], r["accuracy_by_epoch"], marker="o", label=r["method"])
-        ax.set(xlabel="training wall time (s)", ylabel="test accuracy", title="Accuracy against wall time")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4), squeeze=False)
+        for ax, rate in zip(axes[0], rates):
+            for r in (r for r in rows if r["rate_mbit"] == rate):
+                ax.plot(r["wall_by_epoch"], r["accuracy_by_epoch"], marker="o", label=r["method"])
+            ax.set(xlabel="training wall time (s)", ylabel="test accuracy", title=_link(rate))
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.suptitle("Accuracy against wall time")
         fig.tight_layout()
         fig.savefig(out / "peers.png", dpi=100)
         lines.append("\n![Accuracy against wall time](peers.png)")

@@ -1,9 +1,11 @@
-"""Two test hosts in network namespaces: PS and workers on either end of a veth pair.
+"""Test hosts in network namespaces: two on either end of a veth pair (`two_hosts`: PS and
+workers), or n on one bridge (`star`: a host per rank, as a rack behind a switch).
 
 Used by the experiments (kernel-level loss, rate limits) and tests; everything is created
 under unique names and removed on exit.  Needs root, `ip`, and for loss `nft` (this
 kernel has no netem: loss is an nftables `numgen random` drop rule) or `tc` for rates
-(token bucket filter).  Addresses are 10.77.x.0/30 inside our own namespaces only.
+(token bucket filter).  Addresses are 10.77.x.0/30 and 10.79.x.0/24 inside our own
+namespaces only.  `enter` moves a process (a spawned rank) into one of them.
 """
 from __future__ import annotations
 
@@ -95,21 +97,99 @@ def two_hosts(*, rate_mbit: float | None = None, loss: float = 0.0, ps_ports=(90
             _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{ip}/30", "dev", dev)
             _run("ip", "netns", "exec", ns, "ip", "link", "set", dev, "up")
             if rate_mbit is not None:
-                # the bucket holds 4 ms of the rate (at least 32 KB): tc-tbf(8) asks for at least
-                # rate / HZ, and with less the link runs below its rate (1 Gbit/s with a 32 KB
-                # bucket gave float32 rounds 151-157 ms for 136 ms of bytes; 141-142 with this)
-                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                     f"{rate_mbit}mbit", "burst", f"{max(256, int(rate_mbit * 4))}kbit", "latency", "100ms")
+                _rate_limit(ns, dev, rate_mbit)
         if loss > 0:
             _drop_rule(wk_ns, loss, *ps_ports)
         yield TwoHosts(ps_ns, wk_ns, ps_ip, wk_ip)
     finally:
-        for ns in created:
-            subprocess.run(["ip", "netns", "pids", ns], capture_output=True)
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                subprocess.run(["kill", "-9", pid], capture_output=True)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        _remove(created)
+
+
+def _rate_limit(ns: str, dev: str, rate_mbit: float) -> None:
+    """A token bucket on dev's egress in ns.  The bucket holds 4 ms of the rate (at least
+    32 KB): tc-tbf(8) asks for at least rate / HZ, and with less the link runs below its rate
+    (1 Gbit/s with a 32 KB bucket gave float32 rounds 151-157 ms for 136 ms of bytes; 141-142
+    with this)."""
+    _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+         f"{rate_mbit}mbit", "burst", f"{max(256, int(rate_mbit * 4))}kbit", "latency", "100ms")
+
+
+def _remove(namespaces: list) -> None:
+    for ns in namespaces:
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            subprocess.run(["kill", "-9", pid], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@dataclass(frozen=True)
+class Star:
+    """n hosts on one bridge: host i is namespace hosts[i] with address ips[i] on `ifname`."""
+
+    hub: str
+    hosts: tuple
+    ips: tuple
+    ifname: str = "thc0"
+
+    def prefix(self, i: int) -> list[str]:
+        return ["ip", "netns", "exec", self.hosts[i]]
+
+
+@contextlib.contextmanager
+def star(n: int, *, rate_mbit: float | None = None):
+    """n host namespaces, each joined by its own veth to a bridge in a hub namespace (a
+    switch); with `rate_mbit`, every link is rate-limited both ways (a token bucket on the
+    host's end, its uplink, and on the bridge's end, its downlink), so each host — a DDP rank,
+    a THC worker, the PS — has a link of that rate of its own."""
+    check_available(need_tc=rate_mbit is not None)
+    if not 2 <= n <= 250:
+        raise ValueError(f"a star holds 2..250 hosts, not {n}")
+    tag = uuid.uuid4().hex[:6]
+    hub = f"thchub-{tag}"
+    octet = int(tag[:2], 16) % 250 + 1
+    hosts = tuple(f"thch{i}-{tag}" for i in range(n))
+    ips = tuple(f"10.79.{octet}.{i + 1}" for i in range(n))
+    created = []
+    try:
+        _run("ip", "netns", "add", hub)
+        created.append(hub)
+        _run("ip", "-n", hub, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", hub, "link", "set", "br0", "up")
+        for i, (ns, ip) in enumerate(zip(hosts, ips)):
+            _run("ip", "netns", "add", ns)
+            created.append(ns)
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1")
+            near, far = f"thh{tag}{i}", f"thb{tag}{i}"
+            _run("ip", "link", "add", near, "type", "veth", "peer", "name", far)
+            _run("ip", "link", "set", near, "netns", ns)
+            _run("ip", "-n", ns, "link", "set", near, "name", "thc0")
+            _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "thc0")
+            _run("ip", "-n", ns, "link", "set", "thc0", "up")
+            _run("ip", "link", "set", far, "netns", hub)
+            _run("ip", "-n", hub, "link", "set", far, "master", "br0")
+            _run("ip", "-n", hub, "link", "set", far, "up")
+            if rate_mbit is not None:
+                _rate_limit(ns, "thc0", rate_mbit)
+                _rate_limit(hub, far, rate_mbit)
+        yield Star(hub, hosts, ips)
+    finally:
+        _remove(created)
+
+
+#: setns(2)'s flag for a network namespace
+CLONE_NEWNET = 0x40000000
+
+
+def enter(ns: str) -> None:
+    """Move the calling process into network namespace `ns` (made by `ip netns add`); a
+    spawned rank calls this first, before it opens a socket."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/run/netns/{ns}") as f:
+        if libc.setns(f.fileno(), CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot enter network namespace {ns}: {os.strerror(err)}")
 
 
 def nft_drop_counters(ns: str) -> int:

@@ -3,7 +3,9 @@ all-reduce, PyTorch's `fp16_compress_hook`, PyTorch's `PowerSGDHook` (rank 1 and
 warm-up) and this project's THC hook (worker/ddp_hook.py); THC-PS itself is `deploy/train.py`.
 
 Every method trains the same model from the same seed on the same shards with the same
-optimizer as `thc train` (deploy/train.py), N processes over gloo on loopback.  Bytes are
+optimizer as `thc train` (deploy/train.py), N processes over gloo on loopback, or each rank
+in a host namespace of its own behind a rate-limited link (`net`, a deploy.netns.Star:
+rank i in net.hosts[i], gloo on net.ifname, the rendezvous at rank 0's address).  Bytes are
 counted where the hooks hand tensors to `torch.distributed.all_reduce`: the payload of every
 call, and what a ring all-reduce puts on each rank's link for it, 2(N−1)/N × payload (the
 plain fp32 run uses PyTorch's `allreduce_hook`, which is DDP's default all-reduce written as
@@ -62,8 +64,15 @@ def make_hook(method: str, world: int, rank: int, seed: int, warmup: int):
     return THCHookState(world, rank, seed=seed), thc_hook
 
 
-def _rank_main(method: str, cfg, rank: int, port: int, q, warmup) -> None:
+def _rank_main(method: str, cfg, rank: int, port: int, q, warmup, net=None) -> None:
     die_with_parent()
+    import os
+    host = "127.0.0.1"
+    if net is not None:
+        from deploy import netns
+        netns.enter(net.hosts[rank])
+        os.environ["GLOO_SOCKET_IFNAME"] = net.ifname
+        host = net.ips[0]
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -73,7 +82,7 @@ def _rank_main(method: str, cfg, rank: int, port: int, q, warmup) -> None:
     from worker.training import MODELS, flat_params
     torch.set_num_threads(1)
     n = cfg.job.num_workers
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=n)
     try:
         torch.manual_seed(cfg.job.seed)                       # identical initial models, as thc train
         xtr, ytr, xte, yte = training_data(cfg)
@@ -112,9 +121,11 @@ def _rank_main(method: str, cfg, rank: int, port: int, q, warmup) -> None:
         dist.destroy_process_group()
 
 
-def run_peer(method: str, cfg, log=print, timeout_s: float = 3600, warmup: int | None = None) -> dict:
+def run_peer(method: str, cfg, log=print, timeout_s: float = 3600, warmup: int | None = None,
+             net=None) -> dict:
     """Train cfg's model with `method` (a METHODS key) under DDP; per-epoch rank-0 metrics.
-    `warmup`: PowerSGD's uncompressed iterations (default: one epoch's steps, at most 1000)."""
+    `warmup`: PowerSGD's uncompressed iterations (default: one epoch's steps, at most 1000).
+    `net`: a deploy.netns.Star with a host per rank (rate-limited links), else loopback."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     port = free_tcp_port()
@@ -122,7 +133,10 @@ def run_peer(method: str, cfg, log=print, timeout_s: float = 3600, warmup: int |
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     n = cfg.job.num_workers
-    procs = [ctx.Process(target=_rank_main, args=(method, cfg, r, port, q, warmup), daemon=True) for r in range(n)]
+    if net is not None and len(net.hosts) < n:
+        raise ValueError(f"{n} ranks need {n} hosts, the star has {len(net.hosts)}")
+    procs = [ctx.Process(target=_rank_main, args=(method, cfg, r, port, q, warmup, net), daemon=True)
+             for r in range(n)]
     for p in procs:
         p.start()
     epochs: dict = {}

@@ -47,6 +47,7 @@ class TrainConfig:
     restart: bool = False     # ... and is started again: it rejoins at the next model sync
     lease_s: float = 5.0      # the PS this starts
     job_name: str = ""        # the job's name on a running PS ("": a fresh one per run)
+    rank_netns: tuple = ()    # with ps: rank i runs in network namespace rank_netns[i] (a host each)
 
     def with_job(self, **changes) -> TrainConfig:
         """A copy whose job has `changes` (JobConfig's field names); its derived fields (table,
@@ -86,6 +87,9 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
     """One worker process: train, report per-epoch metrics on the queue."""
     die_with_parent()
     try:
+        if cfg.rank_netns:
+            from deploy import netns
+            netns.enter(cfg.rank_netns[rank])
         import torch
         import torch.nn.functional as F
 

@@ -97,3 +97,28 @@ def test_the_peers_experiment_writes_its_table_and_plot(tmp_path):
     import json
     rows = {r["method"]: r for r in json.loads((tmp_path / "peers.json").read_text())}
     assert rows["thc-ps"]["up_per_step"] < rows["thc-ps"]["down_per_step"] < rows["ddp-fp16"]["up_per_step"]
+
+
+@pytest.mark.skipif(__import__("deploy.netns").netns.unavailable(need_tc=True) is not None,
+                    reason=__import__("deploy.netns").netns.unavailable(need_tc=True) or "")
+def test_under_a_link_cap_every_rank_and_the_ps_have_a_capped_link_of_their_own(tmp_path):
+    """--peer-rates: DDP's ranks and THC-PS's workers and PS each in a host namespace behind a
+    50 Mbit/s link: DDP fp32's step now pays for its ring's bytes on the link; THC-PS still
+    trains with identical replicas through a PS in its own namespace."""
+    import json
+
+    from deploy import experiments
+    from worker.training import MODELS
+    path = experiments.peers(CFG, "thc experiment peers --peer-rates 0,50", log=lambda _m: None, out=tmp_path,
+                             methods=("ddp-fp32", "thc-ps"), rates=(None, 50))
+    rows = {(r["rate_mbit"], r["method"]): r for r in json.loads((tmp_path / "peers.json").read_text())}
+    assert set(rows) == {(None, "ddp-fp32"), (None, "thc-ps"), (50, "ddp-fp32"), (50, "thc-ps")}
+    params = sum(p.numel() for p in MODELS["mlp"]().parameters())
+    link_ms = 1e3 * rows[50, "ddp-fp32"]["up_per_step"] * 8 / 50e6       # the ring's bytes at 50 Mbit/s
+    assert rows[50, "ddp-fp32"]["up_per_step"] == 4 * params
+    assert rows[50, "ddp-fp32"]["step_ms"] > rows[None, "ddp-fp32"]["step_ms"] + 0.5 * link_ms, rows
+    assert rows[50, "thc-ps"]["up_per_step"] == rows[None, "thc-ps"]["up_per_step"]
+    assert all(r["replicas_identical"] for r in rows.values()), rows
+    assert "| 50 Mbit/s | thc-ps |" in path.read_text()
+    listed = __import__("subprocess").run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "thchub-" not in listed
