@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("script", ["bench_p4.py", "bench_breakeven.py", "pauses.py", "bench_jobs.py"])
+@pytest.mark.parametrize("script", ["bench_p4.py", "bench_breakeven.py", "pauses.py", "bench_jobs.py", "bench_rto.py"])
 def test_script_help_runs_from_anywhere(script, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], cwd=tmp_path, env=env,
@@ -29,6 +29,23 @@ def test_bench_jobs_runs_concurrent_jobs_and_compares_them(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "2 jobs at once:" in proc.stdout and "x 1 job(s) alone" in proc.stdout
     assert "jobs started 3, ended 3" in proc.stdout, proc.stdout
+
+
+def test_bench_rto_runs_both_timers_and_writes_its_table(tmp_path):
+    """A small bench_rto run on loopback: the fixed and the adaptive timer side by side at
+    0% and 5% loss, every round exact, the table and the JSON written to --out."""
+    import json
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_rto.py"), "--paths", "loopback",
+                           "--rounds", "3", "--dim", "16384", "--out", str(tmp_path / "rto")], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads((tmp_path / "rto" / "rto.json").read_text())
+    got = [(r["loss"], r["timer"]) for r in doc["rows"]]
+    assert got == [(0.0, "fixed"), (0.0, "adaptive"), (0.05, "fixed"), (0.05, "adaptive")]
+    assert all(r["exact_rounds"] == 3 for r in doc["rows"])
+    assert all(r["path_drops"] > 0 for r in doc["rows"] if r["loss"])     # injected drops counted
+    assert "| loopback | 5% | adaptive | 3/3 |" in (tmp_path / "rto" / "rto.md").read_text()
 
 
 def test_background_load_runs_niced_hogs_and_stops_them():
