@@ -20,7 +20,10 @@ torch.distributed's all_reduce does) is timed; a round's time is its slowest wor
 done when every worker has its result); the table gives the mean and the median round (the
 median is robust to the host's occasional stalls, the mean is not).  The CPU columns say
 where the cores went: worker processes' and the PS's user+system CPU per round, against
-wall × cores (the rest is idle).
+wall × cores (the rest is idle).  "run-queue ms" is the time the workers' threads (summed
+over the four processes) and the PS's threads were runnable but not running, per round
+(/proc/PID/task/*/schedstat, the kernel's run-queue delay): the wake-up latency a lock-step
+round pays at every sync point, and the CPU share other work takes.
 The data path's offload (GSO/GRO) and phase engine as the environment says
 (THC_UDP_OFFLOAD, THC_PHASE_ENGINE).
 
@@ -147,6 +150,19 @@ def _cpu_s() -> float:
     return u.ru_utime + u.ru_stime
 
 
+def _runqueue_s() -> float:
+    """Seconds this process's threads have spent runnable but not running (the 2nd field of
+    /proc/self/task/*/schedstat: run-queue delay, the wait between a wake-up and the CPU)."""
+    total = 0
+    for entry in os.scandir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{entry.name}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):     # a thread that ended meanwhile, or no schedstat
+            pass
+    return total / 1e9
+
+
 def _print_profile(prof, rounds: int, top: int) -> None:
     """A cProfile of rank 0's allreduces: top functions by own CPU time, ms per round."""
     import io
@@ -223,7 +239,7 @@ def worker_rounds(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=F
         for r in range(rounds + 1):                     # round 0 warms up (buffers, pages)
             g = gradient(0, r, rank, dim)
             t.barrier(f"r{r}")
-            c0, t0 = _cpu_s(), time.monotonic()      # one clock for every process of the host
+            c0, t0, q0 = _cpu_s(), time.monotonic(), _runqueue_s()   # one clock for every process of the host
             if prof is not None and r:
                 prof.enable()
             w.allreduce(g, key="grad", round_no=r, out=g)      # in place, as dist.all_reduce
@@ -232,7 +248,7 @@ def worker_rounds(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=F
             if r:
                 marks.append((t0, time.monotonic()))
                 out.append((marks[-1][1] - t0, _cpu_s() - c0, w.last.bytes_up, w.last.bytes_down,
-                            t.stats.counters["retransmissions"]))
+                            t.stats.counters["retransmissions"], _runqueue_s() - q0))
         t.barrier("end")
     finally:
         t.close()
@@ -257,15 +273,16 @@ def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = Fa
     try:
         for p in procs:
             p.start()
-        c0 = _cpu_s()
+        c0, q0 = _cpu_s(), _runqueue_s()
         reports = [q.get(timeout=600) for _ in procs]        # (rank, out, spans, marks)
         res = {rank: out for rank, out, _spans, _marks in reports}
         ps_cpu = _cpu_s() - c0        # this process: the PS threads (the main thread sleeps in get)
+        ps_runq = _runqueue_s() - q0
     finally:
         for p in procs:
             p.join(timeout=30)
         ps.stop()
-    per = np.array([res[r] for r in range(workers)])          # workers × rounds × 5
+    per = np.array([res[r] for r in range(workers)])          # workers × rounds × 6
     if not quiet:
         print(f"{codec}: round ms per worker (rows) and round (columns) "
               f"{np.round(per[:, :, 0] * 1e3).astype(int).tolist()}, retransmissions {int(per[:, -1, 4].sum())}")
@@ -276,6 +293,7 @@ def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = Fa
     return {"round_ms": 1e3 * wall.mean(), "median_ms": 1e3 * float(np.median(wall)),
             "worker_cpu_ms": 1e3 * per[:, :, 1].sum(axis=0).mean(),
             "ps_cpu_ms": 1e3 * ps_cpu / (rounds + 1), "up_mb": per[0, :, 2].mean() / 1e6,
+            "worker_runq_ms": 1e3 * per[:, :, 5].sum(axis=0).mean(), "ps_runq_ms": 1e3 * ps_runq / (rounds + 1),
             "down_mb": per[0, :, 3].mean() / 1e6}
 
 
@@ -320,12 +338,14 @@ def _measure(args) -> None:
           f"{alone[0]:.1f} ms before, {alone[1]:.1f} after -> {args.workers} x {np.mean(alone):.1f} / {cores} "
           f"= {floor_alone:.1f} ms")
     print(f"{'codec':>6}{'round ms':>10}{'x floor':>9}{'x alone':>9}{'median ms':>11}{'x floor':>9}{'x alone':>9}"
-          f"{'workers CPU ms':>16}{'PS CPU ms':>11}{'idle ms':>9}{'up MB':>8}{'down MB':>9}")
+          f"{'workers CPU ms':>16}{'PS CPU ms':>11}{'idle ms':>9}{'up MB':>8}{'down MB':>9}"
+          f"{'run-queue ms':>14}{'PS run-queue':>14}")
     for codec, d in runs.items():
         idle = d["round_ms"] * cores - d["worker_cpu_ms"] - d["ps_cpu_ms"]
         print(f"{codec:>6}{d['round_ms']:10.1f}{d['round_ms'] / floor:9.2f}{d['round_ms'] / floor_alone:9.2f}"
               f"{d['median_ms']:11.1f}{d['median_ms'] / floor:9.2f}{d['median_ms'] / floor_alone:9.2f}"
-              f"{d['worker_cpu_ms']:16.1f}{d['ps_cpu_ms']:11.1f}{idle:9.1f}{d['up_mb']:8.2f}{d['down_mb']:9.2f}",
+              f"{d['worker_cpu_ms']:16.1f}{d['ps_cpu_ms']:11.1f}{idle:9.1f}{d['up_mb']:8.2f}{d['down_mb']:9.2f}"
+              f"{d['worker_runq_ms']:14.1f}{d['ps_runq_ms']:14.1f}",
               flush=True)
 
 if __name__ == "__main__":

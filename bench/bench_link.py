@@ -43,7 +43,7 @@ def workers_inside(host: str, args) -> None:
     reports = sorted((q.get(timeout=600) for _ in procs), key=lambda rep: rep[0])    # (rank, out, spans, marks)
     for p in procs:
         p.join(timeout=30)
-    per = np.array([out for _rank, out, _spans, _marks in reports])              # workers × rounds × 5
+    per = np.array([out for _rank, out, _spans, _marks in reports])              # workers × rounds × 6
     wall = 1e3 * per[:, :, 0].max(axis=0)
     print(f"rounds ms {np.round(wall).astype(int).tolist()}; mean {wall.mean():.1f}, median "
           f"{np.median(wall):.1f}; retransmissions {int(per[:, -1, 4].sum())}; up {per[0, :, 2].mean() / 1e6:.2f} "
