@@ -13,7 +13,11 @@ Paths:
              trip longer than the first timeout, as a slow aggregator does; loss by nftables
              (root, iproute2, nftables)
   bmv2       `thc p4 mininet` (root, Mininet, simple_switch and p4c; skipped naming what is
-             missing), loss by nftables on every host link
+             missing), loss by nftables on every host link.  bmv2's own input-queue drops
+             are not counted as path drops; the switch's counters say what its pipeline saw
+             of the resends: a `duplicate` is a resent contribution the switch already had
+             (the resend was spurious), a result resent answers a resend of a completed
+             round (the result was lost, or still on its way)
 
     .venv/bin/python bench/bench_rto.py --out /tmp/rto            # all paths, losses 0 and 5%
     .venv/bin/python bench/bench_rto.py --paths loopback --rounds 10 --out /tmp/rto
@@ -44,6 +48,9 @@ def _row(path: str, loss: float, fixed: bool, doc: dict, path_drops: int) -> dic
     sent = row["packets_sent"] or 0
     row["spurious"] = max(0, row["timeouts"] - path_drops)
     row["spurious_per_100"] = 100 * row["spurious"] / sent if sent else None
+    sw = doc.get("switch")
+    if sw:
+        row["switch_duplicates"], row["switch_results_resent"] = sw["duplicate"], sw["results_resent"]
     return row
 
 
@@ -115,6 +122,12 @@ def table(rows: list) -> str:
         out.append(f"| {r['path']} | {r['loss']:.0%} | {r['timer']} | {r['exact_rounds']}/{r['rounds']} | "
                    f"{r['mean_round_ms']:.1f} ms | {r['packets_sent']} | {r['path_drops']} | {r['timeouts']} | "
                    f"{per} | {r['rto_ms']:.0f} ms |")
+    switch = [r for r in rows if "switch_duplicates" in r]
+    if switch:
+        out += ["", "| path | loss | timer | switch: duplicates (spurious resends) | switch: results resent |",
+                "|---|---|---|---|---|"]
+        out += [f"| {r['path']} | {r['loss']:.0%} | {r['timer']} | {r['switch_duplicates']} | "
+                f"{r['switch_results_resent']} |" for r in switch]
     return "\n".join(out)
 
 

@@ -166,12 +166,9 @@ def in_flight_at_send(sent: np.ndarray, done: np.ndarray) -> np.ndarray:
 
 def rto_scale(per_chunk: np.ndarray) -> float:
     """The timeout per chunk in flight, from samples of round trip / chunks in flight
-    (seconds): m + 4·max(MAD, m/8), with m the median and MAD the median of |q − m|: RFC
-    6298's srtt + 4·rttvar with the mean and the mean deviation replaced by their robust
-    counterparts (RetransmitTimer says why)."""
-    m = float(np.median(per_chunk))
-    mad = float(np.median(np.abs(per_chunk - m)))
-    return m + 4 * max(mad, m / 8)
+    (seconds): three times their lower quartile (RetransmitTimer says why not a mean, nor
+    a median)."""
+    return 3 * float(np.quantile(per_chunk, 0.25))
 
 
 class RetransmitTimer:
@@ -187,17 +184,22 @@ class RetransmitTimer:
     that number from phase to phase.  So the timer measures the path's time per chunk in
     flight: every answered chunk of a phase gives q = round trip / chunks in flight when it
     was sent (round trip from its first send), and at the end of a phase with MIN_SAMPLES
-    answers or more from a shard, that shard's scale becomes `rto_scale` of them.  A chunk
-    sent with k chunks in flight then waits clamp(scale · k, floor, cap) before its first
-    resend: the timeout follows the window as the queue does.
+    answers or more from a shard, that shard's scale becomes `rto_scale` of them: three
+    times their lower quartile.  A chunk sent with k chunks in flight then waits
+    clamp(scale · k, floor, cap) before its first resend: the timeout follows the window as
+    the queue does.
 
-    Robust statistics over a whole phase, because some answers wait for a loss to be
-    recovered, the chunk's own or another rank's: at 5% loss and 4 ranks about a fifth of
-    them are one timeout longer than the path.  A mean (TCP's estimator) over them ratchets
-    the timeout up phase after phase, each timeout lengthening the waits it measures; the
-    median ignores them while they are fewer than half, and so it ignores a rank that
-    straggles now and then.  A whole phase, because the chunks answered last in a phase
-    are mostly those that waited.  Timing from the first send, not only chunks never
+    The lower quartile of a whole phase, because some answers wait for a loss to be
+    recovered, the chunk's own or another rank's, and those waits last one timeout: at 5%
+    loss a chunk of 4 ranks waits with probability 1 − 0.95^5 ≈ 23%, of 8 ranks 37%, at 10%
+    loss 61%.  An estimate that sees them ratchets the timeout up phase after phase, each
+    timeout lengthening the waits it measures: TCP's mean did at once, and so did
+    median + 4·MAD once they neared half of the answers (8 ranks at 10% loss on loopback:
+    rounds 27.8 s against 4.4 s with the fixed timer, the timeout at its 1 s cap).  The lower
+    quartile ignores them up to three quarters of the answers; on a path whose round trip
+    is queueing, the answers' q are close together, and three times the quartile clears
+    them.  A whole phase, because the chunks answered last in a phase are mostly those that
+    waited.  Timing from the first send, not only chunks never
     resent (Karn's rule, which TCP needs because its mean is not robust), keeps a path
     slower than the timeout measurable: there every chunk is resent before its answer
     comes, and the answer still tells how long the path took.  Phases with fewer answers
