@@ -177,7 +177,7 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
     counters["lease_rejoins"] = lapses
     counters["catch_up_missed_rounds"] = missed
     counters["ended_while_away"] = int(ended)
-    counters["rto_ms"] = 1e3 * max(t.rtt.rto(s, t.cwnd) for s in range(len(t.shard_addrs)))
+    counters["rto_ms"] = 1e3 * max(t.rtt.first_timeout(s, t.cwnd) for s in range(len(t.shard_addrs)))
     announced = t.job.to_msg()
     if report is not None:
         report.put((worker_id, out, counters, announced))

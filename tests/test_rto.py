@@ -16,17 +16,9 @@ from deploy import netns
 from deploy.procs import stop_gracefully
 from proto.job import JobConfig
 from ps_server.server import PSServer
-from worker.transport import RetransmitTimer, Transport, in_flight_at_send, rto_scale
+from worker.transport import RetransmitTimer, Transport, rto_scale
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_chunks_in_flight_are_counted_as_the_phase_loop_counts_them():
-    # three sent in one batch at t=1 (index order), one answered at 1.5; one more at 2,
-    # when three are in flight (itself included); another at 3 after the 2nd was answered
-    sent = np.array([1.0, 1.0, 1.0, 2.0, 3.0])
-    done = np.array([1.5, 2.5, np.inf, 4.0, 5.0])
-    assert in_flight_at_send(sent, done).tolist() == [1, 2, 3, 3, 3]
 
 
 def test_the_scale_is_three_lower_quartiles_whatever_the_answers_that_waited():
@@ -42,8 +34,8 @@ def test_the_scale_is_three_lower_quartiles_whatever_the_answers_that_waited():
 def test_first_timeout_follows_the_chunks_in_flight_between_floor_and_cap():
     t = RetransmitTimer(0.05, 1.0, shards=2)
     assert t.first_timeout(0, 100) == 0.05                # not measured: the floor
-    sent = np.ones(40)                                    # one batch: chunk j had j in flight
-    t.phase_done(np.zeros(40, np.int64), sent, sent + 4e-3 * np.arange(1, 41))
+    sent, k = np.ones(40), np.arange(1, 41, dtype=np.int32)     # one batch: chunk j had j in flight
+    t.phase_done(np.zeros(40, np.int64), sent, sent + 4e-3 * k, k)
     assert t.T[3] > 0 and t.T[4] == 0                     # shard 0 measured, shard 1 not
     scale = t.T[3]
     assert t.first_timeout(0, 1) == 0.05
@@ -56,14 +48,15 @@ def test_first_timeout_follows_the_chunks_in_flight_between_floor_and_cap():
 def test_phases_with_few_answers_and_the_fixed_rule_leave_the_timer_alone():
     t = RetransmitTimer(0.05, 1.0, shards=1)
     sent = np.full(RetransmitTimer.MIN_SAMPLES - 1, 1.0)
-    t.phase_done(np.zeros(len(sent), np.int64), sent, sent + 0.5)
+    t.phase_done(np.zeros(len(sent), np.int64), sent, sent + 0.5, np.ones(len(sent), np.int32))
     assert t.T[3] == 0
     fixed = RetransmitTimer(0.05, 1.0, shards=1, adaptive=False)
     sent = np.arange(64) * 1e-3 + 1.0
-    fixed.phase_done(np.zeros(64, np.int64), sent, sent + 0.5)
+    fixed.phase_done(np.zeros(64, np.int64), sent, sent + 0.5, np.ones(64, np.int32))
     assert fixed.T[3] == 0 and fixed.first_timeout(0, 64) == 0.05
-    # unsent (settled from the stash) and unanswered chunks give no sample
-    t.phase_done(np.zeros(20, np.int64), np.r_[np.zeros(10), np.full(10, 1.0)], np.r_[np.full(10, 2.0), np.zeros(10)])
+    # unanswered chunks (lost, or settled from the stash) give no sample
+    t.phase_done(np.zeros(20, np.int64), np.full(20, 1.0), np.r_[np.full(7, 2.0), np.zeros(13)],
+                 np.ones(20, np.int32))
     assert t.T[3] == 0
 
 
@@ -72,10 +65,10 @@ def _phase(rng, timer, n=256, per_chunk=1e-3, loss=0.05, ranks=4):
     (a queue served in order); a chunk any rank lost, or whose answer this rank lost, is
     answered one first timeout later (the resend's)."""
     sent = np.ones(n)
-    k = np.arange(1, n + 1)
+    k = np.arange(1, n + 1, dtype=np.int32)
     hit = rng.random(n) < 1 - (1 - loss) ** (ranks + 1)
     tmo = np.array([timer.first_timeout(0, int(j)) for j in k])
-    timer.phase_done(np.zeros(n, np.int64), sent, sent + per_chunk * k + np.where(hit, tmo, 0.0))
+    timer.phase_done(np.zeros(n, np.int64), sent, sent + per_chunk * k + np.where(hit, tmo, 0.0), k)
     return hit.mean()
 
 
@@ -113,9 +106,9 @@ def test_both_phase_engines_measure_the_path(engine):
                     w.allreduce(grad)
                 if adaptive:
                     assert t.rtt.T[3] > 0, t.rtt.T
-                    assert 0.05 <= t.rtt.rto(0, t.cwnd) <= 1.0
+                    assert 0.05 <= t.rtt.first_timeout(0, t.cwnd) <= 1.0
                 else:
-                    assert t.rtt.T[3] == 0 and t.rtt.rto(0, t.cwnd) == 0.05
+                    assert t.rtt.T[3] == 0 and t.rtt.first_timeout(0, t.cwnd) == 0.05
             finally:
                 t.close()
     finally:

@@ -168,7 +168,7 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
 /* ------------------------------------------------------------------ a whole phase in C
  *
  * phase_run(fd, budget_ms, P, T, dests, ch_sh, ch_slot, ch_round, ch_off, ch_count, poff,
- *           payload, hdr, state, deadline, tmo, sent, done, tries, pend, res_hdr, lanes, roff, res_len,
+ *           payload, hdr, state, deadline, tmo, sent, done, inflight, tries, pend, res_hdr, lanes, roff, res_len,
  *           slot_round, counters, extras) -> (status, chunk)
  *
  * The loop of Transport._run_phase_python (worker/transport.py) with the GIL released:
@@ -187,7 +187,8 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
  *            window, nslots, nshards, zero_policy, max_retries, gso, next_c, npending, finished
  * T (float64): RetransmitTimer.T (worker/transport.py): floor, cap, adaptive, then each
  *              shard's scale (seconds per chunk in flight)
- * sent, done (float64): each chunk's first send and answer times (RetransmitTimer's samples)
+ * sent, done (float64), inflight (int32): each chunk's first send and answer times and the
+ *              chunks in flight when it was sent, itself included (RetransmitTimer's samples)
  * dests (int64, nshards x 4): IPv4 address (network order), port, nonce, token
  * state (int8): 0 not sent, 1 pending, 2 result, 3 lost, 4 settled by the caller (stash)
  * counters (int64): see PHASE_COUNTERS in worker/transport.py
@@ -222,7 +223,7 @@ typedef struct {
     int fd;
     int64_t *P, *dests, *counters, *slot_round;
     double *T, *deadline, *tmo, *sent, *done;
-    int32_t *sh, *slot, *tries, *pend, *res_len;
+    int32_t *sh, *slot, *tries, *pend, *res_len, *inflight;
     uint32_t *round, *off;
     int32_t *count;
     int64_t *poff, *roff;
@@ -393,7 +394,7 @@ static int accept_one(phase_t *ph, const uint8_t *b, uint32_t len, uint32_t ip, 
 
 static PyObject *phase_run(PyObject *self, PyObject *args) {
     enum { A_FD, A_BUDGET, A_P, A_T, A_DESTS, A_SH, A_SLOT, A_ROUND, A_OFF, A_COUNT, A_POFF, A_PAYLOAD,
-           A_HDR, A_STATE, A_DEADLINE, A_TMO, A_SENT, A_DONE, A_TRIES, A_PEND, A_RES_HDR, A_LANES, A_ROFF, A_RES_LEN,
+           A_HDR, A_STATE, A_DEADLINE, A_TMO, A_SENT, A_DONE, A_INFLIGHT, A_TRIES, A_PEND, A_RES_HDR, A_LANES, A_ROFF, A_RES_LEN,
            A_SLOT_ROUND, A_COUNTERS, A_EXTRAS, A_N };
     if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) != A_N) {
         PyErr_SetString(PyExc_TypeError, "phase_run: wrong number of arguments");
@@ -420,14 +421,16 @@ static PyObject *phase_run(PyObject *self, PyObject *args) {
     ph.sh = bufs[A_SH].buf; ph.slot = bufs[A_SLOT].buf; ph.round = bufs[A_ROUND].buf; ph.off = bufs[A_OFF].buf;
     ph.count = bufs[A_COUNT].buf; ph.poff = bufs[A_POFF].buf; ph.payload = bufs[A_PAYLOAD].buf;
     ph.hdr = bufs[A_HDR].buf; ph.state = bufs[A_STATE].buf; ph.deadline = bufs[A_DEADLINE].buf;
-    ph.tmo = bufs[A_TMO].buf; ph.sent = bufs[A_SENT].buf; ph.done = bufs[A_DONE].buf; ph.tries = bufs[A_TRIES].buf; ph.pend = bufs[A_PEND].buf;
+    ph.tmo = bufs[A_TMO].buf; ph.sent = bufs[A_SENT].buf; ph.done = bufs[A_DONE].buf;
+    ph.inflight = bufs[A_INFLIGHT].buf; ph.tries = bufs[A_TRIES].buf; ph.pend = bufs[A_PEND].buf;
     ph.res_hdr = bufs[A_RES_HDR].buf; ph.lanes = bufs[A_LANES].buf; ph.roff = bufs[A_ROFF].buf;
     ph.res_len = bufs[A_RES_LEN].buf; ph.slot_round = bufs[A_SLOT_ROUND].buf; ph.counters = bufs[A_COUNTERS].buf;
     int64_t *P = ph.P;
     int n = (int)P[P_N];
     if (bufs[A_P].len < P_COUNT * 8 || bufs[A_COUNTERS].len < K_COUNT * 8 ||
         bufs[A_T].len < (Py_ssize_t)(3 + P[P_NSHARDS]) * 8 ||
-        bufs[A_SENT].len < (Py_ssize_t)n * 8 || bufs[A_DONE].len < (Py_ssize_t)n * 8 || bufs[A_TMO].len < (Py_ssize_t)n * 8 ||
+        bufs[A_SENT].len < (Py_ssize_t)n * 8 || bufs[A_DONE].len < (Py_ssize_t)n * 8 ||
+        bufs[A_INFLIGHT].len < (Py_ssize_t)n * 4 || bufs[A_TMO].len < (Py_ssize_t)n * 8 ||
         bufs[A_DEADLINE].len < (Py_ssize_t)n * 8 || bufs[A_TRIES].len < (Py_ssize_t)n * 4 ||
         bufs[A_STATE].len < n || bufs[A_HDR].len < (Py_ssize_t)n * HDR || bufs[A_RES_HDR].len < (Py_ssize_t)n * HDR ||
         bufs[A_POFF].len < (Py_ssize_t)(n + 1) * 8 || bufs[A_ROFF].len < (Py_ssize_t)(n + 1) * 8 ||
@@ -468,6 +471,7 @@ static PyObject *phase_run(PyObject *self, PyObject *args) {
             ph.pend[key] = c;
             P[P_NPENDING]++;
             ph.state[c] = S_PENDING;
+            ph.inflight[c] = (int32_t)P[P_NPENDING];
             ph.tmo[c] = rto_first(ph.T, ph.sh[c], P[P_NPENDING]);
             ph.deadline[c] = now + ph.tmo[c];
             ph.sent[c] = now;
@@ -494,8 +498,9 @@ static PyObject *phase_run(PyObject *self, PyObject *args) {
         if (P[P_SPIN_US] > 0 && wait > 0) {      /* bounded busy-poll before sleeping */
             double spin_end = now + (double)P[P_SPIN_US] * 1e-6;
             if (spin_end > now + wait) spin_end = now + wait;
-            do pr = poll(&pfd, 1, 0); while (pr == 0 && mono_s() < spin_end);
-            if (pr == 0) { now = mono_s(); wait = (np ? first : now + ph.T[0]) - now; if (wait > end - now) wait = end - now; }
+            double t = now;
+            do pr = poll(&pfd, 1, 0); while (pr == 0 && (t = mono_s()) < spin_end);
+            if (pr == 0) wait -= t - now;        /* the spin took part of the wait */
         }
         if (pr == 0) pr = poll(&pfd, 1, wait > 0 ? (int)(wait * 1e3 + 0.999) : 0);
         if (pr < 0 && errno != EINTR) { err = errno; break; }

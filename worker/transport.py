@@ -154,16 +154,6 @@ class _Pending:
     sent: float = 0.0           # the first send
 
 
-def in_flight_at_send(sent: np.ndarray, done: np.ndarray) -> np.ndarray:
-    """For chunks sent at `sent` (in index order where times are equal: a batch) and
-    finished at `done` (inf: never), how many were in flight when each was sent, itself
-    included: what the phase loop counted when it started the chunk's timer."""
-    order = np.lexsort((np.arange(len(sent)), sent))
-    rank = np.empty(len(sent), np.int64)
-    rank[order] = np.arange(1, len(sent) + 1)
-    return (rank - np.searchsorted(np.sort(done), sent, side="right")).clip(min=1)
-
-
 def rto_scale(per_chunk: np.ndarray) -> float:
     """The timeout per chunk in flight, from samples of round trip / chunks in flight
     (seconds): three times their lower quartile (RetransmitTimer says why not a mean, nor
@@ -199,10 +189,10 @@ class RetransmitTimer:
     quartile ignores them up to three quarters of the answers; on a path whose round trip
     is queueing, the answers' q are close together, and three times the quartile clears
     them.  A whole phase, because the chunks answered last in a phase are mostly those that
-    waited.  Timing from the first send, not only chunks never
-    resent (Karn's rule, which TCP needs because its mean is not robust), keeps a path
-    slower than the timeout measurable: there every chunk is resent before its answer
-    comes, and the answer still tells how long the path took.  Phases with fewer answers
+    waited.  Timing from the first send, not only chunks never resent (Karn's rule, which
+    TCP needs because its mean is not robust), keeps a path slower than the timeout
+    measurable: there every chunk is resent before its answer comes, and the answer still
+    tells how long the path took.  Phases with fewer answers
     (a NORM phase's one or two chunks, mostly the wait for the slowest rank) are not used.
     `floor` is the configured first timeout (`--timeout-ms`): on a path faster than it,
     loss recovery is as before.
@@ -227,23 +217,16 @@ class RetransmitTimer:
         floor, cap, adaptive = self.T[:3]
         return float(min(max(self.T[3 + shard] * in_flight, floor), cap)) if adaptive else float(floor)
 
-    def rto(self, shard: int, in_flight: int = 1) -> float:
-        """What `first_timeout` gives (the summary's figure: with the window's chunks in flight)."""
-        return self.first_timeout(shard, in_flight)
-
-    def phase_done(self, shard: np.ndarray, sent: np.ndarray, done: np.ndarray) -> None:
-        """A phase ended: chunk c went to shard[c], was first sent at sent[c] (0: never, it
-        was settled beforehand) and answered at done[c] (0: not answered)."""
+    def phase_done(self, shard: np.ndarray, sent: np.ndarray, done: np.ndarray, inflight: np.ndarray) -> None:
+        """A phase ended: chunk c went to shard[c], was first sent at sent[c] with inflight[c]
+        chunks in flight (itself included), and answered at done[c] (0: not answered)."""
         if not self.adaptive:
             return
-        went = sent > 0
-        shard, sent, done = shard[went], sent[went], done[went]
-        k = in_flight_at_send(sent, np.where(done > 0, done, np.inf))
         ok = done > 0
         for s in np.unique(shard[ok]).tolist():
             mine = ok & (shard == s)
             if np.count_nonzero(mine) >= self.MIN_SAMPLES:
-                self.T[3 + s] = rto_scale((done[mine] - sent[mine]) / k[mine])
+                self.T[3 + s] = rto_scale((done[mine] - sent[mine]) / inflight[mine])
 
 
 class _RetransmitPolicy:
@@ -999,7 +982,8 @@ class Transport:
         next_c, finished = 0, 0
         want_type = H.NORM_RESULT if kind == H.NORM else H.RESULT
         policy = _RetransmitPolicy(self)
-        sent, done = np.zeros(nchunks), np.zeros(nchunks)     # first send, answer (RetransmitTimer)
+        # first send, answer, chunks in flight at the send: RetransmitTimer's samples
+        sent, done, inflight = np.zeros(nchunks), np.zeros(nchunks), np.zeros(nchunks, np.int32)
 
         def complete(c, value):
             nonlocal finished
@@ -1024,8 +1008,8 @@ class Transport:
                 pkt = H.build_fast(kind, job.job_id, self.worker_id, job.num_workers, elem_bits, slot,
                                    rounds[c], off, count, op, payload, nonce=ids[sh][0], token=ids[sh][1])
                 out.append((pkt, self.shard_addrs[sh]))
-                pending[(sh, slot)] = policy.start(c, pkt, now, shard=sh, in_flight=len(pending) + 1)
-                sent[c] = now
+                sent[c], inflight[c] = now, len(pending) + 1
+                pending[(sh, slot)] = policy.start(c, pkt, now, shard=sh, in_flight=inflight[c])
             self._emit(out)
             self._flush_held()
             if finished >= nchunks:
@@ -1063,7 +1047,7 @@ class Transport:
                     self.stats.add("lost_chunks")
                     complete(entry.chunk, None)
             self._emit(resend)
-        self.rtt.phase_done(np.array([w[0] for w in where], np.int64), sent, done)
+        self.rtt.phase_done(np.array([w[0] for w in where], np.int64), sent, done, inflight)
         return results
 
     def _run_phase_c(self, kind: int, chunks, shard, slot, rounds) -> PhaseResults:
@@ -1090,7 +1074,8 @@ class Transport:
                           for (ip, port), s in zip(self.shard_addrs, self.sessions)], dtype=np.int64)
         hdr = np.zeros(n * H.HEADER_SIZE, np.uint8)
         deadline, tmo, tries = np.zeros(n), np.zeros(n), np.zeros(n, np.int32)
-        sent, done = np.zeros(n), np.zeros(n)       # first send, answer: RetransmitTimer's samples
+        # first send, answer, chunks in flight at the send: RetransmitTimer's samples
+        sent, done, inflight = np.zeros(n), np.zeros(n), np.zeros(n, np.int32)
         pend = np.full(self.slot_round.size, -1, np.int32)
         slot_round = np.ascontiguousarray(self.slot_round, dtype=np.int64).ravel()
         counters = np.zeros(len(PHASE_COUNTERS), np.int64)
@@ -1100,7 +1085,8 @@ class Transport:
             status, c = _batchio.phase_run(
                 self.sock.fileno(), PHASE_BUDGET_MS, P, self.rtt.T, dests, shard, slot, rounds,
                 packed.offsets32, packed.counts32, packed.poff, packed.buffer, hdr, res.state, deadline,
-                tmo, sent, done, tries, pend, res.headers, res.lanes, res.roff, res.lengths, slot_round, counters, extras)
+                tmo, sent, done, inflight, tries, pend, res.headers, res.lanes, res.roff, res.lengths, slot_round,
+                counters, extras)
             for name, v in zip(PHASE_COUNTERS, counters.tolist()):
                 if name in self.stats.counters:
                     self.stats.add(name, v)
@@ -1113,7 +1099,7 @@ class Transport:
             extras.clear()
             self._gso = int(P[13])
             if status == 0:
-                self.rtt.phase_done(shard, sent, done)
+                self.rtt.phase_done(shard, sent, done, inflight)
                 return res
             if status == 2:
                 self._give_up(f"slot {slot[c]} round {rounds[c]}", self.shard_addrs[shard[c]], int(tries[c]))
