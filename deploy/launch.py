@@ -72,7 +72,7 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
     `propose` the job it proposes to a PS started without one.  A rank that registers into
     a running job in which it held a place before (it crashed and was restarted) rejoins:
     it fast-forwards to the round the other ranks are at.  `die_at` makes the process exit
-    abruptly at the start of that round (fault injection); `rejoin` (a restarted rank) only
+    abruptly at the start of that round or the first one past it (fault injection); `rejoin` (a restarted rank) only
     joins a job it held a place in, and returns no rounds if that job has ended meanwhile.
     A rank whose lease expired while it was paused (SIGSTOP, descheduled, partitioned)
     rejoins the same way when it wakes: the rounds from the other ranks' step on run again,
@@ -138,8 +138,8 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
                 t.progress = r
                 if progress is not None:
                     progress.value = r
-                if die_at is not None and r == die_at:
-                    os._exit(KILLED)
+                if die_at is not None and r >= die_at:
+                    os._exit(KILLED)        # >=: a rank that straggled or rejoined may skip die_at
                 notices = t.stats.counters["straggler_notices"]
                 w.allreduce(gradient(seed, r, worker_id, dim), key="grad", round_no=r)
                 rep = w.last
