@@ -69,8 +69,7 @@ def main():
     from deploy.experiments import ps_in_namespace
     from deploy.procs import stop_gracefully
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    print(f"d = 2^{args.dim_log2}, {args.workers} workers, link {args.rate:g} Mbit/s, uniforms ahead "
-          f"{os.environ.get('THC_UNIFORMS_AHEAD', '1')}", flush=True)
+    print(f"d = 2^{args.dim_log2}, {args.workers} workers, link {args.rate:g} Mbit/s", flush=True)
     with netns.two_hosts(rate_mbit=args.rate or None) as net:
         ps = ps_in_namespace(net, JobConfig(num_workers=args.workers), PORT, env)
         try:

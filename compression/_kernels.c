@@ -10,6 +10,11 @@
  *                m + v (M - m)/g -> FWHT + 1/sqrt(p) -> signs D.  Lines 19-22.
  *   quantize, apply_signs: the previous separate passes (kept for the "before" benchmark).
  *
+ * The stochastic rounding's uniforms come from a float32 buffer or, given a 64-bit key, from
+ * the counter generator of compression/stochastic.py computed in the sink (no buffer of d
+ * uniforms is written or read): coordinate i of the round's padded vector takes half of
+ * SplitMix64's output for counter i/2 (Steele, Lea & Flood, OOPSLA 2014), 24 bits.
+ *
  * Exactness.  Every path performs the same IEEE float32 operations on every coordinate in
  * the same order: the FWHT applies its radix-2 stages h = 1, 2, 4, ... in increasing order
  * (a + b to the lower index, a - b to the upper), whatever the blocking; the scale is one
@@ -81,6 +86,24 @@ static int qtab_init(qtab_t *q, double big_m, int g, const uint8_t *tab, Py_ssiz
     return 0;
 }
 
+/* ------------------------------------------------------------------ counter uniforms */
+
+#define SM64_GAMMA 0x9e3779b97f4a7c15ULL
+
+/* SplitMix64's output function (its mix13 finalizer). */
+static inline uint64_t sm64_mix(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+/* Uniform i of stream `key`: k·2^-24 with k the high (i even) or next (i odd) 24 bits of
+ * SplitMix64's output number i/2 + 1 from seed `key`; exact in float32. */
+static inline float cu_at(uint64_t key, uint64_t i) {
+    uint64_t h = sm64_mix(key + ((i >> 1) + 1) * SM64_GAMMA);
+    return (float)(uint32_t)((i & 1) ? (h >> 8) & 0xFFFFFF : h >> 40) * (1.0f / 16777216.0f);
+}
+
 /* Alg. 3 lines 12-16 for one coordinate: clamp, grid map, stochastic rounding (App. B). */
 static inline uint8_t quant1(const qtab_t *q, float a, float u) {
     float y = q->yz;
@@ -118,12 +141,14 @@ typedef struct {
     int kind;
     float scale;
     const qtab_t *q;
-    const float *u;
+    const float *u;          /* the uniforms, or NULL: the counter stream (ukey, from ubase) */
+    uint64_t ukey, ubase;
     uint8_t *out;
     int packed;
     const uint8_t *signs;
     float *dst;
     size_t ndst;
+    const float *minus;      /* decode: write minus - value instead (the residual x - RHT^-1(X)) */
 } epi_t;
 
 static inline uint32_t sign_bit(const uint8_t *bits, size_t i) {
@@ -179,14 +204,19 @@ static void rht_scalar(float *w, size_t n, const in_t *in, const epi_t *e) {
     fwht_scalar(w, n);
     switch (e->kind) {
     case EPI_ENCODE:
+#define U_AT(i) (e->u ? e->u[i] : cu_at(e->ukey, e->ubase + (i)))
         if (e->packed)
             for (size_t i = 0; i < n; i += 2)
-                e->out[i >> 1] = (uint8_t)(quant1(e->q, w[i], e->u[i]) << 4 | quant1(e->q, w[i + 1], e->u[i + 1]));
+                e->out[i >> 1] = (uint8_t)(quant1(e->q, w[i], U_AT(i)) << 4 | quant1(e->q, w[i + 1], U_AT(i + 1)));
         else
-            for (size_t i = 0; i < n; i++) e->out[i] = quant1(e->q, w[i], e->u[i]);
+            for (size_t i = 0; i < n; i++) e->out[i] = quant1(e->q, w[i], U_AT(i));
+#undef U_AT
         break;
     case EPI_DECODE:
-        for (size_t i = 0; i < e->ndst; i++) e->dst[i] = flip(w[i], sign_bit(e->signs, i));
+        for (size_t i = 0; i < e->ndst; i++) {
+            float v = flip(w[i], sign_bit(e->signs, i));
+            e->dst[i] = e->minus ? e->minus[i] - v : v;
+        }
         break;
     default:
         break;
@@ -323,11 +353,39 @@ static inline __m256i quant8(const qtab_t *q, __m256 a, __m256 u) {
     return _mm256_sub_epi32(iv, _mm256_castps_si256(up));     /* true = -1 */
 }
 
+/* Low 64 bits of a·b per 64-bit lane (AVX2 has no 64-bit multiply): three 32x32 products. */
+static inline __m256i mul64(__m256i a, __m256i b_lo, __m256i b_hi) {
+    __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), b_lo), _mm256_mul_epu32(a, b_hi));
+    return _mm256_add_epi64(_mm256_mul_epu32(a, b_lo), _mm256_slli_epi64(cross, 32));
+}
+
+/* cu_at for i..i+7: four SplitMix64 outputs, one per even-odd pair (scalar when i is odd). */
+static inline __m256 cu8(uint64_t key, uint64_t i) {
+    if (i & 1) {
+        float t[8];
+        for (int k = 0; k < 8; k++) t[k] = cu_at(key, i + k);
+        return _mm256_loadu_ps(t);
+    }
+    const uint64_t z0 = key + ((i >> 1) + 1) * SM64_GAMMA;
+    __m256i z = _mm256_add_epi64(_mm256_set1_epi64x((long long)z0),
+                                 _mm256_setr_epi64x(0, (long long)SM64_GAMMA, (long long)(2 * SM64_GAMMA),
+                                                    (long long)(3 * SM64_GAMMA)));
+    z = _mm256_xor_si256(z, _mm256_srli_epi64(z, 30));
+    z = mul64(z, _mm256_set1_epi64x(0x1ce4e5b9LL), _mm256_set1_epi64x(0xbf58476dLL));
+    z = _mm256_xor_si256(z, _mm256_srli_epi64(z, 27));
+    z = mul64(z, _mm256_set1_epi64x(0x133111ebLL), _mm256_set1_epi64x(0x94d049bbLL));
+    z = _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
+    /* 32-bit lanes 2k, 2k+1 <- the high and the next 24 bits of output k */
+    __m256i k24 = _mm256_or_si256(_mm256_srli_epi64(z, 40),
+                                  _mm256_slli_epi64(_mm256_and_si256(_mm256_srli_epi64(z, 8), _mm256_set1_epi64x(0xFFFFFF)), 32));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(k24), _mm256_set1_ps(1.0f / 16777216.0f));
+}
+
 static inline void epi8(const epi_t *e, float *p, size_t i, __m256 v) {
     v = _mm256_mul_ps(v, _mm256_set1_ps(e->scale));
     switch (e->kind) {
     case EPI_ENCODE: {
-        __m256i z = quant8(e->q, v, _mm256_loadu_ps(e->u + i));
+        __m256i z = quant8(e->q, v, e->u ? _mm256_loadu_ps(e->u + i) : cu8(e->ukey, e->ubase + i));
         if (e->packed) {   /* pair (2k, 2k+1) -> low byte of 64-bit lane k: z0 << 4 | z1 */
             __m256i t = _mm256_or_si256(_mm256_slli_epi64(z, 4), _mm256_srli_epi64(z, 32));
             t = _mm256_shuffle_epi8(t, _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
@@ -346,11 +404,13 @@ static inline void epi8(const epi_t *e, float *p, size_t i, __m256 v) {
     }
     case EPI_DECODE:
         v = _mm256_xor_ps(v, signmask8(e->signs[i >> 3]));
-        if (i + 8 <= e->ndst) _mm256_storeu_ps(e->dst + i, v);
-        else if (i < e->ndst) {
+        if (i + 8 <= e->ndst) {
+            if (e->minus) v = _mm256_sub_ps(_mm256_loadu_ps(e->minus + i), v);
+            _mm256_storeu_ps(e->dst + i, v);
+        } else if (i < e->ndst) {
             float t[8];
             _mm256_storeu_ps(t, v);
-            memcpy(e->dst + i, t, (e->ndst - i) * 4);
+            for (size_t k = 0; k < e->ndst - i; k++) e->dst[i + k] = e->minus ? e->minus[i + k] - t[k] : t[k];
         }
         break;
     default:
@@ -532,42 +592,55 @@ static PyObject *py_fwht(PyObject *self, PyObject *args) {
 }
 
 /* rht_encode(x: float32 buf (n <= p values, zero-padded to p), p, signs: bytes, M, g,
- *            table: bytes, uniforms: float32 buf, out: uint8 buf, packed: bool,
- *            work: float32 writable buf (>= p), simd=-1) */
+ *            table: bytes, uniforms, out: uint8 buf, packed: bool,
+ *            work: float32 writable buf (>= p), simd=-1)
+ * uniforms: a float32 buf of >= p values, or (key, base): the counter stream `key` from its
+ * uniform number `base` on (the block's offset in the round's padded vector). */
 static PyObject *py_rht_encode(PyObject *self, PyObject *args) {
     Py_buffer x = {0}, sg = {0}, t = {0}, u = {0}, o = {0}, w = {0};
     Py_ssize_t p;
     double big_m;
     int g, packed, simd = -1;
-    if (!PyArg_ParseTuple(args, "y*ny*diy*y*w*pw*|i", &x, &p, &sg, &big_m, &g, &t, &u, &o, &packed, &w, &simd))
+    PyObject *uobj;
+    unsigned long long ukey = 0, ubase = 0;
+    if (!PyArg_ParseTuple(args, "y*ny*diy*Ow*pw*|i", &x, &p, &sg, &big_m, &g, &t, &uobj, &o, &packed, &w, &simd))
         return NULL;
     Py_buffer *bufs[] = {&x, &sg, &t, &u, &o, &w};
+    if (PyTuple_Check(uobj)) {
+        if (!PyArg_ParseTuple(uobj, "KK", &ukey, &ubase)) return fail(bufs, 6, NULL);
+    } else if (PyObject_GetBuffer(uobj, &u, PyBUF_SIMPLE) < 0) {
+        return fail(bufs, 6, NULL);
+    }
     size_t n = (size_t)p;
-    if (!is_pow2(n) || (size_t)x.len / 4 > n || (size_t)sg.len * 8 < n || (size_t)u.len / 4 < n ||
+    if (!is_pow2(n) || (size_t)x.len / 4 > n || (size_t)sg.len * 8 < n || (u.obj && (size_t)u.len / 4 < n) ||
         (size_t)w.len / 4 < n || (size_t)o.len < (packed ? (n + 1) / 2 : n) || (packed && (t.len > 16 || n < 2)))
         return fail(bufs, 6, "rht_encode: inconsistent buffer sizes");
     qtab_t q;
     if (qtab_init(&q, big_m, g, t.buf, t.len) < 0) return fail(bufs, 6, "rht_encode: bad table");
     if ((simd = pick_simd(simd)) < 0) return fail(bufs, 6, NULL);
     in_t in = {.kind = IN_SIGNS, .x = x.buf, .nx = (size_t)x.len / 4, .signs = sg.buf};
-    epi_t e = {.kind = EPI_ENCODE, .q = &q, .u = u.buf, .out = o.buf, .packed = packed};
+    epi_t e = {.kind = EPI_ENCODE, .q = &q, .u = u.obj ? u.buf : NULL, .ukey = ukey, .ubase = ubase,
+               .out = o.buf, .packed = packed};
     return run_released(simd, w.buf, n, &in, &e, bufs, 6);
 }
 
 /* rht_decode(src, kind, c, m, p, signs: bytes, table: bytes, out: float32 writable buf (<= p),
- *            work: float32 writable buf (>= p) or None when out holds p values, simd=-1)
+ *            work: float32 writable buf (>= p) or None when out holds p values, simd=-1,
+ *            minus: float32 buf (>= len(out)) or None)
  * kind 0: src float32 values v; 1: packed 4-bit indices (v = T[z]); 2: byte indices;
  * 3: bytes b with table = 256 float32 values (v = table[b], e.g. 8-bit lanes to Y/k).
- * a = v·c − m, then FWHT, 1/sqrt(p), signs; the first len(out) coordinates are written. */
+ * a = v·c − m, then FWHT, 1/sqrt(p), signs; the first len(out) coordinates are written,
+ * as minus − value when `minus` is given (the error-feedback residual in the same pass). */
 static PyObject *py_rht_decode(PyObject *self, PyObject *args) {
-    Py_buffer s = {0}, sg = {0}, t = {0}, o = {0}, w = {0};
-    PyObject *wobj;
+    Py_buffer s = {0}, sg = {0}, t = {0}, o = {0}, w = {0}, mb = {0};
+    PyObject *wobj, *mobj = Py_None;
     int kind, simd = -1;
     double c, m;
     Py_ssize_t p;
-    if (!PyArg_ParseTuple(args, "y*iddny*y*w*O|i", &s, &kind, &c, &m, &p, &sg, &t, &o, &wobj, &simd)) return NULL;
-    Py_buffer *bufs[] = {&s, &sg, &t, &o, &w};
-    if (wobj != Py_None && PyObject_GetBuffer(wobj, &w, PyBUF_WRITABLE) < 0) return fail(bufs, 5, NULL);
+    if (!PyArg_ParseTuple(args, "y*iddny*y*w*O|iO", &s, &kind, &c, &m, &p, &sg, &t, &o, &wobj, &simd, &mobj)) return NULL;
+    Py_buffer *bufs[] = {&s, &sg, &t, &o, &w, &mb};
+    if (wobj != Py_None && PyObject_GetBuffer(wobj, &w, PyBUF_WRITABLE) < 0) return fail(bufs, 6, NULL);
+    if (mobj != Py_None && PyObject_GetBuffer(mobj, &mb, PyBUF_SIMPLE) < 0) return fail(bufs, 6, NULL);
     size_t n = (size_t)p, nout = (size_t)o.len / 4;
     size_t need = kind == 0 ? 4 * n : kind == 1 ? (n + 1) / 2 : n;
     const int ftab = kind == 3;          /* byte source, table of 256 float32 values */
@@ -575,16 +648,18 @@ static PyObject *py_rht_decode(PyObject *self, PyObject *args) {
     float *work = w.obj ? w.buf : (nout == n ? o.buf : NULL);
     if (!is_pow2(n) || kind < 0 || kind > 3 || (size_t)s.len < need || (size_t)sg.len * 8 < n || nout > n ||
         !work || (w.obj && (size_t)w.len / 4 < n) || (kind == 1 && t.len > 16) || (kind && t.len < 2) ||
-        (ftab && t.len != 1024))
-        return fail(bufs, 5, "rht_decode: inconsistent buffer sizes");
-    if ((simd = pick_simd(simd)) < 0) return fail(bufs, 5, NULL);
+        (ftab && t.len != 1024) || (mb.obj && (size_t)mb.len / 4 < nout))
+        return fail(bufs, 6, "rht_decode: inconsistent buffer sizes");
+    if (mb.obj && (const char *)mb.buf < (const char *)work + 4 * n && (const char *)work < (const char *)mb.buf + mb.len)
+        return fail(bufs, 6, "rht_decode: minus overlaps the work buffer");
+    if ((simd = pick_simd(simd)) < 0) return fail(bufs, 6, NULL);
     in_t in = {.kind = kind == 0 ? IN_VALUES : kind == 1 ? IN_NIBBLES : IN_BYTES, .signs = sg.buf,
                .x = s.buf, .idx = s.buf, .c = (float)c, .m = (float)m};
     memset(in.tabf, 0, sizeof in.tabf);
     if (ftab) memcpy(in.tabf, t.buf, 1024);
     else for (Py_ssize_t i = 0; i < t.len; i++) in.tabf[i] = ((const uint8_t *)t.buf)[i];
-    epi_t e = {.kind = EPI_DECODE, .signs = sg.buf, .dst = o.buf, .ndst = nout};
-    return run_released(simd, work, n, &in, &e, bufs, 5);
+    epi_t e = {.kind = EPI_DECODE, .signs = sg.buf, .dst = o.buf, .ndst = nout, .minus = mb.obj ? mb.buf : NULL};
+    return run_released(simd, work, n, &in, &e, bufs, 6);
 }
 
 /* quantize(r: float32 buf, M, g, table: bytes, uniforms: float32 buf, out: uint8 buf):

@@ -16,8 +16,10 @@ number of contributors (k < n under partial aggregation).
 Uniform THC (Alg. 1) is the same pipeline with the identity table (g = 2^b − 1),
 no transform, and [m, M] the global min/max from the preliminary stage.
 
-Random draws are passed in (``uniforms``), so every function here is
-deterministic; numpy arrays and torch tensors are both accepted.
+Random draws are passed in (``uniforms``: an array of U[0, 1) values, or a
+:class:`compression.stochastic.CounterUniforms` stream that the C encode computes in
+place), so every function here is deterministic; numpy arrays and torch tensors are both
+accepted.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from fractions import Fraction
 import numpy as np
 
 from compression.hadamard import fwht, next_pow2, rademacher_bits, rademacher_signs
+from compression.stochastic import CounterUniforms, key_from
 
 try:   # fused C kernels for the numpy path; the numpy code below stays the reference
     from compression import _kernels
@@ -265,7 +268,8 @@ def _encode_kernels(x: np.ndarray, max_norms, cfg: ThcConfig, layout: Layout, ro
     table = cfg.table
     tab8 = bytes(table.values)
     out = np.empty(layout.padded_dim // 2 if packed else layout.padded_dim, dtype=np.uint8)
-    u = np.ascontiguousarray(uniforms, dtype=np.float32)
+    stream = isinstance(uniforms, CounterUniforms)
+    u = None if stream else np.ascontiguousarray(uniforms, dtype=np.float32)
     x = np.ascontiguousarray(x, dtype=np.float32)
     offsets = layout.padded_offsets()
 
@@ -274,7 +278,8 @@ def _encode_kernels(x: np.ndarray, max_norms, cfg: ThcConfig, layout: Layout, ro
         big_m = _scale(float(max_norms[j]), p, table.t_p)
         o = out[off // 2:(off + p) // 2] if packed else out[off:off + p]
         _kernels.rht_encode(x[s:s + n], p, rademacher_bits(cfg.seed, round_no, j, p), big_m,
-                            cfg.granularity, tab8, u[off:off + p], o, packed, _workspace(p))
+                            cfg.granularity, tab8, (uniforms.key, off) if stream else u[off:off + p], o,
+                            packed, _workspace(p))
     _each_block(block, len(offsets))
     return out
 
@@ -282,10 +287,13 @@ def _encode_kernels(x: np.ndarray, max_norms, cfg: ThcConfig, layout: Layout, ro
 def encode(x, max_norms, cfg: ThcConfig, layout: Layout, round_no: int, uniforms, use_kernels=True):
     """Table indices Z (uint8, one per padded coordinate) of x for this round.
 
-    `uniforms` holds layout.padded_dim draws from U[0, 1) (the worker's own RNG).
+    `uniforms` holds layout.padded_dim draws from U[0, 1) (the worker's own RNG), or is
+    the counter stream they come from (:class:`compression.stochastic.CounterUniforms`).
     """
     if use_kernels and _kernel_ok(x, cfg):
         return _encode_kernels(x, max_norms, cfg, layout, round_no, uniforms)
+    if isinstance(uniforms, CounterUniforms):
+        uniforms = _asarray(uniforms.take(0, layout.padded_dim), x)
     table = cfg.table
     tab = table.as_array()
     iv = lower_interval_index(tab)
@@ -332,11 +340,11 @@ def lookup_sum(indices, table) -> np.ndarray:
 
 
 def _decode_kernels(src, kind: int, contributors: int, max_norms, cfg: ThcConfig, layout: Layout,
-                    round_no: int, lut: np.ndarray | None = None, out=None) -> np.ndarray:
+                    round_no: int, lut: np.ndarray | None = None, out=None, minus=None) -> np.ndarray:
     """Alg. 3 lines 19-21 per RHT block in one C call: a = v·2M/(g·k) − M from the source
     (kind 0: float32 values, 1: packed 4-bit indices, 2: byte indices, v = T[z]; 3: bytes,
     v = lut[byte]), then the inverse RHT of §5.1 (FWHT, then the signs D); into `out` if
-    given."""
+    given; `minus` (a float32 vector of layout.dim): minus − the decode instead."""
     g, table = cfg.granularity, cfg.table
     tab8 = lut.tobytes() if lut is not None else bytes(table.values) if kind else b""
     out = result_vector(out, layout.dim)
@@ -348,7 +356,8 @@ def _decode_kernels(src, kind: int, contributors: int, max_norms, cfg: ThcConfig
         seg = src[off // 2:(off + p) // 2] if kind == 1 else src[off:off + p]
         _kernels.rht_decode(seg, kind, 2.0 * big_m / (g * contributors), big_m, p,
                             rademacher_bits(cfg.seed, round_no, j, p), tab8, out[s:s + n],
-                            None if n == p else _workspace(p))
+                            None if n == p and minus is None else _workspace(p), -1,
+                            None if minus is None else minus[s:s + n])
     _each_block(block, len(offsets))
     return out
 
@@ -374,20 +383,33 @@ def decode(sums, contributors: int, max_norms, cfg: ThcConfig, layout: Layout, r
 
 
 def decode_own(z, max_norms, cfg: ThcConfig, layout: Layout, round_no: int, packed: bool = False,
-               out=None):
+               out=None, minus=None):
     """RHT⁻¹(X) of this worker's own indices (the error-feedback term of Alg. 3 line 22).
 
     Equal to ``decode(lookup_sum([z], T), 1, ...)``; on numpy input the table lookup is
     fused into the inverse transform.  `packed`: z is the wire form of :func:`encode_packed`.
     `out`: a float32 vector the C path may write into (the other paths ignore it).
+    `minus` (x): returns x − RHT⁻¹(X), the residual itself, subtracted in the C decode's
+    last pass when it runs (the same float32 subtraction, no pass of its own).
     """
-    if _kernel_ok(z, cfg) and (not packed or _packs_per_block(cfg, layout)):
+    fused = _kernel_ok(z, cfg) and (not packed or _packs_per_block(cfg, layout))
+    if fused and (minus is None or (isinstance(minus, np.ndarray) and minus.dtype == np.float32
+                                    and minus.flags.c_contiguous and minus.ndim == 1)):
         return _decode_kernels(np.ascontiguousarray(z, dtype=np.uint8), 1 if packed else 2, 1,
-                               max_norms, cfg, layout, round_no, out=out)
-    if packed:
-        z = unpack_indices(np.asarray(z, dtype=np.uint8), cfg.bits, layout.padded_dim)
-    own = lookup_sum([z.numpy() if _is_torch(z) else z], cfg.table.values)
-    return decode(_asarray(own, z), 1, max_norms, cfg, layout, round_no)
+                               max_norms, cfg, layout, round_no, out=out, minus=minus)
+    if fused:
+        own = _decode_kernels(np.ascontiguousarray(z, dtype=np.uint8), 1 if packed else 2, 1,
+                              max_norms, cfg, layout, round_no, out=out)
+    else:
+        if packed:
+            z = unpack_indices(np.asarray(z, dtype=np.uint8), cfg.bits, layout.padded_dim)
+        own = lookup_sum([z.numpy() if _is_torch(z) else z], cfg.table.values)
+        own = decode(_asarray(own, z), 1, max_norms, cfg, layout, round_no)
+    if minus is None:
+        return own
+    if isinstance(minus, np.ndarray) and isinstance(own, np.ndarray) and minus.dtype == own.dtype:
+        return np.subtract(minus.reshape(-1), own, out=own)        # no new vector
+    return minus.reshape(-1) - own if isinstance(minus, np.ndarray) else minus - own
 
 
 def decode_lanes(lanes, contributors: int, max_norms, cfg: ThcConfig, layout: Layout, round_no: int,
@@ -421,12 +443,13 @@ class WorkerRound:
 
     `memory` is a :class:`compression.codec.ErrorFeedback` (None: no error feedback);
     `compensate=False` keeps x = ∇ but still records the new residual.  The uniforms of the
-    stochastic rounding are one ``rng.random(padded_dim, float32)`` draw per encode.
+    stochastic rounding are the counter stream of one 64-bit key drawn from `rng` per encode
+    (compression/stochastic.py), computed inside the C encode.
 
     With a memory and a float32 numpy gradient the round allocates no vector of d in its
     steady state: x and the residual take the memory's spare buffers (`ErrorFeedback.buffer`)
-    and `feedback` gives back x and the old residual; the uniforms live in a per-thread
-    scratch, and `decode_lanes(..., out=)` writes x̂ where the caller says.  Fresh 64 MB
+    and `feedback` gives back x and the old residual; the uniforms are never stored, and
+    `decode_lanes(..., out=)` writes x̂ where the caller says.  Fresh 64 MB
     vectors at d = 2^24 cost the kernel's page zeroing every round (docs/bench.md).
     """
 
@@ -449,12 +472,12 @@ class WorkerRound:
 
     def encode(self, max_norms, rng, round_no: int, *, packed: bool = False, uniforms=None):
         """Z for this round with the shared norms: uint8 indices, or packed MSB first.  The
-        stochastic rounding draws padded_dim float32 uniforms from `rng`, unless the caller
-        has them already (`uniforms`, e.g. drawn ahead: worker/uniforms.py)."""
+        stochastic rounding uses the counter stream of one key drawn from `rng`, unless the
+        caller passes `uniforms` (padded_dim float32 values)."""
         self.max_norms, self.round_no, self.packed = max_norms, round_no, packed
         n = self.layout.padded_dim
         if uniforms is None:
-            uniforms = rng.random(n, dtype=np.float32, out=_workspace(n, "uniforms"))
+            uniforms = CounterUniforms(key_from(rng))
         elif uniforms.shape != (n,) or uniforms.dtype != np.float32:
             raise ValueError(f"uniforms must be {n} float32 values, got {uniforms.dtype} {uniforms.shape}")
         fn = encode_packed if packed else encode
@@ -474,11 +497,8 @@ class WorkerRound:
         """e' = x − RHT⁻¹(X): this worker's own decode with k = 1, so the clamping error is
         carried too (Alg. 3 line 22)."""
         spare = self.memory.buffer(self.key, self.x) if self.pooled else None
-        own = decode_own(self.z, self.max_norms, self.cfg, self.layout, self.round_no, packed=self.packed,
-                         out=spare)
-        if isinstance(self.x, np.ndarray) and isinstance(own, np.ndarray) and self.x.dtype == own.dtype:
-            return np.subtract(self.x, own, out=own)        # no new vector
-        return self.x - own
+        return decode_own(self.z, self.max_norms, self.cfg, self.layout, self.round_no, packed=self.packed,
+                          out=spare, minus=self.x)
 
     def feedback(self, residual=None) -> None:
         """Keep the residual (`residual` if the caller computed it already, e.g. in a thread

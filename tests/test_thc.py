@@ -168,7 +168,7 @@ def test_nmse_trends():
     b2 = nmse.run("thc", bits=2, granularity=36, **common)["nmse"]
     b3 = nmse.run("thc", bits=3, granularity=36, **common)["nmse"]
     b4 = nmse.run("thc", bits=4, granularity=38, **common)["nmse"]
-    assert b2 > 2 * b3 > 4 * b4
+    assert b2 > 3 * b3 and b3 > 1.5 * b4      # ratios ~4 and ~2 (40-trial runs); 4 trials vary ±5%
     two = nmse.run("thc", workers=2, dim=1 << 14, trials=4, seed=1)["nmse"]
     eight = nmse.run("thc", workers=8, dim=1 << 14, trials=4, seed=1)["nmse"]
     assert eight < two  # copies with independent rounding: error shrinks with n

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from compression import thc
+from compression.stochastic import CounterUniforms, key_from
 from proto.job import JobConfig
 from ps_server.server import PSServer
 from worker.client import Worker
@@ -76,7 +77,7 @@ def train_reference():
             xs.append(g + errs[r] if errs[r] is not None else g)
         layout = thc.make_layout(xs[0].size, cfg.block_log2)
         norms = np.max([thc.block_norms(x, layout) for x in xs], axis=0).astype(np.float32).astype(np.float64)
-        zs = [thc.encode(x, norms, cfg, layout, step, rngs[r].random(layout.padded_dim, dtype=np.float32))
+        zs = [thc.encode(x, norms, cfg, layout, step, CounterUniforms(key_from(rngs[r])))   # one key per round
               for r, x in enumerate(xs)]
         y_avg = (thc.lookup_sum(zs, cfg.table.values) / N).astype(np.float32)
         avg = thc.decode(y_avg, 1, norms, cfg, layout, step)

@@ -26,7 +26,6 @@ from compression.codec import ErrorFeedback
 from proto import headers as H
 from proto.packing import unpack_lanes
 from worker.transport import PackedChunks, PhaseResults, Transport
-from worker.uniforms import UniformsAhead
 
 
 def joined_lanes(chunks, results, total: int, lane_bits: int):
@@ -122,7 +121,6 @@ class Worker:
         self._delay_rng = np.random.default_rng(np.random.SeedSequence([seed, transport.worker_id, 99]))
         self.last: RoundReport | None = None
         self._background: ThreadPoolExecutor | None = None
-        self._uniforms = UniformsAhead(self.round_rng, keyed=per_round_rng)
 
     def _in_background(self, fn):
         """Start fn() in this worker's helper thread; returns its Future.  For the
@@ -254,13 +252,11 @@ class Worker:
         norms = self._exchange_norms(rnd.norms())
         report.norms = norms.tolist()
         n = layout.padded_dim
-        packed = rnd.encode(norms, None, rn, packed=True, uniforms=self._uniforms.take(rn, n))
+        packed = rnd.encode(norms, self.round_rng(rn), rn, packed=True)
         chunks = self._chunks(packed, n, cfg.bits)
         report.bytes_up = chunks.wire_bytes
-        # e = x − RHT⁻¹(X) needs only this worker's own Z: compute it while the phase runs,
-        # then the next round's uniforms
+        # e = x − RHT⁻¹(X) needs only this worker's own Z: compute it while the phase runs
         residual = self._in_background(rnd.residual) if rnd.memory is not None else None
-        self._uniforms.draw_ahead(self._in_background, rn + 1, n)
         try:
             self._maybe_straggle()
             results = self.t.run_phase(H.DATA, chunks)
