@@ -14,9 +14,7 @@ what the worker now runs on a complete round: 8-bit sum lanes → Y/k → RHT⁻
 call (thc.decode_lanes).  "own decode" is the error-feedback term RHT⁻¹(X) from the packed
 indices (thc.decode_own).  "u+compress" is an encode with its uniforms: before, numpy's
 float32 draw into a buffer then the encode reading it; after, the counter uniforms computed
-inside the encode (compression/stochastic.py).  "residual" is the error feedback's
-x − RHT⁻¹(X): before, the own decode then np.subtract; after, the subtraction inside the
-decode's last pass.
+inside the encode (compression/stochastic.py).
 """
 from __future__ import annotations
 
@@ -98,7 +96,7 @@ def main():
         y = thc.lookup_sum([z] * 4, cfg.table.values)
         lanes = y.astype(">u1").tobytes()
         yt = torch.from_numpy(y)
-        draw, ubuf, res = np.random.default_rng(1), np.empty(layout.padded_dim, np.float32), np.empty_like(x)
+        draw, ubuf = np.random.default_rng(1), np.empty(layout.padded_dim, np.float32)
         rows = [
             ("numpy", "compress before", lambda: pack_indices(encode_before(x, norms, cfg, layout, 0, u), 4)),
             ("numpy", "compress", lambda: thc.encode_packed(x, norms, cfg, layout, 0, u)),
@@ -110,9 +108,6 @@ def main():
             ("numpy", "u+compress before", lambda: thc.encode_packed(x, norms, cfg, layout, 0, draw.random(
                 layout.padded_dim, dtype=np.float32, out=ubuf))),
             ("numpy", "u+compress", lambda: thc.encode_packed(x, norms, cfg, layout, 0, CounterUniforms(7))),
-            ("numpy", "residual before", lambda: np.subtract(x, thc.decode_own(packed, norms, cfg, layout, 0, packed=True,
-                                                                             out=res), out=res)),
-            ("numpy", "residual", lambda: thc.decode_own(packed, norms, cfg, layout, 0, packed=True, out=res, minus=x)),
             ("torch", "decompress", lambda: thc.decode(yt, 4, norms, cfg, layout, 0)),
         ]
         print(f"{k:>4} {'numpy':>7} {'copyto':>17} {copy * 1e3:9.2f} {d / copy / 1e6:9.0f} {1.0:9.1f}")

@@ -148,7 +148,6 @@ typedef struct {
     const uint8_t *signs;
     float *dst;
     size_t ndst;
-    const float *minus;      /* decode: write minus - value instead (the residual x - RHT^-1(X)) */
 } epi_t;
 
 static inline uint32_t sign_bit(const uint8_t *bits, size_t i) {
@@ -213,10 +212,7 @@ static void rht_scalar(float *w, size_t n, const in_t *in, const epi_t *e) {
 #undef U_AT
         break;
     case EPI_DECODE:
-        for (size_t i = 0; i < e->ndst; i++) {
-            float v = flip(w[i], sign_bit(e->signs, i));
-            e->dst[i] = e->minus ? e->minus[i] - v : v;
-        }
+        for (size_t i = 0; i < e->ndst; i++) e->dst[i] = flip(w[i], sign_bit(e->signs, i));
         break;
     default:
         break;
@@ -404,13 +400,11 @@ static inline void epi8(const epi_t *e, float *p, size_t i, __m256 v) {
     }
     case EPI_DECODE:
         v = _mm256_xor_ps(v, signmask8(e->signs[i >> 3]));
-        if (i + 8 <= e->ndst) {
-            if (e->minus) v = _mm256_sub_ps(_mm256_loadu_ps(e->minus + i), v);
-            _mm256_storeu_ps(e->dst + i, v);
-        } else if (i < e->ndst) {
+        if (i + 8 <= e->ndst) _mm256_storeu_ps(e->dst + i, v);
+        else if (i < e->ndst) {
             float t[8];
             _mm256_storeu_ps(t, v);
-            for (size_t k = 0; k < e->ndst - i; k++) e->dst[i + k] = e->minus ? e->minus[i + k] - t[k] : t[k];
+            memcpy(e->dst + i, t, (e->ndst - i) * 4);
         }
         break;
     default:
@@ -625,22 +619,19 @@ static PyObject *py_rht_encode(PyObject *self, PyObject *args) {
 }
 
 /* rht_decode(src, kind, c, m, p, signs: bytes, table: bytes, out: float32 writable buf (<= p),
- *            work: float32 writable buf (>= p) or None when out holds p values, simd=-1,
- *            minus: float32 buf (>= len(out)) or None)
+ *            work: float32 writable buf (>= p) or None when out holds p values, simd=-1)
  * kind 0: src float32 values v; 1: packed 4-bit indices (v = T[z]); 2: byte indices;
  * 3: bytes b with table = 256 float32 values (v = table[b], e.g. 8-bit lanes to Y/k).
- * a = v·c − m, then FWHT, 1/sqrt(p), signs; the first len(out) coordinates are written,
- * as minus − value when `minus` is given (the error-feedback residual in the same pass). */
+ * a = v·c − m, then FWHT, 1/sqrt(p), signs; the first len(out) coordinates are written. */
 static PyObject *py_rht_decode(PyObject *self, PyObject *args) {
-    Py_buffer s = {0}, sg = {0}, t = {0}, o = {0}, w = {0}, mb = {0};
-    PyObject *wobj, *mobj = Py_None;
+    Py_buffer s = {0}, sg = {0}, t = {0}, o = {0}, w = {0};
+    PyObject *wobj;
     int kind, simd = -1;
     double c, m;
     Py_ssize_t p;
-    if (!PyArg_ParseTuple(args, "y*iddny*y*w*O|iO", &s, &kind, &c, &m, &p, &sg, &t, &o, &wobj, &simd, &mobj)) return NULL;
-    Py_buffer *bufs[] = {&s, &sg, &t, &o, &w, &mb};
-    if (wobj != Py_None && PyObject_GetBuffer(wobj, &w, PyBUF_WRITABLE) < 0) return fail(bufs, 6, NULL);
-    if (mobj != Py_None && PyObject_GetBuffer(mobj, &mb, PyBUF_SIMPLE) < 0) return fail(bufs, 6, NULL);
+    if (!PyArg_ParseTuple(args, "y*iddny*y*w*O|i", &s, &kind, &c, &m, &p, &sg, &t, &o, &wobj, &simd)) return NULL;
+    Py_buffer *bufs[] = {&s, &sg, &t, &o, &w};
+    if (wobj != Py_None && PyObject_GetBuffer(wobj, &w, PyBUF_WRITABLE) < 0) return fail(bufs, 5, NULL);
     size_t n = (size_t)p, nout = (size_t)o.len / 4;
     size_t need = kind == 0 ? 4 * n : kind == 1 ? (n + 1) / 2 : n;
     const int ftab = kind == 3;          /* byte source, table of 256 float32 values */
@@ -648,18 +639,16 @@ static PyObject *py_rht_decode(PyObject *self, PyObject *args) {
     float *work = w.obj ? w.buf : (nout == n ? o.buf : NULL);
     if (!is_pow2(n) || kind < 0 || kind > 3 || (size_t)s.len < need || (size_t)sg.len * 8 < n || nout > n ||
         !work || (w.obj && (size_t)w.len / 4 < n) || (kind == 1 && t.len > 16) || (kind && t.len < 2) ||
-        (ftab && t.len != 1024) || (mb.obj && (size_t)mb.len / 4 < nout))
-        return fail(bufs, 6, "rht_decode: inconsistent buffer sizes");
-    if (mb.obj && (const char *)mb.buf < (const char *)work + 4 * n && (const char *)work < (const char *)mb.buf + mb.len)
-        return fail(bufs, 6, "rht_decode: minus overlaps the work buffer");
-    if ((simd = pick_simd(simd)) < 0) return fail(bufs, 6, NULL);
+        (ftab && t.len != 1024))
+        return fail(bufs, 5, "rht_decode: inconsistent buffer sizes");
+    if ((simd = pick_simd(simd)) < 0) return fail(bufs, 5, NULL);
     in_t in = {.kind = kind == 0 ? IN_VALUES : kind == 1 ? IN_NIBBLES : IN_BYTES, .signs = sg.buf,
                .x = s.buf, .idx = s.buf, .c = (float)c, .m = (float)m};
     memset(in.tabf, 0, sizeof in.tabf);
     if (ftab) memcpy(in.tabf, t.buf, 1024);
     else for (Py_ssize_t i = 0; i < t.len; i++) in.tabf[i] = ((const uint8_t *)t.buf)[i];
-    epi_t e = {.kind = EPI_DECODE, .signs = sg.buf, .dst = o.buf, .ndst = nout, .minus = mb.obj ? mb.buf : NULL};
-    return run_released(simd, work, n, &in, &e, bufs, 6);
+    epi_t e = {.kind = EPI_DECODE, .signs = sg.buf, .dst = o.buf, .ndst = nout};
+    return run_released(simd, work, n, &in, &e, bufs, 5);
 }
 
 /* quantize(r: float32 buf, M, g, table: bytes, uniforms: float32 buf, out: uint8 buf):

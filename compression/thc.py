@@ -340,11 +340,11 @@ def lookup_sum(indices, table) -> np.ndarray:
 
 
 def _decode_kernels(src, kind: int, contributors: int, max_norms, cfg: ThcConfig, layout: Layout,
-                    round_no: int, lut: np.ndarray | None = None, out=None, minus=None) -> np.ndarray:
+                    round_no: int, lut: np.ndarray | None = None, out=None) -> np.ndarray:
     """Alg. 3 lines 19-21 per RHT block in one C call: a = v·2M/(g·k) − M from the source
     (kind 0: float32 values, 1: packed 4-bit indices, 2: byte indices, v = T[z]; 3: bytes,
     v = lut[byte]), then the inverse RHT of §5.1 (FWHT, then the signs D); into `out` if
-    given; `minus` (a float32 vector of layout.dim): minus − the decode instead."""
+    given."""
     g, table = cfg.granularity, cfg.table
     tab8 = lut.tobytes() if lut is not None else bytes(table.values) if kind else b""
     out = result_vector(out, layout.dim)
@@ -356,8 +356,7 @@ def _decode_kernels(src, kind: int, contributors: int, max_norms, cfg: ThcConfig
         seg = src[off // 2:(off + p) // 2] if kind == 1 else src[off:off + p]
         _kernels.rht_decode(seg, kind, 2.0 * big_m / (g * contributors), big_m, p,
                             rademacher_bits(cfg.seed, round_no, j, p), tab8, out[s:s + n],
-                            None if n == p and minus is None else _workspace(p), -1,
-                            None if minus is None else minus[s:s + n])
+                            None if n == p else _workspace(p))
     _each_block(block, len(offsets))
     return out
 
@@ -383,33 +382,20 @@ def decode(sums, contributors: int, max_norms, cfg: ThcConfig, layout: Layout, r
 
 
 def decode_own(z, max_norms, cfg: ThcConfig, layout: Layout, round_no: int, packed: bool = False,
-               out=None, minus=None):
+               out=None):
     """RHT⁻¹(X) of this worker's own indices (the error-feedback term of Alg. 3 line 22).
 
     Equal to ``decode(lookup_sum([z], T), 1, ...)``; on numpy input the table lookup is
     fused into the inverse transform.  `packed`: z is the wire form of :func:`encode_packed`.
     `out`: a float32 vector the C path may write into (the other paths ignore it).
-    `minus` (x): returns x − RHT⁻¹(X), the residual itself, subtracted in the C decode's
-    last pass when it runs (the same float32 subtraction, no pass of its own).
     """
-    fused = _kernel_ok(z, cfg) and (not packed or _packs_per_block(cfg, layout))
-    if fused and (minus is None or (isinstance(minus, np.ndarray) and minus.dtype == np.float32
-                                    and minus.flags.c_contiguous and minus.ndim == 1)):
+    if _kernel_ok(z, cfg) and (not packed or _packs_per_block(cfg, layout)):
         return _decode_kernels(np.ascontiguousarray(z, dtype=np.uint8), 1 if packed else 2, 1,
-                               max_norms, cfg, layout, round_no, out=out, minus=minus)
-    if fused:
-        own = _decode_kernels(np.ascontiguousarray(z, dtype=np.uint8), 1 if packed else 2, 1,
-                              max_norms, cfg, layout, round_no, out=out)
-    else:
-        if packed:
-            z = unpack_indices(np.asarray(z, dtype=np.uint8), cfg.bits, layout.padded_dim)
-        own = lookup_sum([z.numpy() if _is_torch(z) else z], cfg.table.values)
-        own = decode(_asarray(own, z), 1, max_norms, cfg, layout, round_no)
-    if minus is None:
-        return own
-    if isinstance(minus, np.ndarray) and isinstance(own, np.ndarray) and minus.dtype == own.dtype:
-        return np.subtract(minus.reshape(-1), own, out=own)        # no new vector
-    return minus.reshape(-1) - own if isinstance(minus, np.ndarray) else minus - own
+                               max_norms, cfg, layout, round_no, out=out)
+    if packed:
+        z = unpack_indices(np.asarray(z, dtype=np.uint8), cfg.bits, layout.padded_dim)
+    own = lookup_sum([z.numpy() if _is_torch(z) else z], cfg.table.values)
+    return decode(_asarray(own, z), 1, max_norms, cfg, layout, round_no)
 
 
 def decode_lanes(lanes, contributors: int, max_norms, cfg: ThcConfig, layout: Layout, round_no: int,
@@ -497,8 +483,11 @@ class WorkerRound:
         """e' = x − RHT⁻¹(X): this worker's own decode with k = 1, so the clamping error is
         carried too (Alg. 3 line 22)."""
         spare = self.memory.buffer(self.key, self.x) if self.pooled else None
-        return decode_own(self.z, self.max_norms, self.cfg, self.layout, self.round_no, packed=self.packed,
-                          out=spare, minus=self.x)
+        own = decode_own(self.z, self.max_norms, self.cfg, self.layout, self.round_no, packed=self.packed,
+                         out=spare)
+        if isinstance(self.x, np.ndarray) and isinstance(own, np.ndarray) and self.x.dtype == own.dtype:
+            return np.subtract(self.x, own, out=own)        # no new vector
+        return self.x - own
 
     def feedback(self, residual=None) -> None:
         """Keep the residual (`residual` if the caller computed it already, e.g. in a thread

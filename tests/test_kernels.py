@@ -224,37 +224,3 @@ def test_worker_lanes_decode_equals_per_chunk_average(case):
         got = thc.decode_lanes(whole[0], whole[1], norms, cfg, layout, 4)
         assert np.array_equal(bits_of(got), bits_of(want))
 
-
-@pytest.mark.parametrize("simd", SIMD)
-@pytest.mark.parametrize("p,n", [(128, 128), (1 << 14, 9000), (64, 5), (1 << 16, 1 << 16)])
-def test_rht_decode_minus_is_the_subtraction_bit_for_bit(simd, p, n):
-    """The residual x − RHT⁻¹(X) in the decode's last pass equals decoding, then subtracting."""
-    z = np.random.default_rng(p + n).integers(0, 256, p // 2, dtype=np.uint8).tobytes()
-    tab = bytes(solve_table(4, 30, 1 / 32).values)
-    signs = rademacher_bits(3, 1, 0, p)
-    x = ugly(n, n + 1)
-    own, res = np.empty(n, np.float32), np.empty(n, np.float32)
-    K.rht_decode(z, 1, 0.07, 1.05, p, signs, tab, own, np.empty(p, np.float32), simd)
-    K.rht_decode(z, 1, 0.07, 1.05, p, signs, tab, res, np.empty(p, np.float32), simd, x)
-    assert np.array_equal(bits_of(res), bits_of(x - own))
-    work = np.empty(p, np.float32)
-    with pytest.raises(ValueError, match="overlaps"):
-        K.rht_decode(z, 1, 0.07, 1.05, p, signs, tab, res, work, simd, work[:n])
-    with pytest.raises(ValueError, match="inconsistent"):
-        K.rht_decode(z, 1, 0.07, 1.05, p, signs, tab, res, work, simd, x[:n - 1] if n > 1 else x[:0])
-
-
-def test_worker_residual_fused_equals_the_separate_paths():
-    """WorkerRound.residual (fused subtraction, several blocks) == x − decode_own, and the
-    numpy reference and torch paths agree."""
-    cfg = thc.ThcConfig(block_log2=12)
-    layout = thc.make_layout(2 * 4096 + 333, cfg.block_log2)
-    x = ugly(layout.dim, 9)
-    rnd = thc.WorkerRound(cfg, x)
-    norms = rnd.norms()
-    rnd.encode(norms, np.random.default_rng(2), 4, packed=True)
-    own = thc.decode_own(rnd.z, norms, cfg, layout, 4, packed=True)
-    assert np.array_equal(bits_of(rnd.residual()), bits_of(x - own))
-    t = thc.decode_own(torch.from_numpy(thc.unpack_indices(rnd.z, 4, layout.padded_dim)), norms, cfg, layout, 4,
-                       minus=torch.from_numpy(x))
-    assert np.allclose(t.numpy(), x - own, atol=1e-4)
