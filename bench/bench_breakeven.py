@@ -37,6 +37,7 @@ from bench.bench_floor import run_rounds  # noqa: E402
 from bench.common import add_background_args, background_from_args  # noqa: E402
 from deploy.launch import gradient  # noqa: E402
 from deploy.procs import free_tcp_port, single_threaded_children  # noqa: E402
+from proto.job import DEFAULT_BLOCK_LOG2  # noqa: E402
 
 
 def ring_bytes(dim: int, workers: int) -> float:
@@ -97,6 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dims", type=int, nargs="+", default=[20, 22, 24], help="log2 of d")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per measurement (after one warm-up)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON here")
+    ap.add_argument("--block-log2", type=int, default=DEFAULT_BLOCK_LOG2,
+                    help="log2 of the THC job's RHT block (the authors' cap is 23)")
     add_background_args(ap)
     args = ap.parse_args(argv)
     with background_from_args(args):
@@ -118,7 +121,7 @@ def _measure(args) -> list:
     for k in args.dims:
         dim = 1 << k
         t_gloo = gloo_round_ms(dim, args.workers, args.rounds)
-        thc = run_rounds("thc", dim, args.workers, args.rounds, quiet=True)
+        thc = run_rounds("thc", dim, args.workers, args.rounds, quiet=True, block_log2=args.block_log2)
         b_ring = ring_bytes(dim, args.workers)
         b_thc = max(thc["up_mb"], thc["down_mb"]) * 1e6
         bstar = break_even_bps(b_ring, b_thc, t_gloo / 1e3, thc["median_ms"] / 1e3)

@@ -51,7 +51,7 @@ from deploy.launch import gradient  # noqa: E402
 from bench.common import add_background_args, background_from_args  # noqa: E402
 from deploy.procs import single_threaded_children  # noqa: E402
 from proto import headers as H  # noqa: E402
-from proto.job import JobConfig  # noqa: E402
+from proto.job import DEFAULT_BLOCK_LOG2, JobConfig  # noqa: E402
 
 
 def _codec_round(cfg, job, grad, memory, lanes, rng, r, meet=lambda: None) -> float:
@@ -258,11 +258,11 @@ def worker_rounds(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=F
 
 
 def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = False,
-               profile_top: int = 0, timeline: bool = False) -> dict:
+               profile_top: int = 0, timeline: bool = False, block_log2: int = DEFAULT_BLOCK_LOG2) -> dict:
     """PS + `workers` processes, `rounds` timed rounds; per-round means (`profile_top`: print
     rank 0's top functions, see bench/profile_cluster.py)."""
     from ps_server.server import PSServer
-    job = JobConfig(num_workers=workers, codec=codec)
+    job = JobConfig(num_workers=workers, codec=codec, block_log2=block_log2)
     ps = PSServer(job, ("127.0.0.1", 0), control_port=0, engine="c").start()
     single_threaded_children()
     ctx = mp.get_context("spawn")
@@ -301,6 +301,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dim-log2", type=int, default=24)
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--block-log2", type=int, default=DEFAULT_BLOCK_LOG2,
+                    help="log2 of the RHT block (the job's block_log2; the authors' cap is 23)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--timeline", action="store_true", help="print the median THC round's steps per worker")
     ap.add_argument("--thc-only", action="store_true", help="skip the float32 rounds")
@@ -315,14 +317,15 @@ def main():
 
 def _measure(args) -> None:
     dim, cores = 1 << args.dim_log2, os.cpu_count()
-    job = JobConfig(num_workers=args.workers)
+    job = JobConfig(num_workers=args.workers, block_log2=args.block_log2)
     print(f"d = 2^{args.dim_log2}, {args.workers} workers, {cores} cores; offload "
           f"{os.environ.get('THC_UDP_OFFLOAD', '1')}, phase engine {os.environ.get('THC_PHASE_ENGINE', 'c')}, "
           f"codec threads {os.environ.get('THC_CODEC_THREADS', 'one per core')}", flush=True)
     with _one_codec_thread():
         alone = [codec_cpu_ms(dim, job)]
         lock = [lockstep_floor(dim, job, args.rounds)]
-    runs = {"thc": run_rounds("thc", dim, args.workers, args.rounds, timeline=args.timeline)}
+    runs = {"thc": run_rounds("thc", dim, args.workers, args.rounds, timeline=args.timeline,
+                              block_log2=args.block_log2)}
     with _one_codec_thread():
         alone.append(codec_cpu_ms(dim, job))
         lock.append(lockstep_floor(dim, job, args.rounds))

@@ -73,11 +73,13 @@ def main():
                     help="torch intra-op threads (1: one core like the C kernels; 2 spin-waits badly on a busy host)")
     ap.add_argument("--codec-threads", type=int, default=1,
                     help="threads per encode/decode, one RHT block each (THC_CODEC_THREADS; 1: one core)")
+    ap.add_argument("--block-log2", type=int, default=thc.DEFAULT_BLOCK_LOG2,
+                    help="log2 of the RHT block (the job's block_log2; the authors' cap is 23)")
     args = ap.parse_args()
     torch.set_num_threads(args.torch_threads)
     os.environ["THC_CODEC_THREADS"] = str(args.codec_threads)
-    cfg = thc.ThcConfig()
-    print(f"torch threads {torch.get_num_threads()}, codec threads {thc.codec_threads()}, numpy {np.__version__}, "
+    cfg = thc.ThcConfig(block_log2=args.block_log2)
+    print(f"RHT blocks of 2^{cfg.block_log2}, torch threads {torch.get_num_threads()}, codec threads {thc.codec_threads()}, numpy {np.__version__}, "
           f"torch {torch.__version__}, kernels {_kernels.simd()}")
     print(f"{'d':>4} {'backend':>7} {'stage':>17} {'ms':>9} {'Mcoord/s':>9} {'x copyto':>9} {'after/before':>12}")
     for k in args.dims:

@@ -39,11 +39,9 @@ try:   # fused C kernels for the numpy path; the numpy code below stays the refe
     from compression import _kernels
 except ImportError:  # pragma: no cover - source checkout without a build
     _kernels = None
+from proto.job import DEFAULT_BLOCK_LOG2  # noqa: F401  (the job's default, re-exported)
 from proto.packing import check_lane_capacity, pack_indices, unpack_indices
 from proto.tables import Table, identity_table, lower_interval_index, parse_p, solve_table
-
-#: The authors cap one transform at 2^23 coordinates (docs/prior-art.md §1.2).
-DEFAULT_BLOCK_LOG2 = 23
 
 
 @dataclass(frozen=True)
