@@ -131,6 +131,8 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
                 if r is None:
                     t.barrier("start")
                     r = 0
+                if die_at is not None and r >= die_at:
+                    os._exit(KILLED)        # >=: a straggler skipped to the front may pass die_at, even to the end
                 if r >= rounds:
                     t.progress = rounds          # done: a rank that rejoins now skips every round
                     t.barrier("end")
@@ -138,8 +140,6 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
                 t.progress = r
                 if progress is not None:
                     progress.value = r
-                if die_at is not None and r >= die_at:
-                    os._exit(KILLED)        # >=: a rank that straggled or rejoined may skip die_at
                 notices = t.stats.counters["straggler_notices"]
                 w.allreduce(gradient(seed, r, worker_id, dim), key="grad", round_no=r)
                 rep = w.last
