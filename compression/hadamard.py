@@ -104,7 +104,7 @@ def rademacher_bits(job_seed: int, round_no: int, block: int, n: int) -> bytes:
 
     Identical in every process: all workers derive it, nobody sends it.  A round's encode,
     decode and error-feedback decode take the same blocks' bits, so the last few are kept
-    (≤ 8 blocks, 1 MiB each at 2^23 coordinates; bytes are immutable).
+    (≤ 8 blocks, 128 KiB each at the default 2^20 coordinates; bytes are immutable).
     """
     rng = np.random.default_rng(np.random.SeedSequence([job_seed & 0xFFFFFFFF, round_no & 0xFFFFFFFF, block]))
     return rng.bytes((n + 7) // 8)

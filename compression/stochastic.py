@@ -36,10 +36,14 @@ def splitmix64(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+def _check_key(key) -> None:
+    if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or not 0 <= key < 1 << 64:
+        raise ValueError(f"key must be a 64-bit unsigned integer, got {key!r}")
+
+
 def counter_uniforms(key: int, n: int, start: int = 0) -> np.ndarray:
     """Uniforms start..start+n-1 of stream `key` as float32 (the reference of the C path)."""
-    if not 0 <= key < 1 << 64:
-        raise ValueError(f"key must be a 64-bit unsigned integer, got {key}")
+    _check_key(key)
     i = np.arange(start, start + n, dtype=np.uint64)
     with np.errstate(over="ignore"):
         h = splitmix64(np.uint64(key) + ((i >> np.uint64(1)) + np.uint64(1)) * GAMMA)
@@ -58,6 +62,9 @@ class CounterUniforms:
     (reference paths); the C encode takes (key, start) and computes them in place."""
 
     key: int
+
+    def __post_init__(self):
+        _check_key(self.key)        # the C encode takes it as an unsigned 64-bit integer
 
     def take(self, start: int, n: int) -> np.ndarray:
         return counter_uniforms(self.key, n, start)

@@ -39,7 +39,7 @@ try:   # fused C kernels for the numpy path; the numpy code below stays the refe
     from compression import _kernels
 except ImportError:  # pragma: no cover - source checkout without a build
     _kernels = None
-from proto.job import DEFAULT_BLOCK_LOG2  # noqa: F401  (the job's default, re-exported)
+from proto.job import DEFAULT_BLOCK_LOG2   # the job's default block, one definition
 from proto.packing import check_lane_capacity, pack_indices, unpack_indices
 from proto.tables import Table, identity_table, lower_interval_index, parse_p, solve_table
 

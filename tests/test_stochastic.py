@@ -117,6 +117,10 @@ def test_key_from_takes_one_draw_and_bad_keys_are_refused():
         S.counter_uniforms(1 << 64, 4)
     with pytest.raises(ValueError, match="64-bit"):
         S.counter_uniforms(-1, 4)
+    with pytest.raises(ValueError, match="64-bit"):
+        S.CounterUniforms(1 << 64)          # before the C encode would truncate it
+    with pytest.raises(ValueError, match="64-bit"):
+        S.CounterUniforms(1.5)
     out = np.empty(64, np.uint8)
     with pytest.raises(TypeError):
         K.rht_encode(np.zeros(64, np.float32), 64, bytes(8), 1.0, 30, bytes(solve_table(4, 30, 1 / 32).values),
