@@ -218,10 +218,13 @@ os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _each_block(fn, blocks: int) -> None:
-    """fn(j) for every RHT block j: block 0 in this thread, the others in a shared pool when
-    there are several blocks and several codec threads (the C kernels release the GIL).  On
-    a host with more cores than workers a 2^24 round's codec time halves; with more workers
-    than cores it lets the last worker of a round use every core."""
+    """fn(j) for every RHT block j, shared among this thread and the pool's threads when there
+    are several blocks and several codec threads (the C kernels release the GIL).  Each thread
+    takes the next block not yet taken, so the blocks spread evenly whatever their count (a
+    2^24 round has 16 blocks of 2^20) and a pool thread busy with another caller's blocks
+    (the error-feedback decode in its helper thread) delays nothing.  On a host with more
+    cores than workers a 2^24 round's codec time halves; with more workers than cores it
+    lets the last worker of a round use every core."""
     threads = min(blocks, codec_threads())
     if threads <= 1:
         for j in range(blocks):
@@ -234,8 +237,18 @@ def _each_block(fn, blocks: int) -> None:
                 _pool.shutdown(wait=False)      # more threads asked for: its idle threads exit
             _pool, _pool_size = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="thc-block"), threads - 1
         pool = _pool
-    rest = [pool.submit(fn, j) for j in range(1, blocks)]
-    fn(0)
+    taken, lock = [0], threading.Lock()
+
+    def drain():
+        while True:
+            with lock:
+                j = taken[0]
+                taken[0] += 1
+            if j >= blocks:
+                return
+            fn(j)
+    rest = [pool.submit(drain) for _ in range(threads - 1)]
+    drain()
     for f in rest:
         f.result()
 

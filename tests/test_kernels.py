@@ -194,6 +194,34 @@ def test_codec_threads_setting(monkeypatch):
             thc.codec_threads()
 
 
+def test_blocks_are_shared_evenly_among_codec_threads(monkeypatch):
+    """With two codec threads each of 16 RHT blocks runs while the other thread runs one too
+    (a barrier of two inside every block), so each thread takes 8: a thread takes the next
+    free block, and the pool's thread does not get all but the first (it did, which left a
+    lone worker's encode on one core with blocks of 2^20).  Every block runs exactly once."""
+    import threading
+    monkeypatch.setenv("THC_CODEC_THREADS", "2")
+    meet, seen, lock = threading.Barrier(2, timeout=20), [], threading.Lock()
+
+    def block(j):
+        meet.wait()
+        with lock:
+            seen.append((j, threading.get_ident()))
+    thc._each_block(block, 16)
+    assert sorted(j for j, _ in seen) == list(range(16))
+    per_thread = {}
+    for _, t in seen:
+        per_thread[t] = per_thread.get(t, 0) + 1
+    assert sorted(per_thread.values()) == [8, 8]
+    boom = RuntimeError("block 5")
+
+    def failing(j):
+        if j == 5:
+            raise boom
+    with pytest.raises(RuntimeError, match="block 5"):
+        thc._each_block(failing, 16)
+
+
 @pytest.mark.parametrize("case", ["all", "lost", "mixed_k", "lanes16"])
 def test_worker_lanes_decode_equals_per_chunk_average(case):
     """The worker's fused lanes → Y/k → RHT⁻¹ equals decode() of the per-chunk float32 Y/k,
