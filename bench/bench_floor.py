@@ -38,8 +38,10 @@ import argparse
 import contextlib
 import multiprocessing as mp
 import os
+import re
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -128,8 +130,9 @@ def lockstep_floor(dim: int, job: JobConfig, rounds: int) -> dict:
     """The floor in a round's company: `job.num_workers` processes run _codec_round together,
     meeting where the round's two phases make them wait, with no network and no PS, on one
     codec thread each.  Returns the least over rounds of the workers' summed codec CPU per
-    round (ms), as the floor alone is a best of 3, and the median of those rounds' wall time
-    (what a round would take if the transport and the PS cost nothing)."""
+    round (ms), as the floor alone is a best of 3, their median (the codec CPU of a typical
+    round), and the median of those rounds' wall time (what a round would take if the
+    transport and the PS cost nothing)."""
     ctx = mp.get_context("spawn")
     q, barrier = ctx.Queue(), ctx.Barrier(job.num_workers)
     procs = [ctx.Process(target=_lockstep_rank, args=(r, dim, job.to_msg(), rounds, barrier, q), daemon=True)
@@ -141,7 +144,8 @@ def lockstep_floor(dim: int, job: JobConfig, rounds: int) -> dict:
     finally:
         for p in procs:
             p.join(timeout=30)
-    return {"cpu_ms": 1e3 * float(per[:, :, 1].sum(axis=0).min()),
+    cpu = per[:, :, 1].sum(axis=0)
+    return {"cpu_ms": 1e3 * float(cpu.min()), "cpu_median_ms": 1e3 * float(np.median(cpu)),
             "wall_ms": 1e3 * float(np.median(per[:, :, 0].max(axis=0)))}
 
 
@@ -161,6 +165,43 @@ def _runqueue_s() -> float:
         except (OSError, IndexError, ValueError):     # a thread that ended meanwhile, or no schedstat
             pass
     return total / 1e9
+
+
+def _thread_kind(name: str) -> str:
+    """A thread's kind from its name: "thc-block_1" → "thc-block", "Thread-3 (_data_loop)" →
+    "_data_loop", "ZMQbg/IO/0" → "ZMQbg/IO"."""
+    m = re.fullmatch(r"Thread-\d+ \((.+)\)", name)
+    return m.group(1) if m else re.sub(r"[_/]\d+$", "", name)
+
+
+def _thread_cpu_s() -> dict:
+    """CPU seconds of this process's threads so far by kind (the 1st field of
+    /proc/self/task/*/schedstat; Python threads by their name, others by their comm)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict = {}
+    for entry in os.scandir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{entry.name}/schedstat") as f:
+                ns = int(f.read().split()[0])
+            name = names.get(int(entry.name))
+            if name is None:
+                with open(f"/proc/self/task/{entry.name}/comm") as f:
+                    name = f.read().strip()
+        except (OSError, IndexError, ValueError):     # a thread that ended meanwhile, or no schedstat
+            continue
+        kind = _thread_kind(name)
+        out[kind] = out.get(kind, 0.0) + ns / 1e9
+    return out
+
+
+def _cpu_delta(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
+
+
+def print_thread_cpu(label: str, by_kind: dict, rounds: int) -> None:
+    """CPU ms per round by thread kind, largest first."""
+    print(f"  {label}: " + ", ".join(f"{k} {1e3 * v / rounds:.1f}" for k, v in
+                                     sorted(by_kind.items(), key=lambda kv: -kv[1]) if 1e3 * v / rounds >= 0.05))
 
 
 def _print_profile(prof, rounds: int, top: int) -> None:
@@ -232,7 +273,7 @@ def worker_rounds(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=F
     t = Transport(host, data_port, rank, control_port=control_port, expect=job_msg, timeout_ms=2000)
     w = Worker(t, error_feedback=True, seed=0, per_round_rng=True)
     prof = cProfile.Profile(timer=time.process_time) if profile_top and rank == 0 else None
-    out, spans, marks = [], [], []
+    out, spans, marks, threads = [], [], [], {}
     if timeline:
         _record_steps(spans)
     try:
@@ -240,12 +281,15 @@ def worker_rounds(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=F
             g = gradient(0, r, rank, dim)
             t.barrier(f"r{r}")
             c0, t0, q0 = _cpu_s(), time.monotonic(), _runqueue_s()   # one clock for every process of the host
+            k0 = _thread_cpu_s()
             if prof is not None and r:
                 prof.enable()
             w.allreduce(g, key="grad", round_no=r, out=g)      # in place, as dist.all_reduce
             if prof is not None:
                 prof.disable()
             if r:
+                for k, v in _cpu_delta(_thread_cpu_s(), k0).items():
+                    threads[k] = threads.get(k, 0.0) + v
                 marks.append((t0, time.monotonic()))
                 out.append((marks[-1][1] - t0, _cpu_s() - c0, w.last.bytes_up, w.last.bytes_down,
                             t.stats.counters["retransmissions"], _runqueue_s() - q0))
@@ -254,7 +298,7 @@ def worker_rounds(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=F
         t.close()
     if prof is not None:
         _print_profile(prof, rounds, profile_top)
-    q.put((rank, out, [s for s in spans if s[1] >= marks[0][0]] if marks else [], marks))
+    q.put((rank, out, [s for s in spans if s[1] >= marks[0][0]] if marks else [], marks, threads))
 
 
 def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = False,
@@ -273,11 +317,12 @@ def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = Fa
     try:
         for p in procs:
             p.start()
-        c0, q0 = _cpu_s(), _runqueue_s()
-        reports = [q.get(timeout=600) for _ in procs]        # (rank, out, spans, marks)
-        res = {rank: out for rank, out, _spans, _marks in reports}
+        c0, q0, k0 = _cpu_s(), _runqueue_s(), _thread_cpu_s()
+        reports = [q.get(timeout=600) for _ in procs]        # (rank, out, spans, marks, threads)
+        res = {rank: out for rank, out, *_ in reports}
         ps_cpu = _cpu_s() - c0        # this process: the PS threads (the main thread sleeps in get)
         ps_runq = _runqueue_s() - q0
+        ps_threads = _cpu_delta(_thread_cpu_s(), k0)
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -287,8 +332,15 @@ def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = Fa
         print(f"{codec}: round ms per worker (rows) and round (columns) "
               f"{np.round(per[:, :, 0] * 1e3).astype(int).tolist()}, retransmissions {int(per[:, -1, 4].sum())}")
     if timeline:
-        print_timeline({rank: marks for rank, _out, _spans, marks in reports},
-                        {rank: spans for rank, _out, spans, _marks in reports})
+        print_timeline({rank: marks for rank, _out, _spans, marks, _t in reports},
+                        {rank: spans for rank, _out, spans, _marks, _t in reports})
+        summed: dict = {}
+        for *_, threads in reports:
+            for k, v in threads.items():
+                summed[k] = summed.get(k, 0.0) + v / workers
+        print("CPU ms per round by thread (schedstat):")
+        print_thread_cpu("a worker (mean of the ranks; the timed allreduces)", summed, rounds)
+        print_thread_cpu(f"the PS process (every round, the warm-up included: / {rounds + 1})", ps_threads, rounds + 1)
     wall = per[:, :, 0].max(axis=0)                            # a round ends with its slowest worker
     return {"round_ms": 1e3 * wall.mean(), "median_ms": 1e3 * float(np.median(wall)),
             "worker_cpu_ms": 1e3 * per[:, :, 1].sum(axis=0).mean(),
@@ -335,7 +387,8 @@ def _measure(args) -> None:
     floor_alone = np.mean(alone) * args.workers / cores
     print(f"floor: the {args.workers} workers' codec CPU per round, run together in lock-step without the "
           f"network (least of {args.rounds} rounds): {lock[0]['cpu_ms']:.1f} ms before the THC rounds, "
-          f"{lock[1]['cpu_ms']:.1f} after -> / {cores} cores = {floor:.1f} ms; those rounds took "
+          f"{lock[1]['cpu_ms']:.1f} after -> / {cores} cores = {floor:.1f} ms (the median round's: "
+          f"{lock[0]['cpu_median_ms']:.1f} and {lock[1]['cpu_median_ms']:.1f} ms); those rounds took "
           f"{lock[0]['wall_ms']:.1f} and {lock[1]['wall_ms']:.1f} ms of wall time (median)")
     print(f"floor alone: one worker's codec CPU per round with nothing else running (best of 3): "
           f"{alone[0]:.1f} ms before, {alone[1]:.1f} after -> {args.workers} x {np.mean(alone):.1f} / {cores} "

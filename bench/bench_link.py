@@ -40,17 +40,17 @@ def workers_inside(host: str, args) -> None:
              for r in range(args.workers)]
     for p in procs:
         p.start()
-    reports = sorted((q.get(timeout=600) for _ in procs), key=lambda rep: rep[0])    # (rank, out, spans, marks)
+    reports = sorted((q.get(timeout=600) for _ in procs), key=lambda rep: rep[0])    # (rank, out, spans, marks, threads)
     for p in procs:
         p.join(timeout=30)
-    per = np.array([out for _rank, out, _spans, _marks in reports])              # workers × rounds × 6
+    per = np.array([out for _rank, out, *_ in reports])              # workers × rounds × 6
     wall = 1e3 * per[:, :, 0].max(axis=0)
     print(f"rounds ms {np.round(wall).astype(int).tolist()}; mean {wall.mean():.1f}, median "
           f"{np.median(wall):.1f}; retransmissions {int(per[:, -1, 4].sum())}; up {per[0, :, 2].mean() / 1e6:.2f} "
           f"MB, down {per[0, :, 3].mean() / 1e6:.2f} MB per worker and round", flush=True)
     if args.timeline:
-        bench_floor.print_timeline({rank: marks for rank, _o, _s, marks in reports},
-                                    {rank: spans for rank, _o, spans, _m in reports})
+        bench_floor.print_timeline({rank: marks for rank, _o, _s, marks, _t in reports},
+                                    {rank: spans for rank, _o, spans, _m, _t in reports})
 
 
 def main():
