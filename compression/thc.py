@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -248,7 +248,10 @@ def _each_block(fn, blocks: int) -> None:
                 return
             fn(j)
     rest = [pool.submit(drain) for _ in range(threads - 1)]
-    drain()
+    try:
+        drain()
+    finally:
+        wait(rest)              # no block still running once this returns or raises
     for f in rest:
         f.result()
 

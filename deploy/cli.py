@@ -589,6 +589,9 @@ def main(argv=None) -> int:
                         format="%(message)s" if args.log_level is None else "%(levelname)s %(name)s: %(message)s")
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _sigterm)      # a service manager's stop = Ctrl-C
+    if args.command in ("ps", "worker", "launch", "train"):
+        from deploy import hostload
+        hostload.warn_in_background(f"thc {args.command}")   # other sessions' CPU-bound load, once
     try:
         result = args.func(args)
     except ValueError as exc:
