@@ -251,8 +251,11 @@ def _each_block(fn, blocks: int) -> None:
     try:
         drain()
     finally:
-        wait(rest)              # no block still running once this returns or raises
-    for f in rest:
+        # every block is taken: a helper that has not started (its pool thread busy with
+        # another caller's blocks) is cancelled, not waited for; one that runs finishes its block
+        started = [f for f in rest if not f.cancel()]
+        wait(started)
+    for f in started:
         f.result()
 
 

@@ -222,6 +222,33 @@ def test_blocks_are_shared_evenly_among_codec_threads(monkeypatch):
         thc._each_block(failing, 16)
 
 
+def test_a_caller_does_not_wait_for_another_callers_blocks(monkeypatch):
+    """Two callers share the pool (the error-feedback decode in its helper thread and the
+    lanes decode): while B's blocks hold both B's thread and the pool's one thread, A runs all
+    of its blocks itself and returns, without waiting for B's to end."""
+    import threading
+    monkeypatch.setenv("THC_CODEC_THREADS", "2")
+    thc._each_block(lambda j: None, 2)              # the pool exists with its one thread
+    inside, release = threading.Barrier(3, timeout=20), threading.Event()
+
+    def b_block(j):
+        if j < 2:
+            inside.wait()               # B's thread and the pool thread are both in here
+        release.wait(timeout=20)
+    b = threading.Thread(target=thc._each_block, args=(b_block, 4))
+    b.start()
+    inside.wait()
+    done = []
+    a = threading.Thread(target=lambda: (thc._each_block(done.append, 6)))
+    a.start()
+    a.join(timeout=10)
+    finished_before_b = not a.is_alive()
+    release.set()
+    a.join(timeout=20)
+    b.join(timeout=20)
+    assert finished_before_b and sorted(done) == list(range(6)) and not b.is_alive()
+
+
 @pytest.mark.parametrize("case", ["all", "lost", "mixed_k", "lanes16"])
 def test_worker_lanes_decode_equals_per_chunk_average(case):
     """The worker's fused lanes → Y/k → RHT⁻¹ equals decode() of the per-chunk float32 Y/k,
