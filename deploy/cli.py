@@ -8,6 +8,7 @@ import sys
 import threading
 
 from deploy import commands
+from proto.job import DEFAULT_BLOCK_LOG2, MAX_BLOCK_LOG2
 
 
 def _p_arg(value: str):
@@ -39,6 +40,7 @@ _dim = _int_in(1, 1 << 28, "a dimension")
 _rounds = _int_in(1, 1 << 30, "a round count")
 _any_port = _int_in(0, 65535, "a port number (0: any)")
 _seed = _int_in(0, (1 << 63) - 1, "a seed")
+_block_log2 = _int_in(0, MAX_BLOCK_LOG2, "log2 of the RHT block")
 _count = _int_in(0, 1 << 31, "a count")
 
 
@@ -102,14 +104,16 @@ JOB_OPTIONS = {
     "quorum": dict(type=None, help="fraction of the workers after which a slot's result is sent "
                                    "(partial aggregation)"),
     "seed": dict(type=None, help="the job's seed (RHT signs; test gradients)"),
+    "block-log2": dict(type=None, help="log2 of the RHT block: a tensor is rotated in blocks of "
+                                       "2^k coordinates (THC's artifact: 23; docs/bench.md \"RHT block size\")"),
 }
 JOB_DEFAULTS = {"workers": 4, "bits": 4, "granularity": 30, "p": "1/32", "lane-bits": 8, "quorum": 1.0,
-                "seed": 0}
+                "seed": 0, "block-log2": DEFAULT_BLOCK_LOG2}
 
 
 def _job_types() -> dict:
     return {"workers": _workers, "bits": _bits, "granularity": _granularity, "p": _p_arg,
-            "quorum": _quorum, "seed": _seed}
+            "quorum": _quorum, "seed": _seed, "block-log2": _block_log2}
 
 
 def job_parent(*names, stated: bool = False, helps: dict | None = None, **defaults) -> argparse.ArgumentParser:
@@ -474,7 +478,7 @@ def _add_cluster_commands(sub):
                  description="Connects to a running `thc ps`, registers as --rank, runs rounds. The "
                              "job options given are what it insists on.",
                  parents=[job_parent("workers", "bits", "granularity", "p", "lane-bits", "quorum",
-                                     stated=True)])
+                                     "block-log2", stated=True)])
     _codec_arg(w, stated=True)
     w.add_argument("--ps", type=_addr_list, required=True,
                    help="the PS data address HOST:PORT, or a comma list of shards (chunk c -> shard c mod S)")

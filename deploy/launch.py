@@ -20,7 +20,7 @@ import numpy as np
 from deploy.procs import die_with_parent, process_state, single_threaded_children
 
 from compression import thc
-from proto.job import JobConfig
+from proto.job import DEFAULT_BLOCK_LOG2, JobConfig
 from proto.packing import LANE_DTYPES
 
 
@@ -418,7 +418,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
                ps_control_port=None, check=True, shards=1, batched=True, rank_base=0,
                local_workers=None, expect=None, keys=None, kill=None, restart=False,
                lease_s=None, rejoin_grace_s=None, stall_s=180.0, job_name=None,
-               fixed_timeout=False) -> dict:
+               fixed_timeout=False, block_log2=DEFAULT_BLOCK_LOG2) -> dict:
     """Start a PS with `shards` shards (unless `ps` = "host:port[,host:port…]") and worker
     processes for ranks rank_base … rank_base + local_workers − 1 of an n = `workers` job;
     returns the JSON summary, whose `ok` is False when any chunk was inexact or, under
@@ -444,7 +444,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
         raise ValueError(f"ranks {rank_base}..{rank_base + local_workers - 1} do not fit a job of "
                          f"{workers} workers")
     job = JobConfig(num_workers=workers, codec=codec, bits=bits, granularity=granularity, p=p,
-                    quorum=quorum, seed=seed, slots=slots, lane_bits=lane_bits)
+                    quorum=quorum, seed=seed, slots=slots, lane_bits=lane_bits, block_log2=block_log2)
     servers = []
     if ps is None:
         from ps_server.server import PSServer

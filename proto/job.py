@@ -27,6 +27,8 @@ DATA_PLANE_CODECS = ("thc", "none")
 #: and the three transforms of a round cost 15–20% less, with the same NMSE at the same
 #: bytes and less padding (docs/bench.md, "RHT block size").
 DEFAULT_BLOCK_LOG2 = 20
+#: The largest block a job may ask for (2^26 float32 = 256 MiB of one transform's workspace).
+MAX_BLOCK_LOG2 = 26
 
 
 def _is_p(value) -> bool:
@@ -70,7 +72,7 @@ class JobConfig:
             raise ValueError(f"num_workers must be in 1..{headers.MAX_WORKERS} (bitmap width), got {n}")
         if self.codec not in DATA_PLANE_CODECS and self.codec not in _known_codecs():
             raise ValueError(f"unknown codec {self.codec!r}; choose from {', '.join(_known_codecs())}")
-        for name, lo, hi in (("bits", 1, 8), ("granularity", 1, 1 << 16), ("block_log2", 0, 26),
+        for name, lo, hi in (("bits", 1, 8), ("granularity", 1, 1 << 16), ("block_log2", 0, MAX_BLOCK_LOG2),
                              ("mtu", 128, 65535), ("seed", 0, (1 << 63) - 1),
                              ("elems_per_packet", 0, 65535)):
             v = getattr(self, name)
