@@ -19,8 +19,9 @@ barrier, then the allreduce (in place: the average is written into the gradient,
 torch.distributed's all_reduce does) is timed; a round's time is its slowest worker's (the round is
 done when every worker has its result); the table gives the mean and the median round (the
 median is robust to the host's occasional stalls, the mean is not).  The CPU columns say
-where the cores went: worker processes' and the PS's user+system CPU per round, against
-wall × cores (the rest is idle).  "run-queue ms" is the time the workers' threads (summed
+where the cores went: worker processes' user+system CPU in their timed rounds and the PS's
+from each round's first start to its last end (read as the workers report those edges),
+against wall × cores (the rest is idle).  "run-queue ms" is the time the workers' threads (summed
 over the four processes) and the PS's threads were runnable but not running, per round
 (/proc/PID/task/*/schedstat, the kernel's run-queue delay): the wake-up latency a lock-step
 round pays at every sync point, and the CPU share other work takes.
@@ -261,10 +262,11 @@ def print_timeline(rounds: dict, spans: dict) -> None:
         f"{name} {1e3 * c / n:.1f} ms" for name, c in cpu.items()))
 
 
-def worker_rounds(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=False) -> None:
+def worker_rounds(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=False, edges=None) -> None:
     """One rank: per round, make the gradient, meet the others, time the allreduce.  With
     `profile_top`, rank 0's allreduces run under cProfile (CPU time as its clock); with
-    `timeline`, the steps of every round are recorded (see _record_steps)."""
+    `timeline`, the steps of every round are recorded (see _record_steps); with `edges` (a
+    queue), (round, 0) is put there as a timed round starts and (round, 1) as it ends."""
     import cProfile
 
     from worker.client import Worker
@@ -280,19 +282,24 @@ def worker_rounds(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=F
         for r in range(rounds + 1):                     # round 0 warms up (buffers, pages)
             g = gradient(0, r, rank, dim)
             t.barrier(f"r{r}")
-            c0, t0, q0 = _cpu_s(), time.monotonic(), _runqueue_s()   # one clock for every process of the host
             k0 = _thread_cpu_s()
+            c0, t0, q0 = _cpu_s(), time.monotonic(), _runqueue_s()   # one clock for every process of the host
+            if edges is not None and r:
+                edges.put((r, 0))
             if prof is not None and r:
                 prof.enable()
             w.allreduce(g, key="grad", round_no=r, out=g)      # in place, as dist.all_reduce
             if prof is not None:
                 prof.disable()
+            t1, c1, q1 = time.monotonic(), _cpu_s(), _runqueue_s()
             if r:
+                if edges is not None:
+                    edges.put((r, 1))
                 for k, v in _cpu_delta(_thread_cpu_s(), k0).items():
                     threads[k] = threads.get(k, 0.0) + v
-                marks.append((t0, time.monotonic()))
-                out.append((marks[-1][1] - t0, _cpu_s() - c0, w.last.bytes_up, w.last.bytes_down,
-                            t.stats.counters["retransmissions"], _runqueue_s() - q0))
+                marks.append((t0, t1))
+                out.append((t1 - t0, c1 - c0, w.last.bytes_up, w.last.bytes_down,
+                            t.stats.counters["retransmissions"], q1 - q0))
         t.barrier("end")
     finally:
         t.close()
@@ -301,31 +308,54 @@ def worker_rounds(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=F
     q.put((rank, out, [s for s in spans if s[1] >= marks[0][0]] if marks else [], marks, threads))
 
 
+def _edge_cpu(edges, seen: list) -> None:
+    """Append (round, 0 start / 1 end, this process's CPU) for every edge a worker reports,
+    until None: the PS's CPU (this process) is read as the rounds start and end."""
+    for item in iter(edges.get, None):
+        seen.append((*item, _cpu_s()))
+
+
+def _ps_cpu_in_rounds(seen: list, rounds: int) -> float:
+    """Mean CPU seconds of this process from each round's first start to its last end."""
+    per = []
+    for r in range(1, rounds + 1):
+        starts = [c for rr, kind, c in seen if rr == r and kind == 0]
+        ends = [c for rr, kind, c in seen if rr == r and kind == 1]
+        if starts and ends:
+            per.append(max(ends) - min(starts))
+    return float(np.mean(per)) if per else float("nan")
+
+
 def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = False,
                profile_top: int = 0, timeline: bool = False, block_log2: int = DEFAULT_BLOCK_LOG2) -> dict:
     """PS + `workers` processes, `rounds` timed rounds; per-round means (`profile_top`: print
-    rank 0's top functions, see bench/profile_cluster.py)."""
+    rank 0's top functions, see bench/profile_cluster.py).  The PS's CPU is counted from each
+    round's first start to its last end, read when the workers report those edges."""
     from ps_server.server import PSServer
     job = JobConfig(num_workers=workers, codec=codec, block_log2=block_log2)
     ps = PSServer(job, ("127.0.0.1", 0), control_port=0, engine="c").start()
     single_threaded_children()
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    q, edges, seen = ctx.Queue(), ctx.Queue(), []
     addr = ("127.0.0.1", ps.data_addr[1], ps.control_port)
-    procs = [ctx.Process(target=worker_rounds, args=(addr, r, job.to_msg(), dim, rounds, q, profile_top, timeline), daemon=True)
+    procs = [ctx.Process(target=worker_rounds, args=(addr, r, job.to_msg(), dim, rounds, q, profile_top, timeline,
+                                                     edges), daemon=True)
              for r in range(workers)]
+    reader = threading.Thread(target=_edge_cpu, args=(edges, seen), daemon=True)
+    reader.start()
     try:
         for p in procs:
             p.start()
-        c0, q0, k0 = _cpu_s(), _runqueue_s(), _thread_cpu_s()
+        q0, k0 = _runqueue_s(), _thread_cpu_s()
         reports = [q.get(timeout=600) for _ in procs]        # (rank, out, spans, marks, threads)
         res = {rank: out for rank, out, *_ in reports}
-        ps_cpu = _cpu_s() - c0        # this process: the PS threads (the main thread sleeps in get)
         ps_runq = _runqueue_s() - q0
         ps_threads = _cpu_delta(_thread_cpu_s(), k0)
     finally:
         for p in procs:
             p.join(timeout=30)
+        edges.put(None)
+        reader.join(timeout=10)
         ps.stop()
     per = np.array([res[r] for r in range(workers)])          # workers × rounds × 6
     if not quiet:
@@ -344,7 +374,8 @@ def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = Fa
     wall = per[:, :, 0].max(axis=0)                            # a round ends with its slowest worker
     return {"round_ms": 1e3 * wall.mean(), "median_ms": 1e3 * float(np.median(wall)),
             "worker_cpu_ms": 1e3 * per[:, :, 1].sum(axis=0).mean(),
-            "ps_cpu_ms": 1e3 * ps_cpu / (rounds + 1), "up_mb": per[0, :, 2].mean() / 1e6,
+            "ps_cpu_ms": 1e3 * _ps_cpu_in_rounds(seen, rounds),
+            "up_mb": per[0, :, 2].mean() / 1e6,
             "worker_runq_ms": 1e3 * per[:, :, 5].sum(axis=0).mean(), "ps_runq_ms": 1e3 * ps_runq / (rounds + 1),
             "down_mb": per[0, :, 3].mean() / 1e6}
 

@@ -97,3 +97,34 @@ def _live_in_groups(groups: set) -> list:
         if fields[0] != "Z" and int(fields[2]) in groups:
             live.append(int(stat.parent.name))
     return live
+
+
+def test_bench_floor_small_run_prints_the_table_and_the_threads(tmp_path):
+    """A small bench_floor run with --timeline: both codecs' rows, each worker's steps, the
+    CPU by thread of the workers (the error-feedback helper among them) and of the PS, and a
+    PS CPU counted inside the rounds that is a number, not nan."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_floor.py"), "--dim-log2", "16",
+                           "--rounds", "2", "--timeline"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "rank 3 " in out and "CPU ms per round by thread (schedstat):" in out
+    assert "thc-feedback" in out and "_data_loop" in out, out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["thc"], ["none"])}
+    assert set(rows) == {"thc", "none"}
+    ps_cpu = float(rows["thc"][8])             # codec, round, x floor, x alone, median, x, x, workers CPU, PS CPU
+    assert ps_cpu == ps_cpu and ps_cpu > 0
+
+
+def test_thread_kinds_and_the_ps_cpu_inside_rounds():
+    sys.path.insert(0, str(ROOT))
+    from bench.bench_floor import _ps_cpu_in_rounds, _thread_kind
+    assert _thread_kind("thc-block_1") == "thc-block"
+    assert _thread_kind("Thread-3 (_data_loop)") == "_data_loop"
+    assert _thread_kind("ZMQbg/IO/0") == "ZMQbg/IO"
+    assert _thread_kind("MainThread") == "MainThread"
+    # round 1: first start at CPU 1.0, last end at 1.5; round 2: 2.0 → 2.2; round 3 never ended
+    seen = [(1, 0, 1.1), (1, 0, 1.0), (1, 1, 1.4), (1, 1, 1.5), (2, 0, 2.0), (2, 1, 2.2), (3, 0, 3.0)]
+    assert abs(_ps_cpu_in_rounds(seen, 3) - (0.5 + 0.2) / 2) < 1e-12
+    assert _ps_cpu_in_rounds([], 2) != _ps_cpu_in_rounds([], 2)          # nan: nothing seen
