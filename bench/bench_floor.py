@@ -20,8 +20,8 @@ torch.distributed's all_reduce does) is timed; a round's time is its slowest wor
 done when every worker has its result); the table gives the mean and the median round (the
 median is robust to the host's occasional stalls, the mean is not).  The CPU columns say
 where the cores went: worker processes' user+system CPU in their timed rounds and the PS's
-from each round's first start to its last end (read as the workers report those edges),
-against wall × cores (the rest is idle).  "run-queue ms" is the time the workers' threads (summed
+from each round's first start to its last end (read as the workers report those edges; the
+PS's run-queue column too), against wall × cores (the rest is idle).  "run-queue ms" is the time the workers' threads (summed
 over the four processes) and the PS's threads were runnable but not running, per round
 (/proc/PID/task/*/schedstat, the kernel's run-queue delay): the wake-up latency a lock-step
 round pays at every sync point, and the CPU share other work takes.
@@ -155,17 +155,24 @@ def _cpu_s() -> float:
     return u.ru_utime + u.ru_stime
 
 
-def _runqueue_s() -> float:
-    """Seconds this process's threads have spent runnable but not running (the 2nd field of
-    /proc/self/task/*/schedstat: run-queue delay, the wait between a wake-up and the CPU)."""
-    total = 0
+def _schedstat() -> list:
+    """(tid, seconds on a CPU, seconds runnable but not running) of each of this process's
+    threads: the first two fields of /proc/self/task/*/schedstat (the second is the run-queue
+    delay, the wait between a wake-up and the CPU)."""
+    out = []
     for entry in os.scandir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{entry.name}/schedstat") as f:
-                total += int(f.read().split()[1])
-        except (OSError, IndexError, ValueError):     # a thread that ended meanwhile, or no schedstat
+                run, wait = f.read().split()[:2]
+            out.append((int(entry.name), int(run) / 1e9, int(wait) / 1e9))
+        except (OSError, ValueError):     # a thread that ended meanwhile, or no schedstat
             pass
-    return total / 1e9
+    return out
+
+
+def _runqueue_s() -> float:
+    """Seconds this process's threads have spent runnable but not running."""
+    return sum(wait for _tid, _run, wait in _schedstat())
 
 
 def _thread_kind(name: str) -> str:
@@ -176,22 +183,20 @@ def _thread_kind(name: str) -> str:
 
 
 def _thread_cpu_s() -> dict:
-    """CPU seconds of this process's threads so far by kind (the 1st field of
-    /proc/self/task/*/schedstat; Python threads by their name, others by their comm)."""
+    """CPU seconds of this process's threads so far by kind (Python threads by their name,
+    others by their comm)."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     out: dict = {}
-    for entry in os.scandir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{entry.name}/schedstat") as f:
-                ns = int(f.read().split()[0])
-            name = names.get(int(entry.name))
-            if name is None:
-                with open(f"/proc/self/task/{entry.name}/comm") as f:
+    for tid, run, _wait in _schedstat():
+        name = names.get(tid)
+        if name is None:
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
                     name = f.read().strip()
-        except (OSError, IndexError, ValueError):     # a thread that ended meanwhile, or no schedstat
-            continue
+            except OSError:
+                continue
         kind = _thread_kind(name)
-        out[kind] = out.get(kind, 0.0) + ns / 1e9
+        out[kind] = out.get(kind, 0.0) + run
     return out
 
 
@@ -308,29 +313,33 @@ def worker_rounds(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=F
     q.put((rank, out, [s for s in spans if s[1] >= marks[0][0]] if marks else [], marks, threads))
 
 
-def _edge_cpu(edges, seen: list) -> None:
-    """Append (round, 0 start / 1 end, this process's CPU) for every edge a worker reports,
-    until None: the PS's CPU (this process) is read as the rounds start and end."""
+def _edge_reads(edges, seen: list) -> None:
+    """Append (round, 0 start / 1 end, (this process's CPU, its run-queue delay)) for every
+    edge a worker reports, until None: the PS (this process) is read as the rounds start and
+    end.  The reads themselves (eight a round with four workers) cost ~1 ms of this process's
+    CPU per round, which the PS's column includes."""
     for item in iter(edges.get, None):
-        seen.append((*item, _cpu_s()))
+        seen.append((*item, (_cpu_s(), _runqueue_s())))
 
 
-def _ps_cpu_in_rounds(seen: list, rounds: int) -> float:
-    """Mean CPU seconds of this process from each round's first start to its last end."""
+def _in_rounds(seen: list, rounds: int) -> np.ndarray:
+    """Each reading's mean growth from a round's first start to its last end, over the rounds
+    with both edges (nan where none has)."""
     per = []
     for r in range(1, rounds + 1):
-        starts = [c for rr, kind, c in seen if rr == r and kind == 0]
-        ends = [c for rr, kind, c in seen if rr == r and kind == 1]
-        if starts and ends:
-            per.append(max(ends) - min(starts))
-    return float(np.mean(per)) if per else float("nan")
+        starts = [v for rr, kind, v in seen if rr == r and kind == 0]
+        ends = [v for rr, kind, v in seen if rr == r and kind == 1]
+        if starts and ends:      # readings only grow: the first start is the least, the last end the most
+            per.append(np.max(ends, axis=0) - np.min(starts, axis=0))
+    return np.mean(per, axis=0) if per else np.array([np.nan, np.nan])
 
 
 def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = False,
                profile_top: int = 0, timeline: bool = False, block_log2: int = DEFAULT_BLOCK_LOG2) -> dict:
     """PS + `workers` processes, `rounds` timed rounds; per-round means (`profile_top`: print
     rank 0's top functions, see bench/profile_cluster.py).  The PS's CPU is counted from each
-    round's first start to its last end, read when the workers report those edges."""
+    round's first start to its last end, read when the workers report those edges, and so is
+    its run-queue delay."""
     from ps_server.server import PSServer
     job = JobConfig(num_workers=workers, codec=codec, block_log2=block_log2)
     ps = PSServer(job, ("127.0.0.1", 0), control_port=0, engine="c").start()
@@ -341,15 +350,14 @@ def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = Fa
     procs = [ctx.Process(target=worker_rounds, args=(addr, r, job.to_msg(), dim, rounds, q, profile_top, timeline,
                                                      edges), daemon=True)
              for r in range(workers)]
-    reader = threading.Thread(target=_edge_cpu, args=(edges, seen), daemon=True)
+    reader = threading.Thread(target=_edge_reads, args=(edges, seen), daemon=True)
     reader.start()
     try:
         for p in procs:
             p.start()
-        q0, k0 = _runqueue_s(), _thread_cpu_s()
+        k0 = _thread_cpu_s()
         reports = [q.get(timeout=600) for _ in procs]        # (rank, out, spans, marks, threads)
         res = {rank: out for rank, out, *_ in reports}
-        ps_runq = _runqueue_s() - q0
         ps_threads = _cpu_delta(_thread_cpu_s(), k0)
     finally:
         for p in procs:
@@ -372,11 +380,12 @@ def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = Fa
         print_thread_cpu("a worker (mean of the ranks; the timed allreduces)", summed, rounds)
         print_thread_cpu(f"the PS process (every round, the warm-up included: / {rounds + 1})", ps_threads, rounds + 1)
     wall = per[:, :, 0].max(axis=0)                            # a round ends with its slowest worker
+    ps_cpu, ps_runq = _in_rounds(seen, rounds)
     return {"round_ms": 1e3 * wall.mean(), "median_ms": 1e3 * float(np.median(wall)),
             "worker_cpu_ms": 1e3 * per[:, :, 1].sum(axis=0).mean(),
-            "ps_cpu_ms": 1e3 * _ps_cpu_in_rounds(seen, rounds),
+            "ps_cpu_ms": 1e3 * ps_cpu,
             "up_mb": per[0, :, 2].mean() / 1e6,
-            "worker_runq_ms": 1e3 * per[:, :, 5].sum(axis=0).mean(), "ps_runq_ms": 1e3 * ps_runq / (rounds + 1),
+            "worker_runq_ms": 1e3 * per[:, :, 5].sum(axis=0).mean(), "ps_runq_ms": 1e3 * ps_runq,
             "down_mb": per[0, :, 3].mean() / 1e6}
 
 

@@ -119,12 +119,15 @@ def test_bench_floor_small_run_prints_the_table_and_the_threads(tmp_path):
 
 def test_thread_kinds_and_the_ps_cpu_inside_rounds():
     sys.path.insert(0, str(ROOT))
-    from bench.bench_floor import _ps_cpu_in_rounds, _thread_kind
+    from bench.bench_floor import _in_rounds, _thread_kind
     assert _thread_kind("thc-block_1") == "thc-block"
     assert _thread_kind("Thread-3 (_data_loop)") == "_data_loop"
     assert _thread_kind("ZMQbg/IO/0") == "ZMQbg/IO"
     assert _thread_kind("MainThread") == "MainThread"
-    # round 1: first start at CPU 1.0, last end at 1.5; round 2: 2.0 → 2.2; round 3 never ended
-    seen = [(1, 0, 1.1), (1, 0, 1.0), (1, 1, 1.4), (1, 1, 1.5), (2, 0, 2.0), (2, 1, 2.2), (3, 0, 3.0)]
-    assert abs(_ps_cpu_in_rounds(seen, 3) - (0.5 + 0.2) / 2) < 1e-12
-    assert _ps_cpu_in_rounds([], 2) != _ps_cpu_in_rounds([], 2)          # nan: nothing seen
+    # (CPU, run-queue) readings: round 1 from the first start (1.0, 0.1) to the last end
+    # (1.5, 0.4); round 2 (2.0, 0.5) → (2.2, 0.6); round 3 never ended
+    seen = [(1, 0, (1.1, 0.2)), (1, 0, (1.0, 0.1)), (1, 1, (1.4, 0.3)), (1, 1, (1.5, 0.4)),
+            (2, 0, (2.0, 0.5)), (2, 1, (2.2, 0.6)), (3, 0, (3.0, 0.7))]
+    cpu, runq = _in_rounds(seen, 3)
+    assert abs(cpu - (0.5 + 0.2) / 2) < 1e-12 and abs(runq - (0.3 + 0.1) / 2) < 1e-12
+    assert all(v != v for v in _in_rounds([], 2))                         # nan: nothing seen
