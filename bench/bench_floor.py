@@ -30,8 +30,11 @@ The data path's offload (GSO/GRO) and phase engine as the environment says
 
 `--timeline` also prints where each worker's median round went: every step's span on one
 clock (time.monotonic, shared by the processes of a host) and its CPU on the calling thread.
+The THC median round is also given against the lock-step floor's own wall time: what the
+transport and the PS add to the codec's schedule of waits.  `--repeat N` runs everything N
+times and ends with the median of the runs' ratios, every run's listed.
 
-    .venv/bin/python bench/bench_floor.py [--dim-log2 24] [--workers 4] [--rounds 5] [--timeline] [--thc-only]
+    .venv/bin/python bench/bench_floor.py [--dim-log2 24] [--workers 4] [--rounds 5] [--timeline] [--thc-only] [--repeat N]
 """
 from __future__ import annotations
 
@@ -398,16 +401,41 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--timeline", action="store_true", help="print the median THC round's steps per worker")
     ap.add_argument("--thc-only", action="store_true", help="skip the float32 rounds")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the whole measurement (floors and rounds) this many times and summarize the THC "
+                         "median round against its floor over the runs (the host's speed drifts between runs)")
     add_background_args(ap)
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error(f"--repeat must be at least 1, got {args.repeat}")
     with background_from_args(args):
         if args.background or args.background_memory or args.background_compile:
             print(f"background: {args.background} busy loop(s) and {args.background_memory} memory-bound "
                   f"process(es) and {args.background_compile} compiler loop(s) at nice 19, the whole run", flush=True)
-        _measure(args)
+        results = []
+        for i in range(args.repeat):
+            if args.repeat > 1:
+                print(f"run {i + 1} of {args.repeat}", flush=True)
+            results.append(_measure(args))
+    if args.repeat > 1:
+        print(summarize_runs(results))
 
 
-def _measure(args) -> None:
+def summarize_runs(results: list) -> str:
+    """One line over several runs: the median of the runs' "median round / floor" ratios (and
+    of the round against the lock-step floor's own wall time), with every run's, so one lucky
+    or unlucky run is not read as the result."""
+    def listed(values, fmt):
+        return f"{np.median(values):{fmt}} (runs: {', '.join(f'{x:{fmt}}' for x in values)})"
+    return (f"thc over {len(results)} runs: median round / floor = "
+            f"{listed([r['median_ms'] / r['floor_ms'] for r in results], '.2f')}; median round / lock-step "
+            f"wall = {listed([r['median_ms'] / r['lockstep_wall_ms'] for r in results], '.2f')}; median round, "
+            f"ms = {listed([r['median_ms'] for r in results], '.1f')}")
+
+
+def _measure(args) -> dict:
+    """One measurement: the floors, the rounds, the table.  Returns the THC row's median round
+    and the floor (ms)."""
     dim, cores = 1 << args.dim_log2, os.cpu_count()
     job = JobConfig(num_workers=args.workers, block_log2=args.block_log2)
     print(f"d = 2^{args.dim_log2}, {args.workers} workers, {cores} cores; offload "
@@ -443,6 +471,11 @@ def _measure(args) -> None:
               f"{d['worker_cpu_ms']:16.1f}{d['ps_cpu_ms']:11.1f}{idle:9.1f}{d['up_mb']:8.2f}{d['down_mb']:9.2f}"
               f"{d['worker_runq_ms']:14.1f}{d['ps_runq_ms']:14.1f}",
               flush=True)
+    lock_wall = float(np.mean([f["wall_ms"] for f in lock]))
+    print(f"THC's median round / the lock-step floor's own wall time ({lock_wall:.1f} ms, the same codec steps "
+          f"meeting at the same points with a network and a PS that cost nothing) = "
+          f"{runs['thc']['median_ms'] / lock_wall:.2f}", flush=True)
+    return {"median_ms": runs["thc"]["median_ms"], "floor_ms": float(floor), "lockstep_wall_ms": lock_wall}
 
 if __name__ == "__main__":
     main()

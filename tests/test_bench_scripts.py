@@ -115,6 +115,7 @@ def test_bench_floor_small_run_prints_the_table_and_the_threads(tmp_path):
     assert set(rows) == {"thc", "none"}
     ps_cpu = float(rows["thc"][8])             # codec, round, x floor, x alone, median, x, x, workers CPU, PS CPU
     assert ps_cpu == ps_cpu and ps_cpu > 0
+    assert "THC's median round / the lock-step floor's own wall time" in out
 
 
 def test_thread_kinds_and_the_ps_cpu_inside_rounds():
@@ -131,3 +132,19 @@ def test_thread_kinds_and_the_ps_cpu_inside_rounds():
     cpu, runq = _in_rounds(seen, 3)
     assert abs(cpu - (0.5 + 0.2) / 2) < 1e-12 and abs(runq - (0.3 + 0.1) / 2) < 1e-12
     assert all(v != v for v in _in_rounds([], 2))                         # nan: nothing seen
+
+
+def test_bench_floor_repeat_summary_and_its_check(tmp_path):
+    """--repeat's summary is the median of the runs' ratios (not of the rounds), every run
+    listed; --repeat 0 is refused before anything runs."""
+    sys.path.insert(0, str(ROOT))
+    from bench.bench_floor import summarize_runs
+    line = summarize_runs([{"median_ms": 300.0, "floor_ms": 200.0, "lockstep_wall_ms": 250.0},
+                           {"median_ms": 390.0, "floor_ms": 300.0, "lockstep_wall_ms": 300.0},
+                           {"median_ms": 280.0, "floor_ms": 250.0, "lockstep_wall_ms": 280.0}])
+    assert line == ("thc over 3 runs: median round / floor = 1.30 (runs: 1.50, 1.30, 1.12); median round / "
+                    "lock-step wall = 1.20 (runs: 1.20, 1.30, 1.00); median round, ms = 300.0 (runs: 300.0, 390.0, 280.0)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_floor.py"), "--repeat", "0"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--repeat must be at least 1, got 0" in proc.stderr
