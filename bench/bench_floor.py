@@ -434,8 +434,8 @@ def summarize_runs(results: list) -> str:
 
 
 def _measure(args) -> dict:
-    """One measurement: the floors, the rounds, the table.  Returns the THC row's median round
-    and the floor (ms)."""
+    """One measurement: the floors, the rounds, the table.  Returns the THC row's median round,
+    the floor and the lock-step floor's own wall time (ms)."""
     dim, cores = 1 << args.dim_log2, os.cpu_count()
     job = JobConfig(num_workers=args.workers, block_log2=args.block_log2)
     print(f"d = 2^{args.dim_log2}, {args.workers} workers, {cores} cores; offload "
@@ -476,6 +476,7 @@ def _measure(args) -> dict:
           f"meeting at the same points with a network and a PS that cost nothing) = "
           f"{runs['thc']['median_ms'] / lock_wall:.2f}", flush=True)
     return {"median_ms": runs["thc"]["median_ms"], "floor_ms": float(floor), "lockstep_wall_ms": lock_wall}
+
 
 if __name__ == "__main__":
     main()
