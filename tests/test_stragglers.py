@@ -16,6 +16,7 @@ from bench.pauses import CASES, DIM, PARTITION_CASES, run_pause
 from deploy import netns
 from deploy.launch import run_launch
 from proto import control
+from proto import headers as H
 from proto.job import JobConfig
 from ps_server.server import PSServer
 from worker.transport import JobEnded, JobStalled, LeaseLost, Transport, _PSRestarted
@@ -219,6 +220,32 @@ def test_a_sigstopped_worker_ends_exact_or_named(pause, quorum, rounds, compute_
     assert r.exact_rounds == r.rounds == rounds, r
     assert r.lease_rejoins == (1 if pause > 5.0 else 0), r
     assert r.victim_rounds > 0, r
+
+
+def test_a_rank_behind_skips_only_a_round_whose_every_chunk_it_saw_finished():
+    """Regression: a rank catching up in a quorum job skipped a round when the others had
+    finished any one slot of it.  Its next round's packets then restarted the slots the
+    others were still aggregating, and that round was lost for every rank (a partition run
+    under load ended 3999/4000 exact, no rank reporting round 167)."""
+    server = ps(JobConfig(num_workers=3, quorum=0.66))
+    t = transport(server, 2)
+    slots = t.job.slots
+    try:
+        assert not t.finished_elsewhere({(0, 0): 1}, 3)                      # one chunk of three
+        assert not t.finished_elsewhere({(0, 0): 1, (0, 1): 1}, 3)
+        assert t.finished_elsewhere({(0, 0): 1, (0, 1): 1, (0, 2): 1}, 3)
+        assert not t.finished_elsewhere({(0, slots): 1}, 3)                  # a NORM result alone
+        assert not t.finished_elsewhere({}, 3) and not t.finished_elsewhere({(0, 0): 9}, 0)
+        # a phase longer than the slots uses slot 0 twice: its second use is round 2
+        once = {(0, s): 1 for s in range(slots)}
+        assert not t.finished_elsewhere(once, slots + 1)
+        assert t.finished_elsewhere({**once, (0, 0): 2}, slots + 1)
+        t.skip_phase(H.DATA, 3)                                              # one phase on: round 2 next
+        assert not t.finished_elsewhere({(0, 0): 1, (0, 1): 1, (0, 2): 1}, 3)
+        assert t.finished_elsewhere({(0, 0): 2, (0, 1): 5, (0, 2): 2}, 3)
+    finally:
+        t.close()
+        server.stop()
 
 
 @pytest.mark.skipif(netns.unavailable(need_nft=True) is not None,

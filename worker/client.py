@@ -161,16 +161,27 @@ class Worker:
         """Fast-forward `count` allreduces of `dim` coordinates without sending anything: the
         slot rounds advance exactly as the other ranks' did, so a rank that rejoins a running
         job continues at their round (data-plane codecs: thc and none)."""
-        job, per = self.job, self.job.elems_per_packet
+        job = self.job
         if job.blob:
             raise ValueError(f"rejoining a running job is supported for thc and none, not {job.codec}")
         for _ in range(count):
             if job.codec == "thc":
                 self.t.skip_phase(H.NORM, 1)
-                self.t.skip_phase(H.DATA, -(-thc.make_layout(dim, self.cfg.block_log2).padded_dim // per))
-            else:
-                self.t.skip_phase(H.DATA, -(-dim // per))
+            self.t.skip_phase(H.DATA, self._data_chunks(dim))
             self.round_no += 1
+
+    def round_finished_elsewhere(self, seen: dict, dim: int) -> bool:
+        """Whether the other ranks finished this worker's next allreduce of `dim` coordinates
+        (its DATA phase, the last of a round), by the results in `seen` (Transport.drain):
+        what a rank behind checks before it skips a round."""
+        return self.t.finished_elsewhere(seen, self._data_chunks(dim))
+
+    def _data_chunks(self, dim: int) -> int:
+        """Chunks of an allreduce's DATA phase of `dim` coordinates (thc and none)."""
+        per = self.job.elems_per_packet
+        if self.job.codec == "thc":
+            return -(-thc.make_layout(dim, self.cfg.block_log2).padded_dim // per)
+        return -(-dim // per)
 
     def rejoin(self) -> None:
         """After the transport's `LeaseLost`: register again as a rejoining rank and restart the

@@ -908,6 +908,13 @@ class Transport:
     def _place(self, kind: int, nchunks: int, phase_index: int):
         """Where chunk c of a phase goes (shard and slot arrays) and its round there (each use
         of a slot is its next round, identically in every worker); advances the slot rounds."""
+        shard, slot, rounds, uses = self._placement(kind, nchunks, phase_index)
+        self.slot_round += uses
+        return shard, slot, rounds
+
+    def _placement(self, kind: int, nchunks: int, phase_index: int):
+        """_place without advancing: (shard, slot, round) of each chunk, and the uses per
+        (shard, slot) as an array shaped like the slot rounds."""
         job, nshards = self.job, len(self.shard_addrs)
         c = np.arange(max(nchunks, 0), dtype=np.int64)
         if kind == H.NORM:
@@ -924,8 +931,8 @@ class Transport:
             use = pos // job.slots
         rounds = (self.slot_round[shard, slot] + use + 1) & 0xFFFFFFFF
         uses = np.bincount(shard * self.slot_round.shape[1] + slot, minlength=self.slot_round.size)
-        self.slot_round += uses.reshape(self.slot_round.shape)
-        return shard.astype(np.int32), slot.astype(np.int32), rounds.astype(np.uint32)
+        return (shard.astype(np.int32), slot.astype(np.int32), rounds.astype(np.uint32),
+                uses.reshape(self.slot_round.shape))
 
     def skip_phase(self, kind: int, nchunks: int) -> None:
         """Advance the slot rounds as if a phase of `nchunks` had run (a rank that rejoins
@@ -1165,11 +1172,17 @@ class Transport:
                     seen[key] = max(seen.get(key, 0), h.round)
         return seen
 
-    def behind(self, seen: dict) -> bool:
-        """Whether a round in `seen` (drain's answer) is one this worker's slots have not
-        reached: the other ranks finished it already."""
-        nslots = self.slot_round.shape[1]
-        return any(slot < nslots and rnd > self.slot_round[sh, slot] for (sh, slot), rnd in seen.items())
+    def finished_elsewhere(self, seen: dict, nchunks: int) -> bool:
+        """Whether the other ranks have finished this worker's next DATA phase of `nchunks`
+        chunks: `seen` (drain's answer) holds a result of every chunk's slot at that chunk's
+        round or later.  Only then may a rank behind skip the phase.  One finished chunk is
+        not enough: a rank that skipped a phase the others are still in would send the next
+        phase's round into their slots, and a slot takes a later round as a new one (THC §6,
+        Pseudocode 1), so the phase would be lost for every rank."""
+        if nchunks <= 0:
+            return False
+        shard, slot, rounds, _ = self._placement(H.DATA, nchunks, self._phase_no)
+        return all(seen.get((int(sh), int(sl)), -1) >= int(r) for sh, sl, r in zip(shard, slot, rounds))
 
     def _gc_stash(self) -> None:
         stale = [k for k in self._stash if k[2] <= self.slot_round[k[0], k[1]]]
