@@ -1157,7 +1157,7 @@ class Transport:
         quiet for `idle_s` (at most `max_s`), keeping them for their phase as a phase would;
         returns the newest round seen per (shard, slot).  A rank that rejoins a running
         quorum job reads the fan-outs it is sent again this way, to learn where the other
-        ranks are (`behind`)."""
+        ranks are (`finished_elsewhere`)."""
         self._gc_stash()
         seen: dict = {}
         deadline = time.monotonic() + max_s
