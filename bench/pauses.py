@@ -6,6 +6,7 @@ run); tests/test_stragglers.py runs the same cases.
 
     .venv/bin/python bench/pauses.py                # CASES: pauses 3, 10, 40 s; quorum 1 and 0.66
     .venv/bin/python bench/pauses.py --partition    # PARTITION_CASES (root, ip, nft)
+    .venv/bin/python bench/pauses.py --keep DIR     # also keep each case's logs and reports in DIR
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -62,6 +64,7 @@ class PauseResult:
     catch_up_missed: int = 0
     messages: dict = field(default_factory=dict)    # rank -> last stderr line
     ps_stats: dict = field(default_factory=dict)
+    kept: str = ""                                  # where the case's logs and reports were kept
 
     @property
     def ok(self) -> bool:
@@ -123,13 +126,15 @@ def _wait_for(pred, bound_s: float, what: str):
 def run_pause(pause_s: float, quorum: float, *, how: str = "sigstop", workers: int = 3,
               rounds: int = 4000, dim: int = DIM, lease_s: float = 5.0, grace_s: float = 30.0,
               victim: int = 2, stop_at_round: int = 50, bound_s: float | None = None,
-              compute_ms: float = 2.0, log=None) -> PauseResult:
+              compute_ms: float = 2.0, log=None, keep: str | Path | None = None) -> PauseResult:
     """Run one case and return its result.  `how`: "sigstop" pauses the victim's process;
     "partition" runs the victim in a network namespace of its own and drops every packet
     in and out of it for `pause_s` (root, ip, nft).  `bound_s` (default: pause + lease +
     grace + 120 s) is how long the processes may take after the pause before they are
     killed and the case counts as hung.  `compute_ms` paces every worker's rounds (the
-    time a real step computes its gradient), so that a quorum job outlasts the pause."""
+    time a real step computes its gradient), so that a quorum job outlasts the pause.
+    `keep`: a directory to copy every worker's stderr and round report and the PS's output
+    into (a rare failure can then be read afterwards; `kept` in the result names it)."""
     job = JobConfig(num_workers=workers, quorum=quorum)
     bound_s = bound_s if bound_s is not None else pause_s + lease_s + grace_s + 120
     res = PauseResult(how, pause_s, quorum, lease_s, grace_s, victim)
@@ -202,7 +207,19 @@ def run_pause(pause_s: float, quorum: float, *, how: str = "sigstop", workers: i
             chk = check_rounds(job, 0, dim, per_worker)
             res.rounds, res.exact_rounds = chk["rounds"], chk["exact_rounds"]
             res.mismatched_chunks, res.lost_chunks = chk["mismatched_chunks"], chk["lost_chunks"]
+        if keep is not None:
+            res.kept = str(_keep(Path(tmp), Path(keep), out))
     return res
+
+
+def _keep(tmp: Path, dest: Path, ps_out: str) -> Path:
+    """Copy a case's worker stderr and reports (rank*.err, rank*.json) and the PS's output
+    (ps.log) from its temporary directory to `dest`."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in sorted(tmp.glob("rank*.err")) + sorted(tmp.glob("rank*.json")):
+        shutil.copyfile(f, dest / f.name)
+    (dest / "ps.log").write_text(ps_out)
+    return dest
 
 
 def _status(net, host, port):
@@ -240,12 +257,15 @@ def main(argv=None) -> int:
     ap.add_argument("--partition", action="store_true", help="cut the victim's namespace off instead of "
                     "SIGSTOP (root, ip, nft): PARTITION_CASES")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON here")
+    ap.add_argument("--keep", default=None, metavar="DIR", help="keep each case's worker logs and reports "
+                    "and the PS's output under DIR/<how>-<pause>s-q<quorum>")
     args = ap.parse_args(argv)
     log = lambda m: print(m, file=sys.stderr, flush=True)
     results = []
     for pause, q, rounds, compute in PARTITION_CASES if args.partition else CASES:
-        results.append(run_pause(pause, q, how="partition" if args.partition else "sigstop", rounds=rounds,
-                                 compute_ms=compute, log=log))
+        how = "partition" if args.partition else "sigstop"
+        keep = Path(args.keep) / f"{how}-{pause:g}s-q{q:g}" if args.keep else None
+        results.append(run_pause(pause, q, how=how, rounds=rounds, compute_ms=compute, log=log, keep=keep))
         log(f"  -> {results[-1].outcome()} ({results[-1].seconds:.1f} s)")
     print("| how | pause | quorum | lease / grace | exact rounds | lost | victim rounds | "
           "catch-up missed | seconds | outcome | ok |")

@@ -205,8 +205,9 @@ def test_the_launch_watchdog_names_a_stopped_worker():
 # ---------------------------------------------------------------- real pauses
 @pytest.mark.parametrize("pause,quorum,rounds,compute_ms", CASES,
                          ids=[f"{p}s-q{q:g}" for p, q, _, _ in CASES])
-def test_a_sigstopped_worker_ends_exact_or_named(pause, quorum, rounds, compute_ms):
-    r = run_pause(pause, quorum, rounds=rounds, dim=DIM, compute_ms=compute_ms, lease_s=5.0, grace_s=30.0)
+def test_a_sigstopped_worker_ends_exact_or_named(pause, quorum, rounds, compute_ms, tmp_path):
+    r = run_pause(pause, quorum, rounds=rounds, dim=DIM, compute_ms=compute_ms, lease_s=5.0, grace_s=30.0,
+                  keep=tmp_path)          # a failure's message names `kept`: the logs to read
     assert r.mismatched_chunks == 0 and r.lost_chunks == 0, r
     assert r.seconds < pause + 5.0 + 30.0 + 60, r
     if quorum == 1.0 and pause > 5.0 + 30.0:
@@ -251,10 +252,12 @@ def test_a_rank_behind_skips_only_a_round_whose_every_chunk_it_saw_finished():
 @pytest.mark.skipif(netns.unavailable(need_nft=True) is not None,
                     reason=netns.unavailable(need_nft=True) or "")
 @pytest.mark.parametrize("pause,quorum,rounds,compute_ms", PARTITION_CASES)
-def test_a_partitioned_worker_rejoins_after_its_lease(pause, quorum, rounds, compute_ms):
+def test_a_partitioned_worker_rejoins_after_its_lease(pause, quorum, rounds, compute_ms, tmp_path):
     """The victim's namespace drops every packet for longer than the 5 s lease."""
     r = run_pause(pause, quorum, how="partition", rounds=rounds, dim=DIM, compute_ms=compute_ms,
-                  lease_s=5.0, grace_s=30.0)
+                  lease_s=5.0, grace_s=30.0, keep=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ps.log", "rank0.err", "rank0.json", "rank1.err",
+                                                          "rank1.json", "rank2.err", "rank2.json"], r
     assert r.exit == {0: 0, 1: 0, 2: 0}, r
     assert r.exact_rounds == r.rounds == rounds and r.lost_chunks == 0, r
     assert r.lease_rejoins == 1, r
