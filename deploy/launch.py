@@ -46,18 +46,18 @@ def others_step(t) -> int:
     return max(others, default=0)
 
 
-def skip_to_front(t, skip_one, finished, step: int, limit: int, passes: int = 50) -> int:
-    """Skip the rounds (`skip_one` advances this rank by one round) that the results the data
-    plane has fanned out to it since it registered again show finished (`finished(seen)`:
-    every chunk of its next round answered), until a pass finds it at most a few rounds
+def skip_to_front(w, dim: int, step: int, limit: int, passes: int = 50) -> int:
+    """Skip the allreduces of `dim` coordinates that the results the data plane has fanned
+    out to worker `w` since it registered again show finished (every chunk of its next round
+    answered: Worker.round_finished_elsewhere), until a pass finds it at most a few rounds
     behind the others (the rest its stash answers); returns the step reached.  A round the
     others are still in is joined, not skipped.  Bounded by `passes` reads of at most 0.1 s
     each."""
     for _ in range(passes):
-        seen = t.drain()
+        seen = w.t.drain()
         skipped = 0
-        while step < limit and finished(seen):
-            skip_one()
+        while step < limit and w.round_finished_elsewhere(seen, dim):
+            w.skip_rounds(1, dim)
             step, skipped = step + 1, skipped + 1
         if skipped <= 4:
             break
@@ -107,9 +107,6 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
     lapses, missed, ended, catching = 0, 0, False, False
     quorum_job = t.job.quorum_count < t.job.num_workers
 
-    def finished(seen) -> bool:
-        return w.round_finished_elsewhere(seen, dim)
-
     def catch_up() -> int:
         """Fast-forward to the others' step: in a quorum-1 job that is the round they wait in
         for this rank.  A quorum job goes on meanwhile, and the heartbeats' step is up to a
@@ -121,7 +118,7 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
         first = min(others_step(t), rounds)
         w.skip_rounds(first, dim)
         if quorum_job:
-            first = skip_to_front(t, lambda: w.skip_rounds(1, dim), finished, first, rounds)
+            first = skip_to_front(w, dim, first, rounds)
         t.progress = first
         catching = True
         if not quiet:
@@ -155,7 +152,7 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
                     if straggled:
                         # a straggler (paused, descheduled) in a quorum job: at the others' pace
                         # it would stay behind for good; resynchronize at the front
-                        r = skip_to_front(t, lambda: w.skip_rounds(1, dim), finished, r, rounds)
+                        r = skip_to_front(w, dim, r, rounds)
                         catching = True
                     continue
                 catching = False

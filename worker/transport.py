@@ -1181,8 +1181,9 @@ class Transport:
         Pseudocode 1), so the phase would be lost for every rank."""
         if nchunks <= 0:
             return False
-        shard, slot, rounds, _ = self._placement(H.DATA, nchunks, self._phase_no)
-        return all(seen.get((int(sh), int(sl)), -1) >= int(r) for sh, sl, r in zip(shard, slot, rounds))
+        uses = self._placement(H.DATA, nchunks, self._phase_no)[3]
+        last = (self.slot_round + uses) & 0xFFFFFFFF          # each used slot's round at its last use
+        return all(seen.get((int(sh), int(sl)), -1) >= last[sh, sl] for sh, sl in zip(*np.nonzero(uses)))
 
     def _gc_stash(self) -> None:
         stale = [k for k in self._stash if k[2] <= self.slot_round[k[0], k[1]]]
