@@ -15,8 +15,11 @@ Signs D are drawn from a seed every worker derives identically from
 """
 from __future__ import annotations
 
+import collections
 import functools
 import math
+import os
+import threading
 
 import numpy as np
 
@@ -98,16 +101,66 @@ def fwht(x, exact: bool = True):
     return y.reshape(lead + (n,))
 
 
-@functools.lru_cache(maxsize=8)
+class _BitsCache:
+    """The most recent sign diagonals, bounded by their bytes, for every thread of a process.
+
+    A round's encode, error-feedback decode and decode each walk all of a tensor's RHT blocks
+    in turn, so a cache counted in entries misses on every block once a round has more
+    blocks than entries (an LRU of 8 did, at 16 blocks of 2^20 for d = 2^24, drawing each
+    diagonal three times a round).  Bounded by bytes, it keeps whole rounds: 32 MiB is one
+    round of 2^28 coordinates, and what a smaller job uses is what it holds.
+    """
+
+    def __init__(self, limit_bytes: int):
+        self.limit = limit_bytes
+        self._items: collections.OrderedDict = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key, value: bytes) -> None:
+        with self._lock:
+            if key in self._items:
+                return
+            self._items[key] = value
+            self._bytes += len(value)
+            while self._bytes > self.limit and len(self._items) > 1:
+                _, old = self._items.popitem(last=False)
+                self._bytes -= len(old)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def reset(self) -> None:
+        """Empty, with a fresh lock (a forked child may have inherited the lock held)."""
+        self._items, self._bytes, self._lock = collections.OrderedDict(), 0, threading.Lock()
+
+
+_signs_cache = _BitsCache(32 << 20)
+os.register_at_fork(after_in_child=_signs_cache.reset)
+
+
 def rademacher_bits(job_seed: int, round_no: int, block: int, n: int) -> bytes:
     """The diagonal D of (job seed, round, block) as packed bits, MSB first (set = −1).
 
     Identical in every process: all workers derive it, nobody sends it.  A round's encode,
-    decode and error-feedback decode take the same blocks' bits, so the last few are kept
-    (≤ 8 blocks, 128 KiB each at the default 2^20 coordinates; bytes are immutable).
+    decode and error-feedback decode take the same blocks' bits, so they are drawn once and
+    kept (`_BitsCache`; bytes are immutable).
     """
-    rng = np.random.default_rng(np.random.SeedSequence([job_seed & 0xFFFFFFFF, round_no & 0xFFFFFFFF, block]))
-    return rng.bytes((n + 7) // 8)
+    key = (job_seed, round_no, block, n)
+    bits = _signs_cache.get(key)
+    if bits is None:
+        rng = np.random.default_rng(np.random.SeedSequence([job_seed & 0xFFFFFFFF, round_no & 0xFFFFFFFF, block]))
+        bits = rng.bytes((n + 7) // 8)
+        _signs_cache.put(key, bits)
+    return bits
 
 
 def rademacher_signs(job_seed: int, round_no: int, block: int, n: int) -> np.ndarray:

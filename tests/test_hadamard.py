@@ -59,3 +59,28 @@ def test_c_fwht_equals_matrix_form():
         x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
         assert np.allclose(fwht(x), fwht(x, exact=False), atol=1e-5)
         assert np.array_equal(fwht(x), fwht(x.copy()))      # deterministic
+
+
+def test_a_rounds_sign_diagonals_are_drawn_once_for_all_its_blocks():
+    """A 2^24 round at the default 2^20 blocks has 16 diagonals and takes each three times
+    (encode, error-feedback decode, decode): the second and third walks must find every one
+    kept (the same object), and the bits must be what a fresh draw gives."""
+    from compression import hadamard
+    first = [hadamard.rademacher_bits(5, 77, j, 1 << 20) for j in range(16)]
+    for _ in range(2):
+        assert all(hadamard.rademacher_bits(5, 77, j, 1 << 20) is first[j] for j in range(16))
+    fresh = np.random.default_rng(np.random.SeedSequence([5, 77, 3])).bytes((1 << 20) // 8)
+    assert first[3] == fresh
+
+
+def test_the_sign_cache_is_bounded_by_bytes_and_drops_the_oldest():
+    from compression.hadamard import _BitsCache
+    cache = _BitsCache(limit_bytes=1000)
+    for k in range(5):
+        cache.put(k, bytes(300))
+    assert cache.nbytes == 900 and cache.get(0) is None and cache.get(1) is None
+    assert cache.get(2) is not None          # a hit makes 2 the newest: 3 goes next
+    cache.put(5, bytes(300))
+    assert cache.get(3) is None and cache.get(2) is not None and cache.nbytes == 900
+    cache.put(6, bytes(5000))                # larger than the bound: kept alone
+    assert cache.nbytes == 5000 and cache.get(6) is not None and cache.get(5) is None
