@@ -270,11 +270,14 @@ def print_timeline(rounds: dict, spans: dict) -> None:
         f"{name} {1e3 * c / n:.1f} ms" for name, c in cpu.items()))
 
 
-def worker_rounds(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=False, edges=None) -> None:
+def worker_rounds(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=False, edges=None,
+                  reuse_gradient=False) -> None:
     """One rank: per round, make the gradient, meet the others, time the allreduce.  With
     `profile_top`, rank 0's allreduces run under cProfile (CPU time as its clock); with
     `timeline`, the steps of every round are recorded (see _record_steps); with `edges` (a
-    queue), (round, 0) is put there as a timed round starts and (round, 1) as it ends."""
+    queue), (round, 0) is put there as a timed round starts and (round, 1) as it ends;
+    `reuse_gradient`: the gradient is made once and each round's result is the next one's
+    input (round_cpu.py: no gradient making between the rounds)."""
     import cProfile
 
     from worker.client import Worker
@@ -288,7 +291,8 @@ def worker_rounds(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=F
         _record_steps(spans)
     try:
         for r in range(rounds + 1):                     # round 0 warms up (buffers, pages)
-            g = gradient(0, r, rank, dim)
+            if not reuse_gradient or r == 0:
+                g = gradient(0, r, rank, dim)
             t.barrier(f"r{r}")
             k0 = _thread_cpu_s()
             c0, t0, q0 = _cpu_s(), time.monotonic(), _runqueue_s()   # one clock for every process of the host
@@ -338,11 +342,13 @@ def _in_rounds(seen: list, rounds: int) -> np.ndarray:
 
 
 def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = False,
-               profile_top: int = 0, timeline: bool = False, block_log2: int = DEFAULT_BLOCK_LOG2) -> dict:
+               profile_top: int = 0, timeline: bool = False, block_log2: int = DEFAULT_BLOCK_LOG2,
+               reuse_gradient: bool = False) -> dict:
     """PS + `workers` processes, `rounds` timed rounds; per-round means (`profile_top`: print
     rank 0's top functions, see bench/profile_cluster.py).  The PS's CPU is counted from each
     round's first start to its last end, read when the workers report those edges, and so is
-    its run-queue delay."""
+    its run-queue delay.  Also returned: the timed rounds' `window` (time.monotonic of the
+    first start and the last end), the PS's pid (this process) and the workers'."""
     from ps_server.server import PSServer
     job = JobConfig(num_workers=workers, codec=codec, block_log2=block_log2)
     ps = PSServer(job, ("127.0.0.1", 0), control_port=0, engine="c").start()
@@ -351,7 +357,7 @@ def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = Fa
     q, edges, seen = ctx.Queue(), ctx.Queue(), []
     addr = ("127.0.0.1", ps.data_addr[1], ps.control_port)
     procs = [ctx.Process(target=worker_rounds, args=(addr, r, job.to_msg(), dim, rounds, q, profile_top, timeline,
-                                                     edges), daemon=True)
+                                                     edges, reuse_gradient), daemon=True)
              for r in range(workers)]
     reader = threading.Thread(target=_edge_reads, args=(edges, seen), daemon=True)
     reader.start()
@@ -389,7 +395,9 @@ def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = Fa
             "ps_cpu_ms": 1e3 * ps_cpu,
             "up_mb": per[0, :, 2].mean() / 1e6,
             "worker_runq_ms": 1e3 * per[:, :, 5].sum(axis=0).mean(), "ps_runq_ms": 1e3 * ps_runq,
-            "down_mb": per[0, :, 3].mean() / 1e6}
+            "down_mb": per[0, :, 3].mean() / 1e6,
+            "window": (min(m[0][0] for *_, m, _t in reports), max(m[-1][1] for *_, m, _t in reports)),
+            "ps_pid": os.getpid(), "worker_pids": [p.pid for p in procs]}
 
 
 def main():

@@ -10,7 +10,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("script", ["bench_p4.py", "bench_breakeven.py", "pauses.py", "bench_jobs.py", "bench_rto.py"])
+@pytest.mark.parametrize("script", ["bench_p4.py", "bench_breakeven.py", "pauses.py", "bench_jobs.py", "bench_rto.py",
+                                    "round_cpu.py"])
 def test_script_help_runs_from_anywhere(script, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], cwd=tmp_path, env=env,
@@ -148,3 +149,44 @@ def test_bench_floor_repeat_summary_and_its_check(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_floor.py"), "--repeat", "0"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--repeat must be at least 1, got 0" in proc.stderr
+
+
+def test_round_cpu_groups_perf_samples_inside_the_rounds_window():
+    """round_cpu.py: perf script lines parsed, samples outside the rounds' window left out,
+    each sample in its group (PS by pid, codec by library, idle as pid 0), and the codec's
+    share with its bound."""
+    sys.path.insert(0, str(ROOT))
+    from bench.round_cpu import breakdown, parse_perf_script, report
+    lines = [
+        "  4242/4242  100.500000:      7f00 pass (/work/compression/_kernels.cpython-311-x86_64-linux-gnu.so)",
+        "  4243/4250  100.600000:      7f01 FLOAT_add_X86_V3 (/v/numpy/_multiarray_umath.cpython-311.so)",
+        "  4243/4243  100.700000:  ffffffff81 _copy_to_iter ([kernel.kallsyms])",
+        "  4000/4001  100.800000:      7f02 lookup_add4_avx2 (/work/ps_server/_fastpath.cpython-311.so)",
+        "     0/0     100.900000:  ffffffff82 pv_native_safe_halt ([kernel.kallsyms])",
+        "  4242/4242  101.000000:      7f03 _PyEval_EvalFrameDefault (/usr/lib/libpython3.11.so.1.0)",
+        "  4242/4242   99.000000:      7f04 pass (/work/compression/_kernels.cpython-311-x86_64-linux-gnu.so)",
+        "  5555/5555  100.950000:      7f05 main (/usr/bin/cc1)",
+        "\tffffffff81 some_callchain_line",
+    ]
+    rows = parse_perf_script(lines)
+    assert len(rows) == 8 and rows[0] == (4242, 4242, 100.5, "pass", "_kernels.cpython-311-x86_64-linux-gnu.so")
+    n, groups, symbols = breakdown(rows, (100.0, 101.5), ps_pid=4000, worker_pids={4242, 4243})
+    assert n == 7                                         # the sample at 99 s is before the rounds
+    assert groups == {"codec: C kernels": 1, "codec: numpy": 1, "workers: kernel": 1, "PS": 1, "idle": 1,
+                      "workers: Python": 1, "other processes": 1}
+    assert symbols["PS"]["lookup_add4_avx2"] == 1
+    text = report(n, groups, symbols)
+    assert "codec share s = 28.6%" in text and "1/s = 3.50x the floor" in text
+    assert "no samples" in report(0, groups, symbols)
+
+
+def test_round_cpu_refuses_bad_arguments_and_a_missing_perf(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    script = str(ROOT / "bench" / "round_cpu.py")
+    proc = subprocess.run([sys.executable, script, "--out", str(tmp_path), "--rounds", "0"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--rounds and --workers must be at least 1" in proc.stderr
+    env["PATH"] = str(tmp_path)                           # no perf there
+    proc = subprocess.run([sys.executable, script, "--out", str(tmp_path / "o")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "needs perf (Debian: linux-perf) on PATH" in proc.stderr
