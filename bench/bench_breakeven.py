@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_floor import run_rounds  # noqa: E402
 from bench.common import add_background_args, background_from_args  # noqa: E402
 from deploy.launch import gradient  # noqa: E402
-from deploy.procs import free_tcp_port, single_threaded_children  # noqa: E402
+from deploy.procs import each_report, free_tcp_port, single_threaded_children  # noqa: E402
 from proto.job import DEFAULT_BLOCK_LOG2  # noqa: E402
 
 
@@ -75,7 +75,7 @@ def gloo_round_ms(dim: int, workers: int, rounds: int) -> float:
     for p in procs:
         p.start()
     try:
-        per = dict(q.get(timeout=600) for _ in procs)
+        per = dict(each_report(q, procs, 600, "gloo rank"))
     finally:
         for p in procs:
             p.join(timeout=30)

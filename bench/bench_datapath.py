@@ -56,7 +56,7 @@ def worker_proc(rank, ports, dim, phases, window, out_q):
 
 
 def datapath(workers, dim, phases, window):
-    from deploy.procs import single_threaded_children
+    from deploy.procs import each_report, single_threaded_children
     single_threaded_children()                # no spinning BLAS threads beside the data path
     ctx = mp.get_context("spawn")
     ports_q, stop_q, out_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -66,7 +66,7 @@ def datapath(workers, dim, phases, window):
     procs = [ctx.Process(target=worker_proc, args=(r, ports, dim, phases, window, out_q)) for r in range(workers)]
     for p in procs:
         p.start()
-    res = [out_q.get(timeout=600) for _ in procs]
+    res = list(each_report(out_q, procs, 600))
     for p in procs:
         p.join(30)
     stop_q.put(1)

@@ -16,7 +16,9 @@ Then, in the same run, a PS (threads of this process, C engine) and N worker pro
 loopback run real rounds with error feedback, for THC and for float32 (codec none) through
 the same path.  Each worker makes its round's test gradient first (untimed), all meet at a
 barrier, then the allreduce (in place: the average is written into the gradient, as
-torch.distributed's all_reduce does) is timed; a round's time is its slowest worker's (the round is
+torch.distributed's all_reduce does) is timed, and all meet again before the next gradient
+is made, so that no rank's gradient making overlaps another's round (the lock-step floor
+meets the same way); a round's time is its slowest worker's (the round is
 done when every worker has its result); the table gives the mean and the median round (the
 median is robust to the host's occasional stalls, the mean is not).  The CPU columns say
 where the cores went: worker processes' user+system CPU in their timed rounds and the PS's
@@ -55,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `bench` is not 
 from compression import thc  # noqa: E402
 from deploy.launch import gradient  # noqa: E402
 from bench.common import add_background_args, background_from_args  # noqa: E402
-from deploy.procs import single_threaded_children  # noqa: E402
+from deploy.procs import each_report, single_threaded_children  # noqa: E402
 from proto import headers as H  # noqa: E402
 from proto.job import DEFAULT_BLOCK_LOG2, JobConfig  # noqa: E402
 
@@ -127,6 +129,7 @@ def _lockstep_rank(rank, dim, job_msg, rounds, barrier, q) -> None:
         cpu = _codec_round(job.thc_config(), job, grad, memory, lanes, np.random.default_rng(r), r, barrier.wait)
         if r:
             out.append((time.monotonic() - t0, cpu))
+        barrier.wait()          # the next gradient is made once every rank is done (as in worker_rounds)
     q.put((rank, out))
 
 
@@ -144,7 +147,7 @@ def lockstep_floor(dim: int, job: JobConfig, rounds: int) -> dict:
     for p in procs:
         p.start()
     try:
-        per = np.array([out for _rank, out in sorted(q.get(timeout=600) for _ in procs)])   # workers × rounds × 2
+        per = np.array([out for _rank, out in sorted(each_report(q, procs, 600, "lock-step rank"))])   # workers × rounds × 2
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -272,7 +275,9 @@ def print_timeline(rounds: dict, spans: dict) -> None:
 
 def worker_rounds(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=False, edges=None,
                   reuse_gradient=False) -> None:
-    """One rank: per round, make the gradient, meet the others, time the allreduce.  With
+    """One rank: per round, make the gradient, meet the others, time the allreduce, meet them
+    again (a rank's next gradient, ~0.3 s of CPU at 2^24, would otherwise be made while
+    others are still in the timed round, and slow them on a host with fewer cores).  With
     `profile_top`, rank 0's allreduces run under cProfile (CPU time as its clock); with
     `timeline`, the steps of every round are recorded (see _record_steps); with `edges` (a
     queue), (round, 0) is put there as a timed round starts and (round, 1) as it ends;
@@ -312,6 +317,8 @@ def worker_rounds(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=F
                 marks.append((t0, t1))
                 out.append((t1 - t0, c1 - c0, w.last.bytes_up, w.last.bytes_down,
                             t.stats.counters["retransmissions"], q1 - q0))
+            if not reuse_gradient:
+                t.barrier(f"e{r}")      # no rank makes its next gradient while another is in the round
         t.barrier("end")
     finally:
         t.close()
@@ -365,7 +372,7 @@ def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = Fa
         for p in procs:
             p.start()
         k0 = _thread_cpu_s()
-        reports = [q.get(timeout=600) for _ in procs]        # (rank, out, spans, marks, threads)
+        reports = list(each_report(q, procs, 600))                      # (rank, out, spans, marks, threads)
         res = {rank: out for rank, out, *_ in reports}
         ps_threads = _cpu_delta(_thread_cpu_s(), k0)
     finally:

@@ -60,6 +60,7 @@ def worker_proc(name, rank, workers, ports, dim, phases, out_q, everyone):
 
 def run(ctx, ports, jobs: int, workers: int, dim: int, phases: int) -> dict:
     """`jobs` jobs of `workers` workers each at once; their aggregate rate."""
+    from deploy.procs import each_report
     out_q = ctx.Queue()
     names = [f"bench-{jobs}-{j}-{time.monotonic_ns()}" for j in range(jobs)]
     everyone = ctx.Barrier(jobs * workers)
@@ -67,7 +68,7 @@ def run(ctx, ports, jobs: int, workers: int, dim: int, phases: int) -> dict:
              for j in range(jobs) for r in range(workers)]
     for p in procs:
         p.start()
-    res = [out_q.get(timeout=900) for _ in procs]
+    res = list(each_report(out_q, procs, 900))
     for p in procs:
         p.join(30)
     start, end = min(r[2] for r in res), max(r[3] for r in res)

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))   # `bench` is not installed: run from a checkout
 import numpy as np  # noqa: E402
 
 from bench import bench_floor  # noqa: E402
+from deploy.procs import each_report  # noqa: E402
 from proto.job import JobConfig  # noqa: E402
 
 PORT = 9000
@@ -40,7 +41,7 @@ def workers_inside(host: str, args) -> None:
              for r in range(args.workers)]
     for p in procs:
         p.start()
-    reports = sorted((q.get(timeout=600) for _ in procs), key=lambda rep: rep[0])    # (rank, out, spans, marks, threads)
+    reports = sorted(each_report(q, procs, 600), key=lambda rep: rep[0])    # (rank, out, spans, marks, threads)
     for p in procs:
         p.join(timeout=30)
     per = np.array([out for _rank, out, *_ in reports])              # workers × rounds × 6

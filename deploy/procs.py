@@ -61,3 +61,36 @@ def free_tcp_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def each_report(q, procs, timeout: float, what: str = "worker"):
+    """Yields one item from `q` per process of `procs` (multiprocessing processes that each put
+    one report and exit), as they arrive.  A process that exits with a non-zero code while
+    reports are missing raises at once, naming it (its traceback is on stderr) instead of
+    the caller waiting out `timeout`; past `timeout` seconds the error names the processes
+    still running."""
+    import queue
+    import time
+    got, deadline = 0, time.monotonic() + timeout
+    while got < len(procs):
+        ended = all(p.exitcode is not None for p in procs)
+        try:           # once all have ended, a report may still be in flight from a feeder thread
+            item = q.get(timeout=5 if ended else 0.5)
+        except queue.Empty:
+            item = _NONE
+        if item is not _NONE:
+            got += 1
+            yield item
+            continue
+        dead = [f"{i} (pid {p.pid}) exited with code {p.exitcode}" for i, p in enumerate(procs)
+                if p.exitcode not in (None, 0)]
+        if dead or ended:
+            raise RuntimeError((f"{what} process {'; '.join(dead)}" if dead else f"every {what} process ended")
+                               + f", with {got} of {len(procs)} reports in")
+        if time.monotonic() > deadline:
+            alive = [f"{i} (pid {p.pid})" for i, p in enumerate(procs) if p.exitcode is None]
+            raise TimeoutError(f"no report from {what} process {', '.join(alive)} after {timeout:g} s "
+                               f"({got} of {len(procs)} reports)")
+
+
+_NONE = object()

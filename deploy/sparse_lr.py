@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from deploy.procs import single_threaded_children
+from deploy.procs import each_report, single_threaded_children
 
 
 @dataclass
@@ -110,8 +110,7 @@ def run(cfg: SparseLRConfig) -> dict:
         p.start()
     out = {}
     try:
-        for _ in range(cfg.workers):
-            rank, doc = q.get(timeout=1800)
+        for rank, doc in each_report(q, procs, 1800, "sparse LR worker"):
             if isinstance(doc, str):
                 raise RuntimeError(f"sparse LR worker {rank} failed: {doc}")
             out[rank] = doc

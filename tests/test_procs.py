@@ -1,0 +1,78 @@
+"""deploy.procs.each_report: reports from child processes, and a clear error instead of a long
+wait when one of them dies or hangs."""
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+
+from deploy.procs import each_report
+
+CTX = mp.get_context("fork")
+
+
+def _report(q, rank):
+    q.put((rank, os.getpid()))
+
+
+def _die(q, rank):
+    os._exit(3)
+
+
+def _hang(q, rank):
+    time.sleep(60)
+
+
+def _quiet_exit(q, rank):
+    pass
+
+
+def _run(targets, timeout=30.0, what="worker"):
+    q = CTX.Queue()
+    procs = [CTX.Process(target=t, args=(q, r), daemon=True) for r, t in enumerate(targets)]
+    for p in procs:
+        p.start()
+    try:
+        return list(each_report(q, procs, timeout, what))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+
+
+def test_every_report_arrives():
+    got = _run([_report] * 3)
+    assert sorted(r for r, _pid in got) == [0, 1, 2]
+
+
+def test_a_dead_process_is_named_while_the_others_still_run():
+    with pytest.raises(RuntimeError, match=r"lock-step rank process 1 \(pid \d+\) exited with code 3, "
+                                           r"with 1 of 3 reports in"):
+        _run([_report, _die, _hang], timeout=300, what="lock-step rank")
+
+
+def test_processes_that_end_without_reporting():
+    with pytest.raises(RuntimeError, match="every worker process ended, with 1 of 2 reports in"):
+        _run([_report, _quiet_exit])
+
+
+def test_a_hung_process_is_named_at_the_timeout():
+    with pytest.raises(TimeoutError, match=r"no report from worker process 1 \(pid \d+\) after 1 s \(1 of 2"):
+        _run([_report, _hang], timeout=1.0)
+
+
+def test_reports_are_yielded_as_they_arrive():
+    """A caller can act on the first report (sparse_lr stops at a worker's failure) before the
+    others come in."""
+    q = CTX.Queue()
+    procs = [CTX.Process(target=t, args=(q, r), daemon=True) for r, t in enumerate([_report, _hang])]
+    for p in procs:
+        p.start()
+    try:
+        first = next(each_report(q, procs, 300))
+        assert first[0] == 0
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(5)
