@@ -259,7 +259,7 @@ def print_timeline(rounds: dict, spans: dict) -> None:
     t0 = min(rounds[rank][i][0] for rank in rounds)
     print(f"timeline of round {i + 1} (the median, {1e3 * walls[i]:.0f} ms): step [start-end ms] CPU ms")
     for rank in sorted(rounds):
-        a, b = rounds[rank][i]
+        a, b = rounds[rank][i][:2]
         inside = [s for s in spans[rank] if a <= s[1] < b]
         print(f"  rank {rank} {1e3 * (a - t0):4.0f}-{1e3 * (b - t0):3.0f}: " + "  ".join(
             f"{name} [{1e3 * (s - t0):.0f}-{1e3 * (e - t0):.0f}] {1e3 * c:.0f}" for name, s, e, c in
@@ -282,7 +282,9 @@ def worker_rounds(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=F
     `timeline`, the steps of every round are recorded (see _record_steps); with `edges` (a
     queue), (round, 0) is put there as a timed round starts and (round, 1) as it ends;
     `reuse_gradient`: the gradient is made once and each round's result is the next one's
-    input (round_cpu.py: no gradient making between the rounds)."""
+    input (round_cpu.py: no gradient making between the rounds).  Reports (rank, per-round
+    figures, timeline spans, per-round (start, end, when its gradient making began), CPU by
+    thread kind)."""
     import cProfile
 
     from worker.client import Worker
@@ -297,6 +299,7 @@ def worker_rounds(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=F
     try:
         for r in range(rounds + 1):                     # round 0 warms up (buffers, pages)
             if not reuse_gradient or r == 0:
+                made = time.monotonic()                 # when this round's gradient making began
                 g = gradient(0, r, rank, dim)
             t.barrier(f"r{r}")
             k0 = _thread_cpu_s()
@@ -314,7 +317,7 @@ def worker_rounds(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=F
                     edges.put((r, 1))
                 for k, v in _cpu_delta(_thread_cpu_s(), k0).items():
                     threads[k] = threads.get(k, 0.0) + v
-                marks.append((t0, t1))
+                marks.append((t0, t1, made))
                 out.append((t1 - t0, c1 - c0, w.last.bytes_up, w.last.bytes_down,
                             t.stats.counters["retransmissions"], q1 - q0))
             if not reuse_gradient:
@@ -404,6 +407,7 @@ def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = Fa
             "worker_runq_ms": 1e3 * per[:, :, 5].sum(axis=0).mean(), "ps_runq_ms": 1e3 * ps_runq,
             "down_mb": per[0, :, 3].mean() / 1e6,
             "window": (min(m[0][0] for *_, m, _t in reports), max(m[-1][1] for *_, m, _t in reports)),
+            "marks": {rank: marks for rank, _o, _s, marks, _t in reports},
             "ps_pid": os.getpid(), "worker_pids": [p.pid for p in procs]}
 
 

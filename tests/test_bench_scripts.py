@@ -190,3 +190,19 @@ def test_round_cpu_refuses_bad_arguments_and_a_missing_perf(tmp_path):
     proc = subprocess.run([sys.executable, script, "--out", str(tmp_path / "o")], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "needs perf (Debian: linux-perf) on PATH" in proc.stderr
+
+
+def test_bench_floor_makes_no_gradient_while_a_round_runs():
+    """Every rank meets the others after a timed round before it makes its next gradient: no
+    rank's gradient making (~0.3 s of CPU at 2^24) overlaps another rank's round."""
+    sys.path.insert(0, str(ROOT))
+    from bench.bench_floor import run_rounds
+    d = run_rounds("thc", 1 << 12, 3, 4, quiet=True)
+    marks = d["marks"]                                  # rank -> [(start, end, gradient made from)]
+    assert sorted(marks) == [0, 1, 2] and all(len(m) == 4 for m in marks.values())
+    for r in range(1, 4):
+        last_end = max(m[r - 1][1] for m in marks.values())
+        first_made = min(m[r][2] for m in marks.values())
+        assert first_made >= last_end, (r, first_made - last_end)
+    for m in marks.values():
+        assert all(made <= start < end for start, end, made in m)
