@@ -77,8 +77,8 @@ def each_report(q, procs, timeout: float, what: str = "worker"):
         try:           # once all have ended, a report may still be in flight from a feeder thread
             item = q.get(timeout=5 if ended else 0.5)
         except queue.Empty:
-            item = _NONE
-        if item is not _NONE:
+            pass
+        else:
             got += 1
             yield item
             continue
@@ -92,5 +92,3 @@ def each_report(q, procs, timeout: float, what: str = "worker"):
             raise TimeoutError(f"no report from {what} process {', '.join(alive)} after {timeout:g} s "
                                f"({got} of {len(procs)} reports)")
 
-
-_NONE = object()
