@@ -34,9 +34,13 @@ The data path's offload (GSO/GRO) and phase engine as the environment says
 clock (time.monotonic, shared by the processes of a host) and its CPU on the calling thread.
 The THC median round is also given against the lock-step floor's own wall time: what the
 transport and the PS add to the codec's schedule of waits.  `--repeat N` runs everything N
-times and ends with the median of the runs' ratios, every run's listed.
+times and ends with the median of the runs' ratios, every run's listed.  `--fanout multicast`
+runs the THC rounds with a result group (the PS sends each result once, by multicast, instead
+of once per worker; JobConfig.result_group), `--fanout both` runs the two one after the other
+between the same floors (rows thc and thc-mcast).
 
-    .venv/bin/python bench/bench_floor.py [--dim-log2 24] [--workers 4] [--rounds 5] [--timeline] [--thc-only] [--repeat N]
+    .venv/bin/python bench/bench_floor.py [--dim-log2 24] [--workers 4] [--rounds 5] [--timeline] [--thc-only]
+        [--repeat N] [--fanout unicast|multicast|both] [--background N]
 """
 from __future__ import annotations
 
@@ -59,7 +63,7 @@ from deploy.launch import gradient  # noqa: E402
 from bench.common import add_background_args, background_from_args  # noqa: E402
 from deploy.procs import each_report, single_threaded_children  # noqa: E402
 from proto import headers as H  # noqa: E402
-from proto.job import DEFAULT_BLOCK_LOG2, JobConfig  # noqa: E402
+from proto.job import DEFAULT_BLOCK_LOG2, JobConfig, parse_group  # noqa: E402
 
 
 def _codec_round(cfg, job, grad, memory, lanes, rng, r, meet=lambda: None) -> float:
@@ -353,14 +357,15 @@ def _in_rounds(seen: list, rounds: int) -> np.ndarray:
 
 def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = False,
                profile_top: int = 0, timeline: bool = False, block_log2: int = DEFAULT_BLOCK_LOG2,
-               reuse_gradient: bool = False) -> dict:
+               reuse_gradient: bool = False, result_group: str = "") -> dict:
     """PS + `workers` processes, `rounds` timed rounds; per-round means (`profile_top`: print
     rank 0's top functions, see bench/profile_cluster.py).  The PS's CPU is counted from each
     round's first start to its last end, read when the workers report those edges, and so is
-    its run-queue delay.  Also returned: the timed rounds' `window` (time.monotonic of the
+    its run-queue delay.  `result_group`: the job's (JobConfig.result_group), "" for the
+    per-worker fan-out.  Also returned: the timed rounds' `window` (time.monotonic of the
     first start and the last end), the PS's pid (this process) and the workers'."""
     from ps_server.server import PSServer
-    job = JobConfig(num_workers=workers, codec=codec, block_log2=block_log2)
+    job = JobConfig(num_workers=workers, codec=codec, block_log2=block_log2, result_group=result_group)
     ps = PSServer(job, ("127.0.0.1", 0), control_port=0, engine="c").start()
     single_threaded_children()
     ctx = mp.get_context("spawn")
@@ -386,7 +391,8 @@ def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = Fa
         ps.stop()
     per = np.array([res[r] for r in range(workers)])          # workers × rounds × 6
     if not quiet:
-        print(f"{codec}: round ms per worker (rows) and round (columns) "
+        where = f" (result group {result_group})" if result_group else ""
+        print(f"{codec}{where}: round ms per worker (rows) and round (columns) "
               f"{np.round(per[:, :, 0] * 1e3).astype(int).tolist()}, retransmissions {int(per[:, -1, 4].sum())}")
     if timeline:
         print_timeline({rank: marks for rank, _out, _spans, marks, _t in reports},
@@ -423,10 +429,19 @@ def main():
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the whole measurement (floors and rounds) this many times and summarize the THC "
                          "median round against its floor over the runs (the host's speed drifts between runs)")
+    ap.add_argument("--fanout", choices=("unicast", "multicast", "both"), default="unicast",
+                    help="how the PS sends results back: once per worker, once to the job's result group "
+                         "(JobConfig.result_group, --group), or both in turn in one run (rows thc, thc-mcast)")
+    ap.add_argument("--group", default="239.255.77.1:47077", metavar="ADDR:PORT",
+                    help="the result group of --fanout multicast/both")
     add_background_args(ap)
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error(f"--repeat must be at least 1, got {args.repeat}")
+    try:
+        parse_group(args.group)
+    except ValueError as exc:
+        ap.error(f"--group: {exc}")
     with background_from_args(args):
         if args.background or args.background_memory or args.background_compile:
             print(f"background: {args.background} busy loop(s) and {args.background_memory} memory-bound "
@@ -437,16 +452,17 @@ def main():
                 print(f"run {i + 1} of {args.repeat}", flush=True)
             results.append(_measure(args))
     if args.repeat > 1:
-        print(summarize_runs(results))
+        for name, _ in _fanouts(args):
+            print(summarize_runs([r[name] for r in results], name))
 
 
-def summarize_runs(results: list) -> str:
+def summarize_runs(results: list, name: str = "thc") -> str:
     """One line over several runs: the median of the runs' "median round / floor" ratios (and
     of the round against the lock-step floor's own wall time), with every run's, so one lucky
     or unlucky run is not read as the result."""
     def listed(values, fmt):
         return f"{np.median(values):{fmt}} (runs: {', '.join(f'{x:{fmt}}' for x in values)})"
-    return (f"thc over {len(results)} runs: median round / floor = "
+    return (f"{name} over {len(results)} runs: median round / floor = "
             f"{listed([r['median_ms'] / r['floor_ms'] for r in results], '.2f')}; median round / lock-step "
             f"wall = {listed([r['median_ms'] / r['lockstep_wall_ms'] for r in results], '.2f')}; median round, "
             f"ms = {listed([r['median_ms'] for r in results], '.1f')}")
@@ -463,8 +479,10 @@ def _measure(args) -> dict:
     with _one_codec_thread():
         alone = [codec_cpu_ms(dim, job)]
         lock = [lockstep_floor(dim, job, args.rounds)]
-    runs = {"thc": run_rounds("thc", dim, args.workers, args.rounds, timeline=args.timeline,
-                              block_log2=args.block_log2)}
+    runs = {}
+    for name, group in _fanouts(args):
+        runs[name] = run_rounds("thc", dim, args.workers, args.rounds, timeline=args.timeline,
+                                block_log2=args.block_log2, result_group=group)
     with _one_codec_thread():
         alone.append(codec_cpu_ms(dim, job))
         lock.append(lockstep_floor(dim, job, args.rounds))
@@ -480,21 +498,32 @@ def _measure(args) -> dict:
     print(f"floor alone: one worker's codec CPU per round with nothing else running (best of 3): "
           f"{alone[0]:.1f} ms before, {alone[1]:.1f} after -> {args.workers} x {np.mean(alone):.1f} / {cores} "
           f"= {floor_alone:.1f} ms")
-    print(f"{'codec':>6}{'round ms':>10}{'x floor':>9}{'x alone':>9}{'median ms':>11}{'x floor':>9}{'x alone':>9}"
+    print(f"{'codec':>9}{'round ms':>10}{'x floor':>9}{'x alone':>9}{'median ms':>11}{'x floor':>9}{'x alone':>9}"
           f"{'workers CPU ms':>16}{'PS CPU ms':>11}{'idle ms':>9}{'up MB':>8}{'down MB':>9}"
           f"{'run-queue ms':>14}{'PS run-queue':>14}")
     for codec, d in runs.items():
         idle = d["round_ms"] * cores - d["worker_cpu_ms"] - d["ps_cpu_ms"]
-        print(f"{codec:>6}{d['round_ms']:10.1f}{d['round_ms'] / floor:9.2f}{d['round_ms'] / floor_alone:9.2f}"
+        print(f"{codec:>9}{d['round_ms']:10.1f}{d['round_ms'] / floor:9.2f}{d['round_ms'] / floor_alone:9.2f}"
               f"{d['median_ms']:11.1f}{d['median_ms'] / floor:9.2f}{d['median_ms'] / floor_alone:9.2f}"
               f"{d['worker_cpu_ms']:16.1f}{d['ps_cpu_ms']:11.1f}{idle:9.1f}{d['up_mb']:8.2f}{d['down_mb']:9.2f}"
               f"{d['worker_runq_ms']:14.1f}{d['ps_runq_ms']:14.1f}",
               flush=True)
     lock_wall = float(np.mean([f["wall_ms"] for f in lock]))
-    print(f"THC's median round / the lock-step floor's own wall time ({lock_wall:.1f} ms, the same codec steps "
-          f"meeting at the same points with a network and a PS that cost nothing) = "
-          f"{runs['thc']['median_ms'] / lock_wall:.2f}", flush=True)
-    return {"median_ms": runs["thc"]["median_ms"], "floor_ms": float(floor), "lockstep_wall_ms": lock_wall}
+    thc = [name for name, _ in _fanouts(args)]
+    for name in thc:
+        print(f"{name}: median round / the lock-step floor's own wall time ({lock_wall:.1f} ms, the same codec "
+              f"steps meeting at the same points with a network and a PS that cost nothing) = "
+              f"{runs[name]['median_ms'] / lock_wall:.2f}", flush=True)
+    return {name: {"median_ms": runs[name]["median_ms"], "floor_ms": float(floor), "lockstep_wall_ms": lock_wall}
+            for name in thc}
+
+
+def _fanouts(args) -> list:
+    """The THC rows to run, (name, result group): the PS's per-worker fan-out ("thc"), the
+    job's result group ("thc-mcast"), or both, alternating in that order."""
+    rows = {"unicast": [("thc", "")], "multicast": [("thc-mcast", args.group)],
+            "both": [("thc", ""), ("thc-mcast", args.group)]}
+    return rows[args.fanout]
 
 
 if __name__ == "__main__":

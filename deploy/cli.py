@@ -44,6 +44,16 @@ _block_log2 = _int_in(0, MAX_BLOCK_LOG2, "log2 of the RHT block")
 _count = _int_in(0, 1 << 31, "a count")
 
 
+def _result_group(value: str) -> str:
+    """argparse type for JobConfig.result_group: "" or an IPv4 multicast ADDR:PORT."""
+    from proto.job import parse_group
+    try:
+        parse_group(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def _report_path(value: str) -> str:
     """A file the run may write at its end: its directory must exist now, not after an hour."""
     from pathlib import Path
@@ -78,10 +88,11 @@ def _rate_list(value: str) -> tuple:
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every option's default printed by the formatter, except where there is none to print
-    (None: decided later, e.g. by the PS; flags; an empty repeatable option)."""
+    (None: decided later, e.g. by the PS; flags; an empty repeatable option or string)."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is False or action.default == [] or action.nargs == 0:
+        if action.default is None or action.default is False or action.default in ([], "") \
+                or action.nargs == 0:
             return action.help
         if isinstance(action.default, (list, tuple)):     # as typed: values separated by spaces
             return f"{action.help} (default: {' '.join(map(str, action.default))})"
@@ -106,14 +117,17 @@ JOB_OPTIONS = {
     "seed": dict(type=None, help="the job's seed (RHT signs; test gradients)"),
     "block-log2": dict(type=None, help="log2 of the RHT block: a tensor is rotated in blocks of "
                                        "2^k coordinates (THC's artifact: 23; docs/bench.md \"RHT block size\")"),
+    "result-group": dict(type=None, metavar="ADDR:PORT",
+                         help="IPv4 multicast group the PS sends each result to, once, instead of once per "
+                              "worker (the workers join it; docs/design.md \"Result fan-out\"); empty: per worker"),
 }
 JOB_DEFAULTS = {"workers": 4, "bits": 4, "granularity": 30, "p": "1/32", "lane-bits": 8, "quorum": 1.0,
-                "seed": 0, "block-log2": DEFAULT_BLOCK_LOG2}
+                "seed": 0, "block-log2": DEFAULT_BLOCK_LOG2, "result-group": ""}
 
 
 def _job_types() -> dict:
     return {"workers": _workers, "bits": _bits, "granularity": _granularity, "p": _p_arg,
-            "quorum": _quorum, "seed": _seed, "block-log2": _block_log2}
+            "quorum": _quorum, "seed": _seed, "block-log2": _block_log2, "result-group": _result_group}
 
 
 def job_parent(*names, stated: bool = False, helps: dict | None = None, **defaults) -> argparse.ArgumentParser:
@@ -478,7 +492,7 @@ def _add_cluster_commands(sub):
                  description="Connects to a running `thc ps`, registers as --rank, runs rounds. The "
                              "job options given are what it insists on.",
                  parents=[job_parent("workers", "bits", "granularity", "p", "lane-bits", "quorum",
-                                     "block-log2", stated=True)])
+                                     "block-log2", "result-group", stated=True)])
     _codec_arg(w, stated=True)
     w.add_argument("--ps", type=_addr_list, required=True,
                    help="the PS data address HOST:PORT, or a comma list of shards (chunk c -> shard c mod S)")

@@ -49,7 +49,8 @@ def _job(args, **more):
     from proto.job import JobConfig
     return JobConfig(num_workers=args.workers, codec=args.codec, bits=args.bits,
                      granularity=args.granularity, p=args.p, lane_bits=args.lane_bits,
-                     quorum=args.quorum, seed=args.seed, block_log2=args.block_log2, **more)
+                     quorum=args.quorum, seed=args.seed, block_log2=args.block_log2,
+                     result_group=args.result_group, **more)
 
 
 def cmd_keys(args) -> None:
@@ -117,7 +118,8 @@ def _stated_job(args) -> dict:
     """The job options given on a worker's command line: what it insists on."""
     stated = {"num_workers": args.workers, "codec": args.codec, "bits": args.bits,
               "granularity": args.granularity, "p": None if args.p is None else str(args.p),
-              "lane_bits": args.lane_bits, "quorum": args.quorum, "block_log2": args.block_log2}
+              "lane_bits": args.lane_bits, "quorum": args.quorum, "block_log2": args.block_log2,
+              "result_group": args.result_group}
     return {k: v for k, v in stated.items() if v is not None}
 
 
@@ -226,7 +228,8 @@ def cmd_launch(args):
     if args.ps is not None:
         # insist on the options given explicitly; the PS announces the rest
         expect = {k: v for k, v in job.to_msg().items()
-                  if k in ("num_workers", "codec", "bits", "granularity", "p", "lane_bits", "quorum", "block_log2")}
+                  if k in ("num_workers", "codec", "bits", "granularity", "p", "lane_bits", "quorum", "block_log2",
+                           "result_group")}
     if not args.json:
         print(f"launching {'PS + ' if args.ps is None else ''}{local} of {args.workers} workers: "
               f"{args.rounds} rounds of d={args.dim}, codec={args.codec}, loss={args.loss}, "
@@ -241,7 +244,7 @@ def cmd_launch(args):
                      expect=expect, keys=args.keys, lease_s=args.lease_s, rejoin_grace_s=args.rejoin_grace_s,
                      stall_s=args.stall_s, kill=(args.kill_rank, kill_at) if args.kill_rank is not None else None,
                      restart=args.restart_killed, job_name=args.job, fixed_timeout=args.fixed_timeout,
-                     block_log2=args.block_log2)
+                     block_log2=args.block_log2, result_group=args.result_group)
     if args.json:
         return doc
     print(f"rounds {doc['rounds']}, exact {doc['exact_rounds']}, mismatched chunks "

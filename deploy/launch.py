@@ -420,7 +420,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
                ps_control_port=None, check=True, shards=1, batched=True, rank_base=0,
                local_workers=None, expect=None, keys=None, kill=None, restart=False,
                lease_s=None, rejoin_grace_s=None, stall_s=180.0, job_name=None,
-               fixed_timeout=False, block_log2=DEFAULT_BLOCK_LOG2) -> dict:
+               fixed_timeout=False, block_log2=DEFAULT_BLOCK_LOG2, result_group="") -> dict:
     """Start a PS with `shards` shards (unless `ps` = "host:port[,host:port…]") and worker
     processes for ranks rank_base … rank_base + local_workers − 1 of an n = `workers` job;
     returns the JSON summary, whose `ok` is False when any chunk was inexact or, under
@@ -434,7 +434,8 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
     `kill` = (rank, round) makes that rank's process die at the start of that round;
     with `restart` it is started again and rejoins the running job.
     batched=False makes the workers use one system call per datagram instead of
-    sendmmsg/recvmmsg.
+    sendmmsg/recvmmsg.  `result_group` ("A.B.C.D:PORT") makes the PS multicast each result
+    once to that group instead of sending it to every worker.
 
     Every wait is bounded: the workers' own (they fail naming a missing rank or an
     unreachable PS), and this launcher's watchdog, which stops the job when no worker has
@@ -446,7 +447,8 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
         raise ValueError(f"ranks {rank_base}..{rank_base + local_workers - 1} do not fit a job of "
                          f"{workers} workers")
     job = JobConfig(num_workers=workers, codec=codec, bits=bits, granularity=granularity, p=p,
-                    quorum=quorum, seed=seed, slots=slots, lane_bits=lane_bits, block_log2=block_log2)
+                    quorum=quorum, seed=seed, slots=slots, lane_bits=lane_bits, block_log2=block_log2,
+                    result_group=result_group)
     servers = []
     if ps is None:
         from ps_server.server import PSServer

@@ -6,6 +6,7 @@ Validation happens here, before any traffic (e.g. n·g overflowing the lane).
 """
 from __future__ import annotations
 
+import ipaddress
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -29,6 +30,30 @@ DATA_PLANE_CODECS = ("thc", "none")
 DEFAULT_BLOCK_LOG2 = 20
 #: The largest block a job may ask for (2^26 float32 = 256 MiB of one transform's workspace).
 MAX_BLOCK_LOG2 = 26
+
+
+def parse_group(value: str) -> tuple | None:
+    """The job's result group "A.B.C.D:PORT" as (address, port), None for "" (no group).
+
+    With a group, the software PS sends each result once, to that IPv4 multicast group,
+    instead of once per worker (THC §5: the sum goes back to the workers by multicast, as
+    the switch's replication engine does); a result a worker missed still comes back to it
+    alone when it retransmits (docs/design.md, "Result fan-out")."""
+    if value == "":
+        return None
+    if not isinstance(value, str) or value.count(":") != 1:
+        raise ValueError(f"result_group must be ADDRESS:PORT (an IPv4 multicast group), got {value!r}")
+    host, port = value.split(":")
+    try:
+        addr = ipaddress.IPv4Address(host)
+    except ValueError:
+        raise ValueError(f"result_group {value!r}: {host!r} is not an IPv4 address") from None
+    if not addr.is_multicast:
+        raise ValueError(f"result_group {value!r}: {host} is not a multicast address (224.0.0.0/4; "
+                         f"239.0.0.0/8 is for private use)")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"result_group {value!r}: the port must be in 1..65535")
+    return str(addr), int(port)
 
 
 def _is_p(value) -> bool:
@@ -62,6 +87,7 @@ class JobConfig:
     block_log2: int = DEFAULT_BLOCK_LOG2
     table: tuple = field(default=())   # filled in from (bits, granularity, p)
     codec_params: dict = field(default_factory=dict)   # keyword parameters of a BLOB codec
+    result_group: str = ""             # "A.B.C.D:PORT": results multicast there (parse_group)
 
     def __post_init__(self):
         self.validate()
@@ -87,6 +113,7 @@ class JobConfig:
         if self.slots < 1 or self.norm_slots < 1 or self.slots + self.norm_slots > 0xFFFF:
             raise ValueError("slots and norm_slots must be positive and together fit 16 bits")
         self.p = str(parse_p(self.p))
+        parse_group(self.result_group)
         if self.codec == "thc":
             check_lane_capacity(n, self.granularity, self.lane_bits)
             self.table = tuple(solve_table(self.bits, self.granularity, self.p).values)

@@ -149,6 +149,9 @@ JOB_FIELDS = {
     "block_log2": "RHT blocks are 2^block_log2 coordinates (the last one padded to a power of two)",
     "table": "THC: the 2^b table values T[0..2^b−1] (must equal the solver's for (b, g, p))",
     "codec_params": "keyword parameters of a BLOB codec",
+    "result_group": "`ADDR:PORT`, an IPv4 multicast group: the software PS sends each result (RESULT, NORM_RESULT, "
+                    "BLOB fragment) once, to it, and the workers join it; resent results stay unicast; "
+                    "`\"\"`: one copy per worker. Two running jobs never share one",
 }
 
 
@@ -225,7 +228,7 @@ def job_fields() -> str:
         t = {"tuple": "array of int", "dict": "map", "str": "str", "int": "int", "float": "float"}.get(t, t)
         d = getattr(defaults, f.name)
         shown = "(derived)" if f.name in ("table", "elems_per_packet") else "—" if f.name == "num_workers" \
-            else f"`{d}`" if not isinstance(d, dict) else "`{}`"
+            else f"`{d}`" if not isinstance(d, dict) and d != "" else "`{}`" if d == {} else '`""`'
         rows.append((f"`{f.name}`", t, shown, JOB_FIELDS[f.name]))
     return _table(["field", "type", "default", "meaning"], rows)
 

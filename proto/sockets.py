@@ -16,3 +16,24 @@ def set_buffer(sock: socket.socket, size: int, *, send: bool = False) -> None:
         sock.setsockopt(socket.SOL_SOCKET, force, size)
     except OSError:
         sock.setsockopt(socket.SOL_SOCKET, opt, size)
+
+
+def group_socket(group: tuple, iface_ip: str, rcvbuf: int) -> socket.socket:
+    """A non-blocking socket that receives the datagrams sent to the IPv4 multicast `group`
+    (address, port) on the interface with address `iface_ip` (JobConfig.result_group).
+
+    It is bound to the group's address, so it hears nothing else; SO_REUSEADDR lets every
+    worker of a host bind the same group, and each gets its own copy of a datagram."""
+    addr, port = group
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        set_buffer(sock, rcvbuf)
+        sock.bind((addr, port))
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
+                        socket.inet_aton(addr) + socket.inet_aton(iface_ip))
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock

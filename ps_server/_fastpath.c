@@ -41,6 +41,7 @@
 #define OP_FLOAT_SUM 2
 #define OP_MAX_U32 3
 #define MAX_WORKERS 32
+#define GROUP MAX_WORKERS  /* the destination index of the job's multicast group (w_ip/w_port) */
 #define BATCH 64
 #define OUT_CAP 256        /* output packets queued before a flush: 44-segment GSO runs of RESULTs */
 #include "../proto/udpio.h"
@@ -110,8 +111,9 @@ typedef struct {
     uint32_t table[256];
     uint8_t table8[16];
     slot_t *slot;
-    uint32_t w_ip[MAX_WORKERS];
-    uint16_t w_port[MAX_WORKERS];
+    uint32_t w_ip[MAX_WORKERS + 1];     /* [GROUP]: the result group, when `group` */
+    uint16_t w_port[MAX_WORKERS + 1];
+    int group;               /* fan results out as one datagram to the group (JobConfig.result_group) */
     uint32_t w_token[MAX_WORKERS];
     uint8_t w_reg[MAX_WORKERS];
     uint64_t counters[N_COUNTERS], drops[N_DROPS];
@@ -410,6 +412,7 @@ static void aggregate(Engine *e, slot_t *st, const pkt_t *p) {
     if (st->count < e->n) e->counters[C_PARTIAL]++;
     int r = result_pkt(e, p->slot, &st->cur, p->type, -1);
     if (r < 0) return;
+    if (e->group) { queue_msg(e, r, GROUP); return; }
     for (int w = 0; w < e->n; w++)
         if (e->w_reg[w]) queue_msg(e, r, w);
 }
@@ -506,18 +509,28 @@ static int claim_region(Engine *e, SlotSpace *space, int base, int total) {
 static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"job_id", "num_workers", "slots", "norm_slots", "elems_per_packet",
                              "bits", "lane_bits", "op", "quorum_count", "table", "nonce", "space",
-                             "base", NULL};
-    int job_id, base = 0;
+                             "base", "group_ip", "group_port", NULL};
+    int job_id, base = 0, group_port = 0;
     unsigned int nonce = 0;
+    const char *group_ip = "";
     PyObject *table, *space = Py_None;
     if (e->out) {
         PyErr_SetString(PyExc_RuntimeError, "an Engine is initialized once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiiiiiiiO|IOi", kwlist, &job_id, &e->n, &e->slots,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiiiiiiiO|IOisi", kwlist, &job_id, &e->n, &e->slots,
                                      &e->norm_slots, &e->elems, &e->bits, &e->lane_bits, &e->op,
-                                     &e->quorum, &table, &nonce, &space, &base))
+                                     &e->quorum, &table, &nonce, &space, &base, &group_ip, &group_port))
         return -1;
+    if (group_port != 0) {
+        struct in_addr g;
+        if (group_port < 1 || group_port > 65535 || inet_pton(AF_INET, group_ip, &g) != 1 ||
+            (ntohl(g.s_addr) >> 28) != 0xE) {
+            PyErr_SetString(PyExc_ValueError, "group_ip must be an IPv4 multicast address and group_port in 1..65535");
+            return -1;
+        }
+        e->w_ip[GROUP] = g.s_addr; e->w_port[GROUP] = (uint16_t)group_port; e->group = 1;
+    }
     if (space != Py_None && !PyObject_TypeCheck(space, &SlotSpaceType)) {
         PyErr_SetString(PyExc_TypeError, "space must be a SlotSpace or None");
         return -1;
@@ -741,9 +754,11 @@ static void flush(Engine *e, int fd) {
     int n = e->n_msgs;
     if (n == 0) { e->n_out = 0; return; }
     int k = 0;
-    for (int w = 0; w < e->n; w++)              /* stable grouping by destination */
+    for (int w = 0; w <= e->n; w++) {           /* stable grouping by destination, the group last */
+        int d = w < e->n ? w : GROUP;
         for (int m = 0; m < n; m++)
-            if (e->msgs[m].dest == w) e->order[k++] = m;
+            if (e->msgs[m].dest == d) e->order[k++] = m;
+    }
     for (;;) {
         int nm = 0, iv = 0;
         uint32_t seg = 0, bytes = 0, segs = 0;

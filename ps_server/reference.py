@@ -11,7 +11,8 @@ For a DATA/NORM packet of round r at slot s whose current round is R:
   r > R            new round: reset count/bitmap/lanes (the old result becomes
                    the shadow copy when r = R + 1), then aggregate it
   r = R, new bit   aggregate (lookup-and-sum, float sum or max); at ⌈q·n⌉
-                   contributors the result is fanned out to every worker
+                   contributors the result is fanned out to every worker (one
+                   datagram to the job's result group when it has one)
   r = R, bit seen  duplicate: dropped; if the round is complete the kept result
                    is unicast back (the sender lost it)
   r = R, complete  late contribution after partial aggregation: counted,
@@ -33,7 +34,7 @@ import numpy as np
 
 from proto import blob as B
 from proto import headers as H
-from proto.job import JobConfig
+from proto.job import JobConfig, parse_group
 from proto.packing import LANE_DTYPES, unpack_indices
 from ps_server.engine import serve_by_process
 
@@ -150,6 +151,7 @@ class ReferencePS:
         """`space`/`base`: the job's slots are slots base.. of a shared SlotSpace (else its own)."""
         self.job = job
         self.nonce = nonce
+        self.group = parse_group(job.result_group)       # (ip, port) or None
         self.table = np.asarray(job.table or (0,), dtype=np.int64)
         total = job.slots + job.norm_slots
         self.space = space or SlotSpace(total)
@@ -240,6 +242,17 @@ class ReferencePS:
         out.append((pkt, self.workers[dest]))
         self.stats.counters["packets_out"] += 1
         self.stats.counters["bytes_out"] += len(pkt)
+
+    def _fan_out(self, out: list, pkt: bytes) -> None:
+        """A result to every registered worker: one datagram to the job's result group, or
+        one per worker when it has none."""
+        if self.group is not None:
+            out.append((pkt, self.group))
+            self.stats.counters["packets_out"] += 1
+            self.stats.counters["bytes_out"] += len(pkt)
+            return
+        for wid in sorted(self.workers):
+            self._emit(out, pkt, wid)
 
     def _unicast_result(self, slot: int, res: _Result, data_type: int, dest: int) -> list:
         out: list = []
@@ -354,10 +367,8 @@ class ReferencePS:
         c["rounds_completed"] += 1
         if st.count < self.job.num_workers:
             c["partial_rounds"] += 1
-        pkt = self._result_packet(h.slot, st.result, h.type, None)
         out: list = []
-        for wid in sorted(self.workers):
-            self._emit(out, pkt, wid)
+        self._fan_out(out, self._result_packet(h.slot, st.result, h.type, None))
         return out
 
     # ------------------------------------------------------------------ BLOB codecs
@@ -370,8 +381,10 @@ class ReferencePS:
                          contributors=rnd.count, op=H.OP_BLOB,
                          flags=0 if dest is None else H.F_RESENT, nonce=self.nonce)
             pkt = H.build(h, frag)
-            for wid in (sorted(self.workers) if dest is None else [dest]):
-                self._emit(out, pkt, wid)
+            if dest is None:
+                self._fan_out(out, pkt)
+            else:
+                self._emit(out, pkt, dest)
         return out
 
     def _blob_resend(self, rnd: _BlobRound, h: H.Header, total: int) -> list:

@@ -38,7 +38,7 @@ import zmq
 
 from proto import control
 from proto import udpio
-from proto.job import JobConfig
+from proto.job import JobConfig, parse_group
 from proto.sockets import set_buffer
 from ps_server.engine import Engine, ExternalEngine
 from ps_server import admission
@@ -81,7 +81,12 @@ def make_engine(job: JobConfig, kind: str | ExternalEngine = "c", nonce: int = 0
                   norm_slots=job.norm_slots, elems_per_packet=job.elems_per_packet,
                   bits=job.bits, lane_bits=job.lane_bits, op=job.op,
                   quorum_count=job.quorum_count, table=list(job.table) or [0], nonce=nonce,
-                  space=space, base=base)
+                  space=space, base=base, **_group_kwargs(job))
+
+
+def _group_kwargs(job: JobConfig) -> dict:
+    group = parse_group(job.result_group)
+    return {} if group is None else {"group_ip": group[0], "group_port": group[1]}
 
 
 def udp_socket(bind: tuple) -> socket.socket:
@@ -90,6 +95,9 @@ def udp_socket(bind: tuple) -> socket.socket:
     set_buffer(sock, RCVBUF, send=True)
     udpio.set_gro(sock, udpio.offload_enabled())   # before traffic: batches coalesce from the start
     sock.bind(bind)
+    ip = sock.getsockname()[0]
+    if ip != "0.0.0.0":            # results to a job's group leave by the interface the PS listens on
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(ip))
     return sock
 
 
@@ -208,6 +216,8 @@ class PSServer:
         self._external = None if isinstance(engine, str) else engine    # an ExternalEngine
         if self._external is not None:          # the switch's registers are the slot space
             slot_space = self._external.slot_space
+        if job is not None and job.result_group and self._external is not None:
+            raise ValueError("result_group: a switch multicasts results itself; the PS's job must not name one")
         if job is not None and job.slots + job.norm_slots > slot_space:
             raise ValueError(f"the job's {job.slots} + {job.norm_slots} slots exceed the slot space "
                              f"of {slot_space}")
@@ -268,6 +278,19 @@ class PSServer:
         if wanted not in used:
             return wanted
         return next(i for i in range(1, 1 << 16) if i not in used)
+
+    def _check_group(self, config: JobConfig) -> None:
+        """Refuse a result group this PS cannot serve: a switch multicasts results itself, and
+        two running jobs on one group would each deliver every result to the other's workers."""
+        if not config.result_group:
+            return
+        if self._external is not None:
+            raise control.ControlError(f"result_group {config.result_group}: this PS aggregates in a "
+                                       f"switch, which multicasts results itself; drop result_group")
+        other = next((j for j in self.jobs.values() if j.config.result_group == config.result_group), None)
+        if other is not None:
+            raise control.ControlError(f"result_group {config.result_group} is in use by {other.label()}; "
+                                       f"give this job another group or port")
 
     def _admit(self, name: str, config: JobConfig, rank: int) -> Job:
         """Start job `name`: a region of the slot space, a job id and an engine; or raise
@@ -450,6 +473,7 @@ class PSServer:
                 raise control.ControlError("job configuration differs: " + "; ".join(diffs))
             if not 0 <= rank < config.num_workers:
                 raise control.ControlError(f"rank {rank} out of range 0..{config.num_workers - 1}")
+            self._check_group(config)
             job = self._admit(name, config, rank)
         else:
             diffs = job.config.differences(expect)     # a proposal matters only to start a job

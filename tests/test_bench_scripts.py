@@ -101,22 +101,26 @@ def _live_in_groups(groups: set) -> list:
 
 
 def test_bench_floor_small_run_prints_the_table_and_the_threads(tmp_path):
-    """A small bench_floor run with --timeline: both codecs' rows, each worker's steps, the
-    CPU by thread of the workers (the error-feedback helper among them) and of the PS, and a
-    PS CPU counted inside the rounds that is a number, not nan."""
+    """A small bench_floor run with --timeline and --fanout both: the codecs' rows (THC with
+    each fan-out), each worker's steps, the CPU by thread of the workers (the error-feedback
+    helper among them) and of the PS, and a PS CPU counted inside the rounds that is a number,
+    not nan."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_floor.py"), "--dim-log2", "16",
-                           "--rounds", "2", "--timeline"], cwd=tmp_path, env=env,
+                           "--rounds", "2", "--timeline", "--fanout", "both"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "rank 3 " in out and "CPU ms per round by thread (schedstat):" in out
     assert "thc-feedback" in out and "_data_loop" in out, out
-    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["thc"], ["none"])}
-    assert set(rows) == {"thc", "none"}
-    ps_cpu = float(rows["thc"][8])             # codec, round, x floor, x alone, median, x, x, workers CPU, PS CPU
-    assert ps_cpu == ps_cpu and ps_cpu > 0
-    assert "THC's median round / the lock-step floor's own wall time" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line.split()[:1] in (["thc"], ["thc-mcast"], ["none"])}
+    assert set(rows) == {"thc", "thc-mcast", "none"}
+    for row in ("thc", "thc-mcast"):
+        ps_cpu = float(rows[row][8])           # codec, round, x floor, x alone, median, x, x, workers CPU, PS CPU
+        assert ps_cpu == ps_cpu and ps_cpu > 0
+        assert f"{row}: median round / the lock-step floor's own wall time" in out
+    assert "thc (result group 239.255.77.1:47077): round ms per worker" in out
 
 
 def test_thread_kinds_and_the_ps_cpu_inside_rounds():

@@ -184,7 +184,8 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
  * round of a slot, a BLOB fragment) are appended to `extras` as (shard, bytes).
  *
  * P (int64): type, want_type, job_id, worker_id, num_workers, elem_bits, op, nchunks,
- *            window, nslots, nshards, zero_policy, max_retries, gso, next_c, npending, finished
+ *            window, nslots, nshards, zero_policy, max_retries, gso, next_c, npending, finished,
+ *            spin_us, and the result group's socket (-1: none; results are read from both)
  * T (float64): RetransmitTimer.T (worker/transport.py): floor, cap, adaptive, then each
  *              shard's scale (seconds per chunk in flight)
  * sent, done (float64), inflight (int32): each chunk's first send and answer times and the
@@ -194,7 +195,7 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
  * counters (int64): see PHASE_COUNTERS in worker/transport.py
  */
 enum { P_TYPE, P_WANT, P_JOB, P_WORKER, P_NW, P_EBITS, P_OP, P_N, P_WINDOW, P_NSLOTS, P_NSHARDS,
-       P_ZERO, P_MAXRETRIES, P_GSO, P_NEXT, P_NPENDING, P_FINISHED, P_SPIN_US, P_COUNT };
+       P_ZERO, P_MAXRETRIES, P_GSO, P_NEXT, P_NPENDING, P_FINISHED, P_SPIN_US, P_GFD, P_COUNT };
 enum { K_SENT, K_RECV, K_BYTES_SENT, K_BYTES_RECV, K_RETRANS, K_TIMEOUTS, K_LOST, K_STRAGGLER,
        K_BAD, K_GSO_MSGS, K_GRO_BATCHES, K_COUNT };
 enum { S_NEW, S_PENDING, S_RESULT, S_LOST, S_SETTLED };
@@ -390,6 +391,52 @@ static int accept_one(phase_t *ph, const uint8_t *b, uint32_t len, uint32_t ip, 
     return 0;
 }
 
+/* Every result queued on `fd` (the worker's socket or its result group's), in recvmmsg
+ * batches of 8 (GRO batches split into datagrams), through accept_one; what Python keeps goes
+ * to ph->extras with the GIL taken back for it.  Returns 0, an errno, or -1 (a Python error). */
+static int drain(phase_t *ph, int fd, uint8_t *rx, PyThreadState **ts) {
+    int err = 0;
+    for (;;) {
+        struct mmsghdr mm[8];
+        struct iovec iov[8];
+        struct sockaddr_in from[8];
+        union { char buf[CMSG_SPACE(sizeof(int))]; struct cmsghdr align; } ctl[8];
+        for (int i = 0; i < 8; i++) {
+            memset(&mm[i], 0, sizeof mm[i]);
+            iov[i].iov_base = rx + (size_t)i * RX_CAP; iov[i].iov_len = RX_CAP;
+            mm[i].msg_hdr.msg_iov = &iov[i]; mm[i].msg_hdr.msg_iovlen = 1;
+            mm[i].msg_hdr.msg_name = &from[i]; mm[i].msg_hdr.msg_namelen = sizeof from[i];
+            mm[i].msg_hdr.msg_control = ctl[i].buf; mm[i].msg_hdr.msg_controllen = sizeof ctl[i].buf;
+        }
+        int r = recvmmsg(fd, mm, 8, MSG_DONTWAIT, NULL);
+        if (r < 0) {
+            if (errno == EINTR || errno == ECONNREFUSED) continue;
+            if (errno != EAGAIN && errno != EWOULDBLOCK) err = errno;
+            return err;
+        }
+        for (int i = 0; i < r; i++) {
+            uint32_t len = mm[i].msg_len, seg = gro_size(&mm[i].msg_hdr);
+            if (seg == 0 || seg >= len) seg = len ? len : 1;
+            else ph->counters[K_GRO_BATCHES]++;
+            uint32_t o = 0;
+            do {
+                uint32_t m = len - o < seg ? len - o : seg;
+                const uint8_t *b = (const uint8_t *)iov[i].iov_base + o;
+                int shard = -1;
+                if (accept_one(ph, b, m, from[i].sin_addr.s_addr, ntohs(from[i].sin_port), &shard) < 0) {
+                    PyEval_RestoreThread(*ts);
+                    PyObject *item = Py_BuildValue("(iy#)", shard, (const char *)b, (Py_ssize_t)m);
+                    if (!item || PyList_Append(ph->extras, item) < 0) err = -1;
+                    Py_XDECREF(item);
+                    *ts = PyEval_SaveThread();
+                }
+                o += m;
+            } while (o < len && err != -1);
+        }
+        if (r < 8 || err) return err;
+    }
+}
+
 #define GETBUF(i, b, flags) if (PyObject_GetBuffer(PyTuple_GET_ITEM(args, i), &b, flags) < 0) goto fail;
 
 static PyObject *phase_run(PyObject *self, PyObject *args) {
@@ -493,56 +540,20 @@ static PyObject *phase_run(PyObject *self, PyObject *args) {
         if (now >= end) break;
         double wait = (np ? first : now + ph.T[0]) - now;
         if (wait > end - now) wait = end - now;
-        struct pollfd pfd = {.fd = ph.fd, .events = POLLIN};
+        struct pollfd pfd[2] = {{.fd = ph.fd, .events = POLLIN}, {.fd = (int)P[P_GFD], .events = POLLIN}};
+        int nfd = P[P_GFD] >= 0 ? 2 : 1;
         int pr = 0;
         if (P[P_SPIN_US] > 0 && wait > 0) {      /* bounded busy-poll before sleeping */
             double spin_end = now + (double)P[P_SPIN_US] * 1e-6;
             if (spin_end > now + wait) spin_end = now + wait;
             double t = now;
-            do pr = poll(&pfd, 1, 0); while (pr == 0 && (t = mono_s()) < spin_end);
+            do pr = poll(pfd, nfd, 0); while (pr == 0 && (t = mono_s()) < spin_end);
             if (pr == 0) wait -= t - now;        /* the spin took part of the wait */
         }
-        if (pr == 0) pr = poll(&pfd, 1, wait > 0 ? (int)(wait * 1e3 + 0.999) : 0);
+        if (pr == 0) pr = poll(pfd, nfd, wait > 0 ? (int)(wait * 1e3 + 0.999) : 0);
         if (pr < 0 && errno != EINTR) { err = errno; break; }
-        while (pr > 0) {
-            struct mmsghdr mm[8];
-            struct iovec iov[8];
-            struct sockaddr_in from[8];
-            union { char buf[CMSG_SPACE(sizeof(int))]; struct cmsghdr align; } ctl[8];
-            for (int i = 0; i < 8; i++) {
-                memset(&mm[i], 0, sizeof mm[i]);
-                iov[i].iov_base = rx + (size_t)i * RX_CAP; iov[i].iov_len = RX_CAP;
-                mm[i].msg_hdr.msg_iov = &iov[i]; mm[i].msg_hdr.msg_iovlen = 1;
-                mm[i].msg_hdr.msg_name = &from[i]; mm[i].msg_hdr.msg_namelen = sizeof from[i];
-                mm[i].msg_hdr.msg_control = ctl[i].buf; mm[i].msg_hdr.msg_controllen = sizeof ctl[i].buf;
-            }
-            int r = recvmmsg(ph.fd, mm, 8, MSG_DONTWAIT, NULL);
-            if (r < 0) {
-                if (errno == EINTR || errno == ECONNREFUSED) continue;
-                if (errno != EAGAIN && errno != EWOULDBLOCK) err = errno;
-                break;
-            }
-            for (int i = 0; i < r; i++) {
-                uint32_t len = mm[i].msg_len, seg = gro_size(&mm[i].msg_hdr);
-                if (seg == 0 || seg >= len) seg = len ? len : 1;
-                else ph.counters[K_GRO_BATCHES]++;
-                uint32_t o = 0;
-                do {
-                    uint32_t m = len - o < seg ? len - o : seg;
-                    const uint8_t *b = (const uint8_t *)iov[i].iov_base + o;
-                    int shard = -1;
-                    if (accept_one(&ph, b, m, from[i].sin_addr.s_addr, ntohs(from[i].sin_port), &shard) < 0) {
-                        PyEval_RestoreThread(ts);
-                        PyObject *item = Py_BuildValue("(iy#)", shard, (const char *)b, (Py_ssize_t)m);
-                        if (!item || PyList_Append(ph.extras, item) < 0) err = -1;
-                        Py_XDECREF(item);
-                        ts = PyEval_SaveThread();
-                    }
-                    o += m;
-                } while (o < len && err != -1);
-            }
-            if (r < 8 || err) break;
-        }
+        for (int f = 0; pr > 0 && f < nfd && !err; f++)
+            if (pfd[f].revents) err = drain(&ph, pfd[f].fd, rx, &ts);
         if (err) break;
         /* deadlines: retransmit with backoff, or lose the chunk (zero policy) */
         now = mono_s();

@@ -42,8 +42,8 @@ from proto import blob as B
 from proto import control
 from proto import headers as H
 from proto import udpio
-from proto.job import JobConfig
-from proto.sockets import set_buffer
+from proto.job import JobConfig, parse_group
+from proto.sockets import group_socket, set_buffer
 from worker.policies import POLICIES
 
 try:
@@ -498,6 +498,7 @@ class Transport:
         self.job = _common_job(jobs)
         self.rejoined = any(s["rejoin"] for s in self.sessions)
         self._rx_size = max(self.job.mtu, 2048)
+        self.gsock = self._group_socket(offload)
         self.window = min(window, self.job.slots * len(shards))
         self.cwnd = min(START_WINDOW, self.window)
         self.ssthresh = self.window
@@ -512,6 +513,26 @@ class Transport:
             self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                                name=f"thc-heartbeat-{worker_id}")
             self._hb_thread.start()
+
+    def _group_socket(self, offload: bool):
+        """The socket of the job's result group (JobConfig.result_group), or None: results
+        then come once per job from the PS, by multicast, and retransmitted ones on self.sock."""
+        group = parse_group(self.job.result_group)
+        if group is None:
+            return None
+        iface = self.sock.getsockname()[0]
+        try:
+            sock = group_socket(group, iface, 8 << 20)
+        except OSError as exc:
+            self.close()
+            raise RuntimeError(f"worker {self.worker_id}: cannot join the job's result group "
+                               f"{self.job.result_group} on {iface}: {exc}") from exc
+        udpio.set_gro(sock, offload)
+        return sock
+
+    def _sockets(self) -> list:
+        """Where results arrive: the worker's own socket, and the result group's."""
+        return [self.sock] if self.gsock is None else [self.sock, self.gsock]
 
     # ---------------------------------------------------------------- membership
     def _register(self, shard: int, rejoin: bool = False) -> JobConfig:
@@ -784,6 +805,8 @@ class Transport:
             sock.close(0)
         self._ctl.clear()
         self.sock.close()
+        if getattr(self, "gsock", None) is not None:
+            self.gsock.close()
 
     # ---------------------------------------------------------------- raw I/O with faults
     def _emit(self, out: list) -> None:
@@ -852,16 +875,15 @@ class Transport:
     def _recv_many(self, timeout: float, limit: int = 256) -> list:
         """Every datagram waiting (up to `limit`) once one arrives within `timeout`, as
         [(shard, header, payload)]; injected drops and bad packets are counted and left out."""
-        ready, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
-        if not ready:
-            return []
-        if self.batched:
-            raw = _batchio.recv_many(self.sock.fileno(), limit, self._rx_size)
-        else:
-            raw = []
+        ready, _, _ = select.select(self._sockets(), [], [], max(0.0, timeout))
+        raw: list = []
+        for sock in ready:
+            if self.batched:
+                raw += _batchio.recv_many(sock.fileno(), limit, self._rx_size)
+                continue
             try:
                 while len(raw) < limit:
-                    raw.append(self.sock.recvfrom(65536))
+                    raw.append(sock.recvfrom(65536))
             except (BlockingIOError, ConnectionRefusedError):
                 pass
         return [g for g in map(self._accept, raw) if g is not None]
@@ -1076,7 +1098,8 @@ class Transport:
         P = np.array([kind, H.NORM_RESULT if kind == H.NORM else H.RESULT, job.job_id, self.worker_id,
                       job.num_workers, elem_bits, op, n, self.cwnd, nslots, len(self.shard_addrs),
                       self.policy == "zero", self.max_retries, self._gso, 0, 0,
-                      int(np.count_nonzero(res.state == _SETTLED)), SPIN_US], dtype=np.int64)
+                      int(np.count_nonzero(res.state == _SETTLED)), SPIN_US,
+                      -1 if self.gsock is None else self.gsock.fileno()], dtype=np.int64)
         dests = np.array([[int.from_bytes(socket.inet_aton(ip), sys.byteorder), port, s["nonce"], s["token"]]
                           for (ip, port), s in zip(self.shard_addrs, self.sessions)], dtype=np.int64)
         hdr = np.zeros(n * H.HEADER_SIZE, np.uint8)

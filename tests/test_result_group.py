@@ -1,0 +1,183 @@
+"""A job's result group: the PS sends each result once, by IPv4 multicast, instead of once per
+worker; a result a worker missed still reaches it alone when it retransmits."""
+import socket
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from deploy.launch import run_launch
+from proto import control
+from proto import headers as H
+from proto.job import JobConfig, parse_group
+from ps_server.reference import ReferencePS
+from ps_server.server import PSServer, make_engine
+from tests.helpers import run_threads
+from tests.test_ps_engine import ADDRS, NONCE, job_for, register_all, sequence, stable_seed
+from tests.test_service import ps, transports
+from worker.client import Worker
+
+GROUP = "239.255.91.3:47311"
+
+
+@pytest.mark.parametrize("value,message", [
+    ("239.1.2.3", "must be ADDRESS:PORT"),
+    ("239.1.2.3:80:1", "must be ADDRESS:PORT"),
+    ("example.org:5000", "is not an IPv4 address"),
+    ("10.0.0.7:5000", "is not a multicast address"),
+    ("239.1.2.3:0", "port must be in 1..65535"),
+    ("239.1.2.3:70000", "port must be in 1..65535"),
+    ("239.1.2.3:http", "port must be in 1..65535"),
+])
+def test_a_bad_group_is_refused_naming_what_is_wrong(value, message):
+    with pytest.raises(ValueError, match=message):
+        parse_group(value)
+    with pytest.raises(ValueError, match=message):
+        JobConfig(num_workers=2, result_group=value)
+
+
+def test_the_group_travels_in_the_job_and_is_part_of_its_identity():
+    assert parse_group("") is None and parse_group(GROUP) == ("239.255.91.3", 47311)
+    job = JobConfig(num_workers=3, result_group=GROUP)
+    assert JobConfig.from_msg(job.to_msg()) == job
+    assert job.differences({"result_group": ""}) == [f"result_group: PS has {GROUP!r}, worker expects ''"]
+
+
+def _expand(outputs: list, group: tuple, workers: list) -> list:
+    """A group's datagram as the per-worker copies it stands for."""
+    out = []
+    for pkt, dest in outputs:
+        out += [(pkt, w) for w in workers] if dest == group else [(pkt, dest)]
+    return out
+
+
+@pytest.mark.parametrize("codec,quorum", [("thc", 1.0), ("thc", 0.75), ("none", 1.0)])
+def test_a_group_changes_only_where_fan_outs_go_and_both_engines_agree(codec, quorum):
+    """The same random traffic (loss, duplicates, late and stale rounds, garbage) through the
+    C engine and the reference with a group, and the reference without: the group engines
+    agree byte for byte; each fan-out is one datagram to the group where the per-worker
+    engine sends n; resent results and straggler notices still go to their worker."""
+    plain = job_for(codec, quorum)
+    grouped = JobConfig(**{**plain.to_msg(), "table": (), "result_group": GROUP})
+    seq = sequence(plain, seed=stable_seed("group", codec, quorum))
+    ref, fast, per_worker = ReferencePS(grouped, NONCE), make_engine(grouped, "c", NONCE), ReferencePS(plain, NONCE)
+    for e in (ref, fast, per_worker):
+        register_all(e)
+    group = parse_group(GROUP)
+    out_ref = [ref.process(p, a) for p, a in seq]
+    out_c = [fast.process(p, a) for p, a in seq]
+    out_plain = [per_worker.process(p, a) for p, a in seq]
+    assert out_c == out_ref
+    assert [_expand(o, group, ADDRS) for o in out_ref] == out_plain
+    s, sp = fast.stats(), per_worker.stats()
+    fanned = sum(dest == group for step in out_c for _, dest in step)
+    assert fanned == s["rounds_completed"] > 20 and s["results_resent"] > 0 and s["stragglers_notified"] > 0
+    assert sp["packets_out"] - s["packets_out"] == fanned * (len(ADDRS) - 1)
+    assert ref.stats() == s
+
+
+def test_the_c_engine_refuses_a_group_that_is_not_multicast():
+    from ps_server._fastpath import Engine
+    args = dict(job_id=1, num_workers=2, slots=4, norm_slots=2, elems_per_packet=16, bits=4, lane_bits=8,
+                op=H.OP_LOOKUP_SUM, quorum_count=2, table=list(range(16)), nonce=1)
+    with pytest.raises(ValueError, match="multicast"):
+        Engine(**args, group_ip="10.1.2.3", group_port=5000)
+    with pytest.raises(ValueError, match="multicast"):
+        Engine(**args, group_ip="239.1.2.3", group_port=70000)
+
+
+def test_rounds_over_a_group_are_exact_with_one_datagram_per_result():
+    doc = run_launch(workers=4, rounds=20, dim=1 << 16, result_group=GROUP)
+    assert doc["ok"] and doc["exact_rounds"] == 20 and doc["mismatched_chunks"] == 0, doc["problems"]
+    ps_ = doc["ps"]
+    # one datagram per completed slot, plus whatever a busy machine made the PS resend
+    assert ps_["packets_out"] == ps_["rounds_completed"] + ps_["results_resent"] + ps_["stragglers_notified"]
+
+
+def test_lost_group_datagrams_come_back_to_their_worker_alone():
+    doc = run_launch(workers=4, rounds=20, dim=1 << 16, result_group=GROUP, loss=0.05)
+    assert doc["ok"] and doc["exact_rounds"] == 20 and doc["mismatched_chunks"] == 0, doc["problems"]
+    assert doc["injected"]["injected_drops_in"] > 50 and doc["ps"]["results_resent"] > 0
+
+
+@pytest.mark.parametrize("codec", ["none", "topk"])
+def test_other_codecs_use_the_group_too(codec):
+    doc = run_launch(workers=3, rounds=8, dim=5000, codec=codec, result_group=GROUP)
+    assert doc["ok"] and doc["exact_rounds"] == 8, doc["problems"]
+    assert doc["ps"]["packets_out"] < doc["ps"]["packets_in"]      # not one per worker
+
+
+def test_a_worker_deaf_to_the_group_still_gets_every_result_in_the_c_phase():
+    """Rank 1's group socket never joined the group (a switch port that drops multicast, a
+    missing IGMP membership): every one of its results comes back as a unicast resend after
+    its retransmission, through the C phase loop, and both ranks decode the same average."""
+    server = ps(JobConfig(num_workers=2, result_group=GROUP, slots=8))
+    ts = transports(server, 2, timeout_ms=20.0)
+    try:
+        deaf = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        deaf.bind(("127.0.0.1", 0))
+        deaf.setblocking(False)
+        ts[1].gsock.close()
+        ts[1].gsock = deaf
+        assert all(t._c_phase() for t in ts)
+        grads = [np.random.default_rng(r).standard_normal(6000).astype(np.float32) for r in range(2)]
+        workers = [Worker(t, error_feedback=False, seed=0) for t in ts]
+        out: dict = {}
+
+        def one(r):
+            out[r] = workers[r].allreduce(grads[r])
+        assert run_threads(one, 2) == []
+        np.testing.assert_array_equal(out[0], out[1])
+        assert ts[1].stats.counters["retransmissions"] > 0 and ts[0].stats.counters["retransmissions"] == 0
+        assert server.engine.stats()["results_resent"] > 0
+    finally:
+        for t in ts:
+            t.close()
+        server.stop()
+
+
+def test_a_second_job_on_the_same_group_is_refused_naming_the_first():
+    server = ps()
+    first = None
+    try:
+        first = transports(server, 1, propose=JobConfig(num_workers=2, result_group=GROUP), job_name="a")[0]
+        with pytest.raises(ValueError, match=f"PS refused register: result_group {GROUP} is in use by job 1 .'a'."):
+            transports(server, 1, propose=JobConfig(num_workers=2, result_group=GROUP), job_name="b")
+        other = transports(server, 1, propose=JobConfig(num_workers=2, result_group="239.255.91.3:47312"),
+                           job_name="c")[0]
+        other.close()
+    finally:
+        if first is not None:
+            first.close()
+        server.stop()
+
+
+def test_a_ps_driving_a_switch_refuses_a_group():
+    switch = SimpleNamespace(slot_space=1024, max_jobs=4, fixed_nonce=None, fixed_tokens={})
+    with pytest.raises(ValueError, match="a switch multicasts results itself"):
+        PSServer(JobConfig(num_workers=2, result_group=GROUP), ("127.0.0.1", 0), control_port=0, engine=switch)
+    server = PSServer(None, ("127.0.0.1", 0), control_port=0, engine=switch)     # not started
+    try:
+        with pytest.raises(control.ControlError, match="multicasts results itself; drop result_group"):
+            server._check_group(JobConfig(num_workers=2, result_group=GROUP))
+        server._check_group(JobConfig(num_workers=2))
+    finally:
+        server.sock.close()
+        server.ctl.close(0)
+
+
+def test_the_worker_names_the_group_it_cannot_join(monkeypatch):
+    import worker.transport as T
+
+    def refuse(*_a, **_k):
+        raise OSError(19, "No such device")
+    server = ps(JobConfig(num_workers=1, result_group=GROUP))
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(T, "group_socket", refuse)
+            with pytest.raises(RuntimeError, match=f"worker 0: cannot join the job's result group {GROUP} "
+                                                   f"on 127.0.0.1: .*No such device"):
+                transports(server, 1)
+        transports(server, 1)[0].close()        # it left: the rank is free at once
+    finally:
+        server.stop()
