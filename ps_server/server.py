@@ -101,6 +101,22 @@ def udp_socket(bind: tuple) -> socket.socket:
     return sock
 
 
+def group_unreachable(sock: socket.socket, group: tuple) -> str:
+    """Why datagrams from `sock`'s address cannot reach the multicast `group` (no route from
+    that interface), or "": a route lookup by a throwaway socket, before any traffic."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        ip = sock.getsockname()[0]
+        if ip != "0.0.0.0":
+            probe.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(ip))
+        probe.connect(group)
+        return ""
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        probe.close()
+
+
 def _add_stats(total: dict, part: dict) -> None:
     for k, v in part.items():
         if k == "drops":
@@ -291,6 +307,10 @@ class PSServer:
         if other is not None:
             raise control.ControlError(f"result_group {config.result_group} is in use by {other.label()}; "
                                        f"give this job another group or port")
+        problem = group_unreachable(self.sock, parse_group(config.result_group))
+        if problem:
+            raise control.ControlError(f"result_group {config.result_group}: this PS cannot send to it "
+                                       f"({problem}); bind the PS to an address of the workers' network")
 
     def _admit(self, name: str, config: JobConfig, rank: int) -> Job:
         """Start job `name`: a region of the slot space, a job id and an engine; or raise

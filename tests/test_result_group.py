@@ -1,12 +1,20 @@
 """A job's result group: the PS sends each result once, by IPv4 multicast, instead of once per
 worker; a result a worker missed still reaches it alone when it retransmits."""
+import json
+import os
 import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from deploy import netns
 from deploy.launch import run_launch
+from deploy.procs import stop_gracefully
 from proto import control
 from proto import headers as H
 from proto.job import JobConfig, parse_group
@@ -18,6 +26,7 @@ from tests.test_service import ps, transports
 from worker.client import Worker
 
 GROUP = "239.255.91.3:47311"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("value,message", [
@@ -181,3 +190,58 @@ def test_the_worker_names_the_group_it_cannot_join(monkeypatch):
         transports(server, 1)[0].close()        # it left: the rank is free at once
     finally:
         server.stop()
+
+
+NETNS = netns.unavailable(need_nft=True)
+
+
+def _thc_ps(net, bind: str, *extra):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "THC_UDP_OFFLOAD": "0"}
+    proc = subprocess.Popen(net.prefix(net.ps_ns) + [sys.executable, "-m", "deploy.cli", "ps", "--bind", bind,
+                                                     "--stats-every", "0", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    time.sleep(1.5)
+    return proc, env
+
+
+@pytest.mark.skipif(NETNS is not None, reason=NETNS or "")
+def test_a_group_between_two_hosts_with_kernel_loss_is_exact():
+    """PS and workers in two namespaces on a veth pair: the results cross as multicast, 5% of
+    the datagrams each way (the group's included) dropped by nftables, and every round exact."""
+    with netns.two_hosts(loss=0.05) as net:
+        ps_proc, env = _thc_ps(net, f"{net.ps_ip}:9000", "--workers", "2", "--result-group", GROUP)
+        try:
+            run = subprocess.run(net.prefix(net.worker_ns) + [
+                sys.executable, "-m", "deploy.cli", "launch", "--ps", f"{net.ps_ip}:9000", "--workers", "2",
+                "--rounds", "10", "--dim", str(1 << 14), "--result-group", GROUP, "--json"],
+                capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+            drops = netns.nft_drop_counters(net.worker_ns)
+        finally:
+            ps_out = stop_gracefully(ps_proc)
+    assert run.returncode == 0, run.stderr[-2000:]
+    doc = json.loads(run.stdout.strip().splitlines()[-1])
+    assert doc["exact_rounds"] == 10 and doc["mismatched_chunks"] == 0 and doc["lost_chunks"] == 0
+    assert drops > 0 and doc["retransmissions"] > 0
+    final = next(line for line in ps_out.splitlines() if line.startswith("final stats shard 0: "))
+    ps_stats = json.loads(final.split(": ", 1)[1])
+    # each result crossed once (not once per worker), plus the resends the loss asked for
+    assert ps_stats["packets_out"] == (ps_stats["rounds_completed"] + ps_stats["results_resent"]
+                                       + ps_stats["stragglers_notified"])
+    assert ps_stats["results_resent"] > 0
+
+
+@pytest.mark.skipif(NETNS is not None, reason=NETNS or "")
+def test_a_ps_with_no_route_to_the_group_refuses_the_job_saying_so():
+    """A PS bound to every interface of a host with no route for the group: the job is refused
+    at registration, naming the group and the cause, instead of losing every result."""
+    with netns.two_hosts() as net:
+        ps_proc, env = _thc_ps(net, "0.0.0.0:9000")
+        try:
+            run = subprocess.run(net.prefix(net.worker_ns) + [
+                sys.executable, "-m", "deploy.cli", "launch", "--ps", f"{net.ps_ip}:9000", "--workers", "1",
+                "--rounds", "1", "--result-group", GROUP], capture_output=True, text=True, env=env, cwd=ROOT,
+                timeout=120)
+        finally:
+            stop_gracefully(ps_proc)
+    assert run.returncode != 0
+    assert f"result_group {GROUP}: this PS cannot send to it (Network is unreachable)" in run.stderr + run.stdout
