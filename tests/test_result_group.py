@@ -137,8 +137,11 @@ def test_a_worker_deaf_to_the_group_still_gets_every_result_in_the_c_phase():
             out[r] = workers[r].allreduce(grads[r])
         assert run_threads(one, 2) == []
         np.testing.assert_array_equal(out[0], out[1])
-        assert ts[1].stats.counters["retransmissions"] > 0 and ts[0].stats.counters["retransmissions"] == 0
-        assert server.engine.stats()["results_resent"] > 0
+        # it hears a result only as the answer to a resend: at least one per chunk (the NORM
+        # chunk and the DATA chunks of the 8192 padded coordinates)
+        chunks = 1 + -(-8192 // ts[1].job.elems_per_packet)
+        assert ts[1].stats.counters["retransmissions"] >= chunks
+        assert server.engine.stats()["results_resent"] >= chunks
     finally:
         for t in ts:
             t.close()
