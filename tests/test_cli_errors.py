@@ -30,6 +30,9 @@ def thc(*argv, timeout=60):
     (["train", "--ps", "host:http"], "port 'http' is not a number"),
     (["launch", "--ps", ":9000"], "no host before ':'"),
     (["ps", "--bind", "127.0.0.1:99999"], "port 99999 is out of range 1..65535 in '127.0.0.1:99999'"),
+    (["launch", "--result-group", "10.0.0.1:5000"], "10.0.0.1 is not a multicast address"),
+    (["worker", "--ps", "127.0.0.1:9000", "--result-group", "239.1.2.3"], "must be ADDRESS:PORT"),
+    (["train", "--result-group", "239.1.2.3:0"], "the port must be in 1..65535"),
 ])
 def test_bad_arguments_say_what_is_wrong(argv, message):
     proc = thc(*argv)
