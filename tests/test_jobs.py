@@ -317,7 +317,9 @@ def test_jobs_join_and_leave_while_another_runs():
     server = ps(log=events.append)
     docs = {}
     try:
-        a = launch_in_background(server, docs, "a", workers=2, rounds=400, dim=20000)
+        # A must outlive C's start (else C gets A's region, the first that fits): 400 rounds
+        # took under 2 s on a quiet host, too short; 3000 take 4-20 s
+        a = launch_in_background(server, docs, "a", workers=2, rounds=3000, dim=20000)
         docs["b"] = run_launch(workers=3, rounds=20, dim=8192, codec="none", **at(server))
         assert a.is_alive(), "job A ended before B; make A longer"
         # B ends when its last rank's leave arrives (or, on a loaded host where a leave times
@@ -327,6 +329,7 @@ def test_jobs_join_and_leave_while_another_runs():
                 and time.monotonic() < deadline:
             time.sleep(0.05)
         docs["c"] = run_launch(workers=2, rounds=20, dim=8192, quorum=1.0, **at(server))
+        assert a.is_alive(), "job A ended before C; make A longer"
         a.join(120)
         for name, doc in docs.items():
             assert doc["ok"] and doc["mismatched_chunks"] == 0, (name, doc["problems"])
