@@ -515,8 +515,9 @@ class Transport:
             self._hb_thread.start()
 
     def _group_socket(self, offload: bool):
-        """The socket of the job's result group (JobConfig.result_group), or None: results
-        then come once per job from the PS, by multicast, and retransmitted ones on self.sock."""
+        """The socket of the job's result group (JobConfig.result_group), or None when the
+        job has none.  The PS multicasts each result to the group once; a result it resends
+        to this worker alone arrives on self.sock."""
         group = parse_group(self.job.result_group)
         if group is None:
             return None
