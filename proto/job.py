@@ -36,9 +36,9 @@ def parse_group(value: str) -> tuple | None:
     """The job's result group "A.B.C.D:PORT" as (address, port), None for "" (no group).
 
     With a group, the software PS sends each result once, to that IPv4 multicast group,
-    instead of once per worker (THC §5: the sum goes back to the workers by multicast, as
-    the switch's replication engine does); a result a worker missed still comes back to it
-    alone when it retransmits (docs/design.md, "Result fan-out")."""
+    instead of once per worker (THC §6, Pseudocode 1 line 15: the sum goes back by
+    multicast, as the switch's replication engine does); a result a worker missed still
+    comes back to it alone when it retransmits (docs/design.md, "Result fan-out")."""
     if value == "":
         return None
     if not isinstance(value, str) or value.count(":") != 1:
