@@ -520,7 +520,7 @@ def _measure(args) -> dict:
 
 def _fanouts(args) -> list:
     """The THC rows to run, (name, result group): the PS's per-worker fan-out ("thc"), the
-    job's result group ("thc-mcast"), or both, alternating in that order."""
+    job's result group ("thc-mcast"), or both, one after the other in that order."""
     rows = {"unicast": [("thc", "")], "multicast": [("thc-mcast", args.group)],
             "both": [("thc", ""), ("thc-mcast", args.group)]}
     return rows[args.fanout]

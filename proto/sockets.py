@@ -18,6 +18,13 @@ def set_buffer(sock: socket.socket, size: int, *, send: bool = False) -> None:
         sock.setsockopt(socket.SOL_SOCKET, opt, size)
 
 
+def multicast_from(sock: socket.socket, ip: str) -> None:
+    """Make multicast datagrams from `sock` leave by the interface with address `ip` (the
+    routing table decides when `ip` is 0.0.0.0, a socket bound to every interface)."""
+    if ip != "0.0.0.0":
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(ip))
+
+
 def group_socket(group: tuple, iface_ip: str, rcvbuf: int) -> socket.socket:
     """A non-blocking socket that receives the datagrams sent to the IPv4 multicast `group`
     (address, port) on the interface with address `iface_ip` (JobConfig.result_group).

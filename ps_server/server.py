@@ -39,7 +39,7 @@ import zmq
 from proto import control
 from proto import udpio
 from proto.job import JobConfig, parse_group
-from proto.sockets import set_buffer
+from proto.sockets import multicast_from, set_buffer
 from ps_server.engine import Engine, ExternalEngine
 from ps_server import admission
 from ps_server.engine import JobTable
@@ -95,9 +95,7 @@ def udp_socket(bind: tuple) -> socket.socket:
     set_buffer(sock, RCVBUF, send=True)
     udpio.set_gro(sock, udpio.offload_enabled())   # before traffic: batches coalesce from the start
     sock.bind(bind)
-    ip = sock.getsockname()[0]
-    if ip != "0.0.0.0":            # results to a job's group leave by the interface the PS listens on
-        sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(ip))
+    multicast_from(sock, sock.getsockname()[0])     # a job's group gets results where the PS listens
     return sock
 
 
@@ -106,9 +104,7 @@ def group_unreachable(sock: socket.socket, group: tuple) -> str:
     that interface), or "": a route lookup by a throwaway socket, before any traffic."""
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
-        ip = sock.getsockname()[0]
-        if ip != "0.0.0.0":
-            probe.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(ip))
+        multicast_from(probe, sock.getsockname()[0])
         probe.connect(group)
         return ""
     except OSError as exc:
