@@ -186,15 +186,17 @@ def test_rounds_exact_on_every_data_path(offload, engine, monkeypatch):
     assert doc["exact_rounds"] == 10 and doc["mismatched_chunks"] == 0 and doc["ok"], doc["problems"]
 
 
-def test_error_feedback_during_the_phase_and_lazy_digests():
+@pytest.mark.parametrize("overlap", [False, True], ids=["after-the-phase", "during-the-phase"])
+def test_error_feedback_in_its_helper_thread_and_lazy_digests(overlap, monkeypatch):
     """A one-worker job through the C PS: the residual the worker keeps (computed in its
-    helper thread while the DATA phase runs) is x − RHT⁻¹(X) of its own indices, recomputed
-    here from the same per-round randomness; the digests taken after the round are the
-    payloads' crc32."""
+    helper thread beside the lanes decode, or while the DATA phase runs with
+    THC_OVERLAP_RESIDUAL) is x − RHT⁻¹(X) of its own indices, recomputed here from the same
+    per-round randomness; the digests taken after the round are the payloads' crc32."""
     import zlib
 
     from compression import thc
     from worker.client import Worker, round_rng
+    monkeypatch.setattr("worker.client.OVERLAP_RESIDUAL", overlap)
     job = JobConfig(num_workers=1)
     server = PSServer(job, ("127.0.0.1", 0), control_port=0, engine="c").start()
     t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port)

@@ -14,6 +14,7 @@ the raw lane values (which would decode to −M).
 """
 from __future__ import annotations
 
+import os
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +60,14 @@ def average_lanes(chunks, results, total: int, granularity: int, lane_bits: int)
             h, payload = r
             y_avg[off:off + count] = unpack_lanes(payload, lane_bits, count) / h.contributors
     return y_avg
+
+
+#: Compute a round's error-feedback decode while its DATA phase runs ($THC_OVERLAP_RESIDUAL=1)
+#: instead of beside the lanes decode after it.  Off by default: where the cores are full (four
+#: workers on two cores) the decode took the CPU the phase's wake-ups need, and the phase took
+#: 2.5 times as long; for a worker with cores to spare (docs/design.md, "Co-located load").
+OVERLAP_RESIDUAL = os.environ.get("THC_OVERLAP_RESIDUAL", "0") == "1"
+
 
 @dataclass
 class RoundReport:
@@ -124,8 +133,8 @@ class Worker:
 
     def _in_background(self, fn):
         """Start fn() in this worker's helper thread; returns its Future.  For the
-        error-feedback decode, whose kernels release the GIL: it runs while the DATA phase
-        waits on the network instead of after it."""
+        error-feedback decode, whose kernels release the GIL: it runs beside the lanes decode
+        (or, with OVERLAP_RESIDUAL, beside the DATA phase)."""
         if self._background is None:
             self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="thc-feedback")
         return self._background.submit(fn)
@@ -266,11 +275,14 @@ class Worker:
         packed = rnd.encode(norms, self.round_rng(rn), rn, packed=True)
         chunks = self._chunks(packed, n, cfg.bits)
         report.bytes_up = chunks.wire_bytes
-        # e = x − RHT⁻¹(X) needs only this worker's own Z: compute it while the phase runs
-        residual = self._in_background(rnd.residual) if rnd.memory is not None else None
+        # e = x − RHT⁻¹(X) needs only this worker's own Z; a helper thread computes it beside the
+        # lanes decode, or beside the phase with OVERLAP_RESIDUAL
+        residual = self._in_background(rnd.residual) if rnd.memory is not None and OVERLAP_RESIDUAL else None
         try:
             self._maybe_straggle()
             results = self.t.run_phase(H.DATA, chunks)
+            if rnd.memory is not None and residual is None:
+                residual = self._in_background(rnd.residual)
             self._collect(results, report)
             whole = joined_lanes(chunks, results, layout.padded_dim, job.lane_bits)
             if whole is not None:       # every chunk back, one k: lanes → Y/k inside the fused decode
