@@ -69,9 +69,12 @@ from proto.job import DEFAULT_BLOCK_LOG2, JobConfig, parse_group  # noqa: E402
 def _codec_round(cfg, job, grad, memory, lanes, rng, r, meet=lambda: None) -> float:
     """One worker's codec work in a round, the steps of thc.WorkerRound that Worker._thc_round
     runs besides the transport, in its order: x = ∇ + e and block norms, (the norm phase),
-    uniforms + fused encode and the error-feedback decode e = x − RHT⁻¹(X), (the data phase:
-    results need every rank's data), the fused lanes decode into the gradient.  `meet` stands
-    for the two phases.  Returns this thread's CPU seconds in the steps (not in `meet`)."""
+    uniforms + fused encode, (the data phase: results need every rank's data), the
+    error-feedback decode e = x − RHT⁻¹(X) and the fused lanes decode into the gradient (with
+    THC_OVERLAP_RESIDUAL the error-feedback decode comes before the data phase, as the worker
+    then runs it).  `meet` stands for the two phases.  Returns this thread's CPU seconds in
+    the steps (not in `meet`)."""
+    from worker.client import OVERLAP_RESIDUAL
     c = time.thread_time()
     rnd = thc.WorkerRound(cfg, grad, memory, "grad")
     norms = rnd.norms().astype(np.float64)
@@ -79,10 +82,12 @@ def _codec_round(cfg, job, grad, memory, lanes, rng, r, meet=lambda: None) -> fl
     meet()
     c = time.thread_time()
     rnd.encode(norms, rng, r, packed=True)
-    e = rnd.residual()
+    e = rnd.residual() if OVERLAP_RESIDUAL else None
     cpu += time.thread_time() - c
     meet()
     c = time.thread_time()
+    if e is None:
+        e = rnd.residual()
     rnd.decode_lanes(lanes, job.num_workers, out=grad)
     rnd.feedback(e)
     return cpu + time.thread_time() - c
