@@ -47,11 +47,20 @@ _count = _int_in(0, 1 << 31, "a count")
 def _result_group(value: str) -> str:
     """argparse type for JobConfig.result_group: "" or an IPv4 multicast ADDR:PORT."""
     from proto.job import parse_group
+    if value == "auto":
+        raise argparse.ArgumentTypeError("auto is for thc launch and thc train, which start their own PS; "
+                                         "name a group (ADDR:PORT) or leave the option out")
     try:
         parse_group(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value
+
+
+def _result_group_or_auto(value: str) -> str:
+    """argparse type for the result group of a command that may start its own PS: also "auto"."""
+    from deploy.launch import AUTO_GROUP
+    return value if value == AUTO_GROUP else _result_group(value)
 
 
 def _report_path(value: str) -> str:
@@ -121,6 +130,9 @@ JOB_OPTIONS = {
                          help="IPv4 multicast group the PS sends each result to, once, instead of once per "
                               "worker (the workers join it; docs/design.md \"Result fan-out\"); empty: per worker"),
 }
+#: --result-group of the commands that may start their own PS (launch, train)
+LOCAL_GROUP = dict(result_group="auto", helps={"result_group": JOB_OPTIONS["result-group"]["help"] + (
+    "; auto: a fresh group on loopback when this command starts the PS, none with --ps")})
 JOB_DEFAULTS = {"workers": 4, "bits": 4, "granularity": 30, "p": "1/32", "lane-bits": 8, "quorum": 1.0,
                 "seed": 0, "block-log2": DEFAULT_BLOCK_LOG2, "result-group": ""}
 
@@ -145,6 +157,8 @@ def job_parent(*names, stated: bool = False, helps: dict | None = None, **defaul
         spec["type"] = spec["type"] or types[name]
         key = name.replace("-", "_")
         spec["default"] = None if stated else defaults.get(key, JOB_DEFAULTS[name])
+        if name == "result-group" and spec["default"] == "auto":
+            spec["type"] = _result_group_or_auto
         spec["help"] = (helps or {}).get(key, spec["help"])
         if stated:
             spec["help"] += " (stated: the PS must run the same; without it, the PS's)"
@@ -250,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
                   description="Starts a PS and N worker processes on this host, trains with the "
                               "chosen codec over UDP, prints per-epoch progress, then repeats the "
                               "run uncompressed and prints the comparison.",
-                  parents=[job_parent()])
+                  parents=[job_parent(**LOCAL_GROUP)])
     tr.add_argument("--epochs", type=_int_in(1, 10000, "epochs"), default=3, help="epochs")
     tr.add_argument("--codec", choices=commands.job_codecs(), default="thc", help="codec")
     _model_arg(tr)
@@ -520,7 +534,7 @@ def _add_cluster_commands(sub):
     la = _command(sub, "launch", help="start a PS and N workers here, run rounds, check every one",
                   description="Local cluster with an exactness check of every chunk of every "
                               "round against an in-process reference.",
-                  parents=[job_parent()])
+                  parents=[job_parent(**LOCAL_GROUP)])
     _codec_arg(la)
     _slots_arg(la)
     la.add_argument("--rounds", type=_rounds, default=10, help="rounds")

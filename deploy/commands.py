@@ -45,12 +45,15 @@ def cmd_demo_nmse(args) -> None:
 
 
 def _job(args, **more):
-    """The job of the command line's job options (and `more` JobConfig fields), validated."""
+    """The job of the command line's job options (and `more` JobConfig fields), validated.
+    A result group of "auto" (launch, train) is chosen here: deploy.launch.one_host_group."""
+    from deploy.launch import one_host_group
     from proto.job import JobConfig
     return JobConfig(num_workers=args.workers, codec=args.codec, bits=args.bits,
                      granularity=args.granularity, p=args.p, lane_bits=args.lane_bits,
                      quorum=args.quorum, seed=args.seed, block_log2=args.block_log2,
-                     result_group=args.result_group, **more)
+                     result_group=one_host_group(args.result_group, own_ps=not getattr(args, "ps", None)),
+                     **more)
 
 
 def cmd_keys(args) -> None:
@@ -227,9 +230,10 @@ def cmd_launch(args):
     expect = None
     if args.ps is not None:
         # insist on the options given explicitly; the PS announces the rest
-        expect = {k: v for k, v in job.to_msg().items()
-                  if k in ("num_workers", "codec", "bits", "granularity", "p", "lane_bits", "quorum", "block_log2",
-                           "result_group")}
+        # (and a result group only when one was named: "auto" takes the running PS's)
+        insist = ("num_workers", "codec", "bits", "granularity", "p", "lane_bits", "quorum", "block_log2") \
+            + (("result_group",) if args.result_group != "auto" else ())
+        expect = {k: v for k, v in job.to_msg().items() if k in insist}
     if not args.json:
         print(f"launching {'PS + ' if args.ps is None else ''}{local} of {args.workers} workers: "
               f"{args.rounds} rounds of d={args.dim}, codec={args.codec}, loss={args.loss}, "
@@ -244,7 +248,7 @@ def cmd_launch(args):
                      expect=expect, keys=args.keys, lease_s=args.lease_s, rejoin_grace_s=args.rejoin_grace_s,
                      stall_s=args.stall_s, kill=(args.kill_rank, kill_at) if args.kill_rank is not None else None,
                      restart=args.restart_killed, job_name=args.job, fixed_timeout=args.fixed_timeout,
-                     block_log2=args.block_log2, result_group=args.result_group)
+                     block_log2=args.block_log2, result_group=job.result_group)
     if args.json:
         return doc
     print(f"rounds {doc['rounds']}, exact {doc['exact_rounds']}, mismatched chunks "

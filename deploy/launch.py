@@ -35,6 +35,31 @@ def gradient(seed: int, round_no: int, worker: int, dim: int) -> np.ndarray:
     return (np.round(np.clip(x, -127, 127) * 1024) / 1024).astype(np.float32)
 
 
+#: `result_group` of a launch or training run that starts its own PS: let it pick one.
+AUTO_GROUP = "auto"
+
+
+def one_host_group(requested: str, own_ps: bool) -> str:
+    """The result group (JobConfig.result_group) of a cluster on this host.
+
+    "auto": when the run starts its own PS on loopback, a fresh group in the
+    organization-local range 239.255.0.0/16 at a random port, so that the PS sends each
+    result once, as THC's switch multicasts it (THC §6), instead of once per worker (on
+    one host that halves the PS's CPU at 2^24: docs/design.md, "Result fan-out").  Random,
+    so that clusters started side by side on one host each hear only their own.  "" (one
+    copy per worker) when the run joins a running PS (its operator chooses) or when
+    loopback has no multicast route here.  Anything else is the caller's own choice."""
+    if requested != AUTO_GROUP:
+        return requested
+    if not own_ps:
+        return ""
+    import secrets
+    from proto.sockets import multicast_unreachable
+    group = (f"239.255.{1 + secrets.randbelow(254)}.{1 + secrets.randbelow(254)}",
+             20000 + secrets.randbelow(30000))
+    return "" if multicast_unreachable("127.0.0.1", group) else f"{group[0]}:{group[1]}"
+
+
 KILLED = 17     # exit status of a worker killed by fault injection (`die_at`)
 
 
@@ -420,7 +445,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
                ps_control_port=None, check=True, shards=1, batched=True, rank_base=0,
                local_workers=None, expect=None, keys=None, kill=None, restart=False,
                lease_s=None, rejoin_grace_s=None, stall_s=180.0, job_name=None,
-               fixed_timeout=False, block_log2=DEFAULT_BLOCK_LOG2, result_group="") -> dict:
+               fixed_timeout=False, block_log2=DEFAULT_BLOCK_LOG2, result_group=AUTO_GROUP) -> dict:
     """Start a PS with `shards` shards (unless `ps` = "host:port[,host:port…]") and worker
     processes for ranks rank_base … rank_base + local_workers − 1 of an n = `workers` job;
     returns the JSON summary, whose `ok` is False when any chunk was inexact or, under
@@ -435,7 +460,8 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
     with `restart` it is started again and rejoins the running job.
     batched=False makes the workers use one system call per datagram instead of
     sendmmsg/recvmmsg.  `result_group` ("A.B.C.D:PORT") makes the PS multicast each result
-    once to that group instead of sending it to every worker.
+    once to that group instead of sending it to every worker; "" sends one copy to each;
+    "auto" (the default) picks a group when this launch starts the PS (one_host_group).
 
     Every wait is bounded: the workers' own (they fail naming a missing rank or an
     unreachable PS), and this launcher's watchdog, which stops the job when no worker has
@@ -448,7 +474,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
                          f"{workers} workers")
     job = JobConfig(num_workers=workers, codec=codec, bits=bits, granularity=granularity, p=p,
                     quorum=quorum, seed=seed, slots=slots, lane_bits=lane_bits, block_log2=block_log2,
-                    result_group=result_group)
+                    result_group=one_host_group(result_group, own_ps=ps is None))
     servers = []
     if ps is None:
         from ps_server.server import PSServer
@@ -466,6 +492,8 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
             job_name = f"launch-{secrets.token_hex(4)}"
     if expect is None:
         expect = job.to_msg()
+        if ps is not None and result_group == AUTO_GROUP:
+            del expect["result_group"]       # the running PS's job says where results go
     single_threaded_children()
     faults = Faults(drop_out=loss, drop_in=loss, duplicate=duplicate, reorder=reorder, seed=seed)
 
@@ -509,6 +537,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
     first = next(iter(per_worker.values()))
     return {**result, "ok": not problems, "problems": problems, "workers": workers, "job_name": job_name,
             "ranks": sorted(per_worker), "dim": dim, "codec": used.codec, "quorum": used.quorum,
+            "result_group": used.result_group,
             "loss": loss, "policy": policy, "seconds": elapsed, "restarted_workers": restarted,
             "mean_round_ms": 1e3 * float(np.mean([r["seconds"] for w in per_worker.values() for r in w]
                                                   or [0.0])),

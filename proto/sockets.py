@@ -25,6 +25,21 @@ def multicast_from(sock: socket.socket, ip: str) -> None:
         sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(ip))
 
 
+def multicast_unreachable(src_ip: str, group: tuple) -> str:
+    """Why multicast datagrams sent from the interface with address `src_ip` cannot reach
+    `group` (address, port): the route lookup's error, or "" when there is a route.  A
+    throwaway socket looks it up, so the answer comes before any traffic."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        multicast_from(probe, src_ip)
+        probe.connect(group)
+        return ""
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        probe.close()
+
+
 def group_socket(group: tuple, iface_ip: str, rcvbuf: int) -> socket.socket:
     """A non-blocking socket that receives the datagrams sent to the IPv4 multicast `group`
     (address, port) on the interface with address `iface_ip` (JobConfig.result_group).

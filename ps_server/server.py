@@ -39,7 +39,7 @@ import zmq
 from proto import control
 from proto import udpio
 from proto.job import JobConfig, parse_group
-from proto.sockets import multicast_from, set_buffer
+from proto.sockets import multicast_from, multicast_unreachable, set_buffer
 from ps_server.engine import Engine, ExternalEngine
 from ps_server import admission
 from ps_server.engine import JobTable
@@ -97,20 +97,6 @@ def udp_socket(bind: tuple) -> socket.socket:
     sock.bind(bind)
     multicast_from(sock, sock.getsockname()[0])     # a job's group gets results where the PS listens
     return sock
-
-
-def group_unreachable(sock: socket.socket, group: tuple) -> str:
-    """Why datagrams from `sock`'s address cannot reach the multicast `group` (no route from
-    that interface), or "": a route lookup by a throwaway socket, before any traffic."""
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        multicast_from(probe, sock.getsockname()[0])
-        probe.connect(group)
-        return ""
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    finally:
-        probe.close()
 
 
 def _add_stats(total: dict, part: dict) -> None:
@@ -303,7 +289,7 @@ class PSServer:
         if other is not None:
             raise control.ControlError(f"result_group {config.result_group} is in use by {other.label()}; "
                                        f"give this job another group or port")
-        problem = group_unreachable(self.sock, parse_group(config.result_group))
+        problem = multicast_unreachable(self.sock.getsockname()[0], parse_group(config.result_group))
         if problem:
             raise control.ControlError(f"result_group {config.result_group}: this PS cannot send to it "
                                        f"({problem}); bind the PS to an address of the workers' network")

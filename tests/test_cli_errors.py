@@ -33,6 +33,7 @@ def thc(*argv, timeout=60):
     (["launch", "--result-group", "10.0.0.1:5000"], "10.0.0.1 is not a multicast address"),
     (["worker", "--ps", "127.0.0.1:9000", "--result-group", "239.1.2.3"], "must be ADDRESS:PORT"),
     (["train", "--result-group", "239.1.2.3:0"], "the port must be in 1..65535"),
+    (["ps", "--result-group", "auto"], "auto is for thc launch and thc train, which start their own PS"),
 ])
 def test_bad_arguments_say_what_is_wrong(argv, message):
     proc = thc(*argv)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from deploy import netns
-from deploy.launch import run_launch
+from deploy.launch import one_host_group, run_launch
 from deploy.procs import stop_gracefully
 from proto import control
 from proto import headers as H
@@ -101,6 +101,38 @@ def test_rounds_over_a_group_are_exact_with_one_datagram_per_result():
     ps_ = doc["ps"]
     # one datagram per completed slot, plus whatever a busy machine made the PS resend
     assert ps_["packets_out"] == ps_["rounds_completed"] + ps_["results_resent"] + ps_["stragglers_notified"]
+
+
+def test_a_cluster_on_one_host_picks_its_own_group_unless_told_otherwise(monkeypatch):
+    """`auto` (launch's and train's default): a fresh organization-local group when the run
+    starts its own PS, none when it joins a running one, none when loopback has no multicast
+    route; a named group or "" is kept as given."""
+    picked = {one_host_group("auto", own_ps=True) for _ in range(20)}
+    assert len(picked) > 1                                  # random: side-by-side clusters differ
+    for value in picked:
+        addr, port = parse_group(value)
+        assert addr.startswith("239.255.") and 1 <= port <= 65535
+    assert one_host_group("auto", own_ps=False) == ""
+    assert one_host_group(GROUP, own_ps=True) == GROUP and one_host_group("", own_ps=True) == ""
+    monkeypatch.setattr("proto.sockets.multicast_unreachable", lambda src, group: "Network is unreachable")
+    assert one_host_group("auto", own_ps=True) == ""
+
+
+def test_a_launch_sends_results_to_a_group_by_default_and_joins_a_running_ps_as_it_is():
+    doc = run_launch(workers=3, rounds=6, dim=5000)
+    assert doc["ok"] and doc["exact_rounds"] == 6, doc["problems"]
+    assert parse_group(doc["result_group"])[0].startswith("239.255.")
+    ps_ = doc["ps"]
+    assert ps_["packets_out"] == ps_["rounds_completed"] + ps_["results_resent"] + ps_["stragglers_notified"]
+    # a launch that joins a running PS takes that PS's fan-out, with or without a group
+    for group in ("", GROUP):
+        server = PSServer(JobConfig(num_workers=2, result_group=group), ("127.0.0.1", 0), control_port=0).start()
+        try:
+            doc = run_launch(workers=2, rounds=3, dim=3000, ps=f"127.0.0.1:{server.data_addr[1]}",
+                             ps_control_port=server.control_port)
+        finally:
+            server.stop()
+        assert doc["ok"] and doc["exact_rounds"] == 3 and doc["result_group"] == group, doc["problems"]
 
 
 def test_lost_group_datagrams_come_back_to_their_worker_alone():
