@@ -45,7 +45,8 @@ def one_host_group(requested: str, own_ps: bool) -> str:
     "auto": when the run starts its own PS on loopback, a fresh group in the
     organization-local range 239.255.0.0/16 at a random port, so that the PS sends each
     result once, as THC's switch multicasts it (THC §6), instead of once per worker (on
-    one host that halves the PS's CPU at 2^24: docs/design.md, "Result fan-out").  Random,
+    one host that takes about a third of the PS's CPU off a 2^24 round: docs/design.md, "Result
+    fan-out").  Random,
     so that clusters started side by side on one host each hear only their own.  "" (one
     copy per worker) when the run joins a running PS (its operator chooses) or when
     loopback has no multicast route here.  Anything else is the caller's own choice."""
