@@ -8,7 +8,7 @@ import sys
 import threading
 
 from deploy import commands
-from proto.job import DEFAULT_BLOCK_LOG2, MAX_BLOCK_LOG2
+from proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, MAX_BLOCK_LOG2
 
 
 def _p_arg(value: str):
@@ -47,7 +47,7 @@ _count = _int_in(0, 1 << 31, "a count")
 def _result_group(value: str) -> str:
     """argparse type for JobConfig.result_group: "" or an IPv4 multicast ADDR:PORT."""
     from proto.job import parse_group
-    if value == "auto":
+    if value == AUTO_GROUP:
         raise argparse.ArgumentTypeError("auto is for thc launch and thc train, which start their own PS; "
                                          "name a group (ADDR:PORT) or leave the option out")
     try:
@@ -59,7 +59,6 @@ def _result_group(value: str) -> str:
 
 def _result_group_or_auto(value: str) -> str:
     """argparse type for the result group of a command that may start its own PS: also "auto"."""
-    from deploy.launch import AUTO_GROUP
     return value if value == AUTO_GROUP else _result_group(value)
 
 
@@ -131,7 +130,7 @@ JOB_OPTIONS = {
                               "worker (the workers join it; docs/design.md \"Result fan-out\"); empty: per worker"),
 }
 #: --result-group of the commands that may start their own PS (launch, train)
-LOCAL_GROUP = dict(result_group="auto", helps={"result_group": JOB_OPTIONS["result-group"]["help"] + (
+LOCAL_GROUP = dict(result_group=AUTO_GROUP, helps={"result_group": JOB_OPTIONS["result-group"]["help"] + (
     "; auto: a fresh group on loopback when this command starts the PS, none with --ps")})
 JOB_DEFAULTS = {"workers": 4, "bits": 4, "granularity": 30, "p": "1/32", "lane-bits": 8, "quorum": 1.0,
                 "seed": 0, "block-log2": DEFAULT_BLOCK_LOG2, "result-group": ""}
@@ -157,7 +156,7 @@ def job_parent(*names, stated: bool = False, helps: dict | None = None, **defaul
         spec["type"] = spec["type"] or types[name]
         key = name.replace("-", "_")
         spec["default"] = None if stated else defaults.get(key, JOB_DEFAULTS[name])
-        if name == "result-group" and spec["default"] == "auto":
+        if name == "result-group" and spec["default"] == AUTO_GROUP:
             spec["type"] = _result_group_or_auto
         spec["help"] = (helps or {}).get(key, spec["help"])
         if stated:

@@ -205,6 +205,7 @@ def format_status(where: str, doc: dict) -> str:
 
 def cmd_launch(args):
     from deploy.launch import run_launch
+    from proto.job import AUTO_GROUP
     job = _job(args, slots=args.slots)   # refuse a bad configuration before anything starts
     if args.straggler_rank is not None and not 0 <= args.straggler_rank < args.workers:
         raise ValueError(f"--straggler-rank must be in 0..{args.workers - 1}")
@@ -232,7 +233,7 @@ def cmd_launch(args):
         # insist on the options given explicitly; the PS announces the rest
         # (and a result group only when one was named: "auto" takes the running PS's)
         insist = ("num_workers", "codec", "bits", "granularity", "p", "lane_bits", "quorum", "block_log2") \
-            + (("result_group",) if args.result_group != "auto" else ())
+            + (("result_group",) if args.result_group != AUTO_GROUP else ())
         expect = {k: v for k, v in job.to_msg().items() if k in insist}
     if not args.json:
         print(f"launching {'PS + ' if args.ps is None else ''}{local} of {args.workers} workers: "

@@ -20,7 +20,7 @@ import numpy as np
 from deploy.procs import die_with_parent, process_state, single_threaded_children
 
 from compression import thc
-from proto.job import DEFAULT_BLOCK_LOG2, JobConfig
+from proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, JobConfig
 from proto.packing import LANE_DTYPES
 
 
@@ -35,19 +35,15 @@ def gradient(seed: int, round_no: int, worker: int, dim: int) -> np.ndarray:
     return (np.round(np.clip(x, -127, 127) * 1024) / 1024).astype(np.float32)
 
 
-#: `result_group` of a launch or training run that starts its own PS: let it pick one.
-AUTO_GROUP = "auto"
-
-
 def one_host_group(requested: str, own_ps: bool) -> str:
     """The result group (JobConfig.result_group) of a cluster on this host.
 
     "auto": when the run starts its own PS on loopback, a fresh group in the
     organization-local range 239.255.0.0/16 at a random port, so that the PS sends each
-    result once, as THC's switch multicasts it (THC §6), instead of once per worker (on
-    one host that takes about a third of the PS's CPU off a 2^24 round: docs/design.md, "Result
-    fan-out").  Random,
-    so that clusters started side by side on one host each hear only their own.  "" (one
+    result once, as THC's switch multicasts it (THC §6), instead of once per worker (on one
+    host that takes about a third of the PS's CPU off a 2^24 round: docs/design.md, "Result
+    fan-out").  Random, so that clusters started side by side on one host each hear only
+    their own.  "" (one
     copy per worker) when the run joins a running PS (its operator chooses) or when
     loopback has no multicast route here.  Anything else is the caller's own choice."""
     if requested != AUTO_GROUP:

@@ -31,6 +31,10 @@ DEFAULT_BLOCK_LOG2 = 20
 #: The largest block a job may ask for (2^26 float32 = 256 MiB of one transform's workspace).
 MAX_BLOCK_LOG2 = 26
 
+#: The --result-group value that asks a run starting its own PS on this host to pick a group
+#: (deploy.launch.one_host_group).  Never a job's result_group: parse_group refuses it.
+AUTO_GROUP = "auto"
+
 
 def parse_group(value: str) -> tuple | None:
     """The job's result group "A.B.C.D:PORT" as (address, port), None for "" (no group).
