@@ -17,7 +17,7 @@ in the floor and every core busy, the round would still be 1/s × the floor.
 Needs `perf` (linux-perf) and the right to sample every CPU (root, or
 kernel.perf_event_paranoid ≤ -1).  The perf data is kept in --out.
 
-    .venv/bin/python bench/round_cpu.py --out DIR [--rounds 20] [--workers 4] [--dim-log2 24]
+    .venv/bin/python bench/round_cpu.py --out DIR [--rounds 20] [--workers 4] [--dim-log2 24] [--result-group ADDR:PORT]
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `bench` is not installed: run from a checkout
+from proto.job import parse_group  # noqa: E402
 
 #: perf script -F pid,tid,time,ip,sym,dso: "  PID/TID  SECONDS:  ADDR SYMBOL (DSO)"
 _LINE = re.compile(r"\s*(\d+)/(\d+)\s+([\d.]+):\s+[0-9a-f]+\s+(.*?)\s+\((.*)\)\s*$")
@@ -105,9 +106,16 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--dim-log2", type=int, default=24)
     ap.add_argument("--freq", type=int, default=999, help="perf samples per second and CPU")
+    ap.add_argument("--result-group", default="", metavar="ADDR:PORT",
+                    help="send results to this multicast group (as thc launch does on one host) instead of "
+                         "once per worker (default)")
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.workers < 1:
         ap.error("--rounds and --workers must be at least 1")
+    try:
+        parse_group(args.result_group)
+    except ValueError as exc:
+        ap.error(f"--result-group: {exc}")
     perf = shutil.which("perf")
     if perf is None:
         sys.exit("round_cpu.py needs perf (Debian: linux-perf) on PATH")
@@ -120,7 +128,8 @@ def main(argv=None):
     if rec.poll() is not None:
         sys.exit(f"perf record failed: {rec.stderr.read().decode().strip()}")
     try:
-        d = run_rounds("thc", 1 << args.dim_log2, args.workers, args.rounds, quiet=True, reuse_gradient=True)
+        d = run_rounds("thc", 1 << args.dim_log2, args.workers, args.rounds, quiet=True, reuse_gradient=True,
+                       result_group=args.result_group)
     finally:
         rec.send_signal(signal.SIGINT)
         rec.wait(timeout=60)

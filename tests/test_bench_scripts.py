@@ -190,6 +190,9 @@ def test_round_cpu_refuses_bad_arguments_and_a_missing_perf(tmp_path):
     proc = subprocess.run([sys.executable, script, "--out", str(tmp_path), "--rounds", "0"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--rounds and --workers must be at least 1" in proc.stderr
+    proc = subprocess.run([sys.executable, script, "--out", str(tmp_path), "--result-group", "10.0.0.1:5000"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--result-group" in proc.stderr and "not a multicast address" in proc.stderr
     env["PATH"] = str(tmp_path)                           # no perf there
     proc = subprocess.run([sys.executable, script, "--out", str(tmp_path / "o")], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
