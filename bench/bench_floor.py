@@ -59,11 +59,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `bench` is not installed: run from a checkout
 from compression import thc  # noqa: E402
+from deploy.cli import result_group_arg  # noqa: E402
 from deploy.launch import gradient  # noqa: E402
 from bench.common import add_background_args, background_from_args  # noqa: E402
 from deploy.procs import each_report, single_threaded_children  # noqa: E402
 from proto import headers as H  # noqa: E402
-from proto.job import DEFAULT_BLOCK_LOG2, JobConfig, parse_group  # noqa: E402
+from proto.job import DEFAULT_BLOCK_LOG2, JobConfig  # noqa: E402
 
 
 def _codec_round(cfg, job, grad, memory, lanes, rng, r, meet=lambda: None) -> float:
@@ -437,16 +438,12 @@ def main():
     ap.add_argument("--fanout", choices=("unicast", "multicast", "both"), default="unicast",
                     help="how the PS sends results back: once per worker, once to the job's result group "
                          "(JobConfig.result_group, --group), or both in turn in one run (rows thc, thc-mcast)")
-    ap.add_argument("--group", default="239.255.77.1:47077", metavar="ADDR:PORT",
+    ap.add_argument("--group", default="239.255.77.1:47077", type=result_group_arg, metavar="ADDR:PORT",
                     help="the result group of --fanout multicast/both")
     add_background_args(ap)
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error(f"--repeat must be at least 1, got {args.repeat}")
-    try:
-        parse_group(args.group)
-    except ValueError as exc:
-        ap.error(f"--group: {exc}")
     with background_from_args(args):
         if args.background or args.background_memory or args.background_compile:
             print(f"background: {args.background} busy loop(s) and {args.background_memory} memory-bound "

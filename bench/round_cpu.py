@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `bench` is not installed: run from a checkout
-from proto.job import parse_group  # noqa: E402
+from deploy.cli import result_group_arg  # noqa: E402
 
 #: perf script -F pid,tid,time,ip,sym,dso: "  PID/TID  SECONDS:  ADDR SYMBOL (DSO)"
 _LINE = re.compile(r"\s*(\d+)/(\d+)\s+([\d.]+):\s+[0-9a-f]+\s+(.*?)\s+\((.*)\)\s*$")
@@ -106,16 +106,12 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--dim-log2", type=int, default=24)
     ap.add_argument("--freq", type=int, default=999, help="perf samples per second and CPU")
-    ap.add_argument("--result-group", default="", metavar="ADDR:PORT",
+    ap.add_argument("--result-group", default="", type=result_group_arg, metavar="ADDR:PORT",
                     help="send results to this multicast group (as thc launch does on one host) instead of "
                          "once per worker (default)")
     args = ap.parse_args(argv)
     if args.rounds < 1 or args.workers < 1:
         ap.error("--rounds and --workers must be at least 1")
-    try:
-        parse_group(args.result_group)
-    except ValueError as exc:
-        ap.error(f"--result-group: {exc}")
     perf = shutil.which("perf")
     if perf is None:
         sys.exit("round_cpu.py needs perf (Debian: linux-perf) on PATH")

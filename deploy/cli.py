@@ -44,8 +44,9 @@ _block_log2 = _int_in(0, MAX_BLOCK_LOG2, "log2 of the RHT block")
 _count = _int_in(0, 1 << 31, "a count")
 
 
-def _result_group(value: str) -> str:
-    """argparse type for JobConfig.result_group: "" or an IPv4 multicast ADDR:PORT."""
+def result_group_arg(value: str) -> str:
+    """argparse type for JobConfig.result_group: "" or an IPv4 multicast ADDR:PORT (also the
+    benchmarks' group options)."""
     from proto.job import parse_group
     if value == AUTO_GROUP:
         raise argparse.ArgumentTypeError("auto is for thc launch and thc train, which start their own PS; "
@@ -59,7 +60,7 @@ def _result_group(value: str) -> str:
 
 def _result_group_or_auto(value: str) -> str:
     """argparse type for the result group of a command that may start its own PS: also "auto"."""
-    return value if value == AUTO_GROUP else _result_group(value)
+    return value if value == AUTO_GROUP else result_group_arg(value)
 
 
 def _report_path(value: str) -> str:
@@ -138,7 +139,7 @@ JOB_DEFAULTS = {"workers": 4, "bits": 4, "granularity": 30, "p": "1/32", "lane-b
 
 def _job_types() -> dict:
     return {"workers": _workers, "bits": _bits, "granularity": _granularity, "p": _p_arg,
-            "quorum": _quorum, "seed": _seed, "block-log2": _block_log2, "result-group": _result_group}
+            "quorum": _quorum, "seed": _seed, "block-log2": _block_log2, "result-group": result_group_arg}
 
 
 def job_parent(*names, stated: bool = False, helps: dict | None = None, **defaults) -> argparse.ArgumentParser:

@@ -43,9 +43,9 @@ def one_host_group(requested: str, own_ps: bool) -> str:
     result once, as THC's switch multicasts it (THC §6), instead of once per worker (on one
     host that takes about a third of the PS's CPU off a 2^24 round: docs/design.md, "Result
     fan-out").  Random, so that clusters started side by side on one host each hear only
-    their own.  "" (one
-    copy per worker) when the run joins a running PS (its operator chooses) or when
-    loopback has no multicast route here.  Anything else is the caller's own choice."""
+    their own.  "" (one copy per worker) when the run joins a running PS (its operator
+    chooses) or when loopback has no multicast route here.  Anything else is the caller's
+    own choice."""
     if requested != AUTO_GROUP:
         return requested
     if not own_ps:
