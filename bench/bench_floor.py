@@ -312,8 +312,8 @@ def worker_rounds(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=F
                 made = time.monotonic()                 # when this round's gradient making began
                 g = gradient(0, r, rank, dim)
             t.barrier(f"r{r}")
-            k0 = _thread_cpu_s()
-            c0, t0, q0 = _cpu_s(), time.monotonic(), _runqueue_s()   # one clock for every process of the host
+            k0, q0 = _thread_cpu_s(), _runqueue_s()          # /proc reads, outside the timed span
+            c0, t0 = _cpu_s(), time.monotonic()             # one clock for every process of the host
             if edges is not None and r:
                 edges.put((r, 0))
             if prof is not None and r:
