@@ -45,15 +45,31 @@ def compare(run_output: str, readme: str) -> list[str]:
             for key in sorted(want) if got.get(key) != want[key]]
 
 
+def floats_only(run_output: str, readme: str) -> bool:
+    """Whether every line that differs differs only in its losses and accuracies (what another
+    CPU's float rounding changes) while its byte counts, lost chunks and model check agree."""
+    got, want = deterministic_lines(run_output), deterministic_lines(readme)
+    differ = [key for key in want if got.get(key) != want[key]]
+    if not differ or any(key not in got for key in differ):
+        return False
+    first_exact = {"final": 1}              # final: (accuracy, up, down); epochs: (loss, acc, up, ...)
+    return all(got[k][first_exact.get(k, 2):] == want[k][first_exact.get(k, 2):] for k in differ)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not 1 <= len(argv) <= 2:
         print(__doc__.strip().splitlines()[-3].strip(), file=sys.stderr)
         return 2
     readme = Path(argv[1] if len(argv) > 1 else Path(__file__).resolve().parents[1] / "README.md")
-    problems = compare(Path(argv[0]).read_text(), readme.read_text())
+    run_text, readme_text = Path(argv[0]).read_text(), readme.read_text()
+    problems = compare(run_text, readme_text)
     for p in problems:
         print(f"README sample drifted: {p}", file=sys.stderr)
+    if problems and floats_only(run_text, readme_text):
+        print("(only losses and accuracies moved, the byte counts did not: the THC lines repeat exactly "
+              "on one machine, but torch rounds differently on another CPU; if the code did not change, "
+              "retake the sample on this machine)", file=sys.stderr)
     if not problems:
         print("README sample matches the run")
     return 1 if problems else 0

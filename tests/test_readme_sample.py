@@ -1,7 +1,7 @@
 """The README-sample check itself (CI runs it on `make run`'s output)."""
 from pathlib import Path
 
-from tests.readme_sample import compare, deterministic_lines, main
+from tests.readme_sample import compare, deterministic_lines, floats_only, main
 
 W = ", lost chunks 0, models identical: True"
 RUN = "\n".join([
@@ -42,3 +42,19 @@ def test_the_readme_has_a_sample_to_compare(tmp_path):
     assert main([str(out), str(readme)]) in (0, 1)
     (tmp_path / "r.md").write_text(RUN)
     assert main([str(out), str(tmp_path / "r.md")]) == 0
+
+
+def test_a_float_only_drift_is_told_apart_from_a_byte_change(capsys, tmp_path):
+    cpu = RUN.replace("train loss 0.8506", "train loss 0.8511").replace("test acc 0.8716", "test acc 0.8722") \
+        .replace("final test accuracy 0.8716", "final test accuracy 0.8722")
+    assert floats_only(cpu, RUN)
+    assert not floats_only(cpu.replace("up 8.10 MB", "up 8.11 MB", 1), RUN)      # a byte count moved too
+    assert not floats_only(RUN, RUN)                                              # nothing differs
+    assert not floats_only(RUN.replace("epoch 2/2", "epoch 9/9"), RUN)            # a line is missing
+    (tmp_path / "run.txt").write_text(cpu)
+    (tmp_path / "r.md").write_text(RUN)
+    assert main([str(tmp_path / "run.txt"), str(tmp_path / "r.md")]) == 1
+    assert "retake the sample" in capsys.readouterr().err
+    (tmp_path / "run.txt").write_text(cpu.replace("down 15.77 MB", "down 15.80 MB"))
+    assert main([str(tmp_path / "run.txt"), str(tmp_path / "r.md")]) == 1
+    assert "retake the sample" not in capsys.readouterr().err
