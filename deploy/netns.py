@@ -177,6 +177,22 @@ def star(n: int, *, rate_mbit: float | None = None):
         _remove(created)
 
 
+def link_bytes(net: Star) -> list[tuple[int, int]]:
+    """(bytes sent, bytes received) so far on each host's link (its `thc0`, the one cable to
+    the bridge), in host order: the kernel's interface counters, every frame's IP, UDP or TCP
+    headers included."""
+    import json as _json
+    out = []
+    for ns in net.hosts:
+        proc = subprocess.run(["ip", "-n", ns, "-s", "-j", "link", "show", net.ifname],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"cannot read {ns}'s {net.ifname} counters: {proc.stderr.strip()}")
+        stats = _json.loads(proc.stdout)[0]["stats64"]
+        out.append((int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])))
+    return out
+
+
 #: setns(2)'s flag for a network namespace
 CLONE_NEWNET = 0x40000000
 
