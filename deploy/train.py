@@ -132,7 +132,7 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
                 rejoin: bool = False, store_port: int = 0) -> None:
     """One worker process: train, report per-epoch metrics on the queue."""
     die_with_parent()
-    hook_state = None
+    path = None
     try:
         if cfg.rank_netns:
             from deploy import netns
@@ -146,8 +146,7 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
         from worker import data
         from worker.client import Worker
         from deploy.launch import KILLED
-        from worker.training import (MODELS, GradientSync, flat_params, rejoin_step, rejoin_training,
-                                     sync_model)
+        from worker.training import MODELS, flat_params, rejoin_step, rejoin_training, sync_model
         from worker.transport import Faults, LeaseLost, Transport
         torch.set_num_threads(1)
         torch.manual_seed(cfg.job.seed)                  # identical initial models
@@ -168,27 +167,8 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
             raise
         w = Worker(t, seed=cfg.job.seed, straggler_delay_ms=cfg.straggler_delay_ms,
                    straggler_prob=cfg.straggler_prob, straggler_count=cfg.straggler_count)
-        sync = GradientSync(w, model, per_tensor=cfg.per_tensor)
-        net = model
-        if cfg.uses_hook:
-            from worker.ps_hook import HookSync, PSHookState, merged_report, ps_hook
-            _init_gloo(cfg, rank, store_port)
-            net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
-            hook_state = PSHookState(w, world_size=cfg.job.num_workers)
-            net.register_comm_hook(hook_state, ps_hook)
-            sync = HookSync(hook_state)
-
-            def hook_backward(loss):
-                """backward, whose buckets' rounds run in the hook; a round's own error
-                (LeaseLost, ...) is raised as itself, not as DDP's RuntimeError."""
-                try:
-                    loss.backward()
-                except RuntimeError:
-                    hook_state.raise_error()
-                    raise
-                rep = merged_report(hook_state.take_reports())
-                if rep is not None:
-                    w.last = rep
+        path = _GradPath(cfg, rank, model, w, store_port)
+        sync = path.sync
         steps = (len(xtr) // cfg.job.num_workers) // cfg.batch    # the same in every rank
         first = 0
         if t.rejoined:
@@ -209,26 +189,16 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
                         if rank == cfg.kill_rank and step == cfg.kill_at_step and not rejoin:
                             os._exit(KILLED)
                         opt.zero_grad()
-                        loss = F.cross_entropy(net(xb), yb)
-                        if hook_state is None:
-                            loss.backward()
+                        loss = F.cross_entropy(path.net(xb), yb)
                         try:
-                            if hook_state is None:
-                                sync()
-                            else:               # the rounds run inside backward
-                                hook_backward(loss)
+                            path.backward(loss)
                         except LeaseLost as exc:
                             print(f"rank {rank}: {exc}; rejoining", file=sys.stderr, flush=True)
                             if cfg.job.quorum < 1:       # the others went on: take the model at a sync
                                 w.rejoin()
                                 raise _Rejoined(rejoin_training(sync, model, steps, cfg.sync_every)) from None
                             rejoin_step(sync, step)
-                            if hook_state is None:
-                                sync()
-                            else:               # the step again, its gradients through the hook
-                                opt.zero_grad()
-                                loss = F.cross_entropy(net(xb), yb)
-                                hook_backward(loss)
+                            path.again(lambda x=xb, y=yb: (opt.zero_grad(), F.cross_entropy(path.net(x), y))[1])
                         opt.step()
                         rep = w.last
                         comm += rep.seconds
@@ -262,9 +232,59 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
     except Exception as exc:
         q.put(("error", rank, f"{type(exc).__name__}: {exc}"))
     finally:
-        if hook_state is not None:
-            hook_state.close()
+        if path is not None:
+            path.close()
         _destroy_gloo()
+
+
+class _GradPath:
+    """How a step's gradients reach the PS: one round per model (or tensor) after backward
+    (worker/training.py GradientSync), or each DDP bucket's round inside backward
+    (worker/ps_hook.py).  `net` is what the step runs forward; `sync` what a rejoining rank
+    fast-forwards with."""
+
+    def __init__(self, cfg: TrainConfig, rank: int, model, worker, store_port: int):
+        from worker.training import GradientSync
+        self.worker, self.net, self.hook = worker, model, None
+        self.sync = GradientSync(worker, model, per_tensor=cfg.per_tensor)
+        if cfg.uses_hook:
+            import torch
+
+            from worker.ps_hook import HookSync, PSHookState, ps_hook
+            _init_gloo(cfg, rank, store_port)
+            self.net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
+            self.hook = PSHookState(worker, world_size=cfg.job.num_workers)
+            self.net.register_comm_hook(self.hook, ps_hook)
+            self.sync = HookSync(self.hook)
+
+    def backward(self, loss) -> None:
+        """backward and the step's rounds; a round's own error (LeaseLost, ...) is raised as
+        itself, not as the RuntimeError DDP wraps it in."""
+        if self.hook is None:
+            loss.backward()
+            self.sync()
+            return
+        from worker.ps_hook import merged_report
+        try:
+            loss.backward()
+        except RuntimeError:
+            self.hook.raise_error()
+            raise
+        rep = merged_report(self.hook.take_reports())
+        if rep is not None:
+            self.worker.last = rep
+
+    def again(self, recompute) -> None:
+        """The step's rounds once more after a rejoin: after backward the gradients are still
+        there; through the hook the step's backward runs again (`recompute()` gives its loss)."""
+        if self.hook is None:
+            self.sync()
+        else:
+            self.backward(recompute())
+
+    def close(self) -> None:
+        if self.hook is not None:
+            self.hook.close()
 
 
 def _destroy_gloo() -> None:
