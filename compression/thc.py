@@ -224,7 +224,7 @@ def _each_block(fn, blocks: int) -> None:
     2^24 round has 16 blocks of 2^20) and a pool thread busy with another caller's blocks
     (the error-feedback decode in its helper thread) delays nothing.  On a host with more
     cores than workers a 2^24 compress takes 26 ms on two threads against 42 on one
-    (docs/bench.md); with more workers than cores it lets the last worker of a round use
+    (docs/bench.md, "Codec threads share the RHT blocks"); with more workers than cores it lets the last worker of a round use
     every core."""
     threads = min(blocks, codec_threads())
     if threads <= 1:
@@ -454,7 +454,8 @@ class WorkerRound:
     steady state: x and the residual take the memory's spare buffers (`ErrorFeedback.buffer`)
     and `feedback` gives back x and the old residual; the uniforms are never stored, and
     `decode_lanes(..., out=)` writes x̂ where the caller says.  Fresh 64 MB
-    vectors at d = 2^24 cost the kernel's page zeroing every round (docs/bench.md).
+    vectors at d = 2^24 cost the kernel's page zeroing every round (docs/bench-history.md,
+    "Rounds without new vectors").
     """
 
     def __init__(self, cfg: ThcConfig, grad, memory=None, key=None, *, compensate: bool = True):
