@@ -209,3 +209,44 @@ def test_train_config_refuses_the_hook_where_it_cannot_serve():
     with pytest.raises(ValueError, match="grad_sync must be one of"):
         TrainConfig(grad_sync="sometimes")
     assert TrainConfig().uses_hook and not TrainConfig(per_tensor=True).uses_hook
+
+
+class _FlakyWorker:
+    """A Worker stand-in whose second round raises (a lease lost mid-step) and which counts
+    the rounds it ran."""
+
+    class _T:
+        worker_id, job_name = 0, "flaky"
+
+    def __init__(self):
+        self.job, self.t, self.ran, self.last = _job(), self._T(), [], None
+
+    def check_dim(self, dim):
+        pass
+
+    def allreduce(self, x, key, out):
+        if len(self.ran) == 1 and not getattr(self, "failed", False):
+            self.failed = True
+            raise RuntimeError("lease lost")
+        self.ran.append(key)
+        from worker.client import RoundReport
+        self.last = RoundReport(len(self.ran), 1, 0)
+        return out
+
+
+def test_a_failed_round_voids_the_rest_of_its_step_and_the_next_step_runs():
+    w = _FlakyWorker()
+    state = PSHookState(w, world_size=N)
+    try:
+        futs = [ps_hook(state, FakeBucket(i, torch.zeros(4))) for i in range(3)]
+        with pytest.raises(RuntimeError, match="lease lost"):
+            futs[1].wait()
+        with pytest.raises(RuntimeError, match="lease lost"):
+            state.raise_error()
+        assert all(f.done() for f in futs) and w.ran == ["bucket0"]     # bucket 2 never ran
+        state.raise_error()                                            # cleared: nothing to raise
+        futs = [ps_hook(state, FakeBucket(i, torch.zeros(4))) for i in range(3)]
+        [f.wait() for f in futs]
+        assert w.ran == ["bucket0", "bucket0", "bucket1", "bucket2"]
+    finally:
+        state.close()

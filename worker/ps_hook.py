@@ -80,6 +80,7 @@ class PSHookState:
         while True:
             item = self._q.get()
             if item is None:
+                self._q.task_done()
                 return
             index, buffer, fut = item
             try:
@@ -96,6 +97,8 @@ class PSHookState:
             except BaseException as exc:    # noqa: BLE001 - handed to DDP, which raises it in backward
                 self.error = self.error or exc
                 fut.set_exception(exc)
+            finally:
+                self._q.task_done()
 
     def take_reports(self) -> list[RoundReport]:
         """The reports of the rounds completed since the last call (one per bucket)."""
@@ -105,7 +108,10 @@ class PSHookState:
 
     def raise_error(self) -> None:
         """Re-raise the first error a round raised (DDP wraps it in a RuntimeError; the
-        caller may want its own type, e.g. the transport's LeaseLost), and clear it."""
+        caller may want its own type, e.g. the transport's LeaseLost), and clear it once every
+        bucket queued behind the failed one has failed too (DDP stops waiting at the first
+        failed future): none of the void step's rounds may run after the caller recovers."""
+        self._q.join()
         exc, self.error = self.error, None
         if exc is not None:
             raise exc
