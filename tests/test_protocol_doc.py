@@ -56,6 +56,16 @@ def test_documented_replies_are_what_the_ps_sends():
         assert [j["job_number"] for j in listing["jobs"]] == [config["job_number"]]
         err = ask({"type": "heartbeat", "worker_id": 1, "session": b"\0" * 16})
         assert set(err) == {"type", "message", "code", "incarnation"} and err["code"] == "unknown_session"
+        # progress: −1 until a rank reports one (§6 status reply), then what it sent
+        assert status["progress"] == {"0": -1}
+        beat = ask({"type": "heartbeat", "worker_id": 0, "session": config["session"], "progress": 3})
+        assert beat["progress"] == {"0": 3}
+        # sync_put from a rank that is not the sync source: `refused`, naming the source
+        other = ask({"type": "register", "worker_id": 1, "data_addr": ["127.0.0.1", 5556]})
+        err = ask({"type": "sync_put", "round": 0, "worker_id": 1, "session": other["session"], "blob": b"x"})
+        assert err["code"] == "refused" and "rank 0 is" in err["message"], err
+        assert ask({"type": "sync_put", "round": 0, "worker_id": 0, "session": config["session"],
+                    "blob": b"x"})["type"] == "ok"
     finally:
         sock.close(0)
         server.stop()
