@@ -423,7 +423,8 @@ def _peer_row(base: TrainConfig, m: str, log, target: float, net=None, layout: s
         ep = [{"epoch": e["epoch"], "test_accuracy": e["test_accuracy"], "steps": e["steps"],
                "step_ms": 1e3 * e["epoch_seconds"] / max(e["steps"], 1),
                "up_per_step": e["bytes_up"] / max(e["steps"], 1),
-               "down_per_step": e["bytes_down"] / max(e["steps"], 1)} for e in doc["epochs"]]
+               "down_per_step": e["bytes_down"] / max(e["steps"], 1),
+               "round_ms": e["mean_round_ms"]} for e in doc["epochs"]]
         walls = np.cumsum([e["epoch_seconds"] for e in doc["epochs"]]).tolist()
         identical = doc["final_params_identical"]
     else:
@@ -448,6 +449,12 @@ def _peer_row(base: TrainConfig, m: str, log, target: float, net=None, layout: s
                  for (t0, r0), (t1, r1) in zip(links0, netns.link_bytes(net))]
         row["link_bytes_per_step"] = [[round(t), round(r)] for t, r in links]     # [sent, received] per host
         row["max_link_bytes_per_step"] = round(max(max(t, r) for t, r in links))
+        if net is not None and getattr(net, "rate_mbit", None):
+            # the least time a step's bytes need on the busiest link at the cap
+            row["wire_ms"] = row["max_link_bytes_per_step"] * 8 / (net.rate_mbit * 1e3)
+    if m in PS_METHODS:
+        # time in the step's rounds (codec, phases, waiting; with the hook, overlapping backward)
+        row["round_ms"] = float(np.mean([e["round_ms"] for e in ep]))
     return row
 
 
@@ -512,13 +519,20 @@ def peers(base: TrainConfig, command: str, log=print, target: float = 0.8, *, ou
              "THC-PS layouts: " + "; ".join(f"`{k}`: {v}" for k, v in LAYOUTS.items() if k in layouts)
              + ". `thc-ps` runs its rounds after backward, `thc-ps-hook` in DDP's communication hook "
                "(each bucket while backward goes on).\n",
+             "\"wire ms\" is the least time the busiest link needs for a step's bytes at the cap; \"in rounds "
+             "ms\" THC-PS's time per step inside its rounds (codec, phases and waiting for the other ranks; "
+             "with the hook, overlapping backward).\n",
              "| link | method | layout | final test acc | up bytes/step | down bytes/step | busiest link/step | "
-             f"step ms | time to {target:.0%} (s) |", "|---|---|---|---|---|---|---|---|---|"]
+             f"wire ms | step ms | in rounds ms | time to {target:.0%} (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ttt = f"{r['time_to_target']:.0f}" if r["time_to_target"] is not None else "-"
+        ttt = f"{r['time_to_target']:.1f}" if r["time_to_target"] is not None else "-"
         busiest = f"{r['max_link_bytes_per_step']:,}" if "max_link_bytes_per_step" in r else "-"
+        wire = f"{r['wire_ms']:.1f}" if "wire_ms" in r else "-"
+        rounds = f"{r['round_ms']:.1f}" if "round_ms" in r else "-"
         lines.append(f"| {_link(r['rate_mbit'])} | {r['method']} | {r['layout']} | {r['final_test_accuracy']:.4f} | "
-                     f"{r['up_per_step']:,.0f} | {r['down_per_step']:,.0f} | {busiest} | {r['step_ms']:.1f} | {ttt} |")
+                     f"{r['up_per_step']:,.0f} | {r['down_per_step']:,.0f} | {busiest} | {wire} | "
+                     f"{r['step_ms']:.1f} | {rounds} | {ttt} |")
     lines += _speedups(rows, target)
     try:
         import matplotlib
@@ -548,7 +562,7 @@ def peers(base: TrainConfig, command: str, log=print, target: float = 0.8, *, ou
 def _speedups(rows: list, target: float) -> list:
     """Per rate: each THC-PS run's time to target against DDP fp32's, fp16's and the THC hook's."""
     lines = []
-    for rate in sorted({r["rate_mbit"] for r in rows}):
+    for rate in sorted({r["rate_mbit"] for r in rows}, key=lambda v: v or 0):
         here = [r for r in rows if r["rate_mbit"] == rate]
         ref = {r["method"]: r["time_to_target"] for r in here if r["method"] not in PS_METHODS}
         for r in (r for r in here if r["method"] in PS_METHODS):

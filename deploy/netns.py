@@ -130,6 +130,7 @@ class Star:
     hosts: tuple
     ips: tuple
     ifname: str = "thc0"
+    rate_mbit: float | None = None      # every link's cap (None: uncapped)
 
     def prefix(self, i: int) -> list[str]:
         return ["ip", "netns", "exec", self.hosts[i]]
@@ -172,7 +173,7 @@ def star(n: int, *, rate_mbit: float | None = None):
             if rate_mbit is not None:
                 _rate_limit(ns, "thc0", rate_mbit)
                 _rate_limit(hub, far, rate_mbit)
-        yield Star(hub, hosts, ips)
+        yield Star(hub, hosts, ips, rate_mbit=rate_mbit)
     finally:
         _remove(created)
 

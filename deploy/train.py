@@ -252,7 +252,9 @@ class _GradPath:
 
             from worker.ps_hook import HookSync, PSHookState, ps_hook
             _init_gloo(cfg, rank, store_port)
-            self.net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb)
+            # the gradients live in the buckets (no copy in and out of them each step)
+            self.net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb,
+                                                                 gradient_as_bucket_view=True)
             self.hook = PSHookState(worker, world_size=cfg.job.num_workers)
             self.net.register_comm_hook(self.hook, ps_hook)
             self.sync = HookSync(self.hook)
