@@ -312,7 +312,7 @@ def cmd_experiment(args) -> None:
     p = str(args.p) if args.p else ("1/512" if strag else "1/32")
     job = JobConfig(num_workers=workers, bits=args.bits, granularity=granularity, p=p, seed=args.seed)
     base = TrainConfig(job=job, epochs=args.epochs, model=args.model, train_limit=args.train_limit,
-                       test_limit=args.test_limit, per_tensor=args.per_tensor)
+                       test_limit=args.test_limit, per_tensor=args.per_tensor, eval_every=args.eval_every)
     command = experiments.main_command(sys.argv[2:] if sys.argv[1:2] == ["experiment"] else [args.name])
     log = lambda m: print(m, flush=True)
     out = Path(args.out).expanduser().resolve() if args.out else Path.cwd() / "thc-results" / args.name
