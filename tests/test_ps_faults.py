@@ -129,6 +129,37 @@ def test_a_restarted_ps_running_another_configuration_is_refused_naming_it():
         server.stop()
 
 
+def test_a_barrier_goes_on_at_a_restarted_ps():
+    """A rank waiting in a barrier when the PS restarts, and one that reaches the barrier
+    after: both resume with the new PS and the barrier releases there."""
+    job = JobConfig(num_workers=2)
+    server = PSServer(job, ("127.0.0.1", 0), control_port=0, lease_s=0.5).start()
+    ts = [Transport("127.0.0.1", server.data_addr[1], r, control_port=server.control_port) for r in (0, 1)]
+    errors = []
+
+    def barrier(t):
+        try:
+            t.barrier("start")
+        except Exception as exc:        # surfaced below
+            errors.append(exc)
+
+    try:
+        first = threading.Thread(target=barrier, args=(ts[0],))
+        first.start()
+        wait_until(lambda: server.status()["barriers"].get("start") == [0], [first])
+        server = restart_in_process(server, job)
+        second = threading.Thread(target=barrier, args=(ts[1],))
+        second.start()
+        for th in (first, second):
+            th.join(60)
+        assert not errors and not first.is_alive() and not second.is_alive(), errors
+        assert [t.resumes for t in ts] == [1, 1] and server.status()["live"] == [0, 1]
+    finally:
+        for t in ts:
+            t.close()
+        server.stop()
+
+
 def test_a_ps_that_never_comes_back_is_given_up_after_ps_wait_s_saying_so():
     server = PSServer(JobConfig(num_workers=1), ("127.0.0.1", 0), control_port=0, lease_s=0.5).start()
     t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port, ps_wait_s=2)

@@ -803,6 +803,8 @@ class Transport:
                 self._membership_error(shard, self.sessions[shard], reply)
                 if self._job_gone:
                     raise JobEnded(self._job_gone)
+                if shard in self._restarted and msg["type"] == "barrier":
+                    raise _PSRestarted(shard)
             if code == "job_stalled":
                 raise JobStalled(f"PS refused {msg['type']}: {reply.get('message')}")
             if code == "queued":
@@ -819,6 +821,8 @@ class Transport:
             watching = self._hb_thread is not None and not self._hb_stop.is_set()
             if watching:                # a PS silent to heartbeats too is waited for up to ps_wait_s
                 self._check_ps_silence(f"{msg['type']} unanswered for {waited:.0f} s")
+                if wait and self._restarted and msg["type"] == "barrier":
+                    raise _PSRestarted(min(self._restarted))       # Transport.barrier resumes
                 if wait and self._restarted:    # the request went to the PS process that died
                     raise PSUnavailable(f"the PS at {self._endpoints[shard]} restarted during "
                                         f"{msg['type']} {msg.get('name', '')}; a job resumes an "
@@ -840,8 +844,14 @@ class Transport:
         return control.decode(sock.recv())
 
     def barrier(self, name: str) -> None:
-        """Wait until every live rank of the job reached `name`."""
-        self.call({"type": "barrier", "name": name}, wait=True)
+        """Wait until every live rank of the job reached `name`; if the PS restarts meanwhile,
+        resume with the other ranks (`_resume`) and wait again at the new PS."""
+        while True:
+            try:
+                self.call({"type": "barrier", "name": name}, wait=True)
+                return
+            except _PSRestarted as exc:
+                self._resume(exc.shard)
 
     def _drop_socket(self, shard: int) -> None:
         sock = self._ctl.pop(shard, None)
