@@ -229,16 +229,19 @@ def test_a_stalled_ps_excuses_its_own_stall(stall_s):
     assert "the PS stalled for" in out and "lost its lease" not in out, out[-2000:]
 
 
-def test_launch_json_prints_its_line_when_every_worker_fails():
+@pytest.mark.parametrize("quorum,exact", [(1.0, 0), (0.5, 6)])
+def test_launch_json_prints_its_line_when_a_worker_dies(quorum, exact):
     """Reproduction: `thc launch --json` printed nothing on stdout when no worker reported (one
-    killed, the other failing for want of it)."""
+    killed, the other raising for want of it at quorum 1).  At quorum 0.5 the survivor's
+    rounds are all exact, and the line says so beside the dead worker."""
     proc = subprocess.run([sys.executable, "-m", "deploy.cli", "launch", "--workers", "2", "--rounds", "6",
                            "--dim", "4096", "--kill-rank", "1", "--kill-at-round", "2", "--lease-s", "0.5",
-                           "--rejoin-grace-s", "1", "--json"],
+                           "--rejoin-grace-s", "1", "--quorum", str(quorum), "--json"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     doc = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert doc["ok"] is False and doc["exact_rounds"] == 0 and doc["rounds"] == 6
+    assert doc["ok"] is False and doc["exact_rounds"] == exact and doc["rounds"] == 6, doc
     assert any("worker 1: killed at round 2" in p for p in doc["problems"]), doc["problems"]
-    assert any(p.startswith("worker 0: JobStalled") and "rank 1" in p for p in doc["problems"]), doc["problems"]
+    if quorum == 1.0:
+        assert any(p.startswith("worker 0: JobStalled") and "rank 1" in p for p in doc["problems"]), doc["problems"]
     assert "killed at round 2" in proc.stderr
