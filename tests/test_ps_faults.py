@@ -64,14 +64,15 @@ def test_a_restarted_ps_resumes_three_jobs_whatever_ids_it_gives_them():
     ROUNDS, names = 300, ["job-a", "job-b", "job-c"]
     port = _free_port()
     proc = _start_ps(port)
-    docs, occupants = {}, []
+    docs, occupants, workers = {}, [], []
+    others = {c.pid for c in multiprocessing.active_children()}
     # each round waits 20 ms before its data phase: no job ends before the last one starts
     threads = launches(port, names, docs, workers=2, rounds=ROUNDS, dim=1 << 13, straggler_delay_ms=20)
     try:
         wait_until(lambda: (lambda r: len(r) == 3 and all(p >= 10 for _, p, _ in r.values()))(running(port)),
                    threads)
         before = {n: v[0] for n, v in running(port).items()}
-        workers = multiprocessing.active_children()
+        workers = [c for c in multiprocessing.active_children() if c.pid not in others]
         assert len(workers) == 6
         for w in workers:                       # held back while the PS is replaced
             os.kill(w.pid, signal.SIGSTOP)
@@ -96,6 +97,9 @@ def test_a_restarted_ps_resumes_three_jobs_whatever_ids_it_gives_them():
             assert doc["exact_rounds"] == ROUNDS and doc["lost_chunks"] == 0 and doc["mismatched_chunks"] == 0
             assert doc["ps_restarts_survived"] == 2, doc    # each rank resumed once
     finally:
+        for w in workers:
+            if w.is_alive():
+                os.kill(w.pid, signal.SIGCONT)
         for t in occupants:
             t.close()
         proc.kill()
