@@ -659,11 +659,15 @@ class Transport:
         if now - sent < 2 * lease_s + 1.0:
             self._ps_silent[shard] = now - self._ps_heard[shard]
 
+    def _watching(self) -> bool:
+        """Whether heartbeats run, so that `_ps_silent` says how long the PS has been silent."""
+        return self._hb_thread is not None and not self._hb_stop.is_set()
+
     def _check_ps_silence(self, during: str = "") -> None:
         """Give up on a PS that has answered nothing for `ps_wait_s` (heartbeats unanswered:
         it died, stalled or is cut off, and no restart came back within the wait)."""
         silent = max(self._ps_silent)
-        if self._hb_thread is None or self._hb_stop.is_set() or silent <= self.ps_wait_s:
+        if not self._watching() or silent <= self.ps_wait_s:
             return
         shard = self._ps_silent.index(silent)
         raise PSUnavailable(f"the PS at {self._endpoints[shard]} answered nothing for {silent:.0f} s "
@@ -820,7 +824,7 @@ class Transport:
         start = time.monotonic()
         while not sock.poll(int(min(1.0, self._control_timeout) * 1000)):
             waited = time.monotonic() - start
-            watching = self._hb_thread is not None and not self._hb_stop.is_set()
+            watching = self._watching()
             if watching:                # a PS silent to heartbeats too is waited for up to ps_wait_s
                 self._check_ps_silence(f"{msg['type']} unanswered for {waited:.0f} s")
                 if wait and self._restarted and msg["type"] == "barrier":
@@ -1235,7 +1239,7 @@ class Transport:
         lease = self.sessions[0]["lease_s"]
         if silent <= 2 * lease and any(m.get("rejoin_s", 0) > 0 for m in st.get("missing") or []):
             return
-        if self._hb_thread is not None and not self._hb_stop.is_set() and max(self._ps_silent) > 0:
+        if self._watching() and max(self._ps_silent) > 0:
             return
         waiting = self.waiting_for()
         if waiting and "PS control plane" not in waiting:
