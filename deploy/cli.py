@@ -479,6 +479,15 @@ def _fixed_timeout_arg(parser) -> None:
     parser.add_argument("--fixed-timeout", action="store_true",
                         help="start every chunk's timer at --timeout-ms instead of the round trip "
                              "measured on the path (the rule before the adaptive timer, for comparison)")
+
+
+def _ps_wait_arg(parser) -> None:
+    parser.add_argument("--ps-wait-s", type=_float_in(1, 86400, lo_open=False, hi_open=False, what="seconds"),
+                        default=None, help="how long a worker waits for a PS that answers nothing (a "
+                                           "restarted or stalled PS comes back within it) before it "
+                                           "gives up (default 60)")
+
+
 _quorum = _float_in(0, 1, lo_open=True, hi_open=False, what="a quorum fraction of workers")
 
 
@@ -559,6 +568,7 @@ def _add_cluster_commands(sub):
     w.add_argument("--bind-port", type=_any_port, default=0, help="local UDP port (0: any)")
     w.add_argument("--timeout-ms", type=_timeout_ms, default=50.0, help=TIMEOUT_HELP)
     _fixed_timeout_arg(w)
+    _ps_wait_arg(w)
     w.add_argument("--report", type=_report_path, default=None,
                    help="write every round's report (digests, k, bitmaps) as JSON")
     w.add_argument("--keys", default=None, metavar="DIR",
@@ -583,6 +593,7 @@ def _add_cluster_commands(sub):
     _policy_arg(la)
     la.add_argument("--timeout-ms", type=_timeout_ms, default=50.0, help=TIMEOUT_HELP)
     _fixed_timeout_arg(la)
+    _ps_wait_arg(la)
     la.add_argument("--engine", choices=("c", "python"), default="c", help="the started PS's aggregation engine")
     la.add_argument("--ps", type=_addr_text, default=None,
                     help="use a running PS at HOST:PORT (or a comma list of shards) instead of starting one")
@@ -668,8 +679,10 @@ def main(argv=None) -> int:
         print(f"thc {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except (OSError, RuntimeError) as exc:
-        print(f"thc {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        if not (getattr(args, "json", False) and isinstance(getattr(exc, "doc", None), dict)):
+            print(f"thc {args.command}: error: {exc}", file=sys.stderr)
+            return 1
+        result = exc.doc        # a launch no worker reported to: its --json line all the same
     except KeyboardInterrupt:
         print(f"thc {args.command}: interrupted", file=sys.stderr)
         return 130

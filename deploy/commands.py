@@ -146,7 +146,7 @@ def cmd_worker(args) -> dict:
         shards, rank, args.rounds, args.dim, args.seed, args.loss_policy,
         Faults(drop_out=args.loss, drop_in=args.loss, seed=args.seed), args.straggler_delay_ms, 1.0,
         args.timeout_ms, 64, None, False, bind_port=args.bind_port, expect=expect, propose=propose,
-        keys=args.keys, job_name=args.job, fixed_timeout=args.fixed_timeout)
+        keys=args.keys, job_name=args.job, fixed_timeout=args.fixed_timeout, ps_wait_s=args.ps_wait_s)
     lost = sum(r["lost"] for r in out)
     if args.report:
         import json
@@ -249,7 +249,8 @@ def cmd_launch(args):
                      expect=expect, keys=args.keys, lease_s=args.lease_s, rejoin_grace_s=args.rejoin_grace_s,
                      stall_s=args.stall_s, kill=(args.kill_rank, kill_at) if args.kill_rank is not None else None,
                      restart=args.restart_killed, job_name=args.job, fixed_timeout=args.fixed_timeout,
-                     block_log2=args.block_log2, result_group=job.result_group, serve_shard=args.serve_shard)
+                     block_log2=args.block_log2, result_group=job.result_group, serve_shard=args.serve_shard,
+                     ps_wait_s=args.ps_wait_s)
     if args.json:
         return doc
     print(f"rounds {doc['rounds']}, exact {doc['exact_rounds']}, mismatched chunks "

@@ -60,6 +60,15 @@ def one_host_group(requested: str, own_ps: bool) -> str:
 KILLED = 17     # exit status of a worker killed by fault injection (`die_at`)
 
 
+class LaunchFailed(RuntimeError):
+    """No worker of a launch reported (each died or raised): the message joins their errors,
+    and `doc` is the launch's summary all the same (ok false, the problems, nothing exact)."""
+
+    def __init__(self, problems: list, doc: dict):
+        super().__init__("launch failed: " + ("; ".join(problems) or "no worker reported"))
+        self.doc = doc
+
+
 def others_step(t) -> int:
     """The step the other live ranks of the job are on (the PS's status), for a rank that
     joins late: a restarted one, or one whose lease expired while it was paused."""
@@ -89,7 +98,7 @@ def skip_to_front(w, dim: int, step: int, limit: int, passes: int = 50) -> int:
 def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
                 straggler_delay_ms, straggler_prob, timeout_ms, window, report=None, quiet=True,
                 bind_port=0, batched=True, expect=None, propose=None, keys=None, die_at=None,
-                rejoin=False, progress=None, job_name=None, fixed_timeout=False):
+                rejoin=False, progress=None, job_name=None, fixed_timeout=False, ps_wait_s=None):
     """Run `rounds` allreduces of test gradients against the PS shards [(host, data, control)].
 
     `expect` is the job configuration this worker insists on (a dict of JobConfig fields),
@@ -105,6 +114,7 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
     `progress` (a shared integer) is set to each round this worker starts, for the
     launcher's watchdog.  `job_name` names the job on the PS (None: the PS's default).
     `fixed_timeout` starts every chunk at `timeout_ms` instead of the measured RTO.
+    `ps_wait_s`: how long to wait for a PS that answers nothing (None: the transport's default).
     Returns (per-round reports, transport counters, the job as announced by the PS).
     """
     import os
@@ -112,6 +122,8 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
     from worker.client import Worker
     from worker.transport import JobEnded, LeaseLost, Transport
     sized = {} if window is None else {"window": window}      # None: the transport's default
+    if ps_wait_s is not None:
+        sized["ps_wait_s"] = ps_wait_s
     try:
         t = Transport(shards[0][0], shards[0][1], worker_id, control_port=shards[0][2], policy=policy,
                       faults=faults, timeout_ms=timeout_ms, shards=shards, **sized,
@@ -443,7 +455,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
                local_workers=None, expect=None, keys=None, kill=None, restart=False,
                lease_s=None, rejoin_grace_s=None, stall_s=180.0, job_name=None,
                fixed_timeout=False, block_log2=DEFAULT_BLOCK_LOG2, result_group=AUTO_GROUP,
-               serve_shard=None) -> dict:
+               serve_shard=None, ps_wait_s=None) -> dict:
     """Start a PS with `shards` shards (unless `ps` = "host:port[,host:port…]") and worker
     processes for ranks rank_base … rank_base + local_workers − 1 of an n = `workers` job;
     returns the JSON summary, whose `ok` is False when any chunk was inexact or, under
@@ -464,6 +476,8 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
     control plane on PORT+1: colocated shards, one per host, as BytePS colocates its servers
     with its workers (every host passes the same `ps` list, each serving its own entry); the
     shard stays up after this host's workers finish until every rank has left its job.
+    `ps_wait_s`: how long the workers wait for a PS that answers nothing (a restarted or
+    stalled one) before they give up (None: worker.transport.DEFAULT_PS_WAIT_S).
 
     Every wait is bounded: the workers' own (they fail naming a missing rank or an
     unreachable PS), and this launcher's watchdog, which stops the job when no worker has
@@ -508,7 +522,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
         return ((shard_list, i, rounds, dim, seed, policy, faults, delay, straggler_prob, timeout_ms,
                  window), {"batched": batched, "expect": expect, "propose": job, "quiet": not verbose,
                            "keys": None if keys is None else str(keys), "job_name": job_name,
-                           "fixed_timeout": fixed_timeout})
+                           "fixed_timeout": fixed_timeout, "ps_wait_s": ps_wait_s})
 
     ranks = range(rank_base, rank_base + local_workers)
     sup = _Supervisor(ranks, worker_args, kill, restart, stall_s)
@@ -527,7 +541,12 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
     per_worker, counters, errors, announced = sup.per_worker, sup.counters, sup.errors, sup.announced
     restarted = sup.restarted
     if not per_worker:
-        raise RuntimeError("launch failed: " + ("; ".join(errors) or "no worker reported"))
+        problems = errors or ["no worker reported"]
+        raise LaunchFailed(problems, {
+            "rounds": rounds, "exact_rounds": 0, "mismatched_chunks": None, "lost_chunks": None,
+            "ok": False, "problems": problems, "workers": workers, "job_name": job_name,
+            "ranks": [], "dim": dim, "codec": codec, "quorum": quorum, "policy": policy,
+            "seconds": elapsed, "restarted_workers": restarted, "ps": ps_stats})
     used = JobConfig.from_msg(announced) if announced else job
     result = check_rounds(used, seed, dim, per_worker) if check else \
         {"rounds": rounds, "exact_rounds": None, "mismatched_chunks": None, "lost_chunks": None}

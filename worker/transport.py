@@ -8,7 +8,9 @@ same sequence of phases), so round numbers never need agreeing on.
 Loss handling (THC §6.1 and SwitchML, docs/prior-art.md §2.1):
   retransmit  resend after a timeout with exponential backoff; the PS answers a
               resend of a completed chunk with its kept result; nothing is lost
-              (default).  After `max_retries` the PS is declared unreachable.
+              (default).  After `max_retries` the worker names the cause (missing
+              ranks, or a PS whose data plane is silent); a PS silent to heartbeats
+              too is waited for up to `ps_wait_s` (it may be restarting or stalled).
   zero        no resend: a chunk whose result missed its timeout is reported
               lost (None) and the caller treats it as a zero update (§6.1).
 Results that arrive for a later round of a slot are stashed, so a late worker
@@ -51,6 +53,10 @@ try:
 except ImportError:                  # pragma: no cover - the per-datagram loop serves without it
     _batchio = None
 
+#: How long a worker waits for a PS that answers nothing (no heartbeat reply, no result)
+#: before it gives up: a restarted PS, or one that stalled (a VM pause, swap, a long GC),
+#: comes back within it and the job goes on (`--ps-wait-s`; docs/protocol.md §7).
+DEFAULT_PS_WAIT_S = 60.0
 #: A chunk resent this often (about 5 s with the default 50 ms doubling to 1 s) is worth a
 #: warning that says what the job waits for; fewer resends are routine on a busy machine.
 STALL_NOTE_TRIES = 8
@@ -399,7 +405,8 @@ class Transport:
                  control_timeout_s: float = 30.0, shards: list | None = None, bind_port: int = 0,
                  batched: bool = True, expect: dict | None = None, propose: JobConfig | None = None,
                  keys=None, heartbeat: bool = True, rejoin: bool = False, phase_engine: str | None = None,
-                 job_name: str | None = None, queue_s: float = 600.0, adaptive_timeout: bool = True):
+                 job_name: str | None = None, queue_s: float = 600.0, adaptive_timeout: bool = True,
+                 ps_wait_s: float = DEFAULT_PS_WAIT_S):
         """Connect to one PS, or to S shards given as [(host, data_port, control_port), ...].
 
         `job_name` names the job on the PS (None: the PS's "default"): workers of one name
@@ -411,7 +418,8 @@ class Transport:
         started without one.  `keys` is a key directory (`thc keys`): the control plane
         then runs ZeroMQ CURVE.  A heartbeat thread renews this rank's lease, learns who the
         job is waiting for, and notices a restarted PS (the worker then registers again and
-        resumes the interrupted phase with the other ranks).
+        resumes the interrupted phase with the other ranks).  A PS that answers nothing
+        for `ps_wait_s` seconds is given up (PSUnavailable, saying how long it waited).
 
         `window` is the most chunks this worker keeps in flight, at most the job's slots ×
         shards (a switch job's 64 slots bound it there); the window in use starts at 64 and
@@ -489,6 +497,9 @@ class Transport:
         self.progress = -1                  # the caller's step counter, reported in heartbeats
         self.status: list = [None] * len(shards)        # latest heartbeat reply per shard
         self._hb_ok = [time.monotonic()] * len(shards)
+        self.ps_wait_s = ps_wait_s
+        self._ps_heard = [time.monotonic()] * len(shards)   # the shard's latest reply of any kind
+        self._ps_silent = [0.0] * len(shards)   # how long it had been silent at its latest unanswered heartbeat
         self._restarted: set = set()
         self._lease_lost: set = set()       # shards that answered lease_expired
         self._job_gone: str | None = None   # why the PS no longer knows our job (it ended)
@@ -570,14 +581,40 @@ class Transport:
                     raise
                 time.sleep(0.25)
         job = JobConfig.from_msg(reply["job"])
-        if self.job is not None and job != self.job:
-            raise ValueError(f"the PS at {self._endpoints[shard]} now runs another job configuration")
+        if self.job is not None:
+            self._same_job(shard, job)
         with self._session_lock:        # a heartbeat answered for the old session is stale now
             self.sessions[shard] = reply
             self._restarted.discard(shard)
             self._lease_lost.discard(shard)
+            self._ps_heard[shard], self._ps_silent[shard] = time.monotonic(), 0.0
         self._hb_ok[shard] = time.monotonic()
+        if self.job is not None and job != self.job:
+            self._adopt(job)
         return job
+
+    def _same_job(self, shard: int, job: JobConfig) -> None:
+        """Registered again (a restarted PS, a lapsed lease): the PS found this rank's job by
+        its name and configuration, but the ids and regions it hands out follow the order in
+        which jobs register again, so only ADMISSION_FIELDS (job id, data slots) may differ
+        from the job this rank ran; any other difference is another job, refused naming it."""
+        diffs = job.differences(self.job.to_msg())
+        if diffs:
+            raise ValueError(f"the PS at {self._endpoints[shard]} now runs another job configuration "
+                             f"for job {self.job_name or 'default'!r}: {'; '.join(diffs)}")
+
+    def _adopt(self, job: JobConfig) -> None:
+        """Go on with the same job under the job id and data slots the PS gives it now.  Every
+        packet header (the Python and the C phase alike) takes the id from self.job when it is
+        built, and a received packet is checked against it; the slot rounds are sized to the
+        new region (the caller restarts them: `_resume`) and the window fits in it."""
+        if job.slots != self.job.slots:
+            self.slot_round = np.zeros((len(self.shard_addrs), job.slots + job.norm_slots), dtype=np.int64)
+            self.window = min(self.window, job.slots * len(self.shard_addrs))
+            self.cwnd, self.ssthresh = min(self.cwnd, self.window), min(self.ssthresh, self.window)
+        log.warning("worker %d: job %r is job id %d on the PS now (was %d)", self.worker_id,
+                    self.job_name or "default", job.job_id, self.job.job_id)
+        self.job = job
 
     def _heartbeat_loop(self) -> None:
         """Renew the lease of every shard a few times per lease; keep the status replies."""
@@ -590,17 +627,21 @@ class Transport:
                 sock = socks.get(shard)
                 if sock is None:
                     sock = socks[shard] = self._socket(shard)
+                sent = time.monotonic()
                 try:
                     sock.send(control.encode(msg))
                     if not sock.poll(int(1000 * sess["lease_s"])):
                         sock.close(0)
                         del socks[shard]
+                        self._unanswered(shard, sent, sess["lease_s"])
                         continue
                     reply = control.decode(sock.recv())
                 except zmq.ZMQError:
                     sock.close(0)
                     socks.pop(shard, None)
+                    self._unanswered(shard, sent, sess["lease_s"])
                     continue
+                self._ps_heard[shard], self._ps_silent[shard] = time.monotonic(), 0.0
                 if reply.get("type") == "error":
                     with self._session_lock:
                         if self.sessions[shard] is sess:
@@ -610,6 +651,30 @@ class Transport:
                 self._hb_ok[shard] = time.monotonic()
         for sock in socks.values():
             sock.close(0)
+
+    def _unanswered(self, shard: int, sent: float, lease_s: float) -> None:
+        """A heartbeat sent at `sent` got no reply: the PS has been silent since its latest
+        reply.  A wait that lasted far past its timeout means this process was stopped, not
+        that the PS was silent: it is not counted (the next heartbeat asks again)."""
+        now = time.monotonic()
+        if now - sent < 2 * lease_s + 1.0:
+            self._ps_silent[shard] = now - self._ps_heard[shard]
+
+    def _watching(self) -> bool:
+        """Whether heartbeats run, so that `_ps_silent` says how long the PS has been silent."""
+        return self._hb_thread is not None and not self._hb_stop.is_set()
+
+    def _check_ps_silence(self, during: str = "") -> None:
+        """Give up on a PS that has answered nothing for `ps_wait_s` (heartbeats unanswered:
+        it died, stalled or is cut off, and no restart came back within the wait)."""
+        silent = max(self._ps_silent)
+        if not self._watching() or silent <= self.ps_wait_s:
+            return
+        shard = self._ps_silent.index(silent)
+        raise PSUnavailable(f"the PS at {self._endpoints[shard]} answered nothing for {silent:.0f} s "
+                            f"(no heartbeat reply{', ' + during if during else ''}); a worker waits "
+                            f"ps_wait_s = {self.ps_wait_s:g} s for a restarted or stalled PS to come "
+                            f"back (--ps-wait-s)")
 
     def _membership_error(self, shard: int, sess: dict, reply: dict) -> None:
         """A heartbeat refused: note what happened to this rank's membership (the data-plane
@@ -634,6 +699,7 @@ class Transport:
                             f"{self.sessions[0]['lease_s']:g} s)")
         if self._restarted:
             raise _PSRestarted(min(self._restarted))
+        self._check_ps_silence()
         stalled = (self.status[0] or {}).get("stalled")
         if stalled:
             raise JobStalled(f"the job cannot complete: {stalled}")
@@ -681,6 +747,9 @@ class Transport:
         ranks behind report the phases in between as lost."""
         if len(self.sessions) > 1:
             raise PSUnavailable(f"PS shard {shard} restarted; resuming is supported with one shard only")
+        if self.job.blob:
+            raise PSUnavailable(f"the PS restarted during a {self.job.codec} job; resuming is supported "
+                                f"for the data-plane codecs (thc, none)")
         self._restarted.discard(shard)
         self.resumes += 1
         log.warning("worker %d: the PS restarted; registering again and resuming at phase %d",
@@ -741,6 +810,8 @@ class Transport:
                 self._membership_error(shard, self.sessions[shard], reply)
                 if self._job_gone:
                     raise JobEnded(self._job_gone)
+                if shard in self._restarted and msg["type"] == "barrier":
+                    raise _PSRestarted(shard)
             if code == "job_stalled":
                 raise JobStalled(f"PS refused {msg['type']}: {reply.get('message')}")
             if code == "queued":
@@ -754,8 +825,17 @@ class Transport:
         start = time.monotonic()
         while not sock.poll(int(min(1.0, self._control_timeout) * 1000)):
             waited = time.monotonic() - start
-            if not wait or self._hb_thread is None:
-                if waited < self._control_timeout:
+            watching = self._watching()
+            if watching:                # a PS silent to heartbeats too is waited for up to ps_wait_s
+                self._check_ps_silence(f"{msg['type']} unanswered for {waited:.0f} s")
+                if wait and self._restarted and msg["type"] == "barrier":
+                    raise _PSRestarted(min(self._restarted))       # Transport.barrier resumes
+                if wait and self._restarted:    # the request went to the PS process that died
+                    raise PSUnavailable(f"the PS at {self._endpoints[shard]} restarted during "
+                                        f"{msg['type']} {msg.get('name', '')}; a job resumes an "
+                                        f"interrupted data-plane phase only".replace("  ", " "))
+            if not wait or not watching:
+                if waited < self._control_timeout or (watching and self._ps_silent[shard] > 0):
                     continue
                 hint = ("; if that PS runs with --keys, this worker needs --keys too (a CURVE server "
                         "does not answer clients without its keys)") if self._curve is None else ""
@@ -763,20 +843,22 @@ class Transport:
                                     f"within {self._control_timeout:.0f} s ({msg['type']}){hint}")
             if self._lease_lost or self._job_gone or (self.status[shard] or {}).get("stalled"):
                 self._check_membership()
-            silent = time.monotonic() - self._hb_ok[shard]
             missing = (self.status[shard] or {}).get("missing") or []
             never = [m for m in missing if m["why"] == "never registered"]
-            if silent > self._control_timeout:
-                raise PSUnavailable(f"the PS control plane at {self._endpoints[shard]} stopped answering "
-                                    f"({silent:.0f} s without a heartbeat reply) during {msg['type']}")
             if never and waited > self._control_timeout:
                 raise JobStalled(f"{msg['type']} {msg.get('name', '')} not done after {waited:.0f} s: "
                                  f"waiting for {control.describe_missing(never)}".replace("  ", " "))
         return control.decode(sock.recv())
 
     def barrier(self, name: str) -> None:
-        """Wait until every live rank of the job reached `name`."""
-        self.call({"type": "barrier", "name": name}, wait=True)
+        """Wait until every live rank of the job reached `name`; if the PS restarts meanwhile,
+        resume with the other ranks (`_resume`) and wait again at the new PS."""
+        while True:
+            try:
+                self.call({"type": "barrier", "name": name}, wait=True)
+                return
+            except _PSRestarted as exc:
+                self._resume(exc.shard)
 
     def _drop_socket(self, shard: int) -> None:
         sock = self._ctl.pop(shard, None)
@@ -1149,12 +1231,16 @@ class Transport:
         """After max_retries: raise the error that names the real cause (missing ranks, or an
         unreachable PS), or return to go on waiting while a missing rank may still rejoin
         (the PS reports it within its rejoin grace; once it is past the grace the PS reports
-        the job stalled and `_check_membership` raises JobStalled naming it)."""
+        the job stalled and `_check_membership` raises JobStalled naming it), or while the PS
+        answers no heartbeat either (it may be restarting or stalled: `_check_ps_silence`
+        gives up after ps_wait_s)."""
         self._check_membership()
         st = self.status[0] or {}
         silent = time.monotonic() - self._hb_ok[0]
         lease = self.sessions[0]["lease_s"]
         if silent <= 2 * lease and any(m.get("rejoin_s", 0) > 0 for m in st.get("missing") or []):
+            return
+        if self._watching() and max(self._ps_silent) > 0:
             return
         waiting = self.waiting_for()
         if waiting and "PS control plane" not in waiting:
@@ -1278,10 +1364,10 @@ class Transport:
             inflight = policy.start(0, pkts, time.monotonic(), datagrams=len(pkts))
             while result is None or not result.complete:
                 now = time.monotonic()
+                if self._restarted:         # known from the heartbeat that found a new PS
+                    raise PSUnavailable(f"the PS restarted during BLOB round {round_no}; resuming is "
+                                        f"supported for the data-plane codecs (thc, none)")
                 if now >= inflight.deadline:
-                    if inflight.tries >= self.max_retries and self._restarted:
-                        raise PSUnavailable("the PS restarted during a BLOB round; resuming is "
-                                            "supported for the data-plane codecs (thc, none)")
                     if not policy.expired(inflight, now, f"BLOB round {round_no}", dest):
                         raise _Lost()
                     self._emit([(H.as_retransmission(pkt), dest) for pkt in pkts])
