@@ -43,6 +43,7 @@ from proto import control
 from proto import headers as H
 from proto import udpio
 from proto.job import JobConfig, parse_group
+from proto.keys import HandshakeWatch
 from proto.sockets import group_socket, set_buffer
 from worker.policies import POLICIES
 
@@ -472,6 +473,7 @@ class Transport:
         self._gso = int(offload)
         self._ctx = zmq.Context.instance()
         self._ctl: dict = {}
+        self._watch: dict = {}              # shard -> HandshakeWatch of its control socket
         self._endpoints = [f"tcp://{sh[3] if len(sh) > 3 else sh[0]}:{sh[2] or sh[1] + 1}" for sh in shards]
         self._control_timeout = control_timeout_s
         self._curve = None
@@ -702,11 +704,13 @@ class Transport:
             self._run_phase_once(kind, chunks, index)       # results already known: discarded
 
     # ---------------------------------------------------------------- control plane
-    def _socket(self, shard: int):
+    def _socket(self, shard: int, watch: bool = False):
         sock = self._ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
         if self._curve is not None:
             sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = self._curve
+        if watch:       # a handshake the PS refuses (keys that do not fit) is said at once
+            self._watch[shard] = HandshakeWatch(sock, server=False, curve=self._curve is not None)
         sock.connect(self._endpoints[shard])
         return sock
 
@@ -724,7 +728,7 @@ class Transport:
             msg["session"] = self.sessions[shard]["session"]
         sock = self._ctl.get(shard)
         if sock is None:
-            sock = self._ctl[shard] = self._socket(shard)
+            sock = self._ctl[shard] = self._socket(shard, watch=True)
         sock.send(control.encode(msg))
         try:
             reply = self._await_reply(sock, msg, shard, wait)
@@ -754,12 +758,13 @@ class Transport:
         while not sock.poll(int(min(1.0, self._control_timeout) * 1000)):
             waited = time.monotonic() - start
             if not wait or self._hb_thread is None:
+                self._watch[shard].check(self._endpoints[shard])
                 if waited < self._control_timeout:
                     continue
-                hint = ("; if that PS runs with --keys, this worker needs --keys too (a CURVE server "
-                        "does not answer clients without its keys)") if self._curve is None else ""
                 raise PSUnavailable(f"no reply from the PS control plane at {self._endpoints[shard]} "
-                                    f"within {self._control_timeout:.0f} s ({msg['type']}){hint}")
+                                    f"within {self._control_timeout:.0f} s ({msg['type']}): is a PS running "
+                                    f"there, its control port reachable? (keys that do not fit are "
+                                    f"reported at once)")
             if self._lease_lost or self._job_gone or (self.status[shard] or {}).get("stalled"):
                 self._check_membership()
             silent = time.monotonic() - self._hb_ok[shard]
@@ -780,6 +785,7 @@ class Transport:
     def _drop_socket(self, shard: int) -> None:
         sock = self._ctl.pop(shard, None)
         if sock is not None:
+            self._watch.pop(shard).close()
             sock.close(0)
 
     def leave(self) -> None:
@@ -802,9 +808,8 @@ class Transport:
             self._hb_thread.join(timeout=5)
         if leave:
             self.leave()
-        for sock in self._ctl.values():
-            sock.close(0)
-        self._ctl.clear()
+        for shard in list(self._ctl):
+            self._drop_socket(shard)
         self.sock.close()
         if getattr(self, "gsock", None) is not None:
             self.gsock.close()
