@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from deploy.procs import die_with_parent, single_threaded_children
+from deploy.procs import die_with_parent, single_threaded_children, start_shielded, stop_children
 from proto.job import JobConfig
 
 
@@ -48,6 +48,7 @@ class TrainConfig:
     lease_s: float = 5.0      # the PS this starts
     job_name: str = ""        # the job's name on a running PS ("": a fresh one per run)
     rank_netns: tuple = ()    # with ps: rank i runs in network namespace rank_netns[i] (a host each)
+    keys: str = ""            # CURVE key directory (`thc keys`) of the PS this starts, or of cfg.ps
 
     def with_job(self, **changes) -> TrainConfig:
         """A copy whose job has `changes` (JobConfig's field names); its derived fields (table,
@@ -110,7 +111,7 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
             t = Transport(shards[0][0], shards[0][1], rank, control_port=shards[0][2],
                           policy=cfg.loss_policy, faults=faults, timeout_ms=cfg.timeout_ms, shards=shards,
                           expect=job_msg, propose=job,   # the PS must run this job (or start it)
-                          rejoin=rejoin, job_name=cfg.job_name or None)
+                          rejoin=rejoin, job_name=cfg.job_name or None, keys=cfg.keys or None)
         except ValueError as exc:
             if rejoin and "no running job to rejoin" in str(exc):   # the others already finished
                 q.put(("done", rank, {"rejoin_refused": 1}))
@@ -205,7 +206,8 @@ def _log_epoch(cfg: TrainConfig, e: dict, log) -> None:
 
 
 def run(cfg: TrainConfig, log=print) -> dict:
-    """Train once with cfg; returns the per-epoch history (rank 0's metrics) and totals."""
+    """Train once with cfg; returns the per-epoch history (rank 0's metrics, and the chunks
+    all ranks lost, as the progress lines count them) and totals."""
     from ps_server.server import PSServer
     from worker import data
     data.load("test")   # fail early, with the install hint, if the dataset is missing
@@ -220,7 +222,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
             host, _, port = item.strip().rpartition(":")
             shards.append((host, int(port), int(port) + 1))
     else:
-        server = PSServer(job, ("127.0.0.1", 0), control_port=0, lease_s=cfg.lease_s).start()
+        server = PSServer(job, ("127.0.0.1", 0), control_port=0, lease_s=cfg.lease_s,
+                          keys=cfg.keys or None).start()
         shards = [("127.0.0.1", server.data_addr[1], server.control_port)]
     from deploy.launch import KILLED
     single_threaded_children()
@@ -229,7 +232,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
 
     def spawn(r, rejoin=False):
         proc = ctx.Process(target=worker_main, args=(cfg, r, shards, q, job.to_msg(), rejoin), daemon=True)
-        proc.start()
+        start_shielded(proc)            # Ctrl-C is this process's: it stops the workers (one line, 130)
         return proc
     procs = [spawn(r) for r in range(job.num_workers)]
     history: dict = {}
@@ -264,6 +267,9 @@ def run(cfg: TrainConfig, log=print) -> dict:
                                           any(later > ep for later in history)):
                     printed.add(ep)
                     _log_epoch(cfg, history[ep], log)
+    except KeyboardInterrupt:
+        stop_children(procs)
+        raise
     finally:
         for proc in procs:
             proc.join(timeout=10)
@@ -274,7 +280,9 @@ def run(cfg: TrainConfig, log=print) -> dict:
             server.stop()
     for ep in sorted(set(history) - printed):
         _log_epoch(cfg, history[ep], log)
-    epochs = [history[e][min(history[e])] for e in sorted(history)]      # rank 0's, or the lowest
+    # rank 0's metrics (or the lowest rank's), with the chunks lost by every rank that reported
+    epochs = [{**history[e][min(history[e])], "lost_chunks": sum(r["lost_chunks"] for r in history[e].values())}
+              for e in sorted(history)]
     return {"config": asdict(cfg), "epochs": epochs, "seconds": time.perf_counter() - t0,
             "final_test_accuracy": epochs[-1]["test_accuracy"],
             "bytes_up": sum(e["bytes_up"] for e in epochs), "bytes_down": sum(e["bytes_down"] for e in epochs),

@@ -58,6 +58,13 @@ STALL_NOTE_TRIES = 8
 log = logging.getLogger(__name__)
 
 
+def _late(t) -> str:
+    """Whom a worker whose results are late waits for: missing ranks, live ranks behind it,
+    or the PS (a rank that died is reported missing once its lease runs out)."""
+    return t.waiting_for() or control.describe_behind(t.status[0], t.worker_id, t.progress) or \
+        "the PS (no rank is reported missing or behind; a rank that died is, once its lease runs out)"
+
+
 class PSUnavailable(RuntimeError):
     """The PS did not answer within the retry budget."""
 
@@ -259,7 +266,7 @@ class _RetransmitPolicy:
         if now - t._last_note > 5.0 and p.tries >= STALL_NOTE_TRIES:
             t._last_note = now
             log.warning("worker %d: %s unanswered after %d retransmissions; waiting for %s",
-                        t.worker_id, what, p.tries, t.waiting_for() or "the PS")
+                        t.worker_id, what, p.tries, _late(t))
         t.stats.add("retransmissions", p.datagrams)
         p.tries += 1
         p.timeout = min(p.timeout * 2, t.max_timeout)
@@ -1146,8 +1153,7 @@ class Transport:
                 self._last_note = now
                 c = int(live[np.argmax(tries[live])])
                 log.warning("worker %d: slot %d round %d unanswered after %d retransmissions; "
-                            "waiting for %s", self.worker_id, slot[c], rounds[c], tries[c],
-                            self.waiting_for() or "the PS")
+                            "waiting for %s", self.worker_id, slot[c], rounds[c], tries[c], _late(self))
 
     def _give_up(self, what: str, dest, tries: int):
         """After max_retries: raise the error that names the real cause (missing ranks, or an
