@@ -280,14 +280,20 @@ def run(cfg: TrainConfig, log=print) -> dict:
             server.stop()
     for ep in sorted(set(history) - printed):
         _log_epoch(cfg, history[ep], log)
-    # rank 0's metrics (or the lowest rank's), with the chunks lost by every rank that reported
-    epochs = [{**history[e][min(history[e])], "lost_chunks": sum(r["lost_chunks"] for r in history[e].values())}
-              for e in sorted(history)]
+    epochs = epoch_records(history)
     return {"config": asdict(cfg), "epochs": epochs, "seconds": time.perf_counter() - t0,
             "final_test_accuracy": epochs[-1]["test_accuracy"],
             "bytes_up": sum(e["bytes_up"] for e in epochs), "bytes_down": sum(e["bytes_down"] for e in epochs),
             "ps": ps_stats, "transport": counters, "restarted_workers": restarted,
             "final_params_identical": _identical(history[max(history)]) if history else None}
+
+
+def epoch_records(history: dict) -> list:
+    """{epoch: {rank: report}} → one record per epoch: rank 0's metrics (or the lowest rank's
+    that reported), with `lost_chunks` summed over every rank that reported, as the progress
+    lines count them."""
+    return [{**history[e][min(history[e])], "lost_chunks": sum(r["lost_chunks"] for r in history[e].values())}
+            for e in sorted(history)]
 
 
 def _identical(reports: dict) -> bool:
