@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from deploy.procs import die_with_parent, single_threaded_children, start_shielded, stop_children
+from deploy.procs import (die_with_parent, leave_on_sigterm, single_threaded_children, start_shielded,
+                          stop_children)
 from proto.job import JobConfig
 
 
@@ -85,8 +86,13 @@ def _evaluate(model, x, y, batch=1000) -> tuple[float, float]:
 
 def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | None = None,
                 rejoin: bool = False) -> None:
-    """One worker process: train, report per-epoch metrics on the queue."""
+    """One worker process: train, report per-epoch metrics on the queue.  Stopped by the
+    parent (SIGTERM: it was interrupted), it leaves its job and exits without a word; a
+    refused registration (a ValueError: the job's configuration, the keys) is reported as
+    `refused`, for exit status 2."""
     die_with_parent()
+    leave_on_sigterm()
+    t = None
     try:
         if cfg.rank_netns:
             from deploy import netns
@@ -181,6 +187,11 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
             counters["ps_stats"] = t.call({"type": "stats"})["stats"]
         q.put(("done", rank, counters))
         t.close()
+    except KeyboardInterrupt:
+        if t is not None:
+            t.close()               # leaves the job: a running PS ends it now, not after the lease
+    except ValueError as exc:
+        q.put(("refused", rank, str(exc)))
     except Exception as exc:
         q.put(("error", rank, f"{type(exc).__name__}: {exc}"))
 
@@ -255,6 +266,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
                 continue
             if kind == "error":
                 raise RuntimeError(f"worker {rank} failed: {body}")
+            if kind == "refused":
+                raise ValueError(body)          # exit status 2, the reason once
             if kind == "done":
                 done.add(rank)
                 counters[rank] = body

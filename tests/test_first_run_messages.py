@@ -125,15 +125,45 @@ def test_an_interrupted_launch_leaves_its_job_and_exits_130_with_one_line():
         server.stop()
 
 
-def test_an_interrupted_train_exits_130_with_one_line():
-    """Reproduction: Ctrl-C of `thc train` printed 92 lines of worker tracebacks."""
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "train", "--workers", "2", "--epochs", "50",
-                             "--model", "mlp", "--train-limit", "20000", "--test-limit", "100", "--no-baseline"],
-                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    out, err = _interrupt_when(proc, lambda: len(_children(proc.pid)) >= 3)   # 2 workers + mp's tracker
-    assert proc.returncode == 130 and err == "thc train: interrupted\n", err
-    assert out.startswith("training mlp on Fashion-MNIST: PS + 2 workers on loopback"), out
+@pytest.mark.parametrize("own_ps", [True, False])
+def test_an_interrupted_train_exits_130_with_one_line(own_ps):
+    """Reproduction: Ctrl-C of `thc train` printed 92 lines of worker tracebacks.  With --ps
+    the workers leave their job (the PS's lease is 60 s: only a leave ends it at once)."""
+    server = None if own_ps else _ps(lease_s=60)
+    where = [] if own_ps else ["--ps", _addr(server)]
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "train", "--workers", "2", "--epochs", "50",
+                                 "--model", "mlp", "--train-limit", "20000", "--test-limit", "100",
+                                 "--no-baseline", *where],
+                                cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        if own_ps:
+            started = lambda: len(_children(proc.pid)) >= 3        # 2 workers + multiprocessing's tracker
+        else:
+            started = lambda: any(min(j["progress"].values(), default=-1) >= 2 for j in server.status()["jobs"])
+        out, err = _interrupt_when(proc, started)
+        assert proc.returncode == 130 and err == "thc train: interrupted\n", err
+        if own_ps:
+            assert out.startswith("training mlp on Fashion-MNIST: PS + 2 workers on loopback"), out
+        else:
+            assert out.startswith(f"training mlp on Fashion-MNIST: 2 workers here, through the PS at {_addr(server)}")
+            assert server.status()["jobs"] == [], "the interrupted workers did not leave"
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def test_train_against_a_ps_running_another_job_exits_2_with_one_line():
+    server = _ps(JobConfig(num_workers=2, codec="none"))
+    try:
+        proc = thc("train", "--ps", _addr(server), "--workers", "2", "--epochs", "1", "--model", "mlp",
+                   "--train-limit", "256", "--test-limit", "100", env=ENV)
+    finally:
+        server.stop()
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("thc train: error: PS refused register: job configuration differs: codec: "
+                                  "PS has 'none', worker expects 'thc'"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
 
 
 def test_train_takes_keys_and_says_where_it_trains(tmp_path, monkeypatch, capsys):
