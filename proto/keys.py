@@ -59,16 +59,20 @@ def handshake_problem(event: int, value: int, *, server: bool, curve: bool = Tru
         return ("a client's public key is not among this PS's authorized keys (keys/authorized/)" if server
                 else "the PS refused this client's key: its public key is not in the PS's keys/authorized/ "
                      "(use the client.key_secret of the PS's key directory, or add client.key there)")
+    no_keys = "the PS runs with --keys (CURVE) and this client has no keys: pass --keys DIR"
     if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
         if server:
             return "a client without keys tried to connect (this PS runs CURVE: the client needs --keys DIR)"
-        return ("the PS runs with --keys (CURVE) and this client has no keys: pass --keys DIR" if not curve
-                else "this client uses CURVE keys (--keys) and the PS runs without them")
+        return no_keys if not curve else "this client uses CURVE keys (--keys) and the PS runs without them"
     if server:
         return ("a client's CURVE handshake failed (it holds another PS's server.key, or its keys do not "
                 "belong together)")
+    # the PS dropped the connection without saying why (ZeroMQ reports no detail, or the
+    # PS's reply did not decrypt): the likeliest cause for this client
+    if not curve:
+        return f"the PS ended the handshake; most likely {no_keys}"
     return ("the PS ended the CURVE handshake: this client's server.key is not that PS's public key "
-            "(keys from another `thc keys` directory?)")
+            "(keys from another `thc keys` directory?), or the PS runs without --keys")
 
 
 class HandshakeWatch:
