@@ -228,7 +228,7 @@ def test_a_host_that_never_joins_is_named():
     server = _ps(lease_s=60)
     try:
         proc = thc("launch", "--ps", _addr(server), "--workers", "4", "--local-workers", "2", "--node-rank", "0",
-                   "--rounds", "5", "--dim", "2000", "--stall-s", "3", env=ENV)
+                   "--rounds", "5", "--dim", "2000", "--stall-s", "20", env=ENV)
     finally:
         server.stop()
     assert proc.returncode == 1, proc.stderr
