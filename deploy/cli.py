@@ -302,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--ps", type=_addr_text, default=None,
                     help="use a running PS at HOST:PORT[,HOST:PORT...] (implies --no-baseline)")
     _job_arg(tr, "with --ps; default: a fresh name per run")
+    tr.add_argument("--keys", default=None, metavar="DIR",
+                    help="key directory (`thc keys`): the PS this starts and the workers use CURVE; with "
+                         "--ps, the running PS's keys (client.key_secret and server.key)")
     tr.add_argument("--train-limit", type=_count, default=0, help="use only the first N training images (0: all)")
     tr.add_argument("--test-limit", type=_count, default=0, help="use only the first N test images (0: all)")
     tr.add_argument("--per-tensor", action="store_true",

@@ -48,7 +48,7 @@ def _write(name: str, title: str, command: str, notes: str, rows: list, extra_co
            out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"# {title}\n", f"Command: `{command}`\n", notes.strip() + "\n",
-             "| run | final test acc | final train loss | mean round ms | lost chunks | "
+             "| run | final test acc | final train loss | mean round ms | lost chunks (all ranks) | "
              + "".join(f"{c} | " for c, _ in extra_cols) + "wall s |",
              "|---|---|---|---|---|" + "---|" * len(extra_cols) + "---|"]
     for r in rows:

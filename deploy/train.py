@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from deploy.procs import die_with_parent, single_threaded_children
+from deploy.procs import (die_with_parent, leave_on_sigterm, single_threaded_children, start_shielded,
+                          stop_children)
 from proto.job import JobConfig
 
 
@@ -60,6 +61,7 @@ class TrainConfig:
     grad_sync: str = "auto"
     rendezvous: str = ""      # the hook's gloo rendezvous HOST:PORT (rank 0 serves it); "": loopback
     bucket_cap_mb: float = 25.0   # DDP's bucket size with the hook (its default)
+    keys: str = ""            # CURVE key directory (`thc keys`) of the PS this starts, or of cfg.ps
 
     def __post_init__(self):
         if self.grad_sync not in GRAD_SYNC:
@@ -155,9 +157,13 @@ def _init_gloo(cfg: TrainConfig, rank: int, store_port: int):
 
 def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | None = None,
                 rejoin: bool = False, store_port: int = 0) -> None:
-    """One worker process: train, report per-epoch metrics on the queue."""
+    """One worker process: train, report per-epoch metrics on the queue.  Stopped by the
+    parent (SIGTERM: it was interrupted), it leaves its job and exits without a word; a
+    refused registration (a ValueError: the job's configuration, the keys) is reported as
+    `refused`, for exit status 2."""
     die_with_parent()
-    path = None
+    leave_on_sigterm()
+    t = path = None
     try:
         if cfg.rank_netns:
             from deploy import netns
@@ -184,7 +190,7 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
             t = Transport(shards[0][0], shards[0][1], rank, control_port=shards[0][2],
                           policy=cfg.loss_policy, faults=faults, timeout_ms=cfg.timeout_ms, shards=shards,
                           expect=job_msg, propose=job,   # the PS must run this job (or start it)
-                          rejoin=rejoin, job_name=cfg.job_name or None)
+                          rejoin=rejoin, job_name=cfg.job_name or None, keys=cfg.keys or None)
         except ValueError as exc:
             if rejoin and "no running job to rejoin" in str(exc):   # the others already finished
                 q.put(("done", rank, {"rejoin_refused": 1}))
@@ -261,6 +267,11 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
             counters["ps_stats"] = t.call({"type": "stats"})["stats"]
         q.put(("done", rank, counters))
         t.close()
+    except KeyboardInterrupt:
+        if t is not None:
+            t.close()               # leaves the job: a running PS ends it now, not after the lease
+    except ValueError as exc:
+        q.put(("refused", rank, str(exc)))
     except Exception as exc:
         q.put(("error", rank, f"{type(exc).__name__}: {exc}"))
     finally:
@@ -350,7 +361,8 @@ def _log_epoch(cfg: TrainConfig, e: dict, log) -> None:
 
 
 def run(cfg: TrainConfig, log=print) -> dict:
-    """Train once with cfg; returns the per-epoch history (rank 0's metrics) and totals."""
+    """Train once with cfg; returns the per-epoch history (rank 0's metrics, and the chunks
+    all ranks lost, as the progress lines count them) and totals."""
     from ps_server.server import PSServer
     from worker import data
     data.load("test")   # fail early, with the install hint, if the dataset is missing
@@ -365,7 +377,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
             host, _, port = item.strip().rpartition(":")
             shards.append((host, int(port), int(port) + 1))
     else:
-        server = PSServer(job, ("127.0.0.1", 0), control_port=0, lease_s=cfg.lease_s).start()
+        server = PSServer(job, ("127.0.0.1", 0), control_port=0, lease_s=cfg.lease_s,
+                          keys=cfg.keys or None).start()
         shards = [("127.0.0.1", server.data_addr[1], server.control_port)]
     from deploy.launch import KILLED
     single_threaded_children()
@@ -382,7 +395,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
     def spawn(r, rejoin=False):
         proc = ctx.Process(target=worker_main, args=(cfg, r, shards, q, job.to_msg(), rejoin,
                                                      store.port if store is not None else 0), daemon=True)
-        proc.start()
+        start_shielded(proc)            # Ctrl-C is this process's: it stops the workers (one line, 130)
         return proc
     procs = [spawn(r) for r in range(job.num_workers)]
     history: dict = {}
@@ -405,6 +418,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
                 continue
             if kind == "error":
                 raise RuntimeError(f"worker {rank} failed: {body}")
+            if kind == "refused":
+                raise ValueError(body)          # exit status 2, the reason once
             if kind == "done":
                 done.add(rank)
                 counters[rank] = body
@@ -417,6 +432,9 @@ def run(cfg: TrainConfig, log=print) -> dict:
                                           any(later > ep for later in history)):
                     printed.add(ep)
                     _log_epoch(cfg, history[ep], log)
+    except KeyboardInterrupt:
+        stop_children(procs)
+        raise
     finally:
         for proc in procs:
             proc.join(timeout=10)
@@ -427,12 +445,20 @@ def run(cfg: TrainConfig, log=print) -> dict:
             server.stop()
     for ep in sorted(set(history) - printed):
         _log_epoch(cfg, history[ep], log)
-    epochs = [history[e][min(history[e])] for e in sorted(history)]      # rank 0's, or the lowest
+    epochs = epoch_records(history)
     return {"config": asdict(cfg), "epochs": epochs, "seconds": time.perf_counter() - t0,
             "final_test_accuracy": epochs[-1]["test_accuracy"],
             "bytes_up": sum(e["bytes_up"] for e in epochs), "bytes_down": sum(e["bytes_down"] for e in epochs),
             "ps": ps_stats, "transport": counters, "restarted_workers": restarted,
             "final_params_identical": _identical(history[max(history)]) if history else None}
+
+
+def epoch_records(history: dict) -> list:
+    """{epoch: {rank: report}} → one record per epoch: rank 0's metrics (or the lowest rank's
+    that reported), with `lost_chunks` summed over every rank that reported, as the progress
+    lines count them."""
+    return [{**history[e][min(history[e])], "lost_chunks": sum(r["lost_chunks"] for r in history[e].values())}
+            for e in sorted(history)]
 
 
 def _identical(reports: dict) -> bool:

@@ -39,6 +39,7 @@ import zmq
 from proto import control
 from proto import udpio
 from proto.job import JobConfig, parse_group
+from proto.keys import HandshakeWatch
 from proto.sockets import multicast_from, multicast_unreachable, set_buffer
 from ps_server.engine import Engine, ExternalEngine
 from ps_server import admission
@@ -249,8 +250,10 @@ class PSServer:
         self.ctl = self._ctx.socket(zmq.ROUTER)
         self.ctl.setsockopt(zmq.LINGER, 0)
         self.ctl.setsockopt(zmq.MAXMSGSIZE, max_message)
+        self._watch = None                         # keys: failed handshakes are logged
         if keys is not None:
             self._auth = _curve_server(self._ctx, self.ctl, Path(keys))
+            self._watch = HandshakeWatch(self.ctl, server=True)
         cport = control_port if control_port is not None else self.data_addr[1] + 1
         self.ctl.bind(f"tcp://{bind[0]}:{cport}")
         self.control_port = int(self.ctl.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
@@ -675,6 +678,8 @@ class PSServer:
         asleep = time.monotonic()
         while not self._stop.is_set():
             events = dict(poller.poll(int(POLL_S * 1000)))
+            for line in self._watch.problems() if self._watch is not None else ():
+                self.log(f"WARNING: {line}")
             with self._lock:
                 self._woke(time.monotonic() - asleep)      # before any lease is checked
                 asleep = time.monotonic()
@@ -740,6 +745,8 @@ class PSServer:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=5)
+        if self._watch is not None:
+            self._watch.close()
         self.ctl.close(0)
         self.sock.close()
         if self._auth is not None:

@@ -45,6 +45,7 @@ from proto import control
 from proto import headers as H
 from proto import udpio
 from proto.job import JobConfig, parse_group
+from proto.keys import HandshakeWatch
 from proto.sockets import group_socket, set_buffer
 from worker.policies import POLICIES
 
@@ -61,6 +62,13 @@ DEFAULT_PS_WAIT_S = 60.0
 #: warning that says what the job waits for; fewer resends are routine on a busy machine.
 STALL_NOTE_TRIES = 8
 log = logging.getLogger(__name__)
+
+
+def _late(t) -> str:
+    """Whom a worker whose results are late waits for: missing ranks, live ranks behind it,
+    or the PS (a rank that died is reported missing once its lease runs out)."""
+    return t.waiting_for() or control.describe_behind(t.status[0], t.worker_id, t.progress) or \
+        "the PS (no rank is reported missing or behind; a rank that died is, once its lease runs out)"
 
 
 class PSUnavailable(RuntimeError):
@@ -264,7 +272,7 @@ class _RetransmitPolicy:
         if now - t._last_note > 5.0 and p.tries >= STALL_NOTE_TRIES:
             t._last_note = now
             log.warning("worker %d: %s unanswered after %d retransmissions; waiting for %s",
-                        t.worker_id, what, p.tries, t.waiting_for() or "the PS")
+                        t.worker_id, what, p.tries, _late(t))
         t.stats.add("retransmissions", p.datagrams)
         p.tries += 1
         p.timeout = min(p.timeout * 2, t.max_timeout)
@@ -481,6 +489,7 @@ class Transport:
         self._gso = int(offload)
         self._ctx = zmq.Context.instance()
         self._ctl: dict = {}
+        self._watch: dict = {}              # shard -> HandshakeWatch of its control socket
         self._endpoints = [f"tcp://{sh[3] if len(sh) > 3 else sh[0]}:{sh[2] or sh[1] + 1}" for sh in shards]
         self._control_timeout = control_timeout_s
         self._curve = None
@@ -772,11 +781,13 @@ class Transport:
             self._run_phase_once(kind, chunks, index)       # results already known: discarded
 
     # ---------------------------------------------------------------- control plane
-    def _socket(self, shard: int):
+    def _socket(self, shard: int, watch: bool = False):
         sock = self._ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
         if self._curve is not None:
             sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = self._curve
+        if watch:       # a handshake the PS refuses (keys that do not fit) is said at once
+            self._watch[shard] = HandshakeWatch(sock, server=False, curve=self._curve is not None)
         sock.connect(self._endpoints[shard])
         return sock
 
@@ -794,7 +805,7 @@ class Transport:
             msg["session"] = self.sessions[shard]["session"]
         sock = self._ctl.get(shard)
         if sock is None:
-            sock = self._ctl[shard] = self._socket(shard)
+            sock = self._ctl[shard] = self._socket(shard, watch=True)
         sock.send(control.encode(msg))
         try:
             reply = self._await_reply(sock, msg, shard, wait)
@@ -835,12 +846,14 @@ class Transport:
                                         f"{msg['type']} {msg.get('name', '')}; a job resumes an "
                                         f"interrupted data-plane phase only".replace("  ", " "))
             if not wait or not watching:
+                if shard in self._watch:        # keys that do not fit: said at once, not after the timeout
+                    self._watch[shard].check(self._endpoints[shard])
                 if waited < self._control_timeout or (watching and self._ps_silent[shard] > 0):
                     continue
-                hint = ("; if that PS runs with --keys, this worker needs --keys too (a CURVE server "
-                        "does not answer clients without its keys)") if self._curve is None else ""
                 raise PSUnavailable(f"no reply from the PS control plane at {self._endpoints[shard]} "
-                                    f"within {self._control_timeout:.0f} s ({msg['type']}){hint}")
+                                    f"within {self._control_timeout:.0f} s ({msg['type']}): is a PS running "
+                                    f"there, its control port reachable? (keys that do not fit are "
+                                    f"reported at once)")
             if self._lease_lost or self._job_gone or (self.status[shard] or {}).get("stalled"):
                 self._check_membership()
             missing = (self.status[shard] or {}).get("missing") or []
@@ -863,6 +876,7 @@ class Transport:
     def _drop_socket(self, shard: int) -> None:
         sock = self._ctl.pop(shard, None)
         if sock is not None:
+            self._watch.pop(shard).close()
             sock.close(0)
 
     def leave(self) -> None:
@@ -885,9 +899,8 @@ class Transport:
             self._hb_thread.join(timeout=5)
         if leave:
             self.leave()
-        for sock in self._ctl.values():
-            sock.close(0)
-        self._ctl.clear()
+        for shard in list(self._ctl):
+            self._drop_socket(shard)
         self.sock.close()
         if getattr(self, "gsock", None) is not None:
             self.gsock.close()
@@ -1224,8 +1237,7 @@ class Transport:
                 self._last_note = now
                 c = int(live[np.argmax(tries[live])])
                 log.warning("worker %d: slot %d round %d unanswered after %d retransmissions; "
-                            "waiting for %s", self.worker_id, slot[c], rounds[c], tries[c],
-                            self.waiting_for() or "the PS")
+                            "waiting for %s", self.worker_id, slot[c], rounds[c], tries[c], _late(self))
 
     def _give_up(self, what: str, dest, tries: int):
         """After max_retries: raise the error that names the real cause (missing ranks, or an
