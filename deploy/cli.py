@@ -311,10 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="one PS round per parameter tensor (per-layer scales, as 3LC and CASQ expect)")
     tr.add_argument("--grad-sync", choices=train_mod.GRAD_SYNC, default="auto",
                     help="hook: each DDP bucket goes to the PS while backward goes on (overlapped); "
-                         "after-backward: one round per model once backward ends; auto (default): the "
-                         "hook unless --per-tensor or --restart-killed need after-backward")
+                         "after-backward: one round per model once backward ends; auto: the hook unless "
+                         "--per-tensor or --restart-killed need after-backward")
     tr.add_argument("--bucket-cap-mb", type=_float_in(0, 16384, lo_open=True, hi_open=False, what="a size in MB"),
-                    default=25.0, help="DDP's bucket size with the hook (DDP's default 25)")
+                    default=25.0, help="DDP's bucket size with the hook, as DDP's own bucket_cap_mb")
     tr.add_argument("--no-baseline", action="store_true", help="skip the uncompressed comparison run")
     tr.add_argument("--json", action="store_true", help="print one JSON summary line at the end")
     tr.set_defaults(func=commands.cmd_train)
