@@ -226,7 +226,7 @@ def reference_digests(job: JobConfig, seed: int, round_no: int, dim: int, report
         payloads = None
     else:
         from worker.client import round_rng
-        cfg = job.thc_config()
+        cfg = thc.ThcConfig.of_job(job)
         tab = np.asarray(job.table, dtype=np.int64)
         shared = next(r["norms"] for r in reports.values() if r.get("norms") is not None)
         # a rank encodes with the norms it ended up with (its own, if it lost the NORM result)
