@@ -2,7 +2,7 @@
 
 For each path and loss rate the same `thc launch` job runs twice, once with the workers'
 fixed first timeout (`--fixed-timeout`, the rule before the adaptive timer) and once with
-the timeout that follows the measured round trip (worker/transport.py, RetransmitTimer).
+the timeout that follows the measured round trip (worker/rto.py, RetransmitTimer).
 Reported per run: rounds exact, mean round, timeouts, packets sent, timeouts per 100 packets
 sent, and the timeout the workers ended with.  On a clean path every timeout is spurious.
 
