@@ -102,9 +102,13 @@ class Transport:
         shards = shards or [(ps_host, data_port, control_port or data_port + 1)]
         self.net = Datagrams(worker_id, (shards[0][0], int(shards[0][1])), bind_port=bind_port,
                              batched=batched, faults=faults, stats=self.stats)
-        self.session = Session(shards, worker_id, self.net.address, control_timeout_s=control_timeout_s,
-                               keys=keys, expect=expect, propose=propose, job_name=job_name,
-                               queue_s=queue_s, rejoin=rejoin)
+        try:
+            self.session = Session(shards, worker_id, self.net.address, control_timeout_s=control_timeout_s,
+                                   keys=keys, expect=expect, propose=propose, job_name=job_name,
+                                   queue_s=queue_s, rejoin=rejoin)
+        except BaseException:           # not registered: nothing to leave, the socket to close
+            self.net.close()
+            raise
         try:
             self.net.join_group(worker_id, self.session.job)
         except RuntimeError:
