@@ -14,7 +14,9 @@ what the worker now runs on a complete round: 8-bit sum lanes → Y/k → RHT⁻
 call (thc.decode_lanes).  "own decode" is the error-feedback term RHT⁻¹(X) from the packed
 indices (thc.decode_own).  "u+compress" is an encode with its uniforms: before, numpy's
 float32 draw into a buffer then the encode reading it; after, the counter uniforms computed
-inside the encode (compression/stochastic.py).
+inside the encode (compression/stochastic.py).  "norms" is the preliminary stage's per-block
+norms: before, a float32 BLAS dot per block (its summation order the library's); after, the
+sum of squares in 16 float64 lanes in a fixed order (thc.block_norms, docs/protocol.md §4).
 """
 from __future__ import annotations
 
@@ -49,6 +51,11 @@ def encode_before(x, norms, cfg, layout, round_no, uniforms):
         big_m = thc._scale(float(norms[j]), p, table.t_p)
         _kernels.quantize(r, big_m, cfg.granularity, tab8, uniforms[off:off + p], out[off:off + p])
     return out
+
+
+def norms_before(x, layout):
+    """‖x_j‖ per block as the previous version computed it: a float32 BLAS dot."""
+    return np.array([np.sqrt(float(np.dot(x[s:s + n], x[s:s + n]))) for s, n in zip(layout.starts, layout.lengths)])
 
 
 def decode_before(sums, contributors, norms, cfg, layout, round_no):
@@ -100,6 +107,8 @@ def main():
         yt = torch.from_numpy(y)
         draw, ubuf = np.random.default_rng(1), np.empty(layout.padded_dim, np.float32)
         rows = [
+            ("numpy", "norms before", lambda: norms_before(x, layout)),
+            ("numpy", "norms", lambda: thc.block_norms(x, layout)),
             ("numpy", "compress before", lambda: pack_indices(encode_before(x, norms, cfg, layout, 0, u), 4)),
             ("numpy", "compress", lambda: thc.encode_packed(x, norms, cfg, layout, 0, u)),
             ("torch", "compress", lambda: pack_indices(thc.encode(xt, norms, cfg, layout, 0, ut).numpy(), 4)),

@@ -8,6 +8,7 @@
  *                written as bytes or packed 4-bit (high nibble first).  Lines 9-16.
  *   rht_decode:  table-domain values (float Y/k, or own indices looked up in T) -> affine map
  *                m + v (M - m)/g -> FWHT + 1/sqrt(p) -> signs D.  Lines 19-22.
+ *   sumsq:       a block's sum of squares for its norm (§5.2), in 16 float64 lanes in a fixed order.
  *   quantize, apply_signs: the previous separate passes (kept for the "before" benchmark).
  *
  * The stochastic rounding's uniforms come from a float32 buffer or, given a 64-bit key, from
@@ -537,6 +538,56 @@ static void rht_run(int simd, float *w, size_t n, const in_t *in, epi_t *e) {
     rht_scalar(w, n, in, e);
 }
 
+/* ------------------------------------------------------------------ block norm (sum of squares) */
+
+/* Σ x_i² of a block, defined to the bit whatever the build (docs/protocol.md §4 step 2): 16
+ * float64 partial sums, S_k = Σ x_i² over i ≡ k (mod 16) added in increasing i, then
+ * S_0 + S_1 + … + S_15 added in that order.  A float32 square is exact in float64, so a fused
+ * multiply-add rounds exactly like the separate multiply and add: FMA or not, AVX2 or scalar,
+ * the result is the same; numpy's float32 dot (BLAS) would round in an order of its own. */
+#define SUMSQ_LANES 16
+
+static double sumsq_finish(const double *acc, const float *x, size_t i, size_t n) {
+    double lane[SUMSQ_LANES], s = 0.0;
+    memcpy(lane, acc, sizeof lane);
+    for (; i < n; i++) lane[i % SUMSQ_LANES] += (double)x[i] * (double)x[i];
+    for (int k = 0; k < SUMSQ_LANES; k++) s += lane[k];
+    return s;
+}
+
+static double sumsq_scalar(const float *x, size_t n) {
+    double acc[SUMSQ_LANES] = {0};
+    size_t i = 0;
+    for (; i + SUMSQ_LANES <= n; i += SUMSQ_LANES)
+        for (int k = 0; k < SUMSQ_LANES; k++) acc[k] += (double)x[i + k] * (double)x[i + k];
+    return sumsq_finish(acc, x, i, n);
+}
+
+#if THC_HAVE_AVX2
+#pragma GCC push_options
+#pragma GCC target("avx2")
+static double sumsq_avx2(const float *x, size_t n) {
+    __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;      /* lanes 0-3, 4-7, 8-11, 12-15 */
+    size_t i = 0;
+    for (; i + SUMSQ_LANES <= n; i += SUMSQ_LANES) {
+        __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+        __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(v0)), d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(v0, 1));
+        __m256d d2 = _mm256_cvtps_pd(_mm256_castps256_ps128(v1)), d3 = _mm256_cvtps_pd(_mm256_extractf128_ps(v1, 1));
+        a0 = _mm256_add_pd(a0, _mm256_mul_pd(d0, d0));
+        a1 = _mm256_add_pd(a1, _mm256_mul_pd(d1, d1));
+        a2 = _mm256_add_pd(a2, _mm256_mul_pd(d2, d2));
+        a3 = _mm256_add_pd(a3, _mm256_mul_pd(d3, d3));
+    }
+    double acc[SUMSQ_LANES];
+    _mm256_storeu_pd(acc, a0);
+    _mm256_storeu_pd(acc + 4, a1);
+    _mm256_storeu_pd(acc + 8, a2);
+    _mm256_storeu_pd(acc + 12, a3);
+    return sumsq_finish(acc, x, i, n);
+}
+#pragma GCC pop_options
+#endif
+
 /* ------------------------------------------------------------------ Python entry points */
 
 static int pick_simd(int simd) {
@@ -688,6 +739,27 @@ static PyObject *py_apply_signs(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* sumsq(x: float32 buf, simd=-1) -> float: Σ x_i² in the lane order above (a float64). */
+static PyObject *py_sumsq(PyObject *self, PyObject *args) {
+    Py_buffer x = {0};
+    int simd = -1;
+    if (!PyArg_ParseTuple(args, "y*|i", &x, &simd)) return NULL;
+    Py_buffer *bufs[] = {&x};
+    if ((simd = pick_simd(simd)) < 0) return fail(bufs, 1, NULL);
+    const float *v = x.buf;
+    size_t n = (size_t)x.len / 4;
+    double s;
+    Py_BEGIN_ALLOW_THREADS
+#if THC_HAVE_AVX2
+    s = simd ? sumsq_avx2(v, n) : sumsq_scalar(v, n);
+#else
+    s = sumsq_scalar(v, n);
+#endif
+    Py_END_ALLOW_THREADS
+    release(bufs, 1);
+    return PyFloat_FromDouble(s);
+}
+
 static PyObject *py_tune(PyObject *self, PyObject *args) {
     Py_ssize_t l1, l2, strip;
     int tb;
@@ -706,6 +778,7 @@ static PyMethodDef methods[] = {
     {"rht_encode", py_rht_encode, METH_VARARGS, "fused signs + FWHT + clamp + stochastic quantization (+ 4-bit packing)"},
     {"rht_decode", py_rht_decode, METH_VARARGS, "fused table-domain values + inverse RHT"},
     {"quantize", py_quantize, METH_VARARGS, "clamp + grid map + stochastic rounding to table indices (separate pass)"},
+    {"sumsq", py_sumsq, METH_VARARGS, "sumsq(x, simd=-1): sum of squares of float32 values in 16 float64 lanes (the block norm)"},
     {"apply_signs", py_apply_signs, METH_VARARGS, "multiply by the Rademacher diagonal given as packed bits"},
     {"_tune", py_tune, METH_VARARGS, "benchmarking only: (L1 chunk, L2 chunk, top level bits, strip floats)"},
     {"simd", py_simd, METH_NOARGS, "the path simd=-1 takes: 'avx2' or 'scalar'"},

@@ -98,7 +98,8 @@ class ErrorFeedback:
     def buffer(self, key, like) -> np.ndarray:
         """An array shaped and typed like `like` for a round of `key`: one the round gave back
         with `recycle` when there is one, else a new one.  A THC round at d = 2^24 needs three
-        64 MB vectors; fresh ones cost the kernel's page zeroing every round (docs/bench.md)."""
+        64 MB vectors; fresh ones cost the kernel's page zeroing every round (docs/bench-history.md,
+        "Rounds without new vectors")."""
         pool = self._spare.get(key, [])
         while pool:
             b = pool.pop()

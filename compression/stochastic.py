@@ -3,7 +3,7 @@
 An encode needs one U[0, 1) draw per padded coordinate (Alg. 3 line 14, App. B).  Drawn
 with numpy (`Generator.random`, float32) they cost about as much as the fused transform
 itself at d = 2^24 and take a 64 MiB buffer the encode then reads back
-(docs/bench.md).  Here uniform i of a stream is a pure function of (key, i), so the C
+(docs/bench.md, "Counter uniforms: B* before and after").  Here uniform i of a stream is a pure function of (key, i), so the C
 encode computes each one where it uses it and writes nothing.
 
 The function is SplitMix64 (Steele, Lea & Flood, "Fast splittable pseudorandom number

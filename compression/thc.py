@@ -143,21 +143,21 @@ def _block_padded(x, layout: Layout, j: int):
 def stochastic_round(y, table: np.ndarray, interval_of: np.ndarray, uniforms):
     """Unbiased rounding of grid values y ∈ [0, g] to table indices (T⁻¹ of Alg. 2).
 
-    y lies in [T[j], T[j+1]]; it becomes j+1 with probability (y − T[j])/(T[j+1] − T[j])
-    and j otherwise, so E[T[Z]] = y.
+    y lies in [T[j], T[j+1]] (j = interval_of[⌊y⌋]); it becomes j+1 when
+    u < (y − T[j])·w_j and j otherwise, w_j = float32(1 / (T[j+1] − T[j])), all in float32
+    (exactly the C kernels' operations), so E[T[Z]] = y.
     """
+    tab = table.astype(np.float32)
+    inv = np.float32(1.0) / (tab[1:] - tab[:-1])
     if _is_torch(y):
         import torch
-        tab = torch.from_numpy(table.astype(np.float32))
+        tab_t, inv_t = torch.from_numpy(tab), torch.from_numpy(inv)
         iv = torch.from_numpy(interval_of)
         j = iv[torch.floor(y).long()]
-        lo, hi = tab[j], tab[j + 1]
-        up = (uniforms < (y - lo) / (hi - lo)).long()
+        up = (uniforms < (y - tab_t[j]) * inv_t[j]).long()
         return (j + up).to(torch.uint8)
-    tab = table.astype(np.float32)
     j = interval_of[y.astype(np.int64)]
-    lo, hi = tab[j], tab[j + 1]
-    return (j + (uniforms < (y - lo) / (hi - lo))).astype(np.uint8)
+    return (j + (uniforms < (y - tab[j]) * inv[j])).astype(np.uint8)
 
 
 def _clip(x, lo, hi):
@@ -169,15 +169,41 @@ def _clip(x, lo, hi):
 
 # ----------------------------------------------------------------------------- THC
 
+#: The float64 partial sums of a block's sum of squares (docs/protocol.md §4 step 2).
+NORM_LANES = 16
+
+
+def sum_of_squares(seg: np.ndarray) -> float:
+    """Σ x_i² of float32 values, defined to the bit: NORM_LANES float64 partial sums, lane k
+    adding x_i² (exact in float64) for i ≡ k (mod NORM_LANES) in increasing i, then lanes 0,
+    1, … added left to right.  The C kernel (`_kernels.sumsq`) and this numpy code give the
+    same float64; a float32 BLAS dot would not (its summation order is the library's)."""
+    seg = np.ascontiguousarray(seg, dtype=np.float32)
+    if _kernels is not None:
+        return _kernels.sumsq(seg)
+    rows = -(-seg.size // NORM_LANES)
+    sq = np.zeros(rows * NORM_LANES, dtype=np.float64)
+    sq[:seg.size] = seg
+    sq *= sq
+    # accumulate: sequential down each lane by definition (add.reduce may sum pairwise)
+    lanes = np.add.accumulate(sq.reshape(rows, NORM_LANES), axis=0)[-1] if rows else np.zeros(NORM_LANES)
+    total = 0.0
+    for v in lanes.tolist():
+        total += v
+    return total
+
+
 def block_norms(x, layout: Layout) -> np.ndarray:
-    """‖x_j‖ per RHT block, float64 (the preliminary-stage message)."""
-    out = np.empty(len(layout.starts))
+    """‖x_j‖ per RHT block (the preliminary-stage message): the float64 square root of the
+    block's :func:`sum_of_squares` of float32(x), rounded to float32 (the values the NORM
+    packet carries), returned as float64."""
+    if _is_torch(x):
+        x = x.detach().cpu().numpy()
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    out = np.empty(len(layout.starts), dtype=np.float32)
     for j, (s, n) in enumerate(zip(layout.starts, layout.lengths)):
-        seg = x[s:s + n]
-        # float32 dot (BLAS, pairwise) is accurate to ~1e-6 relative: ample for a scale
-        out[j] = float((seg.double() ** 2).sum().sqrt()) if _is_torch(seg) else math.sqrt(
-            float(np.dot(seg, seg)) if seg.dtype == np.float32 else float(np.dot(seg.astype(np.float64), seg.astype(np.float64))))
-    return out
+        out[j] = math.sqrt(sum_of_squares(x[s:s + n]))
+    return out.astype(np.float64)
 
 
 def _scale(max_norm: float, padded: int, tp: float) -> float:
@@ -230,7 +256,7 @@ def _each_block(fn, blocks: int) -> None:
     2^24 round has 16 blocks of 2^20) and a pool thread busy with another caller's blocks
     (the error-feedback decode in its helper thread) delays nothing.  On a host with more
     cores than workers a 2^24 compress takes 26 ms on two threads against 42 on one
-    (docs/bench.md); with more workers than cores it lets the last worker of a round use
+    (docs/bench.md, "Codec threads share the RHT blocks"); with more workers than cores it lets the last worker of a round use
     every core."""
     threads = min(blocks, codec_threads())
     if threads <= 1:
@@ -460,7 +486,8 @@ class WorkerRound:
     steady state: x and the residual take the memory's spare buffers (`ErrorFeedback.buffer`)
     and `feedback` gives back x and the old residual; the uniforms are never stored, and
     `decode_lanes(..., out=)` writes x̂ where the caller says.  Fresh 64 MB
-    vectors at d = 2^24 cost the kernel's page zeroing every round (docs/bench.md).
+    vectors at d = 2^24 cost the kernel's page zeroing every round (docs/bench-history.md,
+    "Rounds without new vectors").
     """
 
     def __init__(self, cfg: ThcConfig, grad, memory=None, key=None, *, compensate: bool = True):

@@ -8,6 +8,7 @@ import sys
 import threading
 
 from deploy import commands
+from deploy import train as train_mod
 from proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, MAX_BLOCK_LOG2
 
 
@@ -56,6 +57,24 @@ def result_group_arg(value: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value
+
+
+#: `thc experiment peers` choices (deploy/experiments.py, deploy/peers.py; kept here so that
+#: --help needs no torch import)
+PEER_LAYOUTS = ("ps-host", "ps-group", "colocated")
+PEER_METHODS = ("ddp-fp32", "ddp-fp16", "powersgd-1", "powersgd-4", "thc-hook", "thc-ps", "thc-ps-hook")
+
+
+def _choice_list(what: str, choices: tuple):
+    """argparse type: a comma list of `choices` (in the order given, no repeats)."""
+    def parse(value: str) -> tuple:
+        items = tuple(v.strip() for v in value.split(",") if v.strip())
+        bad = [v for v in items if v not in choices]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(f"{bad[0] if bad else value!r} is not a {what}; choose from "
+                                             f"{', '.join(choices)}")
+        return tuple(dict.fromkeys(items))
+    return parse
 
 
 def _result_group_or_auto(value: str) -> str:
@@ -295,6 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--test-limit", type=_count, default=0, help="use only the first N test images (0: all)")
     tr.add_argument("--per-tensor", action="store_true",
                     help="one PS round per parameter tensor (per-layer scales, as 3LC and CASQ expect)")
+    tr.add_argument("--grad-sync", choices=train_mod.GRAD_SYNC, default="auto",
+                    help="hook: each DDP bucket goes to the PS while backward goes on (overlapped); "
+                         "after-backward: one round per model once backward ends; auto (default): the "
+                         "hook unless --per-tensor or --restart-killed need after-backward")
+    tr.add_argument("--bucket-cap-mb", type=_float_in(0, 16384, lo_open=True, hi_open=False, what="a size in MB"),
+                    default=25.0, help="DDP's bucket size with the hook (DDP's default 25)")
     tr.add_argument("--no-baseline", action="store_true", help="skip the uncompressed comparison run")
     tr.add_argument("--json", action="store_true", help="print one JSON summary line at the end")
     tr.set_defaults(func=commands.cmd_train)
@@ -323,6 +348,13 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--peer-rates", type=_rate_list, default="0",
                     help="peers: comma list of link rates in Mbit/s, 0 = loopback; a capped rate puts every "
                          "rank and the PS in a host namespace of its own behind a link of that rate (root)")
+    ex.add_argument("--layouts", type=_choice_list("layout", PEER_LAYOUTS), default=",".join(PEER_LAYOUTS),
+                    help="peers: where THC-PS aggregates under a capped rate, a comma list of "
+                         + ", ".join(PEER_LAYOUTS) + " (docs/experiments/peers.md)")
+    ex.add_argument("--methods", type=_choice_list("method", PEER_METHODS), default=",".join(PEER_METHODS),
+                    help="peers: a comma list of " + ", ".join(PEER_METHODS))
+    ex.add_argument("--target", type=_float_in(0, 1, lo_open=True, hi_open=False, what="an accuracy"),
+                    default=0.8, help="peers, bandwidth: the test accuracy whose time is compared")
     ex.add_argument("--per-tensor", action="store_true",
                     help="one PS round per parameter tensor (as 3LC and CASQ are meant to run)")
     ex.add_argument("--out", default=None, metavar="DIR",
@@ -557,6 +589,9 @@ def _add_cluster_commands(sub):
     la.add_argument("--ps", type=_addr_text, default=None,
                     help="use a running PS at HOST:PORT (or a comma list of shards) instead of starting one")
     la.add_argument("--shards", type=_int_in(1, 16, "a shard count"), default=1, help="PS shards to start")
+    la.add_argument("--serve-shard", type=_addr_text, default=None, metavar="ADDR:PORT",
+                    help="also run this host's PS shard of the job at ADDR:PORT, one of --ps's (colocated "
+                         "shards: every host lists all shards in --ps and serves its own)")
     la.add_argument("--local-workers", "--nproc-per-node", dest="local_workers",
                     type=_workers, default=None,
                     help="how many of the job's ranks this host runs (default: all of them)")

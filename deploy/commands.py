@@ -249,7 +249,7 @@ def cmd_launch(args):
                      expect=expect, keys=args.keys, lease_s=args.lease_s, rejoin_grace_s=args.rejoin_grace_s,
                      stall_s=args.stall_s, kill=(args.kill_rank, kill_at) if args.kill_rank is not None else None,
                      restart=args.restart_killed, job_name=args.job, fixed_timeout=args.fixed_timeout,
-                     block_log2=args.block_log2, result_group=job.result_group)
+                     block_log2=args.block_log2, result_group=job.result_group, serve_shard=args.serve_shard)
     if args.json:
         return doc
     print(f"rounds {doc['rounds']}, exact {doc['exact_rounds']}, mismatched chunks "
@@ -273,7 +273,8 @@ def cmd_train(args):
                             straggler_prob=args.straggler_prob, sync_every=args.sync_every,
                             train_limit=args.train_limit, test_limit=args.test_limit,
                             straggler_count=args.straggler_count, ps=args.ps or "",
-                            per_tensor=args.per_tensor, job_name=args.job or "")
+                            per_tensor=args.per_tensor, job_name=args.job or "",
+                            grad_sync=args.grad_sync, bucket_cap_mb=args.bucket_cap_mb)
     if args.straggler_count and not 0 < args.straggler_count < args.workers:
         raise ValueError(f"--straggler-count must be in 1..{args.workers - 1}")
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else \
@@ -324,9 +325,10 @@ def cmd_experiment(args) -> None:
     elif args.name == "codecs":
         path = experiments.codecs(base, command, log, out=out)
     elif args.name == "peers":
-        path = experiments.peers(base, command, log, out=out, rates=args.peer_rates)
+        path = experiments.peers(base, command, log, out=out, rates=args.peer_rates, target=args.target,
+                                 methods=args.methods, layouts=args.layouts)
     else:
-        path = experiments.bandwidth(base, command, log, rates=args.rates, codecs=args.codecs, out=out)
+        path = experiments.bandwidth(base, command, log, rates=args.rates, codecs=args.codecs, target=args.target, out=out)
     print(f"wrote {path} and its plot")
 
 

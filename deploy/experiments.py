@@ -134,17 +134,20 @@ def _kernel_loss_rows(base: TrainConfig, log) -> list:
     return rows
 
 
-def ps_in_namespace(net, job, port: int, env: dict, host: int | None = None) -> subprocess.Popen:
+def ps_in_namespace(net, job, port: int, env: dict, host: int | None = None, wait: bool = True) -> subprocess.Popen:
     """`thc ps` for `job` in net.ps_ns on net.ps_ip:port (two_hosts), or on a star's host
-    `host` (stdout piped), given 2 s to bind."""
+    `host` (stdout piped), given 2 s to bind (`wait`; else the caller waits once for several)."""
     prefix, ip = (net.prefix(net.ps_ns), net.ps_ip) if host is None else (net.prefix(host), net.ips[host])
     cmd = prefix + [sys.executable, "-m", "deploy.cli", "ps", "--bind", f"{ip}:{port}",
                                    "--workers", str(job.num_workers), "--codec", job.codec,
                                    "--bits", str(job.bits), "--granularity", str(job.granularity),
                                    "--p", job.p, "--lane-bits", str(job.lane_bits),
                                    "--quorum", str(job.quorum), "--stats-every", "0"]
+    if job.result_group:
+        cmd += ["--result-group", job.result_group]
     ps = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-    time.sleep(2.0)
+    if wait:
+        time.sleep(2.0)
     return ps
 
 
@@ -365,97 +368,185 @@ def _link(rate: float) -> str:
     return "loopback" if not rate else (f"{rate / 1000:g} Gbit/s" if rate >= 1000 else f"{rate:g} Mbit/s")
 
 
-def _peer_row(base: TrainConfig, m: str, log, target: float, net=None) -> dict:
+#: Where THC-PS's aggregation runs in a capped star (`thc experiment peers --layouts`).
+LAYOUTS = {
+    "ps-host": "one PS on a host of its own, each result sent to each worker",
+    "ps-group": "one PS on a host of its own, each result sent once to a multicast group that the "
+                "bridge delivers to every worker host",
+    "colocated": "a PS shard on every worker host (BytePS's colocated servers), each worker's chunks "
+                 "spread over all shards",
+}
+#: The result group of the "ps-group" layout (administratively scoped, inside our namespaces).
+PEER_GROUP = "239.255.79.1:47079"
+PS_PORT, GLOO_PORT = 9000, 29500
+#: THC-PS's methods in the peers experiment: rounds after backward, or in DDP's hook.
+PS_METHODS = {"thc-ps": "after-backward", "thc-ps-hook": "hook"}
+
+
+def _params(model: str) -> int:
+    from worker.training import MODELS
+    return sum(p.numel() for p in MODELS[model]().parameters())
+
+
+def _ps_cfg(base: TrainConfig, m: str, layout: str, net) -> tuple[TrainConfig, list]:
+    """THC-PS's training config for method `m` in `layout`, and the PS hosts it needs (star
+    host indices; none on loopback, where `run` starts its own PS).  No model sync: under the
+    retransmit policy every rank decodes the same sums, so replicas stay identical without it
+    (each run checks that), and DDP's runs have none either."""
+    cfg = replace(base.with_job(codec="thc", result_group=PEER_GROUP if layout == "ps-group" else ""),
+                  grad_sync=PS_METHODS[m], sync_every=0)
+    if net is None:
+        return replace(cfg, job=replace(cfg.job, result_group="")), []
+    n = base.job.num_workers
+    hosts = list(range(n)) if layout == "colocated" else [n]
+    return replace(cfg, ps=",".join(f"{net.ips[h]}:{PS_PORT}" for h in hosts), rank_netns=tuple(net.hosts[:n]),
+                   rendezvous=f"{net.ips[0]}:{GLOO_PORT}"), hosts
+
+
+def _peer_row(base: TrainConfig, m: str, log, target: float, net=None, layout: str = "ps-host") -> dict:
     """One method's training (under `net`, a netns.Star with a host per rank and one for the
-    PS, or on loopback) as a peers row."""
+    PS, or on loopback) as a peers row, with the bytes each host's link carried per step."""
+    from deploy import netns
     from deploy import peers as P
-    if m == "thc-ps":
-        cfg = base.with_job(codec="thc")
-        ps = None
-        if net is not None:
-            n = base.job.num_workers
-            env = {**os.environ, "PYTHONPATH": str(ROOT)}
-            ps = ps_in_namespace(net, cfg.job, 9000, env, host=n)
-            cfg = replace(cfg, ps=f"{net.ips[n]}:9000", rank_netns=tuple(net.hosts[:n]))
+    links0 = netns.link_bytes(net) if net is not None else None
+    if m in PS_METHODS:
+        cfg, ps_hosts = _ps_cfg(base, m, layout, net)
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        servers = [ps_in_namespace(net, cfg.job, PS_PORT, env, host=h, wait=False) for h in ps_hosts]
         try:
+            if servers:
+                time.sleep(2.0)
             doc = run(cfg, log=lambda s: log("    " + s))
         finally:
-            if ps is not None:
-                ps.terminate()
-                ps.wait(10)
+            for ps in servers:
+                stop_gracefully(ps, timeout=10)
         ep = [{"epoch": e["epoch"], "test_accuracy": e["test_accuracy"], "steps": e["steps"],
                "step_ms": 1e3 * e["epoch_seconds"] / max(e["steps"], 1),
                "up_per_step": e["bytes_up"] / max(e["steps"], 1),
-               "down_per_step": e["bytes_down"] / max(e["steps"], 1)} for e in doc["epochs"]]
+               "down_per_step": e["bytes_down"] / max(e["steps"], 1),
+               "round_ms": e["mean_round_ms"]} for e in doc["epochs"]]
         walls = np.cumsum([e["epoch_seconds"] for e in doc["epochs"]]).tolist()
         identical = doc["final_params_identical"]
     else:
+        layout = "ring"
         doc = P.run_peer(m, base, log=lambda s: log("    " + s), net=net)
         ep = [{**e, "up_per_step": e["wire_per_step"], "down_per_step": e["wire_per_step"]}
               for e in doc["epochs"]]
         walls = [e["wall_s"] for e in doc["epochs"]]
         identical = doc["replicas_identical"]
+    steps = sum(e["steps"] for e in ep)
     hit = next((w for e, w in zip(ep, walls) if e["test_accuracy"] >= target), None)
-    return {"method": m, "final_test_accuracy": ep[-1]["test_accuracy"],
-            # the last epoch's: PowerSGD's first epoch is its uncompressed warm-up
-            "up_per_step": float(ep[-1]["up_per_step"]), "down_per_step": float(ep[-1]["down_per_step"]),
-            "up_by_epoch": [e["up_per_step"] for e in ep],
-            "step_ms": float(np.mean([e["step_ms"] for e in ep])), "time_to_target": hit,
-            "accuracy_by_epoch": [e["test_accuracy"] for e in ep], "wall_by_epoch": walls,
-            "replicas_identical": bool(identical)}
+    row = {"method": m, "layout": layout if net is not None or m not in PS_METHODS else "loopback",
+           "params": _params(base.model), "final_test_accuracy": ep[-1]["test_accuracy"],
+           # the last epoch's: PowerSGD's first epoch is its uncompressed warm-up
+           "up_per_step": float(ep[-1]["up_per_step"]), "down_per_step": float(ep[-1]["down_per_step"]),
+           "up_by_epoch": [e["up_per_step"] for e in ep],
+           "step_ms": float(np.mean([e["step_ms"] for e in ep])), "time_to_target": hit,
+           "accuracy_by_epoch": [e["test_accuracy"] for e in ep], "wall_by_epoch": walls,
+           "replicas_identical": bool(identical)}
+    if net is not None:
+        links = [((t1 - t0) / steps, (r1 - r0) / steps)
+                 for (t0, r0), (t1, r1) in zip(links0, netns.link_bytes(net))]
+        row["link_bytes_per_step"] = [[round(t), round(r)] for t, r in links]     # [sent, received] per host
+        row["max_link_bytes_per_step"] = round(max(max(t, r) for t, r in links))
+        if net is not None and getattr(net, "rate_mbit", None):
+            # the least time a step's bytes need on the busiest link at the cap
+            row["wire_ms"] = row["max_link_bytes_per_step"] * 8 / (net.rate_mbit * 1e3)
+    if m in PS_METHODS:
+        # time in the step's rounds (codec, phases, waiting; with the hook, overlapping backward)
+        row["round_ms"] = float(np.mean([e["round_ms"] for e in ep]))
+    return row
+
+
+def _ring_bytes(params: int, n: int) -> float:
+    """What a ring all-reduce of fp32 gradients puts on each rank's link each way: 2(n−1)/n · 4d."""
+    return 2 * (n - 1) / n * 4 * params
+
+
+def _peer_runs(methods, layouts, rate) -> list:
+    """(method, layout) pairs of one rate: THC-PS's methods once per layout under a cap (the
+    layouts differ only in where bytes cross links), once on loopback."""
+    return [(m, lay) for m in methods for lay in ((layouts if rate else ("ps-host",)) if m in PS_METHODS
+                                                    else ("ring",))]
 
 
 def peers(base: TrainConfig, command: str, log=print, target: float = 0.8, *, out: Path,
-          methods=("ddp-fp32", "ddp-fp16", "powersgd-1", "powersgd-4", "thc-hook", "thc-ps"),
-          rates=(0,)) -> Path:
+          methods=("ddp-fp32", "ddp-fp16", "powersgd-1", "powersgd-4", "thc-hook", "thc-ps", "thc-ps-hook"),
+          rates=(0,), layouts=tuple(LAYOUTS)) -> Path:
     """"Why not DDP's own hooks?": the same training (model, seed, shards, optimizer) under DDP
     with a plain fp32 all-reduce, fp16_compress_hook, PowerSGD rank 1 and 4, the THC hook, and
-    THC-PS (PS + workers), under each link rate in `rates` (Mbit/s; 0: loopback, else a host
+    THC-PS (rounds after backward, `thc-ps`, or overlapped in DDP's hook, `thc-ps-hook`; in each
+    of `layouts` under a cap), under each link rate in `rates` (Mbit/s; 0: loopback, else a host
     namespace per rank and one for the PS on a bridge, every link limited to the rate both
-    ways: netns.star); final accuracy, bytes per step each way per worker, step time and time
-    to `target` accuracy.  Writes peers.md, peers.json and peers.png."""
+    ways: netns.star); final accuracy, bytes per step each way per worker and on each host's
+    link, step time and time to `target` accuracy.  Writes peers.md, peers.json and peers.png."""
     from deploy import netns
+    unknown = [lay for lay in layouts if lay not in LAYOUTS]
+    if unknown:
+        raise ValueError(f"unknown layout {unknown[0]!r}; choose from {', '.join(LAYOUTS)}")
     rows = []
-    total = len(methods) * len(rates)
-    for j, rate in enumerate(rates):
+    runs = [(rate, m, lay) for rate in rates for m, lay in _peer_runs(methods, layouts, rate)]
+    for rate in rates:
         with (netns.star(base.job.num_workers + 1, rate_mbit=rate) if rate else contextlib.nullcontext()) as net:
-            for i, m in enumerate(methods):
-                log(f"[peers {j * len(methods) + i + 1}/{total}] {m}, {_link(rate)}")
-                rows.append({**_peer_row(base, m, log, target, net), "rate_mbit": rate})
+            for m, lay in _peer_runs(methods, layouts, rate):
+                k = runs.index((rate, m, lay)) + 1
+                log(f"[peers {k}/{len(runs)}] {m}{'' if lay in ('ring', 'ps-host') and not rate else f' ({lay})'}, "
+                    f"{_link(rate)}")
+                row = {**_peer_row(base, m, log, target, net, layout=lay), "rate_mbit": rate}
+                rows.append(row)
+                if "max_link_bytes_per_step" in row:
+                    log(f"    busiest host link: {row['max_link_bytes_per_step'] / 1e6:.2f} MB per step "
+                        f"(the fp32 ring: {_ring_bytes(row['params'], base.job.num_workers) / 1e6:.2f} MB)")
     out.mkdir(parents=True, exist_ok=True)
+    n = base.job.num_workers
+    params = rows[0]["params"] if rows else _params(base.model)
     capped = [r for r in rates if r]
     where = ("on loopback" if not capped else
-             f"under {', '.join(_link(r) for r in rates)} links: at a capped rate every rank, and the PS, "
+             f"under {', '.join(_link(r) for r in rates)} links: at a capped rate every rank, and a PS host, "
              f"is a network namespace of its own on one bridge, its link limited to the rate both ways "
-             f"(a token bucket at each end), so DDP's ring and THC-PS's star cross links of the same rate "
-             f"and the PS's own link carries all n workers' traffic")
+             f"(a token bucket at each end), so DDP's ring and THC-PS cross links of the same rate")
     lines = ["# DDP's own hooks beside THC\n", f"Command: `{command}`\n",
-             f"{base.job.num_workers} ranks {where}; {base.model} on Fashion-MNIST "
+             f"{n} ranks {where}; {base.model} ({params:,} parameters) on Fashion-MNIST "
              f"({base.train_limit or 60000} images), {base.epochs} epochs, seed {base.job.seed}, the same "
-             f"shards and optimizer for every method. Bytes are per worker per step in the last epoch (PowerSGD "
-             f"runs its first epoch uncompressed, as its warm-up), each way: for DDP "
-             f"what a ring all-reduce puts on a rank's link (2(n−1)/n × the payload each hook hands to "
-             f"all_reduce), for THC-PS the datagrams to and from the PS. \"time to {target:.0%}\" is the "
-             f"training wall time until rank 0's test accuracy first reaches it (\"-\": never). "
-             f"docs/bench.md, \"Break-even link rate\", has where bytes start to cost more than THC-PS's "
-             f"extra CPU.\n",
-             "| link | method | final test acc | up bytes/step | down bytes/step | step ms | "
-             f"time to {target:.0%} (s) |", "|---|---|---|---|---|---|---|"]
+             f"shards and optimizer for every method. \"up/down bytes/step\" are per worker per step in the last "
+             f"epoch (PowerSGD runs its first epoch uncompressed, as its warm-up): for DDP what a ring "
+             f"all-reduce puts on a rank's link (2(n−1)/n × the payload each hook hands to all_reduce), for "
+             f"THC-PS the datagrams to and from the PS. \"busiest link/step\" is measured: the most bytes "
+             f"one host's link carried in one direction per step (the kernel's interface counters, headers "
+             f"and control traffic included); the fp32 ring's 2(n−1)/n · 4d is "
+             f"{_ring_bytes(params, n) / 1e6:.2f} MB. \"time to {target:.0%}\" is the training wall time "
+             f"(evaluation included) until rank 0's test accuracy first reaches it (\"-\": never).\n",
+             "THC-PS layouts: " + "; ".join(f"`{k}`: {v}" for k, v in LAYOUTS.items() if k in layouts)
+             + ". `thc-ps` runs its rounds after backward, `thc-ps-hook` in DDP's communication hook "
+               "(each bucket while backward goes on).\n",
+             "\"wire ms\" is the least time the busiest link needs for a step's bytes at the cap; \"in rounds "
+             "ms\" THC-PS's time per step inside its rounds (codec, phases and waiting for the other ranks; "
+             "with the hook, overlapping backward).\n",
+             "| link | method | layout | final test acc | up bytes/step | down bytes/step | busiest link/step | "
+             f"wire ms | step ms | in rounds ms | time to {target:.0%} (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ttt = f"{r['time_to_target']:.0f}" if r["time_to_target"] is not None else "-"
-        lines.append(f"| {_link(r['rate_mbit'])} | {r['method']} | {r['final_test_accuracy']:.4f} | "
-                     f"{r['up_per_step']:,.0f} | {r['down_per_step']:,.0f} | {r['step_ms']:.1f} | {ttt} |")
+        ttt = f"{r['time_to_target']:.1f}" if r["time_to_target"] is not None else "-"
+        busiest = f"{r['max_link_bytes_per_step']:,}" if "max_link_bytes_per_step" in r else "-"
+        wire = f"{r['wire_ms']:.1f}" if "wire_ms" in r else "-"
+        rounds = f"{r['round_ms']:.1f}" if "round_ms" in r else "-"
+        lines.append(f"| {_link(r['rate_mbit'])} | {r['method']} | {r['layout']} | {r['final_test_accuracy']:.4f} | "
+                     f"{r['up_per_step']:,.0f} | {r['down_per_step']:,.0f} | {busiest} | {wire} | "
+                     f"{r['step_ms']:.1f} | {rounds} | {ttt} |")
+    lines += _speedups(rows, target)
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4), squeeze=False)
+        fig, axes = plt.subplots(1, len(rates), figsize=(7 * len(rates), 4.5), squeeze=False)
         for ax, rate in zip(axes[0], rates):
             for r in (r for r in rows if r["rate_mbit"] == rate):
-                ax.plot(r["wall_by_epoch"], r["accuracy_by_epoch"], marker="o", label=r["method"])
+                label = r["method"] + ("" if r["layout"] in ("ring", "loopback") else f" ({r['layout']})")
+                ax.plot(r["wall_by_epoch"], r["accuracy_by_epoch"], marker="o", label=label)
+            ax.axhline(target, color="grey", lw=0.8, ls="--")
             ax.set(xlabel="training wall time (s)", ylabel="test accuracy", title=_link(rate))
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=7)
         fig.suptitle("Accuracy against wall time")
         fig.tight_layout()
         fig.savefig(out / "peers.png", dpi=100)
@@ -466,3 +557,20 @@ def peers(base: TrainConfig, command: str, log=print, target: float = 0.8, *, ou
     path.write_text("\n".join(lines) + "\n")
     (out / "peers.json").write_text(json.dumps(rows, indent=1))
     return path
+
+
+def _speedups(rows: list, target: float) -> list:
+    """Per rate: each THC-PS run's time to target against DDP fp32's, fp16's and the THC hook's."""
+    lines = []
+    for rate in sorted({r["rate_mbit"] for r in rows}, key=lambda v: v or 0):
+        here = [r for r in rows if r["rate_mbit"] == rate]
+        ref = {r["method"]: r["time_to_target"] for r in here if r["method"] not in PS_METHODS}
+        for r in (r for r in here if r["method"] in PS_METHODS):
+            t = r["time_to_target"]
+            vs = [f"{ref[m] / t:.2f}x vs {m}" if t and ref.get(m) else f"- vs {m}"
+                  for m in ("ddp-fp32", "ddp-fp16", "thc-hook") if m in ref]
+            if vs:
+                if not lines:
+                    lines = ["", f"Time to {target:.0%} of THC-PS against DDP's methods (greater is sooner):", ""]
+                lines.append(f"- {_link(rate)}, {r['method']} ({r['layout']}): " + ", ".join(vs))
+    return lines

@@ -434,7 +434,8 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
                ps_control_port=None, check=True, shards=1, batched=True, rank_base=0,
                local_workers=None, expect=None, keys=None, kill=None, restart=False,
                lease_s=None, rejoin_grace_s=None, stall_s=180.0, job_name=None,
-               fixed_timeout=False, block_log2=DEFAULT_BLOCK_LOG2, result_group=AUTO_GROUP) -> dict:
+               fixed_timeout=False, block_log2=DEFAULT_BLOCK_LOG2, result_group=AUTO_GROUP,
+               serve_shard=None) -> dict:
     """Start a PS with `shards` shards (unless `ps` = "host:port[,host:port…]") and worker
     processes for ranks rank_base … rank_base + local_workers − 1 of an n = `workers` job;
     returns the JSON summary, whose `ok` is False when any chunk was inexact or, under
@@ -451,6 +452,10 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
     sendmmsg/recvmmsg.  `result_group` ("A.B.C.D:PORT") makes the PS multicast each result
     once to that group instead of sending it to every worker; "" sends one copy to each;
     "auto" (the default) picks a group when this launch starts the PS (one_host_group).
+    `serve_shard` ("ADDR:PORT", one of `ps`'s shards) also runs that shard here for the job,
+    control plane on PORT+1: colocated shards, one per host, as BytePS colocates its servers
+    with its workers (every host passes the same `ps` list, each serving its own entry); the
+    shard stays up after this host's workers finish until every rank has left its job.
 
     Every wait is bounded: the workers' own (they fail naming a missing rank or an
     unreachable PS), and this launcher's watchdog, which stops the job when no worker has
@@ -464,7 +469,9 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
     job = JobConfig(num_workers=workers, codec=codec, bits=bits, granularity=granularity, p=p,
                     quorum=quorum, seed=seed, slots=slots, lane_bits=lane_bits, block_log2=block_log2,
                     result_group=one_host_group(result_group, own_ps=ps is None))
-    servers = []
+    servers, servers_here = [], []
+    if serve_shard is not None and ps is None:
+        raise ValueError("--serve-shard needs --ps listing every host's shard (this one's included)")
     if ps is None:
         from ps_server.server import PSServer
         extra = {} if lease_s is None else {"lease_s": lease_s}
@@ -476,6 +483,8 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
         shard_list = [("127.0.0.1", s.data_addr[1], s.control_port) for s in servers]
     else:
         shard_list = parse_ps(ps, ps_control_port)
+        if serve_shard is not None:
+            servers_here.append(_serve_shard(job, serve_shard, shard_list, engine, keys, lease_s))
         if job_name is None and local_workers == workers:
             import secrets
             job_name = f"launch-{secrets.token_hex(4)}"
@@ -505,6 +514,8 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
             fetch_ps_stats(shard_list, keys)
         for s in servers:
             s.stop()
+        for s in servers_here:
+            _stop_when_left(s)
     per_worker, counters, errors, announced = sup.per_worker, sup.counters, sup.errors, sup.announced
     restarted = sup.restarted
     if not per_worker:
@@ -544,6 +555,27 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
             "drops": ps_stats["drops"] if ps_stats else None, "ps": ps_stats,
             "bytes_up_per_round": first[0]["bytes_up"] if first else 0,
             "bytes_down_per_round": first[0]["bytes_down"] if first else 0}
+
+
+def _serve_shard(job: JobConfig, addr: str, shard_list: list, engine: str, keys, lease_s):
+    """Start this host's shard of a colocated job at `addr`, which `shard_list` must name."""
+    from ps_server.server import PSServer
+    host, _, port = addr.rpartition(":")
+    if not port.isdigit() or (host, int(port)) not in [(sh[0], sh[1]) for sh in shard_list]:
+        listed = ", ".join(f"{sh[0]}:{sh[1]}" for sh in shard_list)
+        raise ValueError(f"--serve-shard {addr} is not one of the --ps shards ({listed}): every host "
+                         f"lists all shards, its own included")
+    extra = {} if lease_s is None else {"lease_s": lease_s}
+    return PSServer(job, (host, int(port)), control_port=int(port) + 1, engine=engine, keys=keys, **extra).start()
+
+
+def _stop_when_left(server, timeout_s: float = 120.0) -> None:
+    """Stop a colocated shard once its job has ended (every rank left, or its leases lapsed):
+    ranks of other hosts may still be finishing their last round through it."""
+    deadline = time.monotonic() + timeout_s
+    while server.jobs and time.monotonic() < deadline:
+        time.sleep(0.1)
+    server.stop()
 
 
 def _ask(shard: tuple, msg: dict, keys=None, timeout_s: float = 2.0) -> dict | None:

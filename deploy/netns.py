@@ -130,6 +130,7 @@ class Star:
     hosts: tuple
     ips: tuple
     ifname: str = "thc0"
+    rate_mbit: float | None = None      # every link's cap (None: uncapped)
 
     def prefix(self, i: int) -> list[str]:
         return ["ip", "netns", "exec", self.hosts[i]]
@@ -172,9 +173,25 @@ def star(n: int, *, rate_mbit: float | None = None):
             if rate_mbit is not None:
                 _rate_limit(ns, "thc0", rate_mbit)
                 _rate_limit(hub, far, rate_mbit)
-        yield Star(hub, hosts, ips)
+        yield Star(hub, hosts, ips, rate_mbit=rate_mbit)
     finally:
         _remove(created)
+
+
+def link_bytes(net: Star) -> list[tuple[int, int]]:
+    """(bytes sent, bytes received) so far on each host's link (its `thc0`, the one cable to
+    the bridge), in host order: the kernel's interface counters, every frame's IP, UDP or TCP
+    headers included."""
+    import json as _json
+    out = []
+    for ns in net.hosts:
+        proc = subprocess.run(["ip", "-n", ns, "-s", "-j", "link", "show", net.ifname],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"cannot read {ns}'s {net.ifname} counters: {proc.stderr.strip()}")
+        stats = _json.loads(proc.stdout)[0]["stats64"]
+        out.append((int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])))
+    return out
 
 
 #: setns(2)'s flag for a network namespace

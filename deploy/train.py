@@ -19,6 +19,10 @@ from deploy.procs import die_with_parent, single_threaded_children
 from proto.job import JobConfig
 
 
+#: TrainConfig.grad_sync's choices (`thc train --grad-sync`).
+GRAD_SYNC = ("auto", "hook", "after-backward")
+
+
 @dataclass
 class TrainConfig:
     """A training run: the job it runs (validated when built: n·g must fit the lane, ...) and
@@ -48,6 +52,32 @@ class TrainConfig:
     lease_s: float = 5.0      # the PS this starts
     job_name: str = ""        # the job's name on a running PS ("": a fresh one per run)
     rank_netns: tuple = ()    # with ps: rank i runs in network namespace rank_netns[i] (a host each)
+    # how gradients reach the PS: "hook", DDP's communication hook (each bucket's round while
+    # backward goes on, worker/ps_hook.py); "after-backward", one round per model (or per tensor)
+    # once backward has ended (worker/training.py GradientSync); "auto": the hook, unless
+    # per-tensor rounds or a killed-and-restarted rank ask for after-backward
+    grad_sync: str = "auto"
+    rendezvous: str = ""      # the hook's gloo rendezvous HOST:PORT (rank 0 serves it); "": loopback
+    bucket_cap_mb: float = 25.0   # DDP's bucket size with the hook (its default)
+
+    def __post_init__(self):
+        if self.grad_sync not in GRAD_SYNC:
+            raise ValueError(f"grad_sync must be one of {', '.join(GRAD_SYNC)}, got {self.grad_sync!r}")
+        if self.grad_sync == "hook" and self.per_tensor:
+            raise ValueError("per-tensor rounds need --grad-sync after-backward (DDP's hook gets buckets, "
+                             "not tensors)")
+        if self.grad_sync == "hook" and self.restart:
+            raise ValueError("a killed rank's restart needs --grad-sync after-backward (a restarted rank "
+                             "fast-forwards by the model's rounds, which DDP's buckets do not state)")
+        if not 0 < self.bucket_cap_mb <= 1 << 14:
+            raise ValueError(f"bucket_cap_mb must be in (0, 16384], got {self.bucket_cap_mb}")
+
+    @property
+    def uses_hook(self) -> bool:
+        """Whether gradients go through DDP's communication hook (grad_sync resolved)."""
+        if self.grad_sync == "auto":
+            return not (self.per_tensor or self.restart)
+        return self.grad_sync == "hook"
 
     def with_job(self, **changes) -> TrainConfig:
         """A copy whose job has `changes` (JobConfig's field names); its derived fields (table,
@@ -82,22 +112,41 @@ def _evaluate(model, x, y, batch=1000) -> tuple[float, float]:
     return correct / len(x), loss / len(x)
 
 
+def _init_gloo(cfg: TrainConfig, rank: int, store_port: int):
+    """The gloo process group DDP needs beside the hook (its start-up broadcast of the model;
+    the gradients go through the PS).  On loopback the parent holds the TCP store at
+    127.0.0.1:store_port; across hosts rank 0 serves it at cfg.rendezvous."""
+    import datetime
+
+    import torch.distributed as dist
+    n = cfg.job.num_workers
+    if cfg.rendezvous:
+        host, _, port = cfg.rendezvous.rpartition(":")
+        store = dist.TCPStore(host, int(port), n, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
+    else:
+        store = dist.TCPStore("127.0.0.1", store_port, n, is_master=False, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
+
+
 def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | None = None,
-                rejoin: bool = False) -> None:
+                rejoin: bool = False, store_port: int = 0) -> None:
     """One worker process: train, report per-epoch metrics on the queue."""
     die_with_parent()
+    path = None
     try:
         if cfg.rank_netns:
             from deploy import netns
             netns.enter(cfg.rank_netns[rank])
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", netns.Star.ifname)
+        elif cfg.uses_hook:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         import torch
         import torch.nn.functional as F
 
         from worker import data
         from worker.client import Worker
         from deploy.launch import KILLED
-        from worker.training import (MODELS, GradientSync, flat_params, rejoin_step, rejoin_training,
-                                     sync_model)
+        from worker.training import MODELS, flat_params, rejoin_step, rejoin_training, sync_model
         from worker.transport import Faults, LeaseLost, Transport
         torch.set_num_threads(1)
         torch.manual_seed(cfg.job.seed)                  # identical initial models
@@ -118,7 +167,8 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
             raise
         w = Worker(t, seed=cfg.job.seed, straggler_delay_ms=cfg.straggler_delay_ms,
                    straggler_prob=cfg.straggler_prob, straggler_count=cfg.straggler_count)
-        sync = GradientSync(w, model, per_tensor=cfg.per_tensor)
+        path = _GradPath(cfg, rank, model, w, store_port)
+        sync = path.sync
         steps = (len(xtr) // cfg.job.num_workers) // cfg.batch    # the same in every rank
         first = 0
         if t.rejoined:
@@ -139,17 +189,16 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
                         if rank == cfg.kill_rank and step == cfg.kill_at_step and not rejoin:
                             os._exit(KILLED)
                         opt.zero_grad()
-                        loss = F.cross_entropy(model(xb), yb)
-                        loss.backward()
+                        loss = F.cross_entropy(path.net(xb), yb)
                         try:
-                            sync()
+                            path.backward(loss)
                         except LeaseLost as exc:
                             print(f"rank {rank}: {exc}; rejoining", file=sys.stderr, flush=True)
                             if cfg.job.quorum < 1:       # the others went on: take the model at a sync
                                 w.rejoin()
                                 raise _Rejoined(rejoin_training(sync, model, steps, cfg.sync_every)) from None
                             rejoin_step(sync, step)
-                            sync()
+                            path.again(lambda x=xb, y=yb: (opt.zero_grad(), F.cross_entropy(path.net(x), y))[1])
                         opt.step()
                         rep = w.last
                         comm += rep.seconds
@@ -182,6 +231,70 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
         t.close()
     except Exception as exc:
         q.put(("error", rank, f"{type(exc).__name__}: {exc}"))
+    finally:
+        if path is not None:
+            path.close()
+        _destroy_gloo()
+
+
+class _GradPath:
+    """How a step's gradients reach the PS: one round per model (or tensor) after backward
+    (worker/training.py GradientSync), or each DDP bucket's round inside backward
+    (worker/ps_hook.py).  `net` is what the step runs forward; `sync` what a rejoining rank
+    fast-forwards with."""
+
+    def __init__(self, cfg: TrainConfig, rank: int, model, worker, store_port: int):
+        from worker.training import GradientSync
+        self.worker, self.net, self.hook = worker, model, None
+        self.sync = GradientSync(worker, model, per_tensor=cfg.per_tensor)
+        if cfg.uses_hook:
+            import torch
+
+            from worker.ps_hook import HookSync, PSHookState, ps_hook
+            _init_gloo(cfg, rank, store_port)
+            # the gradients live in the buckets (no copy in and out of them each step)
+            self.net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb,
+                                                                 gradient_as_bucket_view=True)
+            self.hook = PSHookState(worker, world_size=cfg.job.num_workers)
+            self.net.register_comm_hook(self.hook, ps_hook)
+            self.sync = HookSync(self.hook)
+
+    def backward(self, loss) -> None:
+        """backward and the step's rounds; a round's own error (LeaseLost, ...) is raised as
+        itself, not as the RuntimeError DDP wraps it in."""
+        if self.hook is None:
+            loss.backward()
+            self.sync()
+            return
+        from worker.ps_hook import merged_report
+        try:
+            loss.backward()
+        except RuntimeError:
+            self.hook.raise_error()
+            raise
+        rep = merged_report(self.hook.take_reports())
+        if rep is not None:
+            self.worker.last = rep
+
+    def again(self, recompute) -> None:
+        """The step's rounds once more after a rejoin: after backward the gradients are still
+        there; through the hook the step's backward runs again (`recompute()` gives its loss)."""
+        if self.hook is None:
+            self.sync()
+        else:
+            self.backward(recompute())
+
+    def close(self) -> None:
+        if self.hook is not None:
+            self.hook.close()
+
+
+def _destroy_gloo() -> None:
+    """gloo processes must destroy their group before exiting (else gloo may abort at exit)."""
+    import sys as _sys
+    dist = _sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class _Rejoined(Exception):
@@ -226,9 +339,17 @@ def run(cfg: TrainConfig, log=print) -> dict:
     single_threaded_children()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
+    store = None
+    if cfg.uses_hook and not cfg.rendezvous:      # the gloo rendezvous, held here: no port race
+        import datetime
+
+        import torch.distributed as dist
+        store = dist.TCPStore("127.0.0.1", 0, job.num_workers, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=120))
 
     def spawn(r, rejoin=False):
-        proc = ctx.Process(target=worker_main, args=(cfg, r, shards, q, job.to_msg(), rejoin), daemon=True)
+        proc = ctx.Process(target=worker_main, args=(cfg, r, shards, q, job.to_msg(), rejoin,
+                                                     store.port if store is not None else 0), daemon=True)
         proc.start()
         return proc
     procs = [spawn(r) for r in range(job.num_workers)]

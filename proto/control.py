@@ -7,18 +7,19 @@ ZMQ_MAXMSGSIZE.  Requests and their replies:
   register   {worker_id, data_addr: [ip, port], job_name?, expect?, job?, rejoin?, session?}
              -> config {job, nonce, token, session, job_number, job_name, lease_s, data_port,
              rejoin}
-             `job_name` (default "default") names the job: a name no running job has starts
-             a new job beside the running ones (admission gives it a region of the PS's slot
-             space and a job id, both in the reply's `job`: its `slots` and `job_id`), or
-             queues it while the space is full; the same name and a stated configuration
-             that agrees with it join that job (another configuration starts a job beside
-             it, unless the PS has a fixed job: then it is refused).
-             `expect` lists the job fields the worker insists on (a mismatch is refused,
-             naming each differing field; `job_id` and `slots` are the PS's to assign); `job`
-             proposes a whole job to a PS that has none configured.  A rank held by another live registration is refused unless
-             the request carries that registration's session (the same worker registering
-             again); `rejoin` (a restarted rank) is refused unless a job in which the rank
-             held a place is still running.
+             `job_name` (default "default") names the job, one name, one job: a name no
+             running or queued job has starts a new job beside the running ones (admission
+             gives it a region of the PS's slot space and a job id, both in the reply's
+             `job`: its `slots` and `job_id`), or queues it while the space is full; the
+             name of a running (or queued) job joins it, and a stated configuration that
+             disagrees with it is refused, naming each differing field.
+             `expect` lists the job fields the worker insists on (`job_id` and `slots` are
+             the PS's to assign); `job` proposes a whole job to a PS that has none
+             configured, needed only by the registration that starts the job.  A rank held
+             by another live registration is refused unless the request carries that
+             registration's session (the same worker registering again); `rejoin` (a
+             restarted rank) is refused unless a job in which the rank held a place is still
+             running.
   heartbeat  {worker_id, session, progress?}  -> status (below); renews the lease
   status     {worker_id?, session?}            -> status {job_number, live, missing, progress,
              barriers, stalled?, region, ..., jobs?, queued?, slot_space?, slots_free?}: to a

@@ -62,6 +62,10 @@ HEADER_FMT = "!" + "".join({1: "B", 2: "H", 4: "I"}[size] for _, size in FIELDS)
 HEADER_SIZE = struct.calcsize(HEADER_FMT)
 assert HEADER_SIZE == 40
 
+#: The most coordinates one tensor (a round) may have: a packet's first coordinate is the
+#: 32-bit `offset` field, and its last one must be addressable too.
+MAX_COORDS = 1 << 32
+
 # packet types
 DATA, RESULT, STRAGGLER, NORM, NORM_RESULT = 1, 2, 3, 4, 5
 TYPE_NAMES = {DATA: "DATA", RESULT: "RESULT", STRAGGLER: "STRAGGLER", NORM: "NORM", NORM_RESULT: "NORM_RESULT"}

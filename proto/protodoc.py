@@ -53,16 +53,23 @@ HEADER_MEANINGS = {
 REQUEST_FIELDS = {
     "worker_id": "the rank",
     "data_addr": "the worker's UDP source address and port, exactly as the PS will see them",
-    "job_name": "the job's name (default `default`): a name no running job has starts a new job "
-                "beside the running ones (or queues it while the slot space is full); the same name "
-                "and a stated configuration that agrees with it join that job",
-    "expect": "JobConfig fields (names as in the job table) the worker insists on; a mismatch is "
-              "refused naming each differing field",
-    "job": "a whole JobConfig map, proposed to a PS started without a job",
+    "job_name": "the job's name (default `default`); one name, one job: a name no running or "
+                "queued job has starts a new job beside the running ones (or queues it while the slot "
+                "space is full); a registration naming a running (or queued) job joins it, and is "
+                "refused, naming every differing field, when its `expect` disagrees with that job",
+    "expect": "JobConfig fields (names as in the job table) the worker insists on; a mismatch with "
+              "the job it would join or start is refused naming each differing field; `job_id` and "
+              "`slots` are the PS's to assign and never differ",
+    "job": "a whole JobConfig map, proposed to a PS started without a job; needed only by a "
+           "registration that starts a job (the first of its name); a joining one may leave it out, "
+           "and if sent it is not compared (state what matters in `expect`)",
     "rejoin": "true: only join a running job in which this rank held a place (a restarted rank, or "
               "one whose lease expired)",
     "session": "the 16-byte secret of the config reply; every request for a rank carries it",
-    "progress": "the step the worker is on (a restarted or lapsed rank reads the others' from `status`)",
+    "progress": "the step the worker is on, 0-based, as the application counts steps (`thc launch`: "
+                "the allreduce it is starting, the number of rounds once done; `thc train`: the "
+                "training step); absent until the worker has one (the status shows −1); a restarted "
+                "or lapsed rank reads the others' from `status`",
     "name": "barrier name: `start`, `end`, `sync-E` (after epoch E's model sync)",
     "round": "sync_put/sync_get: the model-sync round (the epoch)",
     "blob": "the sync source's model state (float32 parameters, the application's layout)",
@@ -78,7 +85,8 @@ REPLIES = {
     "leave": "`ok`; the job ends when every rank left or lost its lease",
     "barrier": "`ok`, once every live rank arrived and at least ⌈q·n⌉ are live; `error` with code "
                "`job_stalled` when it cannot complete",
-    "sync_put": "`ok` (only from the sync source: the lowest live rank that is not rejoining)",
+    "sync_put": "`ok` from the sync source (the lowest live rank that is not rejoining); from any "
+                "other rank `error` with code `refused`, naming the source",
     "sync_get": "`sync` {blob}, once the source put that round",
     "resume": "`resume` {phase, max_phase}, once all n ranks asked",
     "stats": "`stats` {stats}: the PS's counters",
@@ -115,7 +123,8 @@ STATUS_REPLY = {
     "live": ("array of int", "the live ranks"),
     "missing": ("array of map", "{rank, why, rejoin_s?}: ranks never registered, or dead; `rejoin_s` is "
                                 "the seconds left of a dead rank's rejoin grace (0: past it)"),
-    "progress": ("map str → int", "each live rank's `progress` (keys are decimal ranks)"),
+    "progress": ("map str → int", "each live rank's last reported `progress` (keys are decimal ranks); "
+                                  "−1 for a rank that has reported none"),
     "barriers": ("map str → array of int", "each open barrier's arrived ranks"),
     "sync_source": ("int or nil", "the rank whose `sync_put` is accepted"),
     "rejoin_grace_s": ("float", "how long a dead rank may come back before a job that needs it fails"),
@@ -233,10 +242,34 @@ def job_fields() -> str:
     return _table(["field", "type", "default", "meaning"], rows)
 
 
+def thc_numbers() -> str:
+    """t_p and the table of the default job, to the last bit (docs/protocol.md §4)."""
+    from proto.tables import parse_p, solve_table, t_p
+    job = JobConfig(num_workers=1)
+    tab = np.asarray(solve_table(job.bits, job.granularity, job.p).values, dtype=np.float32)
+    w = np.float32(1.0) / (tab[1:] - tab[:-1])
+    tp = t_p(parse_p(job.p))
+    rows = [(f"t_p for p = {job.p} (float64)", f"{tp!r} ({tp.hex()})"),
+            (f"T for b = {job.bits}, g = {job.granularity}, p = {job.p}", ", ".join(str(int(v)) for v in tab)),
+            ("w_i = float32(1/(T[i+1] − T[i])), IEEE bits", ", ".join(f"0x{v.view(np.uint32):08x}" for v in w))]
+    return _table(["what", "value"], rows)
+
+
+def stream_example(seed: int = 0, rank: int = 0, round_no: int = 0, count: int = 6) -> str:
+    """The stochastic-rounding key of (seed, rank, round) and its first uniforms (§5)."""
+    from compression.stochastic import counter_uniforms, key_from
+    key = key_from(np.random.default_rng(np.random.SeedSequence([seed, rank, round_no, 0x52])))
+    u = counter_uniforms(key, count)
+    rows = [("K", f"0x{key:016x}")]
+    rows += [(f"u_{k}", f"{int(v * 2.0 ** 24)} · 2^−24 = {float(v)!r}") for k, v in enumerate(u)]
+    return _table(["value", ""], rows)
+
+
 BLOCKS = {
     "header": header_table, "constants": constants, "geometry": geometry, "norm": norm_examples,
     "requests": requests, "errors": error_codes, "config": lambda: _reply_table(CONFIG_REPLY),
-    "status": lambda: _reply_table(STATUS_REPLY), "job": job_fields,
+    "status": lambda: _reply_table(STATUS_REPLY), "job": job_fields, "thc": thc_numbers,
+    "streams": stream_example,
 }
 _BLOCK = re.compile(r"(<!-- generated: (\w+) -->\n)(.*?)(<!-- end generated -->)", re.S)
 

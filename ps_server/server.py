@@ -184,6 +184,14 @@ class Job:
                 f"{control.describe_missing(self.missing(now, grace))}")
 
 
+#: The refusal of a registration that neither finds a job nor can start one: what to send.
+NO_JOB_PROPOSED = ("this PS has no job configured and the worker proposed none: send the job in the "
+                   "register request's `job` field (a JobConfig map; `num_workers` is required, every "
+                   "other field has a default, e.g. {\"num_workers\": 2, \"codec\": \"thc\"}): `thc "
+                   "worker` does when given --workers N and the job options; or start the PS with "
+                   "--workers and the job options")
+
+
 @dataclass
 class Queued:
     """A job waiting for slots: its workers keep asking (register) until it is admitted."""
@@ -194,6 +202,7 @@ class Queued:
     since: float
     last_asked: float
     ranks: set = field(default_factory=set)
+    config: JobConfig | None = None     # what it will start with (one name, one job)
 
 
 class PSServer:
@@ -313,7 +322,7 @@ class PSServer:
         first = next((q for q in self.queue.values() if q.since < since and q.name != name and not full
                       and admission.grant(q.data, q.norm, list(held.values()), self.space_size)), None)
         if region is None or first is not None:
-            q = self.queue.setdefault(name, Queued(name, config.slots, config.norm_slots, now, now))
+            q = self.queue.setdefault(name, Queued(name, config.slots, config.norm_slots, now, now, config=config))
             q.last_asked = now
             q.ranks.add(rank)
             self._control["registrations_queued"] += 1
@@ -453,26 +462,29 @@ class PSServer:
         expect = msg.get("expect", {})
         name = msg.get("job_name", DEFAULT_JOB_NAME)
         # the same worker again (a lost reply, a rejoin after its lease ran out), else the job
-        # of that name and the configuration the worker states; else a new job (a rejoin
-        # looks only for the job it held a place in)
+        # of that name: one name, one job (a stated configuration that disagrees is refused
+        # below, naming the fields); else a new job
         job, _ = self._find_session(rank, msg.get("session"))
-        job = job or next((j for j in self.jobs.values() if j.name == name and (
-            not j.config.differences(expect) or msg.get("rejoin"))), None)
+        job = job or next((j for j in self.jobs.values() if j.name == name), None)
         if msg.get("rejoin") and (job is None or rank not in job.members):
             raise control.ControlError(f"no running job to rejoin as rank {rank} (job {name!r} ended, "
                                        f"or the rank never joined it)")
         if job is None:
+            queued = self.queue.get(name)
             if self.fixed_job is not None:
                 config = self.fixed_job
+            elif queued is not None and queued.config is not None:
+                config = queued.config          # the queued job of that name starts as first proposed
             elif "job" in msg:
                 config = JobConfig.from_msg(msg["job"])
             else:
-                raise control.ControlError("this PS has no job configured and the worker proposed none "
-                                           "(pass the job's options to the worker, or start the PS with "
-                                           "--workers and the job options)")
+                raise control.ControlError(NO_JOB_PROPOSED)
             diffs = config.differences(expect)
             if diffs:
-                raise control.ControlError("job configuration differs: " + "; ".join(diffs))
+                raise control.ControlError(
+                    (f"job {name!r} is queued with another configuration (one name, one job): "
+                     if queued is not None and self.fixed_job is None else "job configuration differs: ")
+                    + "; ".join(diffs))
             if not 0 <= rank < config.num_workers:
                 raise control.ControlError(f"rank {rank} out of range 0..{config.num_workers - 1}")
             self._check_group(config)
@@ -480,7 +492,8 @@ class PSServer:
         else:
             diffs = job.config.differences(expect)     # a proposal matters only to start a job
             if diffs:
-                raise control.ControlError(f"{job.label()} is running with another configuration: "
+                raise control.ControlError(f"{job.label()} is running with another configuration (one name, "
+                                           f"one job: pick another job name, or state its configuration): "
                                            + "; ".join(diffs))
             if not 0 <= rank < job.config.num_workers:
                 raise control.ControlError(f"rank {rank} out of range 0..{job.config.num_workers - 1}")

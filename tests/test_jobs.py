@@ -426,31 +426,59 @@ def test_a_full_slot_space_queues_the_next_job_until_one_ends():
         server.stop()
 
 
-def test_same_name_and_configuration_joins_else_a_job_starts_beside():
-    """Workers of one name and configuration form one job; another name, or the same name
-    with another configuration, starts a job beside it (a PS started with a fixed job refuses
-    the other configuration instead: test_service.test_worker_states_the_job_it_expects)."""
+def test_one_name_one_job_a_conflicting_configuration_is_refused():
+    """Workers of one name and configuration form one job; another name starts a job beside it;
+    the same name with another configuration is refused naming the differing field (one name,
+    one job), and so is a joining worker that conflicts with a job of that name still queued.
+    A worker that joins proposes nothing; one that would start a job and proposes nothing is
+    told what to send."""
     from worker.transport import Transport
     server = ps()
     try:
-        mk = lambda rank, name, n: Transport("127.0.0.1", server.data_addr[1], rank,
-                                             control_port=server.control_port, job_name=name,
-                                             propose=JobConfig(num_workers=n), expect={"num_workers": n})
+        mk = lambda rank, name, n, propose=True, **kw: Transport(
+            "127.0.0.1", server.data_addr[1], rank, control_port=server.control_port, job_name=name,
+            propose=JobConfig(num_workers=n) if propose else None, expect={"num_workers": n}, **kw)
         t0 = mk(0, "alpha", 2)
-        t1 = mk(1, "alpha", 2)                      # joins alpha
+        t1 = mk(1, "alpha", 2, propose=False)       # joins alpha without proposing a job
         u0 = mk(0, "beta", 3)                       # rank 0 again, another job
-        v1 = mk(1, "alpha", 3)                      # alpha's name, another shape: beside it
-        numbers = [t.sessions[0]["job_number"] for t in (t0, t1, u0, v1)]
-        assert numbers[0] == numbers[1] and len(set(numbers)) == 3
-        assert len({t.job.job_id for t in (t0, u0, v1)}) == 3
+        with pytest.raises(ValueError, match=r"job \d+ \('alpha'\) is running with another configuration "
+                                             r".*num_workers: PS has 2, worker expects 3"):
+            mk(1, "alpha", 3, control_timeout_s=0.5, heartbeat=False)
+        with pytest.raises(ValueError, match=r"proposed none: send the job in the register request's `job`"):
+            mk(0, "gamma", 2, propose=False, control_timeout_s=0.5, heartbeat=False)
+        numbers = [t.sessions[0]["job_number"] for t in (t0, t1, u0)]
+        assert numbers[0] == numbers[1] != numbers[2]
+        assert t0.job.job_id != u0.job.job_id
         with pytest.raises(ValueError, match="rank 0 is held by a live worker in job 1 .'alpha'."):
             Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port, job_name="alpha",
                       expect={"num_workers": 2}, control_timeout_s=0.5, heartbeat=False)
         st = server.status()
         assert [(j["job_name"], j["num_workers"], j["live"]) for j in st["jobs"]] == \
-            [("alpha", 2, [0, 1]), ("beta", 3, [0]), ("alpha", 3, [1])]
-        for t in (t0, t1, u0, v1):
+            [("alpha", 2, [0, 1]), ("beta", 3, [0])]
+        for t in (t0, t1, u0):
             t.close()
+    finally:
+        server.stop()
+
+
+def test_a_queued_job_keeps_its_first_configuration():
+    """One name, one job while it waits too: a registration naming a queued job with another
+    configuration is refused naming the field; one that agrees (proposing nothing) queues with it."""
+    server = ps(slot_space=40)
+    try:
+        sock = req_socket(server)
+        reg = lambda rank, name, **kw: ask(sock, {"type": "register", "worker_id": rank,
+                                                 "data_addr": ["127.0.0.1", 7000 + rank], "job_name": name, **kw})
+        job = {"num_workers": 2, "slots": 20, "norm_slots": 4}
+        assert reg(0, "big", job=job)["type"] == "config"              # holds the whole space
+        first = reg(0, "waits", job=job, expect={"num_workers": 2})
+        assert first["code"] == "queued", first
+        clash = reg(1, "waits", job={**job, "num_workers": 3}, expect={"num_workers": 3})
+        assert clash["code"] == "refused"
+        assert "job 'waits' is queued with another configuration" in clash["message"]
+        assert "num_workers: PS has 2, worker expects 3" in clash["message"]
+        assert reg(1, "waits", expect={"num_workers": 2})["code"] == "queued"
+        sock.close(0)
     finally:
         server.stop()
 

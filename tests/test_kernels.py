@@ -140,13 +140,38 @@ def test_thc_fused_equals_reference_and_packing(dim, block_log2, bits, g):
     zp = thc.encode_packed(x, norms, cfg, layout, 3, u)
     assert np.array_equal(zp, pack_indices(z, bits))
     ref = thc.encode(x, norms, cfg, layout, 3, u, use_kernels=False)   # numpy ops, BLAS-free C FWHT
-    assert (z != ref).mean() < 1e-4
+    assert np.array_equal(z, ref)           # the same float32 operations, index for index
     y = thc.lookup_sum([z], cfg.table.values)
     own = thc.decode(y, 1, norms, cfg, layout, 3)
     for got in (thc.decode_own(z, norms, cfg, layout, 3), thc.decode_own(zp, norms, cfg, layout, 3, packed=True)):
         assert np.array_equal(bits_of(got), bits_of(own))
     t = thc.decode_own(torch.from_numpy(z), norms, cfg, layout, 3).numpy()
     assert np.allclose(t, own, atol=1e-4 * max(1e-30, np.abs(own).max()))
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 33, 1000, 4096, 100003])
+def test_block_sum_of_squares_is_defined_to_the_bit(n):
+    """The norm's Σ x² (docs/protocol.md §4 step 2): the AVX2 and scalar kernels and the numpy
+    fallback all give the float64 of 16 lanes added in index order, then left to right."""
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * rng.lognormal(0, 3, n)).astype(np.float32)
+    lanes = [0.0] * 16
+    for i, v in enumerate(x.tolist()):
+        lanes[i % 16] += v * v
+    want = 0.0
+    for v in lanes:
+        want += v
+    assert all(K.sumsq(x, simd) == want for simd in SIMD)
+    saved = thc._kernels
+    try:
+        thc._kernels = None
+        assert thc.sum_of_squares(x) == want
+    finally:
+        thc._kernels = saved
+    layout = thc.make_layout(max(n, 1), 23)
+    if n:
+        assert thc.block_norms(x, layout)[0] == np.float32(np.sqrt(want))
+        assert thc.block_norms(torch.from_numpy(x), layout)[0] == np.float32(np.sqrt(want))
 
 
 _DIGEST = """

@@ -110,7 +110,7 @@ def test_under_a_link_cap_every_rank_and_the_ps_have_a_capped_link_of_their_own(
     from deploy import experiments
     from worker.training import MODELS
     path = experiments.peers(CFG, "thc experiment peers --peer-rates 0,50", log=lambda _m: None, out=tmp_path,
-                             methods=("ddp-fp32", "thc-ps"), rates=(None, 50))
+                             methods=("ddp-fp32", "thc-ps"), rates=(None, 50), layouts=("ps-host",))
     rows = {(r["rate_mbit"], r["method"]): r for r in json.loads((tmp_path / "peers.json").read_text())}
     assert set(rows) == {(None, "ddp-fp32"), (None, "thc-ps"), (50, "ddp-fp32"), (50, "thc-ps")}
     params = sum(p.numel() for p in MODELS["mlp"]().parameters())
@@ -119,6 +119,12 @@ def test_under_a_link_cap_every_rank_and_the_ps_have_a_capped_link_of_their_own(
     assert rows[50, "ddp-fp32"]["step_ms"] > rows[None, "ddp-fp32"]["step_ms"] + 0.5 * link_ms, rows
     assert rows[50, "thc-ps"]["up_per_step"] == rows[None, "thc-ps"]["up_per_step"]
     assert all(r["replicas_identical"] for r in rows.values()), rows
-    assert "| 50 Mbit/s | thc-ps |" in path.read_text()
+    assert "| 50 Mbit/s | thc-ps | ps-host |" in path.read_text()
+    # every host's link was counted: 2 ranks and the PS; the PS's link carried both workers' chunks
+    capped = rows[50, "thc-ps"]
+    assert capped["layout"] == "ps-host" and capped["params"] == params and len(capped["link_bytes_per_step"]) == 3
+    assert capped["link_bytes_per_step"][2][1] > 2 * capped["up_per_step"] > 0
+    assert rows[50, "ddp-fp32"]["max_link_bytes_per_step"] > 4 * params       # the ring's 2(n-1)/n·4d, n = 2
+    assert rows[None, "ddp-fp32"]["layout"] == "ring" and "link_bytes_per_step" not in rows[None, "ddp-fp32"]
     listed = __import__("subprocess").run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "thchub-" not in listed

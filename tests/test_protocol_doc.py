@@ -2,7 +2,6 @@
 fields the PS sends, its random streams reproduce the project's values from their description
 alone, and a worker written from it alone (`SpecWorker`, no project imports) joins a real job
 beside a real worker and gets exact sums."""
-import math
 import socket
 import struct
 import threading
@@ -57,6 +56,16 @@ def test_documented_replies_are_what_the_ps_sends():
         assert [j["job_number"] for j in listing["jobs"]] == [config["job_number"]]
         err = ask({"type": "heartbeat", "worker_id": 1, "session": b"\0" * 16})
         assert set(err) == {"type", "message", "code", "incarnation"} and err["code"] == "unknown_session"
+        # progress: −1 until a rank reports one (§6 status reply), then what it sent
+        assert status["progress"] == {"0": -1}
+        beat = ask({"type": "heartbeat", "worker_id": 0, "session": config["session"], "progress": 3})
+        assert beat["progress"] == {"0": 3}
+        # sync_put from a rank that is not the sync source: `refused`, naming the source
+        other = ask({"type": "register", "worker_id": 1, "data_addr": ["127.0.0.1", 5556]})
+        err = ask({"type": "sync_put", "round": 0, "worker_id": 1, "session": other["session"], "blob": b"x"})
+        assert err["code"] == "refused" and "rank 0 is" in err["message"], err
+        assert ask({"type": "sync_put", "round": 0, "worker_id": 0, "session": config["session"],
+                    "blob": b"x"})["type"] == "ok"
     finally:
         sock.close(0)
         server.stop()
@@ -68,14 +77,29 @@ def _rng(*ints):
 
 
 def test_random_streams_as_documented():
+    """§5's seed lists and draws; the uniforms from a key and the whole encode are checked
+    bit for bit against a real worker's packets by tests/test_reference_encoder.py."""
     from compression.hadamard import rademacher_signs
+    from compression.stochastic import counter_uniforms, key_from
     from deploy.launch import gradient
-    from worker.client import round_rng
+    from worker.client import Worker, round_rng
     seed, r, j, p = 7, 3, 1, 1000
     bits = np.unpackbits(np.frombuffer(_rng(seed % 2**32, r % 2**32, j).bytes(-(-p // 8)), np.uint8))[:p]
     assert np.array_equal(np.where(bits == 1, -1.0, 1.0).astype(np.float32), rademacher_signs(seed, r, j, p))
-    u = _rng(seed, 2, r, 0x52).random(4096, dtype=np.float32)
-    assert np.array_equal(u, round_rng(seed, 2, r).random(4096, dtype=np.float32))
+    # the per-round key: the first 64-bit output of PCG64 on [s, rank, r, 0x52]
+    raw = np.random.PCG64(np.random.SeedSequence([seed, 2, r, 0x52])).random_raw()
+    assert key_from(round_rng(seed, 2, r)) == int(raw) == key_from(_rng(seed, 2, r, 0x52))
+    # one stream (training): the e-th encode's key is the e-th output of PCG64 on [s, rank]
+    w = Worker.__new__(Worker)
+    w.rng, w.per_round_rng = _rng(seed, 2), False
+    assert [key_from(w.round_rng(e)) for e in range(3)] == \
+        np.random.PCG64(np.random.SeedSequence([seed, 2])).random_raw(3).tolist()
+    # the generated example of §5 is the code's: key and first uniforms of (0, 0, 0)
+    text = DOC.read_text()
+    key = key_from(round_rng(0, 0, 0))
+    assert f"| K | 0x{key:016x} |" in text
+    for k, u in enumerate(counter_uniforms(key, 6)):
+        assert f"| u_{k} | {int(u * 2 ** 24)} · 2^−24 = {float(u)!r} |" in text
     g = _rng(seed, r, 2, 0x6AD)
     z = g.standard_normal(5000)
     s = g.lognormal(0, 1)
@@ -83,50 +107,11 @@ def test_random_streams_as_documented():
     assert np.array_equal(want, gradient(seed, r, 2, 5000))
 
 
-def _fwht(v):
-    """Sylvester-order Walsh–Hadamard transform, normalized by 1/√P (float64)."""
-    v = np.array(v, dtype=np.float64)
-    h = 1
-    while h < v.size:
-        a = v.reshape(-1, 2 * h)
-        left, right = a[:, :h].copy(), a[:, h:].copy()
-        a[:, :h], a[:, h:] = left + right, left - right
-        h *= 2
-    return v / math.sqrt(v.size)
-
-
-def spec_encode(x, max_norms, table, g, tp, block_log2, seed, r, u):
-    """§4 of docs/protocol.md, steps 1–5, in float64."""
-    cap, out, off = 1 << block_log2, [], 0
-    for j, start in enumerate(range(0, x.size, cap)):
-        blk = x[start:start + cap].astype(np.float64)
-        P = 1 << max(0, (blk.size - 1).bit_length())
-        padded = np.zeros(P)
-        padded[:blk.size] = blk
-        bits = np.unpackbits(np.frombuffer(_rng(seed % 2**32, r % 2**32, j).bytes(-(-P // 8)), np.uint8))[:P]
-        R = _fwht(np.where(bits == 1, -1.0, 1.0) * padded)
-        M = tp * max_norms[j] / math.sqrt(P)
-        y = np.clip((np.clip(R, -M, M) + M) * g / (2 * M), 0, g) if M > 0 else np.full(P, g / 2)
-        tab = np.asarray(table, dtype=np.float64)
-        i = np.minimum(np.searchsorted(tab, np.floor(y), side="right") - 1, len(tab) - 2)
-        up = u[off:off + P] < (y - tab[i]) / (tab[i + 1] - tab[i])
-        out.append((i + up).astype(np.uint8))
-        off += P
-    return np.concatenate(out)
-
-
-def test_thc_encoding_as_documented():
-    from compression import thc
-    from proto.tables import t_p
-    cfg = thc.ThcConfig(seed=5, block_log2=10)
-    x = np.random.default_rng(1).standard_normal(2500).astype(np.float32)
-    layout = thc.make_layout(x.size, cfg.block_log2)
-    norms = thc.block_norms(x, layout) * 1.1          # another rank's larger maximum
-    u = _rng(5, 0, 4, 0x52).random(layout.padded_dim, dtype=np.float32)
-    want = thc.encode(x, norms, cfg, layout, 4, u)
-    got = spec_encode(x, norms, cfg.table.values, cfg.granularity, t_p(cfg.p), cfg.block_log2, 5, 4, u)
-    # float64 here, float32 in the project: a draw may fall between the two roundings of y
-    assert np.mean(got != want) < 1e-3 and np.abs(got.astype(int) - want).max() <= 1
+def test_every_drop_counter_is_documented():
+    from ps_server.reference import DROP_REASONS
+    text = DOC.read_text()
+    for reason in DROP_REASONS:
+        assert f"`{reason}`" in text, f"drop counter {reason} is not in docs/protocol.md"
 
 
 # ---------------------------------------------------------------- a worker from the doc alone

@@ -199,6 +199,17 @@ class Worker:
         self.t.rejoin()
         self.round_no = 0
 
+    def check_dim(self, dim: int) -> None:
+        """Refuse, before any traffic, a tensor this job cannot carry: its coordinates (THC's
+        padded to whole RHT blocks) must be addressable by the header's 32-bit offset."""
+        padded = dim
+        if self.cfg is not None and 1 <= dim <= H.MAX_COORDS:
+            padded = thc.make_layout(dim, self.cfg.block_log2).padded_dim
+        if dim < 1 or padded > H.MAX_COORDS:
+            raise ValueError(f"a tensor of {dim:,} coordinates ({padded:,} on the wire) does not fit a "
+                             f"round: a round carries 1 to {H.MAX_COORDS:,} (the header's 32-bit offset); "
+                             f"split it (e.g. a smaller DDP bucket_cap_mb)")
+
     def _exchange_norms(self, norms: np.ndarray) -> np.ndarray:
         """Preliminary stage: elementwise max over workers of float statistics (NORM phase)."""
         payload = H.float_to_ordered(norms).astype(">u4").tobytes()
@@ -216,9 +227,10 @@ class Worker:
         torch_in = not isinstance(x, np.ndarray)
         if out is not None and torch_in:
             raise ValueError("out must be a contiguous float32 numpy array of x's size (numpy x)")
-        flat = None if out is None else thc.result_vector(out, np.size(x))
         arr = x.detach().cpu().numpy().astype(np.float32).ravel() if torch_in else \
             np.ascontiguousarray(x, dtype=np.float32).ravel()
+        self.check_dim(arr.size)
+        flat = None if out is None else thc.result_vector(out, arr.size)
         start = time.perf_counter()
         rn = self.round_no if round_no is None else round_no
         report = RoundReport(rn, 0, 0)

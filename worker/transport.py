@@ -69,8 +69,9 @@ class Transport:
 
         `window` is the most chunks this worker keeps in flight, at most the job's slots ×
         shards (a switch job's 64 slots bound it there); the window in use starts at 64 and
-        adapts per phase (`PhaseEngine._adapt_window`): a small window leaves the cores idle between
-        round trips, a large one overflows a slow link's queue (docs/bench.md).
+        adapts per phase (`PhaseEngine._adapt_window`): a small window leaves the cores idle
+        between round trips, a large one overflows a slow link's queue (docs/bench-history.md,
+        "Packet rate against the GSO/GRO blaster").
         `timeout_ms` is the first retransmission timeout and, with `adaptive_timeout`
         (the default, retransmit policy), the least one: each shard's timeout then follows
         the measured round trip (RetransmitTimer); without it every chunk starts at
