@@ -17,25 +17,22 @@ LAYER = {"proto": 0, "compression": 1, "ps_server": 2, "worker": 2, "p4": 3, "de
 DOC_TOOLS = {"proto/protodoc.py": {"compression.stochastic"}}
 
 
-def imports_between_packages() -> list:
-    """[(file, importing package, imported module)] for every import of another package."""
-    out = []
+def absolute_imports():
+    """(file, its package, module, [module.name of each name imported from it]) for every
+    absolute import in the packages' files."""
     for pkg in LAYER:
         for path in sorted((ROOT / pkg).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if isinstance(node, ast.Import):
-                    mods = [a.name for a in node.names]
+                    for a in node.names:
+                        yield path.relative_to(ROOT), pkg, a.name, []
                 elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    mods = [node.module]
-                else:
-                    continue
-                out += [(path.relative_to(ROOT), pkg, m) for m in mods
-                        if m.split(".")[0] in LAYER and m.split(".")[0] != pkg]
-    return out
+                    yield path.relative_to(ROOT), pkg, node.module, [f"{node.module}.{a.name}" for a in node.names]
 
 
 def test_every_import_points_down_the_layers():
-    found = imports_between_packages()
+    found = [(path, pkg, m) for path, pkg, m, _ in absolute_imports()
+             if m.split(".")[0] in LAYER and m.split(".")[0] != pkg]
     assert any(pkg == "deploy" and m.startswith("worker") for _, pkg, m in found)   # the scan sees imports
     up = [f"{path}: {pkg} imports {m}" for path, pkg, m in found if LAYER[m.split(".")[0]] >= LAYER[pkg]
           and m not in DOC_TOOLS.get(path.as_posix(), ())]
@@ -44,17 +41,7 @@ def test_every_import_points_down_the_layers():
 
 def test_the_document_tools_are_imported_by_no_module():
     tools = {path[:-3].replace("/", ".") for path in DOC_TOOLS}
-    users = []
-    for pkg in LAYER:
-        for path in sorted((ROOT / pkg).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-                else:
-                    continue
-                users += [f"{path.relative_to(ROOT)} imports {n}" for n in names if n in tools]
+    users = [f"{path} imports {n}" for path, _, m, names in absolute_imports() for n in [m, *names] if n in tools]
     assert not users, users
 
 
