@@ -310,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--ps", type=_addr_text, default=None,
                     help="use a running PS at HOST:PORT[,HOST:PORT...] (implies --no-baseline)")
     _job_arg(tr, "with --ps; default: a fresh name per run")
+    tr.add_argument("--keys", default=None, metavar="DIR",
+                    help="key directory (`thc keys`): the PS this starts and the workers use CURVE; with "
+                         "--ps, the running PS's keys (client.key_secret and server.key)")
     tr.add_argument("--train-limit", type=_count, default=0, help="use only the first N training images (0: all)")
     tr.add_argument("--test-limit", type=_count, default=0, help="use only the first N test images (0: all)")
     tr.add_argument("--per-tensor", action="store_true",
@@ -355,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="peers: a comma list of " + ", ".join(PEER_METHODS))
     ex.add_argument("--target", type=_float_in(0, 1, lo_open=True, hi_open=False, what="an accuracy"),
                     default=0.8, help="peers, bandwidth: the test accuracy whose time is compared")
+    ex.add_argument("--eval-every", type=_int_in(0, 1 << 20, "steps"), default=0,
+                    help="peers: test accuracy every N steps as well as at each epoch's end (0: epochs only), "
+                         "so that the time to --target is not rounded up to an epoch")
     ex.add_argument("--per-tensor", action="store_true",
                     help="one PS round per parameter tensor (as 3LC and CASQ are meant to run)")
     ex.add_argument("--out", default=None, metavar="DIR",
@@ -484,6 +490,15 @@ def _fixed_timeout_arg(parser) -> None:
     parser.add_argument("--fixed-timeout", action="store_true",
                         help="start every chunk's timer at --timeout-ms instead of the round trip "
                              "measured on the path (the rule before the adaptive timer, for comparison)")
+
+
+def _ps_wait_arg(parser) -> None:
+    parser.add_argument("--ps-wait-s", type=_float_in(1, 86400, lo_open=False, hi_open=False, what="seconds"),
+                        default=None, help="how long a worker waits for a PS that answers nothing (a "
+                                           "restarted or stalled PS comes back within it) before it "
+                                           "gives up (default 60)")
+
+
 _quorum = _float_in(0, 1, lo_open=True, hi_open=False, what="a quorum fraction of workers")
 
 
@@ -563,6 +578,7 @@ def _add_cluster_commands(sub):
     w.add_argument("--bind-port", type=_any_port, default=0, help="local UDP port (0: any)")
     w.add_argument("--timeout-ms", type=_timeout_ms, default=50.0, help=TIMEOUT_HELP)
     _fixed_timeout_arg(w)
+    _ps_wait_arg(w)
     w.add_argument("--report", type=_report_path, default=None,
                    help="write every round's report (digests, k, bitmaps) as JSON")
     _job_arg(w, "default: \"default\", the name every thc worker without --job shares")
@@ -585,6 +601,7 @@ def _add_cluster_commands(sub):
     _policy_arg(la)
     la.add_argument("--timeout-ms", type=_timeout_ms, default=50.0, help=TIMEOUT_HELP)
     _fixed_timeout_arg(la)
+    _ps_wait_arg(la)
     la.add_argument("--engine", choices=("c", "python"), default="c", help="the started PS's aggregation engine")
     la.add_argument("--ps", type=_addr_text, default=None,
                     help="use a running PS at HOST:PORT (or a comma list of shards) instead of starting one")
@@ -668,8 +685,10 @@ def main(argv=None) -> int:
         print(f"thc {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except (OSError, RuntimeError) as exc:
-        print(f"thc {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        if not (getattr(args, "json", False) and isinstance(getattr(exc, "doc", None), dict)):
+            print(f"thc {args.command}: error: {exc}", file=sys.stderr)
+            return 1
+        result = exc.doc        # a launch no worker reported to: its --json line all the same
     except KeyboardInterrupt:
         print(f"thc {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -146,7 +146,7 @@ def cmd_worker(args) -> dict:
         shards, rank, args.rounds, args.dim, args.seed, args.loss_policy,
         Faults(drop_out=args.loss, drop_in=args.loss, seed=args.seed), args.straggler_delay_ms, 1.0,
         args.timeout_ms, 64, None, False, bind_port=args.bind_port, expect=expect, propose=propose,
-        keys=args.keys, job_name=args.job, fixed_timeout=args.fixed_timeout)
+        keys=args.keys, job_name=args.job, fixed_timeout=args.fixed_timeout, ps_wait_s=args.ps_wait_s)
     lost = sum(r["lost"] for r in out)
     if args.report:
         import json
@@ -170,9 +170,11 @@ def cmd_status(args):
     for host, port in args.ps:
         doc = fetch_status((host, port, args.control_port or port + 1), args.keys, args.timeout_s)
         if doc is None:
-            return {"ok": False, "problems": [f"no status reply from the PS control plane at "
-                                              f"tcp://{host}:{args.control_port or port + 1} within "
-                                              f"{args.timeout_s:g} s"]}
+            why = (f"no status reply from the PS control plane at tcp://{host}:{args.control_port or port + 1} "
+                   f"within {args.timeout_s:g} s (is a PS running there, its control port reachable?)")
+            if args.json:
+                return {"ok": False, "problems": [why]}
+            raise RuntimeError(why)
         docs.append(doc)
     if args.json:
         print(json.dumps(docs if len(docs) > 1 else docs[0]))
@@ -182,19 +184,30 @@ def cmd_status(args):
     return None
 
 
+def _job_round(progress: dict) -> str:
+    """A job's round from its live ranks' `progress` (the step each reported; -1: none yet)."""
+    steps = sorted(v for v in progress.values() if v >= 0)
+    if not steps:
+        return "not started"
+    return f"round {steps[0]}" if steps[0] == steps[-1] else f"rounds {steps[0]}..{steps[-1]}"
+
+
 def format_status(where: str, doc: dict) -> str:
-    """A status reply as the lines `thc status` prints."""
+    """A status reply as the lines `thc status` prints: a job by its number (the one its
+    workers and the PS's log name), its round (the step its ranks report: a training step or
+    a `thc launch` round; the counters' rounds_completed counts slot rounds), and its
+    counters."""
     jobs, queued = doc.get("jobs", []), doc.get("queued", [])
     lines = [f"PS {where}: {len(jobs)} job{'s' if len(jobs) != 1 else ''} running, {len(queued)} queued, "
              f"{doc['slots_free']} of {doc['slot_space']} slots free"]
     for j in jobs:
         r, st = j["region"], j["stats"]
         missing = ", ".join(str(m["rank"]) for m in j["missing"])
-        lines.append(f"  job {j['job_number']} {j['job_name']!r}: id {j['job_id']}, {j['codec']}, "
+        lines.append(f"  job {j['job_number']} {j['job_name']!r}: {j['codec']}, "
                      f"live {len(j['live'])}/{j['num_workers']}"
                      + (f" (missing {missing})" if missing else "")
-                     + f", slots {r['base']}..{r['base'] + r['data'] + r['norm'] - 1} "
-                       f"({r['data']} data + {r['norm']} norm), rounds {st.get('rounds_completed', 0)}, "
+                     + f", {_job_round(j.get('progress', {}))}, slots {r['base']}..{r['base'] + r['data'] + r['norm'] - 1} "
+                       f"({r['data']} data + {r['norm']} norm), "
                        f"packets in {st.get('packets_in', 0)}, drops {sum(st.get('drops', {}).values())}, "
                        f"age {j['age_s']:.0f} s" + (f"; STALLED: {j['stalled']}" if j.get("stalled") else ""))
     for q in queued:
@@ -249,14 +262,17 @@ def cmd_launch(args):
                      expect=expect, keys=args.keys, lease_s=args.lease_s, rejoin_grace_s=args.rejoin_grace_s,
                      stall_s=args.stall_s, kill=(args.kill_rank, kill_at) if args.kill_rank is not None else None,
                      restart=args.restart_killed, job_name=args.job, fixed_timeout=args.fixed_timeout,
-                     block_log2=args.block_log2, result_group=job.result_group, serve_shard=args.serve_shard)
+                     block_log2=args.block_log2, result_group=job.result_group, serve_shard=args.serve_shard,
+                     ps_wait_s=args.ps_wait_s)
     if args.json:
         return doc
     print(f"rounds {doc['rounds']}, exact {doc['exact_rounds']}, mismatched chunks "
           f"{doc['mismatched_chunks']}, lost chunks {doc['lost_chunks']}, retransmissions "
           f"{doc['retransmissions']}, mean round {doc['mean_round_ms']:.1f} ms")
-    if doc["ps"] is not None:
-        print(f"PS counters: {doc['ps']}")
+    if doc.get("ps_job") is not None:
+        print(f"PS counters of this job: {doc['ps_job']}")
+    elif doc["ps"] is not None:
+        print(f"PS counters (its lifetime totals, every job so far): {doc['ps']}")
     if doc["away_at_end"]:
         print(f"ranks {doc['away_at_end']} were away when the job ended (their leases had expired)")
     return {"ok": doc["ok"], "problems": doc["problems"]} if not doc["ok"] else None
@@ -273,14 +289,16 @@ def cmd_train(args):
                             straggler_prob=args.straggler_prob, sync_every=args.sync_every,
                             train_limit=args.train_limit, test_limit=args.test_limit,
                             straggler_count=args.straggler_count, ps=args.ps or "",
-                            per_tensor=args.per_tensor, job_name=args.job or "",
+                            per_tensor=args.per_tensor, job_name=args.job or "", keys=args.keys or "",
                             grad_sync=args.grad_sync, bucket_cap_mb=args.bucket_cap_mb)
     if args.straggler_count and not 0 < args.straggler_count < args.workers:
         raise ValueError(f"--straggler-count must be in 1..{args.workers - 1}")
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else \
         (lambda m: print(m, flush=True))
     job = cfg.job
-    log(f"training {cfg.model} on Fashion-MNIST: PS + {job.num_workers} workers on loopback, codec={job.codec}"
+    where = f"{job.num_workers} workers here, through the PS at {cfg.ps}" if cfg.ps else \
+        f"PS + {job.num_workers} workers on loopback"
+    log(f"training {cfg.model} on Fashion-MNIST: {where}, codec={job.codec}"
         + (f" (b={job.bits}, g={job.granularity}, p={job.p})" if job.codec == "thc" else "")
         + f", {cfg.epochs} epochs")
     doc = train.run_with_baseline(cfg, log, baseline=not (args.no_baseline or args.ps))
@@ -312,7 +330,7 @@ def cmd_experiment(args) -> None:
     p = str(args.p) if args.p else ("1/512" if strag else "1/32")
     job = JobConfig(num_workers=workers, bits=args.bits, granularity=granularity, p=p, seed=args.seed)
     base = TrainConfig(job=job, epochs=args.epochs, model=args.model, train_limit=args.train_limit,
-                       test_limit=args.test_limit, per_tensor=args.per_tensor)
+                       test_limit=args.test_limit, per_tensor=args.per_tensor, eval_every=args.eval_every)
     command = experiments.main_command(sys.argv[2:] if sys.argv[1:2] == ["experiment"] else [args.name])
     log = lambda m: print(m, flush=True)
     out = Path(args.out).expanduser().resolve() if args.out else Path.cwd() / "thc-results" / args.name

@@ -48,7 +48,7 @@ def _write(name: str, title: str, command: str, notes: str, rows: list, extra_co
            out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"# {title}\n", f"Command: `{command}`\n", notes.strip() + "\n",
-             "| run | final test acc | final train loss | mean round ms | lost chunks | "
+             "| run | final test acc | final train loss | mean round ms | lost chunks (all ranks) | "
              + "".join(f"{c} | " for c, _ in extra_cols) + "wall s |",
              "|---|---|---|---|---|" + "---|" * len(extra_cols) + "---|"]
     for r in rows:
@@ -421,21 +421,22 @@ def _peer_row(base: TrainConfig, m: str, log, target: float, net=None, layout: s
             for ps in servers:
                 stop_gracefully(ps, timeout=10)
         ep = [{"epoch": e["epoch"], "test_accuracy": e["test_accuracy"], "steps": e["steps"],
-               "step_ms": 1e3 * e["epoch_seconds"] / max(e["steps"], 1),
+               "step_ms": 1e3 * e["train_epoch_seconds"] / max(e["steps"], 1),
+               "train_seconds": e["train_seconds"], "accuracy_curve": e["accuracy_curve"],
                "up_per_step": e["bytes_up"] / max(e["steps"], 1),
                "down_per_step": e["bytes_down"] / max(e["steps"], 1),
                "round_ms": e["mean_round_ms"]} for e in doc["epochs"]]
-        walls = np.cumsum([e["epoch_seconds"] for e in doc["epochs"]]).tolist()
         identical = doc["final_params_identical"]
     else:
         layout = "ring"
         doc = P.run_peer(m, base, log=lambda s: log("    " + s), net=net)
         ep = [{**e, "up_per_step": e["wire_per_step"], "down_per_step": e["wire_per_step"]}
               for e in doc["epochs"]]
-        walls = [e["wall_s"] for e in doc["epochs"]]
         identical = doc["replicas_identical"]
     steps = sum(e["steps"] for e in ep)
-    hit = next((w for e, w in zip(ep, walls) if e["test_accuracy"] >= target), None)
+    walls = [e["train_seconds"] for e in ep]
+    curve = ep[-1]["accuracy_curve"]          # (training seconds, step, test accuracy), evaluations left out
+    hit = next((sec for sec, _, acc in curve if acc >= target), None)
     row = {"method": m, "layout": layout if net is not None or m not in PS_METHODS else "loopback",
            "params": _params(base.model), "final_test_accuracy": ep[-1]["test_accuracy"],
            # the last epoch's: PowerSGD's first epoch is its uncompressed warm-up
@@ -443,6 +444,8 @@ def _peer_row(base: TrainConfig, m: str, log, target: float, net=None, layout: s
            "up_by_epoch": [e["up_per_step"] for e in ep],
            "step_ms": float(np.mean([e["step_ms"] for e in ep])), "time_to_target": hit,
            "accuracy_by_epoch": [e["test_accuracy"] for e in ep], "wall_by_epoch": walls,
+           "accuracy_curve": [[round(sec, 3), st, acc] for sec, st, acc in curve],
+           "steps_to_target": next((st for _, st, acc in curve if acc >= target), None),
            "replicas_identical": bool(identical)}
     if net is not None:
         links = [((t1 - t0) / steps, (r1 - r0) / steps)
@@ -514,8 +517,10 @@ def peers(base: TrainConfig, command: str, log=print, target: float = 0.8, *, ou
              f"THC-PS the datagrams to and from the PS. \"busiest link/step\" is measured: the most bytes "
              f"one host's link carried in one direction per step (the kernel's interface counters, headers "
              f"and control traffic included); the fp32 ring's 2(n−1)/n · 4d is "
-             f"{_ring_bytes(params, n) / 1e6:.2f} MB. \"time to {target:.0%}\" is the training wall time "
-             f"(evaluation included) until rank 0's test accuracy first reaches it (\"-\": never).\n",
+             f"{_ring_bytes(params, n) / 1e6:.2f} MB. \"time to {target:.0%}\" is the training time "
+             f"(wall time of the steps, model syncs included, evaluations left out) until rank 0's test accuracy, "
+             f"measured every {base.eval_every or 'epoch'}{' steps' if base.eval_every else ''} and at each "
+             f"epoch's end, first reaches it (\"-\": never); \"step ms\" is that training time per step.\n",
              "THC-PS layouts: " + "; ".join(f"`{k}`: {v}" for k, v in LAYOUTS.items() if k in layouts)
              + ". `thc-ps` runs its rounds after backward, `thc-ps-hook` in DDP's communication hook "
                "(each bucket while backward goes on).\n",
@@ -542,7 +547,8 @@ def peers(base: TrainConfig, command: str, log=print, target: float = 0.8, *, ou
         for ax, rate in zip(axes[0], rates):
             for r in (r for r in rows if r["rate_mbit"] == rate):
                 label = r["method"] + ("" if r["layout"] in ("ring", "loopback") else f" ({r['layout']})")
-                ax.plot(r["wall_by_epoch"], r["accuracy_by_epoch"], marker="o", label=label)
+                pts = r["accuracy_curve"]
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], marker=".", label=label)
             ax.axhline(target, color="grey", lw=0.8, ls="--")
             ax.set(xlabel="training wall time (s)", ylabel="test accuracy", title=_link(rate))
             ax.grid(alpha=0.3)

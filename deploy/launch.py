@@ -17,7 +17,8 @@ import zlib
 
 import numpy as np
 
-from deploy.procs import die_with_parent, process_state, single_threaded_children
+from deploy.procs import (die_with_parent, leave_on_sigterm, process_state, single_threaded_children,
+                          start_shielded, stop_children)
 
 from compression import thc
 from proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, JobConfig
@@ -60,6 +61,15 @@ def one_host_group(requested: str, own_ps: bool) -> str:
 KILLED = 17     # exit status of a worker killed by fault injection (`die_at`)
 
 
+class LaunchFailed(RuntimeError):
+    """No worker of a launch reported (each died or raised): the message joins their errors,
+    and `doc` is the launch's summary all the same (ok false, the problems, nothing exact)."""
+
+    def __init__(self, problems: list, doc: dict):
+        super().__init__("launch failed: " + ("; ".join(problems) or "no worker reported"))
+        self.doc = doc
+
+
 def skip_to_front(w, dim: int, step: int, limit: int, passes: int = 50) -> int:
     """Skip the allreduces of `dim` coordinates that the results the data plane has fanned
     out to worker `w` since it registered again show finished (every chunk of its next round
@@ -81,7 +91,8 @@ def skip_to_front(w, dim: int, step: int, limit: int, passes: int = 50) -> int:
 def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
                 straggler_delay_ms, straggler_prob, timeout_ms, window, report=None, quiet=True,
                 bind_port=0, batched=True, expect=None, propose=None, keys=None, die_at=None,
-                rejoin=False, progress=None, job_name=None, fixed_timeout=False):
+                rejoin=False, progress=None, job_name=None, fixed_timeout=False, ps_wait_s=None,
+                job_counters=False):
     """Run `rounds` allreduces of test gradients against the PS shards [(host, data, control)].
 
     `expect` is the job configuration this worker insists on (a dict of JobConfig fields),
@@ -97,6 +108,9 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
     `progress` (a shared integer) is set to each round this worker starts, for the
     launcher's watchdog.  `job_name` names the job on the PS (None: the PS's default).
     `fixed_timeout` starts every chunk at `timeout_ms` instead of the measured RTO.
+    `ps_wait_s`: how long to wait for a PS that answers nothing (None: the transport's default).
+    `job_counters`: after the last round, read this job's counters from the PS (its status)
+    into the counters' `ps_job`.
     Returns (per-round reports, transport counters, the job as announced by the PS).
     """
     import os
@@ -104,6 +118,8 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
     from worker.client import Worker
     from worker.transport import JobEnded, LeaseLost, Transport
     sized = {} if window is None else {"window": window}      # None: the transport's default
+    if ps_wait_s is not None:
+        sized["ps_wait_s"] = ps_wait_s
     try:
         t = Transport(shards[0][0], shards[0][1], worker_id, control_port=shards[0][2], policy=policy,
                       faults=faults, timeout_ms=timeout_ms, shards=shards, **sized,
@@ -117,7 +133,7 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
         return [], {"rejoin_refused": 1}, None
     w = Worker(t, error_feedback=False, seed=seed, straggler_delay_ms=straggler_delay_ms,
                straggler_prob=straggler_prob, per_round_rng=True)
-    out = []
+    out, job_ps = [], None
     lapses, missed, ended, catching = 0, 0, False, False
     quorum_job = t.job.quorum_count < t.job.num_workers
 
@@ -152,6 +168,7 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
                 if r >= rounds:
                     t.progress = rounds          # done: a rank that rejoins now skips every round
                     t.barrier("end")
+                    job_ps = job_stats(shards, t.sessions, keys) if job_counters else None
                     break
                 t.progress = r
                 if progress is not None:
@@ -193,6 +210,8 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
     counters["lease_rejoins"] = lapses
     counters["catch_up_missed_rounds"] = missed
     counters["ended_while_away"] = int(ended)
+    if job_ps is not None:
+        counters["ps_job"] = job_ps
     counters["rto_ms"] = 1e3 * max(t.rtt.first_timeout(s, t.cwnd) for s in range(len(t.shard_addrs)))
     announced = t.job.to_msg()
     if report is not None:
@@ -202,10 +221,19 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
 
 def _worker_entry(*args, **kwargs):
     die_with_parent()
+    leave_on_sigterm()          # the launcher, interrupted, stops its workers: each leaves its job
     try:
         worker_loop(*args, **kwargs)
-    except Exception as exc:  # reported to the parent, which fails the launch
+    except KeyboardInterrupt:
+        pass
+    except ValueError as exc:   # refused (the job's configuration, the keys): the parent exits 2
+        kwargs["report"].put((args[1], str(exc), None, REFUSED))
+    except Exception as exc:    # reported to the parent, which fails the launch
         kwargs["report"].put((args[1], f"{type(exc).__name__}: {exc}", None, None))
+
+
+#: the report of a worker whose registration was refused (a ValueError: configuration, keys)
+REFUSED = "refused"
 
 
 def _by_round(per_worker: dict) -> dict:
@@ -338,13 +366,17 @@ def parse_ps(ps: str, control_port=None) -> list:
 class _Supervisor:
     """The launcher's worker processes: spawns them, collects their reports, starts a killed
     rank again (`restart`), and stops the job when no worker has started a round for
-    `stall_s` seconds, naming the ranks behind (a stopped or hung process)."""
+    `stall_s` seconds, naming the ranks behind (a stopped or hung process) and what the PS
+    says the job waits for (`explain()`: ranks that never joined, from another host).
+    Interrupted (Ctrl-C, SIGTERM), it stops the workers with SIGTERM (each leaves its job)
+    and raises KeyboardInterrupt."""
 
-    def __init__(self, ranks, worker_args, kill, restart: bool, stall_s: float):
+    def __init__(self, ranks, worker_args, kill, restart: bool, stall_s: float, explain=lambda: ""):
         self.ctx = mp.get_context("spawn")
         self.q = self.ctx.Queue()
         self.ranks, self.worker_args, self.kill, self.restart = ranks, worker_args, kill, restart
-        self.stall_s = stall_s
+        self.stall_s, self.explain = stall_s, explain
+        self.refused: list = []
         self.progress = {i: self.ctx.Value("q", -1, lock=False) for i in ranks}
         self.procs: dict = {}
         self.per_worker, self.counters, self.errors, self.announced = {}, {}, [], None
@@ -358,7 +390,7 @@ class _Supervisor:
         proc = self.ctx.Process(target=_worker_entry, args=args, daemon=True,
                                 kwargs={**kwargs, "report": self.q, "die_at": die_at, "rejoin": rejoin,
                                         "progress": self.progress[i]})
-        proc.start()
+        start_shielded(proc)           # Ctrl-C is the launcher's to handle, not each worker's
         self.procs[i] = proc
 
     def _pending(self) -> bool:
@@ -375,14 +407,15 @@ class _Supervisor:
                     continue
                 if ctr is None:
                     self.errors.append(f"worker {wid}: {out}")
+                    if ann == REFUSED:
+                        self.refused.append(out)
                 elif ctr.get("rejoin_refused"):        # restarted after its job had ended
                     self.per_worker[wid], self.counters[wid] = [], ctr
                 else:
                     self.per_worker[wid], self.counters[wid], self.announced = out, ctr, ann
         except KeyboardInterrupt:
-            self.errors.append("interrupted")
-            for proc in self.procs.values():
-                proc.kill()
+            stop_children(list(self.procs.values()))
+            raise
 
     def _exits(self) -> None:
         """Workers that ended without a report: a killed rank (restarted, or an error), a crash."""
@@ -390,6 +423,8 @@ class _Supervisor:
             if proc.exitcode == KILLED and i not in self.per_worker:
                 if self.restart:
                     self.restarted += 1
+                    print(f"rank {i} was killed at round {self.kill[1]} (fault injection); started it "
+                          f"again: it rejoins the running job", file=sys.stderr, flush=True)
                     self.spawn(i, rejoin=True)
                 else:
                     self.errors.append(f"worker {i}: killed at round {self.kill[1]} (fault injection)")
@@ -411,11 +446,13 @@ class _Supervisor:
             return
         behind = sorted((i for i, p in self.procs.items() if i not in self.per_worker and p.is_alive()),
                         key=lambda i: current[i])
+        waits = self.explain() if behind else ""
         for i in behind:
             stopped = process_state(self.procs[i].pid) == "T"
             self.errors.append(f"worker {i}: no worker started a round for {self.stall_s:g} s; rank {i} "
                                f"is at round {current[i]}"
-                               f"{' (its process is stopped by a signal)' if stopped else ''}; stopped it")
+                               f"{' (its process is stopped by a signal)' if stopped else ''}"
+                               f"{'; ' + waits if waits else ''}; stopped it")
             self.procs.pop(i).kill()
 
     def stop(self) -> None:
@@ -435,7 +472,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
                local_workers=None, expect=None, keys=None, kill=None, restart=False,
                lease_s=None, rejoin_grace_s=None, stall_s=180.0, job_name=None,
                fixed_timeout=False, block_log2=DEFAULT_BLOCK_LOG2, result_group=AUTO_GROUP,
-               serve_shard=None) -> dict:
+               serve_shard=None, ps_wait_s=None) -> dict:
     """Start a PS with `shards` shards (unless `ps` = "host:port[,host:port…]") and worker
     processes for ranks rank_base … rank_base + local_workers − 1 of an n = `workers` job;
     returns the JSON summary, whose `ok` is False when any chunk was inexact or, under
@@ -456,6 +493,8 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
     control plane on PORT+1: colocated shards, one per host, as BytePS colocates its servers
     with its workers (every host passes the same `ps` list, each serving its own entry); the
     shard stays up after this host's workers finish until every rank has left its job.
+    `ps_wait_s`: how long the workers wait for a PS that answers nothing (a restarted or
+    stalled one) before they give up (None: worker.transport.DEFAULT_PS_WAIT_S).
 
     Every wait is bounded: the workers' own (they fail naming a missing rank or an
     unreachable PS), and this launcher's watchdog, which stops the job when no worker has
@@ -500,10 +539,15 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
         return ((shard_list, i, rounds, dim, seed, policy, faults, delay, straggler_prob, timeout_ms,
                  window), {"batched": batched, "expect": expect, "propose": job, "quiet": not verbose,
                            "keys": None if keys is None else str(keys), "job_name": job_name,
-                           "fixed_timeout": fixed_timeout})
+                           "fixed_timeout": fixed_timeout, "ps_wait_s": ps_wait_s,
+                           "job_counters": i == rank_base})
 
     ranks = range(rank_base, rank_base + local_workers)
-    sup = _Supervisor(ranks, worker_args, kill, restart, stall_s)
+
+    def explain() -> str:
+        return job_waits_for(shard_list[0], job_name, keys)
+
+    sup = _Supervisor(ranks, worker_args, kill, restart, stall_s, explain)
     t0 = time.perf_counter()
     try:
         sup.run()
@@ -518,8 +562,15 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
             _stop_when_left(s)
     per_worker, counters, errors, announced = sup.per_worker, sup.counters, sup.errors, sup.announced
     restarted = sup.restarted
+    if not per_worker and sup.refused and len(sup.refused) == len(errors):
+        raise ValueError("; ".join(dict.fromkeys(sup.refused)))    # each reason once, not once per worker
     if not per_worker:
-        raise RuntimeError("launch failed: " + ("; ".join(errors) or "no worker reported"))
+        problems = errors or ["no worker reported"]
+        raise LaunchFailed(problems, {
+            "rounds": rounds, "exact_rounds": 0, "mismatched_chunks": None, "lost_chunks": None,
+            "ok": False, "problems": problems, "workers": workers, "job_name": job_name,
+            "ranks": [], "dim": dim, "codec": codec, "quorum": quorum, "policy": policy,
+            "seconds": elapsed, "restarted_workers": restarted, "ps": ps_stats})
     used = JobConfig.from_msg(announced) if announced else job
     result = check_rounds(used, seed, dim, per_worker) if check else \
         {"rounds": rounds, "exact_rounds": None, "mismatched_chunks": None, "lost_chunks": None}
@@ -553,6 +604,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
             "injected": {k: total(k) for k in ("injected_drops_out", "injected_drops_in",
                                                  "injected_duplicates", "injected_reorders")},
             "drops": ps_stats["drops"] if ps_stats else None, "ps": ps_stats,
+            "ps_job": next((c["ps_job"] for c in counters.values() if c.get("ps_job")), None),
             "bytes_up_per_round": first[0]["bytes_up"] if first else 0,
             "bytes_down_per_round": first[0]["bytes_down"] if first else 0}
 
@@ -580,22 +632,31 @@ def _stop_when_left(server, timeout_s: float = 120.0) -> None:
 
 def _ask(shard: tuple, msg: dict, keys=None, timeout_s: float = 2.0) -> dict | None:
     """One control request to a PS shard (host, data_port, control_port[, control_host]) from
-    outside any job; None when it does not answer within `timeout_s`."""
+    outside any job; None when it does not answer within `timeout_s`.  Keys that do not fit
+    the PS's raise HandshakeFailed (a ValueError) naming the cause, at once."""
     import zmq
 
     from proto import control
+    from proto.keys import HandshakeWatch, client_keys
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
+    watch = None
     try:
         if keys is not None:
-            from proto.keys import client_keys
             sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = client_keys(keys)
-        sock.connect(f"tcp://{shard[3] if len(shard) > 3 else shard[0]}:{shard[2]}")
+        watch = HandshakeWatch(sock, server=False, curve=keys is not None)
+        endpoint = f"tcp://{shard[3] if len(shard) > 3 else shard[0]}:{shard[2]}"
+        sock.connect(endpoint)
         sock.send(control.encode(msg))
-        if not sock.poll(int(timeout_s * 1000)):
-            return None
+        deadline = time.monotonic() + timeout_s
+        while not sock.poll(int(1000 * min(0.1, max(0.0, deadline - time.monotonic())))):
+            watch.check(endpoint)
+            if time.monotonic() >= deadline:
+                return None
         return control.decode(sock.recv())
     finally:
+        if watch is not None:
+            watch.close()
         sock.close(0)
 
 
@@ -603,6 +664,37 @@ def fetch_status(shard: tuple, keys=None, timeout_s: float = 2.0) -> dict | None
     """A running PS's status reply: every running and queued job (None: no answer)."""
     reply = _ask(shard, {"type": "status"}, keys, timeout_s)
     return reply if reply is not None and reply.get("type") == "status" else None
+
+
+def job_stats(shards: list, sessions: list, keys=None, timeout_s: float = 2.0) -> dict | None:
+    """One running job's counters on the PS (its status listing), shards added up: the job
+    each shard's registration reply (`sessions`) names.  None when a shard does not say."""
+    stats = []
+    for shard, sess in zip(shards, sessions):
+        doc = fetch_status(shard, keys, timeout_s)
+        job = next((j for j in (doc or {}).get("jobs", []) if j["job_number"] == sess["job_number"]), None)
+        if job is None:
+            return None
+        stats.append(job["stats"])
+    return _merge_stats(stats)
+
+
+def job_waits_for(shard: tuple, job_name: str | None, keys=None) -> str:
+    """What the PS says a job (by name; None: the default name) waits for: its missing ranks,
+    or that it is queued; '' when the PS does not answer or names nothing."""
+    from proto.control import describe_missing
+    from ps_server.server import DEFAULT_JOB_NAME
+    name = job_name or DEFAULT_JOB_NAME
+    try:
+        doc = fetch_status(shard, keys) or {}
+    except ValueError:
+        return ""
+    job = next((j for j in doc.get("jobs", []) if j["job_name"] == name), None)
+    if job is not None and job["missing"]:
+        return f"the PS's job {job['job_number']} waits for {describe_missing(job['missing'])}"
+    if job is None and any(q["job_name"] == name for q in doc.get("queued", [])):
+        return "the job is queued on the PS (its slot space is held by other jobs: `thc status`)"
+    return ""
 
 
 def fetch_ps_stats(shard_list: list, keys=None, timeout_s: float = 2.0) -> dict | None:

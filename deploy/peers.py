@@ -77,7 +77,7 @@ def _rank_main(method: str, cfg, rank: int, port: int, q, warmup, net=None) -> N
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from deploy.train import _evaluate, training_data
+    from deploy.train import AccuracyClock, _evaluate, training_data
     from worker import data
     from worker.training import MODELS, flat_params
     torch.set_num_threads(1)
@@ -96,9 +96,11 @@ def _rank_main(method: str, cfg, rank: int, port: int, q, warmup, net=None) -> N
         counter = AllReduceCounter()
         counter.install()
         t_start = time.perf_counter()
+        clock = AccuracyClock(cfg.eval_every, lambda: _evaluate(model, xte, yte))
+        step = 0
         for epoch in range(cfg.epochs):
             idx = data.shard(len(xtr), rank, n, cfg.job.seed, epoch)
-            before, t0, losses = counter.payload, time.perf_counter(), []
+            before, prev, losses = counter.payload, clock.train_s, []
             for s in range(steps):
                 b = idx[s * cfg.batch:(s + 1) * cfg.batch]
                 opt.zero_grad()
@@ -106,13 +108,16 @@ def _rank_main(method: str, cfg, rank: int, port: int, q, warmup, net=None) -> N
                 loss.backward()
                 opt.step()
                 losses.append(float(loss.detach()))
-            seconds = time.perf_counter() - t0
-            acc, _ = _evaluate(model, xte, yte)
+                step += 1
+                clock.step_done(step)
+            acc, _ = clock.measure(step)
+            seconds = clock.train_s - prev          # the epoch's training time, evaluations left out
             payload = (counter.payload - before) / max(steps, 1)
             q.put(("epoch", rank, {"epoch": epoch + 1, "test_accuracy": acc, "train_loss": float(np.mean(losses)),
                                    "step_ms": 1e3 * seconds / max(steps, 1), "payload_per_step": payload,
                                    "wire_per_step": payload * 2 * (n - 1) / n, "steps": steps,
                                    "wall_s": time.perf_counter() - t_start,
+                                   "train_seconds": clock.train_s, "accuracy_curve": list(clock.points),
                                    "param_digest": float(np.abs(flat_params(model)).sum())}))
         q.put(("done", rank, None))
     except Exception as exc:           # reported to the parent

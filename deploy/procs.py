@@ -92,3 +92,46 @@ def each_report(q, procs, timeout: float, what: str = "worker"):
             raise TimeoutError(f"no report from {what} process {', '.join(alive)} after {timeout:g} s "
                                f"({got} of {len(procs)} reports)")
 
+
+
+def start_shielded(proc) -> None:
+    """Start a multiprocessing process that ignores SIGINT.  Ctrl-C at a terminal reaches
+    the whole foreground process group: every worker would print its own traceback.  A
+    child started while SIGINT is ignored keeps ignoring it (Python installs its
+    KeyboardInterrupt handler only when the parent left SIGINT alone), so the parent alone
+    hears Ctrl-C and stops its children itself (SIGTERM; `leave_on_sigterm`)."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        proc.start()                    # signal dispositions are the main thread's to change
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc.start()
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def leave_on_sigterm() -> None:
+    """In a worker process: SIGTERM raises KeyboardInterrupt once (its `finally` blocks run:
+    the worker leaves its job), and any later SIGTERM or SIGINT is ignored so that the
+    leaving is not cut short."""
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, stop)
+
+
+def stop_children(procs, timeout: float = 5.0) -> None:
+    """SIGTERM every live process of `procs`, wait up to `timeout` seconds in all for them to
+    exit, then SIGKILL the rest."""
+    import time
+    live = [p for p in procs if p.exitcode is None]
+    for p in live:
+        p.terminate()
+    deadline = time.monotonic() + timeout
+    for p in live:
+        p.join(timeout=max(0.05, deadline - time.monotonic()))
+        if p.exitcode is None:
+            p.kill()
+            p.join(timeout=5)

@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from deploy.procs import die_with_parent, single_threaded_children
+from deploy.procs import (die_with_parent, leave_on_sigterm, single_threaded_children, start_shielded,
+                          stop_children)
 from proto.job import JobConfig
 
 
@@ -45,6 +46,7 @@ class TrainConfig:
     straggler_count: int = 0  # k random stragglers per round (the paper's §8.3 scheme)
     ps: str = ""              # use a running PS "host:port[,host:port…]" instead of starting one
     curve_every: int = 20     # steps per point of the train-loss curve
+    eval_every: int = 0       # steps per test-accuracy point (0: at each epoch's end only)
     per_tensor: bool = False  # one PS round per parameter tensor instead of one per model
     kill_rank: int = -1       # fault injection: this rank's process dies at kill_at_step ...
     kill_at_step: int = 0
@@ -59,6 +61,7 @@ class TrainConfig:
     grad_sync: str = "auto"
     rendezvous: str = ""      # the hook's gloo rendezvous HOST:PORT (rank 0 serves it); "": loopback
     bucket_cap_mb: float = 25.0   # DDP's bucket size with the hook (its default)
+    keys: str = ""            # CURVE key directory (`thc keys`) of the PS this starts, or of cfg.ps
 
     def __post_init__(self):
         if self.grad_sync not in GRAD_SYNC:
@@ -97,6 +100,30 @@ def training_data(cfg: TrainConfig) -> tuple:
     return xtr, ytr, xte, yte
 
 
+class AccuracyClock:
+    """Training time with the evaluations left out, and the test accuracy against it: a point
+    (seconds, step, accuracy) every `every` steps and at each epoch's end, so that the time to
+    a target accuracy is not rounded up to a whole epoch and no method pays for evaluating."""
+
+    def __init__(self, every: int, evaluate):
+        self.every, self.evaluate = every, evaluate
+        self.train_s, self.points = 0.0, []
+        self._since = time.perf_counter()
+
+    def step_done(self, step: int) -> None:
+        if self.every and step % self.every == 0:
+            self.measure(step)
+
+    def measure(self, step: int) -> tuple[float, float]:
+        """(accuracy, loss) on the test set now; the clock stops while it is computed."""
+        self.train_s += time.perf_counter() - self._since
+        acc, loss = self.evaluate()
+        if not self.points or self.points[-1][1] != step:
+            self.points.append((self.train_s, step, acc))
+        self._since = time.perf_counter()
+        return acc, loss
+
+
 def _evaluate(model, x, y, batch=1000) -> tuple[float, float]:
     import torch
     import torch.nn.functional as F
@@ -130,9 +157,13 @@ def _init_gloo(cfg: TrainConfig, rank: int, store_port: int):
 
 def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | None = None,
                 rejoin: bool = False, store_port: int = 0) -> None:
-    """One worker process: train, report per-epoch metrics on the queue."""
+    """One worker process: train, report per-epoch metrics on the queue.  Stopped by the
+    parent (SIGTERM: it was interrupted), it leaves its job and exits without a word; a
+    refused registration (a ValueError: the job's configuration, the keys) is reported as
+    `refused`, for exit status 2."""
     die_with_parent()
-    path = None
+    leave_on_sigterm()
+    t = path = None
     try:
         if cfg.rank_netns:
             from deploy import netns
@@ -159,7 +190,7 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
             t = Transport(shards[0][0], shards[0][1], rank, control_port=shards[0][2],
                           policy=cfg.loss_policy, faults=faults, timeout_ms=cfg.timeout_ms, shards=shards,
                           expect=job_msg, propose=job,   # the PS must run this job (or start it)
-                          rejoin=rejoin, job_name=cfg.job_name or None)
+                          rejoin=rejoin, job_name=cfg.job_name or None, keys=cfg.keys or None)
         except ValueError as exc:
             if rejoin and "no running job to rejoin" in str(exc):   # the others already finished
                 q.put(("done", rank, {"rejoin_refused": 1}))
@@ -175,6 +206,7 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
             first = rejoin_training(sync, model, steps, cfg.sync_every)
         else:
             t.barrier("start")
+        clock = None
         while True:             # again from the epoch a rank that lost its lease rejoined at
             try:
                 step = first * steps
@@ -182,6 +214,9 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
                     idx = data.shard(len(xtr), rank, cfg.job.num_workers, cfg.job.seed, epoch)
                     t0 = time.perf_counter()
                     comm, up, down, losses, lost, curve = 0.0, 0, 0, [], 0, []
+                    if clock is None:
+                        clock = AccuracyClock(cfg.eval_every, lambda: _evaluate(model, xte, yte))
+                    prev = clock.train_s
                     for s in range(steps):
                         b = idx[s * cfg.batch:(s + 1) * cfg.batch]
                         xb, yb = torch.from_numpy(xtr[b]), torch.from_numpy(ytr[b])
@@ -209,17 +244,20 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
                         step += 1
                         if step % cfg.curve_every == 0:
                             curve.append((step, float(np.mean(losses[-cfg.curve_every:]))))
+                        clock.step_done(step)
                     if cfg.sync_every and (epoch + 1) % cfg.sync_every == 0:
                         sync_model(w, model, epoch)
                     t.progress = step
-                    acc, test_loss = _evaluate(model, xte, yte)
+                    acc, test_loss = clock.measure(step)
                     digest = float(np.abs(flat_params(model)).sum())
                     q.put(("epoch", rank, {"epoch": epoch + 1, "train_loss": float(np.mean(losses)),
                                            "test_accuracy": acc, "test_loss": test_loss,
                                            "epoch_seconds": time.perf_counter() - t0,
                                            "mean_round_ms": 1e3 * comm / max(steps, 1), "steps": steps,
                                            "bytes_up": up, "bytes_down": down, "lost_chunks": lost,
-                                           "param_digest": digest, "step": step, "loss_curve": curve}))
+                                           "param_digest": digest, "step": step, "loss_curve": curve,
+                                           "train_seconds": clock.train_s, "accuracy_curve": list(clock.points),
+                                           "train_epoch_seconds": clock.train_s - prev}))
                 break
             except _Rejoined as again:
                 first = again.epoch
@@ -229,6 +267,11 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
             counters["ps_stats"] = t.call({"type": "stats"})["stats"]
         q.put(("done", rank, counters))
         t.close()
+    except KeyboardInterrupt:
+        if t is not None:
+            t.close()               # leaves the job: a running PS ends it now, not after the lease
+    except ValueError as exc:
+        q.put(("refused", rank, str(exc)))
     except Exception as exc:
         q.put(("error", rank, f"{type(exc).__name__}: {exc}"))
     finally:
@@ -318,7 +361,8 @@ def _log_epoch(cfg: TrainConfig, e: dict, log) -> None:
 
 
 def run(cfg: TrainConfig, log=print) -> dict:
-    """Train once with cfg; returns the per-epoch history (rank 0's metrics) and totals."""
+    """Train once with cfg; returns the per-epoch history (rank 0's metrics, and the chunks
+    all ranks lost, as the progress lines count them) and totals."""
     from ps_server.server import PSServer
     from worker import data
     data.load("test")   # fail early, with the install hint, if the dataset is missing
@@ -333,7 +377,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
             host, _, port = item.strip().rpartition(":")
             shards.append((host, int(port), int(port) + 1))
     else:
-        server = PSServer(job, ("127.0.0.1", 0), control_port=0, lease_s=cfg.lease_s).start()
+        server = PSServer(job, ("127.0.0.1", 0), control_port=0, lease_s=cfg.lease_s,
+                          keys=cfg.keys or None).start()
         shards = [("127.0.0.1", server.data_addr[1], server.control_port)]
     from deploy.launch import KILLED
     single_threaded_children()
@@ -350,7 +395,7 @@ def run(cfg: TrainConfig, log=print) -> dict:
     def spawn(r, rejoin=False):
         proc = ctx.Process(target=worker_main, args=(cfg, r, shards, q, job.to_msg(), rejoin,
                                                      store.port if store is not None else 0), daemon=True)
-        proc.start()
+        start_shielded(proc)            # Ctrl-C is this process's: it stops the workers (one line, 130)
         return proc
     procs = [spawn(r) for r in range(job.num_workers)]
     history: dict = {}
@@ -373,6 +418,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
                 continue
             if kind == "error":
                 raise RuntimeError(f"worker {rank} failed: {body}")
+            if kind == "refused":
+                raise ValueError(body)          # exit status 2, the reason once
             if kind == "done":
                 done.add(rank)
                 counters[rank] = body
@@ -385,6 +432,9 @@ def run(cfg: TrainConfig, log=print) -> dict:
                                           any(later > ep for later in history)):
                     printed.add(ep)
                     _log_epoch(cfg, history[ep], log)
+    except KeyboardInterrupt:
+        stop_children(procs)
+        raise
     finally:
         for proc in procs:
             proc.join(timeout=10)
@@ -395,12 +445,20 @@ def run(cfg: TrainConfig, log=print) -> dict:
             server.stop()
     for ep in sorted(set(history) - printed):
         _log_epoch(cfg, history[ep], log)
-    epochs = [history[e][min(history[e])] for e in sorted(history)]      # rank 0's, or the lowest
+    epochs = epoch_records(history)
     return {"config": asdict(cfg), "epochs": epochs, "seconds": time.perf_counter() - t0,
             "final_test_accuracy": epochs[-1]["test_accuracy"],
             "bytes_up": sum(e["bytes_up"] for e in epochs), "bytes_down": sum(e["bytes_down"] for e in epochs),
             "ps": ps_stats, "transport": counters, "restarted_workers": restarted,
             "final_params_identical": _identical(history[max(history)]) if history else None}
+
+
+def epoch_records(history: dict) -> list:
+    """{epoch: {rank: report}} → one record per epoch: rank 0's metrics (or the lowest rank's
+    that reported), with `lost_chunks` summed over every rank that reported, as the progress
+    lines count them."""
+    return [{**history[e][min(history[e])], "lost_chunks": sum(r["lost_chunks"] for r in history[e].values())}
+            for e in sorted(history)]
 
 
 def _identical(reports: dict) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from p4.spec import (DROPS, EVENT_CELLS, EVENTS, LANES, MAX_JOBS, MAX_RANKS, PORT,  # noqa: F401
                      SLOTS)
-from p4.tools import require
+from p4.tools import cli_problem, require
 from proto.job import JobConfig
 from ps_server.engine import wait
 
@@ -240,7 +240,7 @@ def start_switch(json_path: Path, ports: dict, thrift_port: int = 9090, netns: s
         cmd = ["ip", "netns", "exec", netns] + cmd
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     cli = SwitchCLI(thrift_port, netns)
-    for _ in range(100):
+    for attempt in range(100):
         if proc.poll() is not None:
             raise RuntimeError(f"simple_switch exited: {proc.stderr.read()[-2000:]}")
         try:
@@ -248,6 +248,11 @@ def start_switch(json_path: Path, ports: dict, thrift_port: int = 9090, netns: s
                 return proc
         except subprocess.TimeoutExpired:
             pass
+        # the switch may be up and its CLI unable to run (`thc p4 doctor` says the same)
+        problem = cli_problem(cli.cli) if attempt == 0 else ""
+        if problem:
+            proc.kill()
+            raise RuntimeError(f"simple_switch started, but {cli.cli} cannot talk to it: {problem}")
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError("simple_switch did not start (Thrift port never answered)")

@@ -186,13 +186,36 @@ def _status(spec: ToolSpec, path: str | None, version: str | None, error: str = 
     return ToolStatus(spec.name, status, path, version, tested, spec.optional, spec.needed_for, "")
 
 
-def _check_cli(path: str) -> str:
-    """'' when simple_switch_CLI starts (its Python modules import), else the last error line."""
+def _interpreter(path: str) -> str:
+    """The Python interpreter a script's #! line names, resolved on PATH as the kernel would run
+    it: '/usr/bin/env python3' → 'python3 (/venv/bin/python3 on PATH)'; '' for anything else."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(256).decode(errors="replace").strip()
+    except OSError:
+        return ""
+    if not first.startswith("#!"):
+        return ""
+    words = first[2:].split()
+    if len(words) >= 2 and Path(words[0]).name == "env" and "python" in words[1]:
+        found = shutil.which(words[1])
+        return f"{words[1]} ({found or 'not found'} on PATH)"
+    return words[0] if words and "python" in Path(words[0]).name else ""
+
+
+def cli_problem(path: str) -> str:
+    """'' when simple_switch_CLI starts (its Python modules import), else what is wrong: the
+    last error line and the interpreter its #! line picks (an activated venv's python3, say,
+    that lacks the thrift modules bmv2 installed for the system's)."""
     rc, out = _run([path, "--help"])
     if rc == 0 and "thrift" in out.lower():
         return ""
     last = [line for line in out.splitlines() if line.strip()]
-    return "its Python modules do not import: " + (last[-1] if last else f"exit status {rc}")
+    python = _interpreter(path)
+    return ("its Python modules do not import" + (f" in {python}" if python else "") + ": "
+            + (last[-1] if last else f"exit status {rc}")
+            + ("; put the python3 bmv2 installed them for first on PATH (e.g. PATH=/usr/bin:$PATH) or "
+               "install bmv2's Python modules into that interpreter" if python else ""))
 
 
 def check(spec: ToolSpec, *, python: str = DEBIAN_PYTHON, **where) -> ToolStatus:
@@ -217,7 +240,7 @@ def check(spec: ToolSpec, *, python: str = DEBIAN_PYTHON, **where) -> ToolStatus
     if spec.name == "simple_switch_CLI":
         ss = find_tool("simple_switch", **where)      # the CLI has no version of its own
         version = _version(_run([ss, "--version"])[1]) if ss else None
-        return _status(spec, path, version, _check_cli(path))
+        return _status(spec, path, version, cli_problem(path))
     if spec.name == "bfas":
         # the assembler has no version of its own: it is the version of the p4c-barefoot
         # beside it (one build); without an input it prints its usage line

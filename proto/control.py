@@ -125,6 +125,19 @@ def describe_missing(missing: list) -> str:
     return f"rank{'s' if len(missing) > 1 else ''} {ranks} ({why})"
 
 
+def describe_behind(status: dict | None, rank: int, step: int) -> str:
+    """The live ranks a status reply shows behind `rank`'s `step` (their `progress`), as
+    text: 'rank 1 (at step 3; rank 0 is at 7: restarted and catching up, or slow)'; '' when
+    none is.  What a worker whose results are late names when no rank is missing."""
+    progress = (status or {}).get("progress") or {}
+    behind = sorted((int(r), p) for r, p in progress.items() if int(r) != rank and p < step)
+    if step < 0 or not behind:
+        return ""
+    at = "; ".join(f"{r}: {'not started' if p < 0 else f'step {p}'}" for r, p in behind)
+    return (f"rank{'s' if len(behind) > 1 else ''} {', '.join(str(r) for r, _ in behind)} ({at}; "
+            f"rank {rank} is at step {step}: restarted or rejoined and catching up, or slow)")
+
+
 # ---------------------------------------------------------------------- validation
 def _described(text: str):
     """Attach the msgpack type a check accepts, as docs/protocol.md states it."""

@@ -43,3 +43,101 @@ def client_keys(directory: str | Path) -> tuple[bytes, bytes, bytes]:
     if secret is None:
         raise ValueError(f"{d / 'client.key_secret'} holds no secret key")
     return secret, public, server_public
+
+
+class HandshakeFailed(ValueError):
+    """The control plane's CURVE handshake failed: the keys of the two ends do not fit (a
+    refused configuration, like a refused job: nothing was exchanged)."""
+
+
+def handshake_problem(event: int, value: int, *, server: bool, curve: bool = True) -> str:
+    """What a failed ZeroMQ handshake (a socket monitor's HANDSHAKE_FAILED_* event and its
+    value) says about the keys, from the PS's side (`server`) or a client's (`curve`: the
+    client has keys)."""
+    import zmq
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return ("a client's public key is not among this PS's authorized keys (keys/authorized/)" if server
+                else "the PS refused this client's key: its public key is not in the PS's keys/authorized/ "
+                     "(use the client.key_secret of the PS's key directory, or add client.key there)")
+    no_keys = "the PS runs with --keys (CURVE) and this client has no keys: pass --keys DIR"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        if server:
+            return "a client without keys tried to connect (this PS runs CURVE: the client needs --keys DIR)"
+        return no_keys if not curve else "this client uses CURVE keys (--keys) and the PS runs without them"
+    if server:
+        return ("a client's CURVE handshake failed (it holds another PS's server.key, or its keys do not "
+                "belong together)")
+    # the PS dropped the connection without saying why (ZeroMQ reports no detail, or the
+    # PS's reply did not decrypt): the likeliest cause for this client
+    if not curve:
+        return f"the PS ended the handshake; most likely {no_keys}"
+    return ("the PS ended the CURVE handshake: this client's server.key is not that PS's public key "
+            "(keys from another `thc keys` directory?), or the PS runs without --keys")
+
+
+class HandshakeWatch:
+    """A monitor of one ZeroMQ socket's handshakes, set before it connects or binds.
+
+    A CURVE server drops a client whose keys do not fit without a word on the socket: a
+    request then waits out its timeout.  The monitor's HANDSHAKE_FAILED_* events tell the
+    cause at once.  A client's watch (`server=False`) ends at its first successful
+    handshake; `check()` raises HandshakeFailed once one failed.  The PS's (`server=True`)
+    stays: `problems()` returns a line per cause seen, at most one per cause every
+    `every_s` seconds, with the count since the last."""
+
+    EVENTS = ("EVENT_HANDSHAKE_FAILED_NO_DETAIL", "EVENT_HANDSHAKE_FAILED_PROTOCOL",
+              "EVENT_HANDSHAKE_FAILED_AUTH", "EVENT_HANDSHAKE_SUCCEEDED")
+
+    def __init__(self, sock, *, server: bool, curve: bool = True, every_s: float = 10.0):
+        import zmq
+        self._sock, self.server, self.curve, self.every_s = sock, server, curve, every_s
+        self._mon = sock.get_monitor_socket(events=sum(getattr(zmq, e) for e in self.EVENTS))
+        self.failed: str | None = None
+        self._seen: dict = {}            # cause -> [last said (monotonic), count since]
+
+    def _events(self) -> list:
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+        out = []
+        while self._mon is not None and self._mon.poll(0):
+            try:
+                m = recv_monitor_message(self._mon, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                break
+            if m["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if not self.server:
+                    self.close()                # the keys fit: nothing more to watch
+                    break
+                continue
+            out.append(handshake_problem(m["event"], m["value"], server=self.server, curve=self.curve))
+        return out
+
+    def check(self, where: str) -> None:
+        """Raise HandshakeFailed naming `where` and the cause once a handshake failed."""
+        for problem in self._events():
+            self.failed = self.failed or problem
+        if self.failed:
+            raise HandshakeFailed(f"the control plane at {where} refused the connection: {self.failed}")
+
+    def problems(self, now: float | None = None) -> list[str]:
+        """The PS's lines about failed handshakes since the last call (rate-limited per cause)."""
+        import time
+        now = time.monotonic() if now is None else now
+        for problem in self._events():
+            self._seen.setdefault(problem, [float("-inf"), 0])[1] += 1
+        lines = []
+        for problem, seen in self._seen.items():
+            if seen[1] and now - seen[0] >= self.every_s:
+                lines.append(f"control plane: CURVE handshake refused: {problem}"
+                             + (f" ({seen[1]} times)" if seen[1] > 1 else ""))
+                seen[0], seen[1] = now, 0
+        return lines
+
+    def close(self) -> None:
+        if self._mon is not None:
+            try:
+                self._sock.disable_monitor()
+            except Exception:           # the socket is closed already
+                pass
+            self._mon.close(0)
+            self._mon = None

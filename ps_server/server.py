@@ -39,6 +39,7 @@ import zmq
 from proto import control
 from proto import udpio
 from proto.job import JobConfig, parse_group
+from proto.keys import HandshakeWatch
 from proto.sockets import multicast_from, multicast_unreachable, set_buffer
 from ps_server.engine import Engine, ExternalEngine
 from ps_server import admission
@@ -59,6 +60,9 @@ QUEUE_FORGET_S = 5.0
 #: A control step (a request, a lease check) that kept the control plane busy at least this
 #: long — programming a switch takes seconds — does not count against any rank's lease.
 DEAF_EXCUSE_S = 0.5
+#: The control loop's longest sleep (ZeroMQ poll).  A loop that wakes later than this plus
+#: DEAF_EXCUSE_S was itself stopped (SIGSTOP, a VM pause, swap): the PS stalled, not its ranks.
+POLL_S = 0.1
 
 
 def make_engine(job: JobConfig, kind: str | ExternalEngine = "c", nonce: int = 0, space=None,
@@ -246,8 +250,10 @@ class PSServer:
         self.ctl = self._ctx.socket(zmq.ROUTER)
         self.ctl.setsockopt(zmq.LINGER, 0)
         self.ctl.setsockopt(zmq.MAXMSGSIZE, max_message)
+        self._watch = None                         # keys: failed handshakes are logged
         if keys is not None:
             self._auth = _curve_server(self._ctx, self.ctl, Path(keys))
+            self._watch = HandshakeWatch(self.ctl, server=True)
         cport = control_port if control_port is not None else self.data_addr[1] + 1
         self.ctl.bind(f"tcp://{bind[0]}:{cport}")
         self.control_port = int(self.ctl.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
@@ -371,9 +377,10 @@ class PSServer:
         job.engine.unregister(rank)
 
     def _excuse(self, busy: float) -> None:
-        """The control plane heard no one for `busy` seconds (it was programming a switch, say):
-        that time does not count against the leases of live ranks, whose heartbeats wait in
-        the queue meanwhile."""
+        """The control plane heard no one for `busy` seconds (it was programming a switch, or
+        the PS process itself was stopped): that time does not count against anyone.  Live
+        ranks' leases, dead ranks' rejoin grace and queued jobs' patience are all moved on by
+        it; their heartbeats and requests wait in the queue meanwhile."""
         if busy < DEAF_EXCUSE_S:
             return
         now = time.monotonic()
@@ -381,6 +388,22 @@ class PSServer:
             for m in job.members.values():
                 if m.state == "live":
                     m.last_seen = min(now, m.last_seen + busy)
+                elif m.state == "dead":
+                    m.died, m.last_seen = min(now, m.died + busy), m.last_seen + busy
+        for q in self.queue.values():
+            q.last_asked = min(now, q.last_asked + busy)
+
+    def _woke(self, slept: float) -> None:
+        """The control loop slept `slept` seconds in a poll of POLL_S: longer means this
+        process stalled (nothing of it ran: no heartbeat was read, no lease checked), and
+        the stall is the PS's own, never a rank's: every lease is extended by it before
+        any is checked."""
+        stall = slept - POLL_S
+        if stall >= DEAF_EXCUSE_S:
+            self._excuse(stall)
+            if self.jobs:
+                self.log(f"the PS stalled for {stall:.1f} s (its control loop slept past its "
+                         f"{POLL_S:g} s poll); every lease is extended by that, no rank is blamed")
 
     def _check_leases(self) -> None:
         now = time.monotonic()
@@ -652,13 +675,19 @@ class PSServer:
         poller = zmq.Poller()
         poller.register(self.ctl, zmq.POLLIN)
         last_check = 0.0
+        asleep = time.monotonic()
         while not self._stop.is_set():
-            events = dict(poller.poll(100))
+            events = dict(poller.poll(int(POLL_S * 1000)))
+            for line in self._watch.problems() if self._watch is not None else ():
+                self.log(f"WARNING: {line}")
             with self._lock:
+                self._woke(time.monotonic() - asleep)      # before any lease is checked
+                asleep = time.monotonic()
                 if time.monotonic() - last_check > 0.1:
                     last_check = time.monotonic()
                     self._check_leases()
                     self._excuse(time.monotonic() - last_check)
+                    asleep = time.monotonic()
                 if not events:
                     continue
                 try:
@@ -682,6 +711,7 @@ class PSServer:
                         self._reply(ident, reply)
                     except zmq.ZMQError:
                         pass
+                asleep = time.monotonic()       # the request's own time is excused above
         time.sleep(0.05)
 
     # ---------------------------------------------------------------- lifecycle
@@ -715,6 +745,8 @@ class PSServer:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=5)
+        if self._watch is not None:
+            self._watch.close()
         self.ctl.close(0)
         self.sock.close()
         if self._auth is not None:

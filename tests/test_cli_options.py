@@ -150,9 +150,12 @@ def test_launch_rejoin_grace_and_stall_reach_run_launch(monkeypatch, capsys):
     monkeypatch.setattr("deploy.launch.run_launch", fake_run_launch)
     assert cli.main(["launch", "--workers", "2", "--rounds", "2"]) == 0
     assert (seen["rejoin_grace_s"], seen["stall_s"], seen["lease_s"]) == (None, 180.0, None)
-    assert "PS counters: {'rounds_completed': 2}" in capsys.readouterr().out
+    assert "PS counters (its lifetime totals, every job so far): {'rounds_completed': 2}" in \
+        capsys.readouterr().out
     assert cli.main(["launch", "--workers", "2", "--rounds", "2", "--rejoin-grace-s", "0", "--stall-s", "7.5"]) == 0
-    assert (seen["rejoin_grace_s"], seen["stall_s"]) == (0.0, 7.5)
+    assert (seen["rejoin_grace_s"], seen["stall_s"], seen["ps_wait_s"]) == (0.0, 7.5, None)
+    assert cli.main(["launch", "--workers", "2", "--rounds", "2", "--ps-wait-s", "7"]) == 0
+    assert seen["ps_wait_s"] == 7.0
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -161,6 +164,7 @@ def test_launch_rejoin_grace_and_stall_reach_run_launch(monkeypatch, capsys):
     (["launch", "--rejoin-grace-s", "x"], "expected seconds, got 'x'"),
     (["launch", "--stall-s", "0"], "expected seconds in (0, 86400], got '0'"),
     (["launch", "--stall-s", "nan"], "expected seconds in (0, 86400]"),
+    (["worker", "--ps", "127.0.0.1:9000", "--ps-wait-s", "0"], "expected seconds in [1, 86400], got '0'"),
 ])
 def test_grace_and_stall_are_range_checked(capsys, argv, message):
     with pytest.raises(SystemExit) as exc:

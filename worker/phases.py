@@ -63,7 +63,9 @@ class PhaseSession(Protocol):
     `Session` provides it; nothing else of the session is used):
 
       worker_id, job         the rank, and the job's geometry (id, workers, slots and NORM
-                             slots, element bits, operation, packet size)
+                             slots, element bits, operation, packet size); a PS that
+                             restarted may give the job another id and data slots when the
+                             rank registers again (resume), and the engine fits them (fit_job)
       shard_addrs            each shard's data address (ip, port); shard_of(addr) maps a
                              source back (None: not a shard of this job)
       ids(shard)             (nonce, token) that packets to the shard carry; they change
@@ -72,7 +74,7 @@ class PhaseSession(Protocol):
                              JobEnded, JobStalled, or _PSRestarted (the phase resumes)
       ps_restarted           whether a shard restarted (a BLOB round cannot resume)
       give_up(what, dest, tries)  after max_retries: raises the cause, or returns to wait on
-      waiting_for()          what the job waits for, for a warning ('' if not known)
+      late()                 whom late results wait for (missing ranks, ranks behind, the PS)
       resume(shard, phase)   register again after a restart; {phase, max_phase} to go on at
     """
 
@@ -85,7 +87,7 @@ class PhaseSession(Protocol):
     def ids(self, shard: int) -> tuple: ...
     def check_membership(self) -> None: ...
     def give_up(self, what: str, dest, tries: int) -> None: ...
-    def waiting_for(self) -> str: ...
+    def late(self) -> str: ...
     def resume(self, shard: int, phase: int) -> dict: ...
 
 
@@ -135,10 +137,20 @@ class PhaseEngine:
 
     def restart(self) -> None:
         """Start afresh (a rank that rejoined): slot rounds, stash, phase and BLOB counts at 0."""
+        self.fit_job()
         self.slot_round[:] = 0
         self._stash.clear()
         self._blob_q = []
         self._phase_no, self._last_phase, self.blob_round, self._skip_until = 0, None, 0, 0
+
+    def fit_job(self) -> None:
+        """The session registered again and the PS gave the job other data slots: the slot
+        rounds take the new region's shape (the caller restarts them) and the window fits in it."""
+        job, nshards = self.job, len(self.shard_addrs)
+        if self.slot_round.shape[1] != job.slots + job.norm_slots:
+            self.slot_round = np.zeros((nshards, job.slots + job.norm_slots), dtype=np.int64)
+            self.window = min(self.window, job.slots * nshards)
+            self.cwnd, self.ssthresh = min(self.cwnd, self.window), min(self.ssthresh, self.window)
 
     def give_up(self, what: str, dest, tries: int) -> None:
         """After max_retries: the session raises the cause or returns to go on waiting."""
@@ -149,7 +161,7 @@ class PhaseEngine:
         if now - self._last_note > 5.0 and tries >= STALL_NOTE_TRIES:
             self._last_note = now
             log.warning("worker %d: %s unanswered after %d retransmissions; waiting for %s",
-                        self.worker_id, what, tries, self.session.waiting_for() or "the PS")
+                        self.worker_id, what, tries, self.session.late())
 
     def _recv(self, timeout: float) -> list:
         """What arrives within `timeout` (Datagrams.recv_many) from this job's shards with this
@@ -167,7 +179,7 @@ class PhaseEngine:
         """Send chunks [(offset, count, payload)], of type DATA or NORM; results in chunk order.
 
         Each result is (Header, payload bytes), or None when lost under the `zero` policy.
-        If the PS restarts meanwhile, the phase is resumed with the other ranks (`_resume`).
+        If the PS restarts meanwhile, the phase is resumed with the other ranks (`resume`).
         """
         while True:
             if self._phase_no < self._skip_until:      # zero policy after a PS restart
@@ -178,7 +190,7 @@ class PhaseEngine:
                 results = self._run_phase_once(kind, chunks, self._phase_no)
                 break
             except _PSRestarted as exc:
-                self._resume(exc.shard)
+                self.resume(exc.shard)
         self._last_phase = (kind, chunks, self._phase_no)
         self._phase_no += 1
         return results
@@ -395,7 +407,7 @@ class PhaseEngine:
                 c = int(live[np.argmax(tries[live])])
                 self.note_stall(f"slot {slot[c]} round {rounds[c]}", int(tries[c]), now)
 
-    def _resume(self, shard: int) -> None:
+    def resume(self, shard: int) -> None:
         """After a PS restart: register again and agree with every rank where to go on.
 
         retransmit: from the least phase any rank reached — slot rounds reset there, a rank
@@ -404,10 +416,14 @@ class PhaseEngine:
         ranks behind report the phases in between as lost."""
         if len(self.shard_addrs) > 1:
             raise PSUnavailable(f"PS shard {shard} restarted; resuming is supported with one shard only")
+        if self.job.blob:
+            raise PSUnavailable(f"the PS restarted during a {self.job.codec} job; resuming is supported "
+                                f"for the data-plane codecs (thc, none)")
         self.resumes += 1
         log.warning("worker %d: the PS restarted; registering again and resuming at phase %d",
                     self.worker_id, self._phase_no)
         reply = self.session.resume(shard, self._phase_no)
+        self.fit_job()
         phase = reply["phase"]
         self.slot_round[shard, :] = 0
         self._stash.clear()
@@ -538,10 +554,10 @@ class PhaseEngine:
             inflight = policy.start(0, pkts, time.monotonic(), datagrams=len(pkts))
             while result is None or not result.complete:
                 now = time.monotonic()
+                if self.session.ps_restarted:       # known from the heartbeat that found a new PS
+                    raise PSUnavailable(f"the PS restarted during BLOB round {round_no}; resuming is "
+                                        f"supported for the data-plane codecs (thc, none)")
                 if now >= inflight.deadline:
-                    if inflight.tries >= self.max_retries and self.session.ps_restarted:
-                        raise PSUnavailable("the PS restarted during a BLOB round; resuming is "
-                                            "supported for the data-plane codecs (thc, none)")
                     if not policy.expired(inflight, now, f"BLOB round {round_no}", dest):
                         raise _Lost()
                     self.net.emit([(H.as_retransmission(pkt), dest) for pkt in pkts])

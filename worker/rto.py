@@ -5,7 +5,9 @@ that the Python phase loop and BLOB rounds apply and _batchio.phase_run mirrors 
 Loss handling (THC §6.1 and SwitchML, docs/prior-art.md §2.1):
   retransmit  resend after a timeout with exponential backoff; the PS answers a
               resend of a completed chunk with its kept result; nothing is lost
-              (default).  After `max_retries` the PS is declared unreachable.
+              (default).  After `max_retries` the worker names the cause (missing
+              ranks, or a PS whose data plane is silent); a PS silent to heartbeats
+              too is waited for up to `ps_wait_s` (it may be restarting or stalled).
   zero        no resend: a chunk whose result missed its timeout is reported
               lost (None) and the caller treats it as a zero update (§6.1).
 """

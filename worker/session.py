@@ -17,7 +17,12 @@ import zmq
 
 from proto import control
 from proto.job import JobConfig
+from proto.keys import HandshakeWatch
 
+#: How long a worker waits for a PS that answers nothing (no heartbeat reply, no result)
+#: before it gives up: a restarted PS, or one that stalled (a VM pause, swap, a long GC),
+#: comes back within it and the job goes on (`--ps-wait-s`; docs/protocol.md §7).
+DEFAULT_PS_WAIT_S = 60.0
 log = logging.getLogger(__name__)
 
 
@@ -78,12 +83,14 @@ class Session:
 
     def __init__(self, shards: list, worker_id: int, data_addr: tuple, *, control_timeout_s: float = 30.0,
                  keys=None, expect: dict | None = None, propose: JobConfig | None = None,
-                 job_name: str | None = None, queue_s: float = 600.0, rejoin: bool = False):
+                 job_name: str | None = None, queue_s: float = 600.0, rejoin: bool = False,
+                 ps_wait_s: float = DEFAULT_PS_WAIT_S):
         self.worker_id = worker_id
         self.data_addr = tuple(data_addr)
         self.shard_addrs = [(sh[0], int(sh[1])) for sh in shards]
         self._ctx = zmq.Context.instance()
         self._ctl: dict = {}
+        self._watch: dict = {}              # shard -> HandshakeWatch of its control socket
         self._endpoints = [f"tcp://{sh[3] if len(sh) > 3 else sh[0]}:{sh[2] or sh[1] + 1}" for sh in shards]
         self._control_timeout = control_timeout_s
         self._curve = None
@@ -100,6 +107,9 @@ class Session:
         self.progress = -1                  # the caller's step counter, reported in heartbeats
         self.status: list = [None] * len(shards)        # latest heartbeat reply per shard
         self._hb_ok = [time.monotonic()] * len(shards)
+        self.ps_wait_s = ps_wait_s
+        self._ps_heard = [time.monotonic()] * len(shards)   # the shard's latest reply of any kind
+        self._ps_silent = [0.0] * len(shards)   # how long it had been silent at its latest unanswered heartbeat
         self._restarted: set = set()
         self._lease_lost: set = set()       # shards that answered lease_expired
         self._job_gone: str | None = None   # why the PS no longer knows our job (it ended)
@@ -174,14 +184,36 @@ class Session:
                     raise
                 time.sleep(0.25)
         job = JobConfig.from_msg(reply["job"])
-        if self.job is not None and job != self.job:
-            raise ValueError(f"the PS at {self._endpoints[shard]} now runs another job configuration")
+        if self.job is not None:
+            self._same_job(shard, job)
         with self._session_lock:        # a heartbeat answered for the old session is stale now
             self.sessions[shard] = reply
             self._restarted.discard(shard)
             self._lease_lost.discard(shard)
+            self._ps_heard[shard], self._ps_silent[shard] = time.monotonic(), 0.0
         self._hb_ok[shard] = time.monotonic()
+        if self.job is not None and job != self.job:
+            self._adopt(job)
         return job
+
+    def _same_job(self, shard: int, job: JobConfig) -> None:
+        """Registered again (a restarted PS, a lapsed lease): the PS found this rank's job by
+        its name and configuration, but the ids and regions it hands out follow the order in
+        which jobs register again, so only ADMISSION_FIELDS (job id, data slots) may differ
+        from the job this rank ran; any other difference is another job, refused naming it."""
+        diffs = job.differences(self.job.to_msg())
+        if diffs:
+            raise ValueError(f"the PS at {self._endpoints[shard]} now runs another job configuration "
+                             f"for job {self.job_name or 'default'!r}: {'; '.join(diffs)}")
+
+    def _adopt(self, job: JobConfig) -> None:
+        """Go on with the same job under the job id and data slots the PS gives it now.  Every
+        packet header (the Python and the C phase alike) takes the id from `job` when it is
+        built, and a received packet is checked against it; the phase engine sizes its slot
+        rounds to the new region when it goes on (`PhaseEngine.fit_job`)."""
+        log.warning("worker %d: job %r is job id %d on the PS now (was %d)", self.worker_id,
+                    self.job_name or "default", job.job_id, self.job.job_id)
+        self.job = job
 
     def _heartbeat_loop(self) -> None:
         """Renew the lease of every shard a few times per lease; keep the status replies."""
@@ -194,17 +226,21 @@ class Session:
                 sock = socks.get(shard)
                 if sock is None:
                     sock = socks[shard] = self._socket(shard)
+                sent = time.monotonic()
                 try:
                     sock.send(control.encode(msg))
                     if not sock.poll(int(1000 * sess["lease_s"])):
                         sock.close(0)
                         del socks[shard]
+                        self._unanswered(shard, sent, sess["lease_s"])
                         continue
                     reply = control.decode(sock.recv())
                 except zmq.ZMQError:
                     sock.close(0)
                     socks.pop(shard, None)
+                    self._unanswered(shard, sent, sess["lease_s"])
                     continue
+                self._ps_heard[shard], self._ps_silent[shard] = time.monotonic(), 0.0
                 if reply.get("type") == "error":
                     with self._session_lock:
                         if self.sessions[shard] is sess:
@@ -214,6 +250,30 @@ class Session:
                 self._hb_ok[shard] = time.monotonic()
         for sock in socks.values():
             sock.close(0)
+
+    def _unanswered(self, shard: int, sent: float, lease_s: float) -> None:
+        """A heartbeat sent at `sent` got no reply: the PS has been silent since its latest
+        reply.  A wait that lasted far past its timeout means this process was stopped, not
+        that the PS was silent: it is not counted (the next heartbeat asks again)."""
+        now = time.monotonic()
+        if now - sent < 2 * lease_s + 1.0:
+            self._ps_silent[shard] = now - self._ps_heard[shard]
+
+    def _watching(self) -> bool:
+        """Whether heartbeats run, so that `_ps_silent` says how long the PS has been silent."""
+        return self._hb_thread is not None and not self._hb_stop.is_set()
+
+    def _check_ps_silence(self, during: str = "") -> None:
+        """Give up on a PS that has answered nothing for `ps_wait_s` (heartbeats unanswered:
+        it died, stalled or is cut off, and no restart came back within the wait)."""
+        silent = max(self._ps_silent)
+        if not self._watching() or silent <= self.ps_wait_s:
+            return
+        shard = self._ps_silent.index(silent)
+        raise PSUnavailable(f"the PS at {self._endpoints[shard]} answered nothing for {silent:.0f} s "
+                            f"(no heartbeat reply{', ' + during if during else ''}); a worker waits "
+                            f"ps_wait_s = {self.ps_wait_s:g} s for a restarted or stalled PS to come "
+                            f"back (--ps-wait-s)")
 
     def _membership_error(self, shard: int, sess: dict, reply: dict) -> None:
         """A heartbeat refused: note what happened to this rank's membership (the data-plane
@@ -238,6 +298,7 @@ class Session:
                             f"{self.sessions[0]['lease_s']:g} s)")
         if self._restarted:
             raise _PSRestarted(min(self._restarted))
+        self._check_ps_silence()
         stalled = (self.status[0] or {}).get("stalled")
         if stalled:
             raise JobStalled(f"the job cannot complete: {stalled}")
@@ -267,6 +328,12 @@ class Session:
             return control.describe_missing(st["missing"])
         return ""
 
+    def late(self) -> str:
+        """Whom a worker whose results are late waits for: missing ranks, live ranks behind it,
+        or the PS (a rank that died is reported missing once its lease runs out)."""
+        return self.waiting_for() or control.describe_behind(self.status[0], self.worker_id, self.progress) or \
+            "the PS (no rank is reported missing or behind; a rank that died is, once its lease runs out)"
+
     def is_sync_source(self) -> bool:
         """Whether this rank publishes model-sync state (the lowest live rank)."""
         return self.call({"type": "status"}).get("sync_source") == self.worker_id
@@ -287,11 +354,13 @@ class Session:
         return max(others, default=0)
 
     # ---------------------------------------------------------------- control plane
-    def _socket(self, shard: int):
+    def _socket(self, shard: int, watch: bool = False):
         sock = self._ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
         if self._curve is not None:
             sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = self._curve
+        if watch:       # a handshake the PS refuses (keys that do not fit) is said at once
+            self._watch[shard] = HandshakeWatch(sock, server=False, curve=self._curve is not None)
         sock.connect(self._endpoints[shard])
         return sock
 
@@ -309,7 +378,7 @@ class Session:
             msg["session"] = self.sessions[shard]["session"]
         sock = self._ctl.get(shard)
         if sock is None:
-            sock = self._ctl[shard] = self._socket(shard)
+            sock = self._ctl[shard] = self._socket(shard, watch=True)
         sock.send(control.encode(msg))
         try:
             reply = self._await_reply(sock, msg, shard, wait)
@@ -325,6 +394,8 @@ class Session:
                 self._membership_error(shard, self.sessions[shard], reply)
                 if self._job_gone:
                     raise JobEnded(self._job_gone)
+                if shard in self._restarted and msg["type"] == "barrier":
+                    raise _PSRestarted(shard)
             if code == "job_stalled":
                 raise JobStalled(f"PS refused {msg['type']}: {reply.get('message')}")
             if code == "queued":
@@ -338,33 +409,42 @@ class Session:
         start = time.monotonic()
         while not sock.poll(int(min(1.0, self._control_timeout) * 1000)):
             waited = time.monotonic() - start
-            if not wait or self._hb_thread is None:
-                if waited < self._control_timeout:
+            watching = self._watching()
+            if watching:                # a PS silent to heartbeats too is waited for up to ps_wait_s
+                self._check_ps_silence(f"{msg['type']} unanswered for {waited:.0f} s")
+                if wait and self._restarted and msg["type"] == "barrier":
+                    raise _PSRestarted(min(self._restarted))       # Transport.barrier resumes
+                if wait and self._restarted:    # the request went to the PS process that died
+                    raise PSUnavailable(f"the PS at {self._endpoints[shard]} restarted during "
+                                        f"{msg['type']} {msg.get('name', '')}; a job resumes an "
+                                        f"interrupted data-plane phase only".replace("  ", " "))
+            if not wait or not watching:
+                if shard in self._watch:        # keys that do not fit: said at once, not after the timeout
+                    self._watch[shard].check(self._endpoints[shard])
+                if waited < self._control_timeout or (watching and self._ps_silent[shard] > 0):
                     continue
-                hint = ("; if that PS runs with --keys, this worker needs --keys too (a CURVE server "
-                        "does not answer clients without its keys)") if self._curve is None else ""
                 raise PSUnavailable(f"no reply from the PS control plane at {self._endpoints[shard]} "
-                                    f"within {self._control_timeout:.0f} s ({msg['type']}){hint}")
+                                    f"within {self._control_timeout:.0f} s ({msg['type']}): is a PS running "
+                                    f"there, its control port reachable? (keys that do not fit are "
+                                    f"reported at once)")
             if self._lease_lost or self._job_gone or (self.status[shard] or {}).get("stalled"):
                 self.check_membership()
-            silent = time.monotonic() - self._hb_ok[shard]
             missing = (self.status[shard] or {}).get("missing") or []
             never = [m for m in missing if m["why"] == "never registered"]
-            if silent > self._control_timeout:
-                raise PSUnavailable(f"the PS control plane at {self._endpoints[shard]} stopped answering "
-                                    f"({silent:.0f} s without a heartbeat reply) during {msg['type']}")
             if never and waited > self._control_timeout:
                 raise JobStalled(f"{msg['type']} {msg.get('name', '')} not done after {waited:.0f} s: "
                                  f"waiting for {control.describe_missing(never)}".replace("  ", " "))
         return control.decode(sock.recv())
 
     def barrier(self, name: str) -> None:
-        """Wait until every live rank of the job reached `name`."""
+        """Wait until every live rank of the job reached `name` (a PS that restarts meanwhile
+        raises _PSRestarted: `Transport.barrier` resumes the data plane and asks again)."""
         self.call({"type": "barrier", "name": name}, wait=True)
 
     def _drop_socket(self, shard: int) -> None:
         sock = self._ctl.pop(shard, None)
         if sock is not None:
+            self._watch.pop(shard).close()
             sock.close(0)
 
     def leave(self) -> None:
@@ -388,20 +468,23 @@ class Session:
             self._hb_thread.join(timeout=5)
         if leave:
             self.leave()
-        for sock in self._ctl.values():
-            sock.close(0)
-        self._ctl.clear()
+        for shard in list(self._ctl):
+            self._drop_socket(shard)
 
     def give_up(self, what: str, dest, tries: int) -> None:
         """After max_retries: raise the error that names the real cause (missing ranks, or an
         unreachable PS), or return to go on waiting while a missing rank may still rejoin
         (the PS reports it within its rejoin grace; once it is past the grace the PS reports
-        the job stalled and `check_membership` raises JobStalled naming it)."""
+        the job stalled and `check_membership` raises JobStalled naming it), or while the PS
+        answers no heartbeat either (it may be restarting or stalled: `_check_ps_silence`
+        gives up after ps_wait_s)."""
         self.check_membership()
         st = self.status[0] or {}
         silent = time.monotonic() - self._hb_ok[0]
         lease = self.sessions[0]["lease_s"]
         if silent <= 2 * lease and any(m.get("rejoin_s", 0) > 0 for m in st.get("missing") or []):
+            return
+        if self._watching() and max(self._ps_silent) > 0:
             return
         waiting = self.waiting_for()
         if waiting and "PS control plane" not in waiting:

@@ -23,9 +23,10 @@ from worker.phases import (DEFAULT_WINDOW, MIN_WINDOW, PHASE_BUDGET_MS, PHASE_CO
                            START_WINDOW, WINDOW_STEP, PhaseEngine, PhaseSession)
 from worker.policies import POLICIES
 from worker.rto import STALL_NOTE_TRIES, RetransmitPolicy, RetransmitTimer, rto_scale
-from worker.session import JobEnded, JobStalled, LeaseLost, PSUnavailable, Queued, Session, _PSRestarted
+from worker.session import (DEFAULT_PS_WAIT_S, JobEnded, JobStalled, LeaseLost, PSUnavailable, Queued, Session,
+                            _PSRestarted)
 
-__all__ = ["DEFAULT_WINDOW", "MIN_WINDOW", "PHASE_BUDGET_MS", "PHASE_COUNTERS", "POLICIES", "SHARD_RUN",
+__all__ = ["DEFAULT_PS_WAIT_S", "DEFAULT_WINDOW", "MIN_WINDOW", "PHASE_BUDGET_MS", "PHASE_COUNTERS", "POLICIES", "SHARD_RUN",
            "SPIN_US", "STALL_NOTE_TRIES", "START_WINDOW", "WINDOW_STEP", "Datagrams", "Faults", "JobEnded",
            "JobStalled", "LeaseLost", "PSUnavailable", "PackedChunks", "PhaseEngine", "PhaseResults",
            "PhaseSession", "Queued", "RetransmitPolicy", "RetransmitTimer", "Session", "Transport",
@@ -53,7 +54,8 @@ class Transport:
                  control_timeout_s: float = 30.0, shards: list | None = None, bind_port: int = 0,
                  batched: bool = True, expect: dict | None = None, propose: JobConfig | None = None,
                  keys=None, heartbeat: bool = True, rejoin: bool = False, phase_engine: str | None = None,
-                 job_name: str | None = None, queue_s: float = 600.0, adaptive_timeout: bool = True):
+                 job_name: str | None = None, queue_s: float = 600.0, adaptive_timeout: bool = True,
+                 ps_wait_s: float = DEFAULT_PS_WAIT_S):
         """Connect to one PS, or to S shards given as [(host, data_port, control_port), ...].
 
         `job_name` names the job on the PS (None: the PS's "default"): workers of one name
@@ -65,7 +67,8 @@ class Transport:
         started without one.  `keys` is a key directory (`thc keys`): the control plane
         then runs ZeroMQ CURVE.  A heartbeat thread renews this rank's lease, learns who the
         job is waiting for, and notices a restarted PS (the worker then registers again and
-        resumes the interrupted phase with the other ranks).
+        resumes the interrupted phase with the other ranks).  A PS that answers nothing
+        for `ps_wait_s` seconds is given up (PSUnavailable, saying how long it waited).
 
         `window` is the most chunks this worker keeps in flight, at most the job's slots ×
         shards (a switch job's 64 slots bound it there); the window in use starts at 64 and
@@ -106,7 +109,7 @@ class Transport:
         try:
             self.session = Session(shards, worker_id, self.net.address, control_timeout_s=control_timeout_s,
                                    keys=keys, expect=expect, propose=propose, job_name=job_name,
-                                   queue_s=queue_s, rejoin=rejoin)
+                                   queue_s=queue_s, rejoin=rejoin, ps_wait_s=ps_wait_s)
         except BaseException:           # not registered: nothing to leave, the socket to close
             self.net.close()
             raise
@@ -127,6 +130,7 @@ class Transport:
     status = _part("session", "status")
     progress = _part("session", "progress", settable=True)
     rejoined = _part("session", "rejoined")
+    ps_wait_s = _part("session", "ps_wait_s", settable=True)
     job_name = _part("session", "job_name")
     shard_addrs = _part("session", "shard_addrs", settable=True)
     # the data plane's
@@ -159,8 +163,14 @@ class Transport:
         return self.session.call(msg, shard=shard, wait=wait)
 
     def barrier(self, name: str) -> None:
-        """Wait until every live rank of the job reached `name`."""
-        self.session.barrier(name)
+        """Wait until every live rank of the job reached `name`; if the PS restarts meanwhile,
+        resume with the other ranks (`PhaseEngine.resume`) and wait again at the new PS."""
+        while True:
+            try:
+                self.session.barrier(name)
+                return
+            except _PSRestarted as exc:
+                self.phases.resume(exc.shard)
 
     def waiting_for(self) -> str:
         """What the job waits for, from the latest heartbeat: '' if nothing is known missing."""

@@ -8,6 +8,8 @@ from p4 import tools
 from p4.control import compile_program
 
 MISSING = tools.missing_tools(*tools.BMV2_HALF)
+#: what keeps a simple_switch_CLI that is there from running (its interpreter lacks bmv2's modules)
+BROKEN = "" if MISSING else tools.cli_problem(tools.find_tool("simple_switch_CLI"))
 
 
 def pytest_configure(config):
@@ -22,6 +24,9 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("bmv2") and MISSING:
             item.add_marker(pytest.mark.skip(reason=f"P4 tools not found on {tools.where_text()}: "
                                                     f"{', '.join(MISSING)} (see `thc p4 doctor`)"))
+        elif item.get_closest_marker("bmv2") and BROKEN:
+            item.add_marker(pytest.mark.skip(reason=f"simple_switch_CLI cannot run: {BROKEN} "
+                                                    f"(see `thc p4 doctor`)"))
         elif (item.get_closest_marker("bmv2") or item.get_closest_marker("root")) and os.geteuid() != 0:
             item.add_marker(pytest.mark.skip(reason="needs root (veth pairs, network namespaces)"))
 

@@ -230,3 +230,26 @@ def test_thc_p4_gen_check_and_tofino_build_without_the_compiler(tmp_path, monkey
     monkeypatch.delenv("THC_P4_TOOLS", raising=False)
     assert exit_code(["p4", "build", "--target", "tofino2", "--out", str(tmp_path)]) == 1
     assert "p4c-barefoot not found" in capsys.readouterr().err
+
+
+def test_a_switch_whose_cli_cannot_import_its_modules_says_so(tmp_path, monkeypatch):
+    """Reproduction: with `python3` on PATH lacking bmv2's thrift modules (an activated venv),
+    every switch test erred "simple_switch did not start (Thrift port never answered)": the
+    switch had started; its CLI's interpreter was what was broken."""
+    import shutil
+
+    from p4 import control
+    d = tmp_path / "bin"
+    _tool(d, "simple_switch", "sleep 30")
+    cli_path = d / "simple_switch_CLI"
+    cli_path.write_text("#!/usr/bin/env python3\nimport runtime_CLI\n")     # as bmv2 installs it
+    cli_path.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{d}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(RuntimeError) as exc:
+        control.start_switch(tmp_path / "thc.json", {}, thrift_port=1)
+    msg = str(exc.value)
+    assert msg.startswith(f"simple_switch started, but {cli_path} cannot talk to it: ")
+    assert "No module named 'runtime_CLI'" in msg and "Thrift port never answered" not in msg
+    assert f"in python3 ({shutil.which('python3')} on PATH)" in msg and "PATH=/usr/bin:$PATH" in msg
+    line = by_name(tools.doctor(**where(d)))["simple_switch_CLI"].line()     # the doctor says the same
+    assert "broken" in line and f"in python3 ({shutil.which('python3')} on PATH)" in line

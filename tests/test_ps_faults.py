@@ -1,0 +1,252 @@
+"""The PS's own faults: killed and restarted under several jobs, stopped past the lease, gone for
+good; and `thc launch --json` when its workers fail (the reproductions of issue 43, section 1)."""
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import zmq
+
+from deploy.launch import run_launch
+from proto import headers as H
+from proto.job import JobConfig
+from ps_server.server import PSServer
+from tests.test_cli_errors import ROOT
+from tests.test_service import _free_port, _start_ps, ask
+from worker.transport import PSUnavailable, Transport
+
+
+def status(port: int) -> dict:
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port + 1}")
+    try:
+        return ask(sock, {"type": "status"}) or {}
+    finally:
+        sock.close(0)
+
+
+def running(port: int) -> dict:
+    """{job name: (job id, least progress of its live ranks, live ranks)} of the PS's running jobs."""
+    return {j["job_name"]: (j["job_id"], min(j["progress"].values(), default=-1), len(j["live"]))
+            for j in status(port).get("jobs", [])}
+
+
+def launches(port: int, names: list, docs: dict, **kw) -> list:
+    """run_launch of job `name` against the PS on `port`, one thread each, summaries into docs."""
+    threads = [threading.Thread(target=lambda n=n: docs.__setitem__(n, run_launch(
+        ps=f"127.0.0.1:{port}", job_name=n, **kw))) for n in names]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def wait_until(what, threads: list, timeout: float = 120.0) -> None:
+    """Until what() holds, while the launch threads run."""
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        assert all(t.is_alive() for t in threads), "a launch ended first"
+        time.sleep(0.1)
+
+
+def test_a_restarted_ps_resumes_three_jobs_whatever_ids_it_gives_them():
+    """Reproduction: a restarted PS hands out job ids in the order jobs register again, and a
+    worker whose job came back under another id gave up ("now runs another job
+    configuration").  Three jobs run; the PS is killed (SIGKILL) and started again on the same
+    port, and three other jobs take ids 1..3 before the workers are let back, so every job
+    returns under an id it never had: each is exact, no chunk lost."""
+    ROUNDS, names = 300, ["job-a", "job-b", "job-c"]
+    port = _free_port()
+    proc = _start_ps(port)
+    docs, occupants, workers = {}, [], []
+    others = {c.pid for c in multiprocessing.active_children()}
+    # each round waits 20 ms before its data phase: no job ends before the last one starts
+    threads = launches(port, names, docs, workers=2, rounds=ROUNDS, dim=1 << 13, straggler_delay_ms=20)
+    try:
+        wait_until(lambda: (lambda r: len(r) == 3 and all(p >= 10 for _, p, _ in r.values()))(running(port)),
+                   threads)
+        before = {n: v[0] for n, v in running(port).items()}
+        workers = [c for c in multiprocessing.active_children() if c.pid not in others]
+        assert len(workers) == 6
+        for w in workers:                       # held back while the PS is replaced
+            os.kill(w.pid, signal.SIGSTOP)
+        proc.kill()                             # the PS dies mid-job ...
+        proc.wait()
+        proc = _start_ps(port)                  # ... and comes back on the same ports, where
+        for k in (1, 2, 3):                     # three other jobs take ids 1, 2 and 3 first
+            occupants.append(Transport("127.0.0.1", port, 0, job_name=f"occupant-{k}",
+                                       propose=JobConfig(num_workers=1, job_id=k, slots=16)))
+        assert sorted(t.job.job_id for t in occupants) == [1, 2, 3]
+        for w in workers:
+            os.kill(w.pid, signal.SIGCONT)
+        wait_until(lambda: (lambda r: all(r.get(n, (0, 0, 0))[2] == 2 for n in names))(running(port)), threads)
+        after = {n: v[0] for n, v in running(port).items() if n in names}
+        for t in threads:
+            t.join(180)
+        assert set(before) == set(after) == set(names)
+        assert all(after[n] != before[n] and after[n] > 3 for n in names), (before, after)
+        for n in names:
+            doc = docs[n]
+            assert doc["ok"], (n, doc["problems"])
+            assert doc["exact_rounds"] == ROUNDS and doc["lost_chunks"] == 0 and doc["mismatched_chunks"] == 0
+            assert doc["ps_restarts_survived"] == 2, doc    # each rank resumed once
+    finally:
+        for w in workers:
+            if w.is_alive():
+                os.kill(w.pid, signal.SIGCONT)
+        for t in occupants:
+            t.close()
+        proc.kill()
+        proc.wait()
+
+
+def restart_in_process(server: PSServer, job) -> PSServer:
+    """Stop `server` and start another PS with `job` on its ports."""
+    data, control = server.data_addr[1], server.control_port
+    server.stop()
+    for _ in range(50):                     # ZeroMQ lets go of the port in its own thread
+        try:
+            return PSServer(job, ("127.0.0.1", data), control_port=control, lease_s=0.5).start()
+        except zmq.ZMQError:
+            time.sleep(0.1)
+    raise RuntimeError(f"port {control} stayed busy")
+
+
+def test_a_restarted_ps_running_another_configuration_is_refused_naming_it():
+    """The id a restarted PS gives is no reason to stop, but another configuration under the
+    same name is: the worker refuses it, naming the field."""
+    server = PSServer(JobConfig(num_workers=1, bits=4), ("127.0.0.1", 0), control_port=0, lease_s=0.5).start()
+    t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port)
+    try:
+        server = restart_in_process(server, JobConfig(num_workers=1, bits=2, job_id=7))
+        with pytest.raises(ValueError, match="now runs another job configuration for job 'default': "
+                                             "bits: PS has 2, worker expects 4"):
+            t.run_phase(H.NORM, [(0, 1, bytes(4))])
+    finally:
+        t.close(leave=False)
+        server.stop()
+
+
+def test_a_barrier_goes_on_at_a_restarted_ps():
+    """A rank waiting in a barrier when the PS restarts, and one that reaches the barrier
+    after: both resume with the new PS and the barrier releases there."""
+    job = JobConfig(num_workers=2)
+    server = PSServer(job, ("127.0.0.1", 0), control_port=0, lease_s=0.5).start()
+    ts = [Transport("127.0.0.1", server.data_addr[1], r, control_port=server.control_port) for r in (0, 1)]
+    errors = []
+
+    def barrier(t):
+        try:
+            t.barrier("start")
+        except Exception as exc:        # surfaced below
+            errors.append(exc)
+
+    try:
+        first = threading.Thread(target=barrier, args=(ts[0],))
+        first.start()
+        wait_until(lambda: server.status()["barriers"].get("start") == [0], [first])
+        server = restart_in_process(server, job)
+        second = threading.Thread(target=barrier, args=(ts[1],))
+        second.start()
+        for th in (first, second):
+            th.join(60)
+        assert not errors and not first.is_alive() and not second.is_alive(), errors
+        assert [t.resumes for t in ts] == [1, 1] and server.status()["live"] == [0, 1]
+    finally:
+        for t in ts:
+            t.close()
+        server.stop()
+
+
+def test_a_ps_that_never_comes_back_is_given_up_after_ps_wait_s_saying_so():
+    server = PSServer(JobConfig(num_workers=1), ("127.0.0.1", 0), control_port=0, lease_s=0.5).start()
+    t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port, ps_wait_s=2)
+    try:
+        server.stop()                           # gone for good
+        with pytest.raises(PSUnavailable, match=r"answered nothing for [2-9] s \(no heartbeat reply\); "
+                                                r"a worker waits ps_wait_s = 2 s"):
+            t.run_phase(H.NORM, [(0, 1, bytes(4))])
+    finally:
+        t.close(leave=False)
+
+
+def test_a_blob_round_reports_a_ps_restart_as_soon_as_it_is_known():
+    """Reproduction: a BLOB codec's round learnt of a PS restart only when its retransmissions ran
+    out (58 s); the heartbeat that finds the new PS ends it at once.  (The retry budget here
+    would take minutes: only the restart can end the round within the bound.)"""
+    job = JobConfig(num_workers=2, codec="topk")
+    server = PSServer(job, ("127.0.0.1", 0), control_port=0, lease_s=0.5).start()
+    t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port, max_retries=10_000)
+    errors = []
+
+    def blob_round():
+        try:
+            t.run_blob(b"\0" * 64, 16, t.next_blob_round())
+        except PSUnavailable as exc:
+            errors.append(exc)
+
+    try:
+        server = restart_in_process(server, job)
+        th = threading.Thread(target=blob_round)
+        th.start()
+        th.join(60)
+        assert not th.is_alive(), "the BLOB round did not end"
+        assert "the PS restarted during BLOB round 1" in str(errors[0])
+    finally:
+        t.close(leave=False)
+        server.stop()
+
+
+@pytest.mark.parametrize("stall_s", [10, 30])
+def test_a_stalled_ps_excuses_its_own_stall(stall_s):
+    """Reproduction: a PS stopped (SIGSTOP) past the lease expired every lease when it woke,
+    ended both jobs and blamed the workers ("the job ended while ranks 0, 1, 2 were away").
+    Its control loop measures its own stall and extends every lease by it: both jobs exact."""
+    ROUNDS, names = 400, ["stall-a", "stall-b"]
+    port = _free_port()
+    proc = _start_ps(port)                      # a 1 s lease: either stall is many leases long
+    docs = {}
+    threads = launches(port, names, docs, workers=2, rounds=ROUNDS, dim=1 << 13, straggler_delay_ms=20)
+    try:
+        wait_until(lambda: (lambda r: len(r) == 2 and all(p >= 10 for _, p, _ in r.values()))(running(port)),
+                   threads)
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(stall_s)
+        os.kill(proc.pid, signal.SIGCONT)
+        for t in threads:
+            t.join(180)
+        for n in names:
+            doc = docs[n]
+            assert doc["ok"], (n, doc["problems"])
+            assert doc["exact_rounds"] == ROUNDS and doc["lost_chunks"] == 0 and doc["ps_restarts_survived"] == 0
+            assert doc["lease_rejoins"] == 0 and not doc["away_at_end"]
+            assert doc["ps"]["leases_expired"] == 0
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert "the PS stalled for" in out and "lost its lease" not in out, out[-2000:]
+
+
+@pytest.mark.parametrize("quorum,exact", [(1.0, 0), (0.5, 6)])
+def test_launch_json_prints_its_line_when_a_worker_dies(quorum, exact):
+    """Reproduction: `thc launch --json` printed nothing on stdout when no worker reported (one
+    killed, the other raising for want of it at quorum 1).  At quorum 0.5 the survivor's
+    rounds are all exact, and the line says so beside the dead worker."""
+    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "launch", "--workers", "2", "--rounds", "6",
+                           "--dim", "4096", "--kill-rank", "1", "--kill-at-round", "2", "--lease-s", "0.5",
+                           "--rejoin-grace-s", "1", "--quorum", str(quorum), "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["ok"] is False and doc["exact_rounds"] == exact and doc["rounds"] == 6, doc
+    assert any("worker 1: killed at round 2" in p for p in doc["problems"]), doc["problems"]
+    if quorum == 1.0:
+        assert any(p.startswith("worker 0: JobStalled") and "rank 1" in p for p in doc["problems"]), doc["problems"]
+    assert "killed at round 2" in proc.stderr
+
