@@ -683,6 +683,9 @@ def main(argv=None) -> int:
         result = args.func(args)
     except ValueError as exc:
         print(f"thc {args.command}: error: {exc}", file=sys.stderr)
+        if getattr(args, "json", False) and args.command in ("launch", "train"):
+            # a --json run always ends with its JSON line, a refused one too
+            print(json.dumps({"ok": False, "refused": True, "problems": [str(exc)]}))
         return 2
     except (OSError, RuntimeError) as exc:
         if not (getattr(args, "json", False) and isinstance(getattr(exc, "doc", None), dict)):

@@ -250,3 +250,21 @@ def test_launch_json_prints_its_line_when_a_worker_dies(quorum, exact):
         assert any(p.startswith("worker 0: JobStalled") and "rank 1" in p for p in doc["problems"]), doc["problems"]
     assert "killed at round 2" in proc.stderr
 
+
+
+def test_launch_json_prints_its_line_when_the_ps_refuses_the_job():
+    """A refused configuration exits 2 and, with --json, still ends with its JSON line."""
+    from proto.job import JobConfig
+    from ps_server.server import PSServer
+    from bench.pauses import free_port_pair
+    port = free_port_pair()
+    server = PSServer(JobConfig(num_workers=2), ("127.0.0.1", port), control_port=port + 1).start()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "deploy.cli", "launch", "--ps", f"127.0.0.1:{port}",
+                               "--workers", "3", "--rounds", "2", "--json"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+    finally:
+        server.stop()
+    assert proc.returncode == 2, proc.stderr
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["ok"] is False and doc["refused"] is True and "num_workers" in doc["problems"][0], doc
