@@ -98,7 +98,7 @@ def _codec_state(dim: int, job: JobConfig):
     from compression.codec import ErrorFeedback
     memory = ErrorFeedback()
     memory.update("grad", np.zeros(dim, np.float32))
-    lanes = np.full(thc.make_layout(dim, job.thc_config().block_log2).padded_dim, 60, np.uint8)
+    lanes = np.full(thc.make_layout(dim, thc.ThcConfig.of_job(job).block_log2).padded_dim, 60, np.uint8)
     return memory, lanes
 
 
@@ -124,7 +124,7 @@ def codec_cpu_ms(dim: int, job: JobConfig) -> float:
     best = float("inf")
     for r in range(3):
         grad = gradient(0, r, 0, dim)
-        best = min(best, _codec_round(job.thc_config(), job, grad, memory, lanes, np.random.default_rng(r), r))
+        best = min(best, _codec_round(thc.ThcConfig.of_job(job), job, grad, memory, lanes, np.random.default_rng(r), r))
     return best * 1e3
 
 
@@ -136,7 +136,7 @@ def _lockstep_rank(rank, dim, job_msg, rounds, barrier, q) -> None:
         grad = gradient(0, r, rank, dim)
         barrier.wait()
         t0 = time.monotonic()
-        cpu = _codec_round(job.thc_config(), job, grad, memory, lanes, np.random.default_rng(r), r, barrier.wait)
+        cpu = _codec_round(thc.ThcConfig.of_job(job), job, grad, memory, lanes, np.random.default_rng(r), r, barrier.wait)
         if r:
             out.append((time.monotonic() - t0, cpu))
         barrier.wait()          # the next gradient is made once every rank is done (as in worker_rounds)

@@ -2,7 +2,7 @@
 
 For each path and loss rate the same `thc launch` job runs twice, once with the workers'
 fixed first timeout (`--fixed-timeout`, the rule before the adaptive timer) and once with
-the timeout that follows the measured round trip (worker/transport.py, RetransmitTimer).
+the timeout that follows the measured round trip (worker/rto.py, RetransmitTimer).
 Reported per run: rounds exact, mean round, timeouts, packets sent, timeouts per 100 packets
 sent, and the timeout the workers ended with.  On a clean path every timeout is spurious.
 
@@ -91,7 +91,7 @@ def run_slow_link(args, loss: float, fixed: bool):
 
 
 def run_bmv2(args, loss: float, fixed: bool):
-    from p4 import mininet_run
+    from deploy import mininet_run
     doc = mininet_run.run(workers=args.workers, rounds=args.rounds, dim=args.bmv2_dim, loss=loss,
                           fixed_timeout=fixed, build_dir=args.out / "p4")
     return doc, doc["kernel_drops"]
@@ -106,7 +106,7 @@ def why_not(path: str) -> str | None:
         from deploy import netns
         return netns.unavailable(need_nft=True, need_tc=True)
     if path == "bmv2":
-        from p4 import mininet_run
+        from deploy import mininet_run
         try:
             mininet_run.preflight(0.05)
         except Exception as exc:        # noqa: BLE001 - its message names what is missing

@@ -1,6 +1,7 @@
 """Codec registry: `--codec NAME` everywhere resolves here.
 
-Entries are import paths, so a codec module is imported only when used.
+Entries are import paths, so a codec module is imported only when used.  The names are the
+job contract's (proto/job.py CODECS): a job may name exactly the codecs listed here.
 """
 from __future__ import annotations
 

@@ -69,6 +69,12 @@ class ThcConfig:
         """Refuse n·g overflowing the sum lane, before any traffic."""
         check_lane_capacity(workers, self.granularity, self.lane_bits)
 
+    @classmethod
+    def of_job(cls, job) -> ThcConfig:
+        """The THC parameters of a job (proto/job.py JobConfig)."""
+        return cls(bits=job.bits, granularity=job.granularity, p=job.p, lane_bits=job.lane_bits,
+                   block_log2=job.block_log2, seed=job.seed)
+
 
 @dataclass(frozen=True)
 class Layout:

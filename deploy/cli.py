@@ -215,6 +215,14 @@ def _job_arg(p, default_help: str):
                         f"beside it ({default_help})")
 
 
+def _running_ps_args(p, ps_help: str, keys_help: str) -> None:
+    """The options of a command that talks to a running PS: where (--ps, --control-port) and
+    with which keys (--keys)."""
+    p.add_argument("--ps", type=_addr_list, required=True, help=ps_help)
+    p.add_argument("--control-port", type=_port, default=None, help="control port (default data port + 1)")
+    p.add_argument("--keys", default=None, metavar="DIR", help=keys_help)
+
+
 def _slot_space() -> int:
     from ps_server.admission import DEFAULT_SLOT_SPACE
     return DEFAULT_SLOT_SPACE
@@ -555,8 +563,8 @@ def _add_cluster_commands(sub):
                  parents=[job_parent("workers", "bits", "granularity", "p", "lane-bits", "quorum",
                                      "block-log2", "result-group", stated=True)])
     _codec_arg(w, stated=True)
-    w.add_argument("--ps", type=_addr_list, required=True,
-                   help="the PS data address HOST:PORT, or a comma list of shards (chunk c -> shard c mod S)")
+    _running_ps_args(w, "the PS data address HOST:PORT, or a comma list of shards (chunk c -> shard c mod S)",
+                     "key directory with client.key_secret and server.key (`thc keys`)")
     w.add_argument("--rank", type=_int_in(0, 31, "a rank"), default=None,
                    help="worker id (default: $RANK from torchrun, else 0)")
     w.add_argument("--rounds", type=_rounds, default=10, help="rounds")
@@ -567,15 +575,12 @@ def _add_cluster_commands(sub):
     # not stated: the seed of the test gradients, and of the job when this worker proposes it
     w.add_argument("--seed", type=_seed, default=0, help=JOB_OPTIONS["seed"]["help"])
     w.add_argument("--control-host", default=None, help="control plane host if not the PS data host")
-    w.add_argument("--control-port", type=_port, default=None, help="control port (default data port + 1)")
     w.add_argument("--bind-port", type=_any_port, default=0, help="local UDP port (0: any)")
     w.add_argument("--timeout-ms", type=_timeout_ms, default=50.0, help=TIMEOUT_HELP)
     _fixed_timeout_arg(w)
     _ps_wait_arg(w)
     w.add_argument("--report", type=_report_path, default=None,
                    help="write every round's report (digests, k, bitmaps) as JSON")
-    w.add_argument("--keys", default=None, metavar="DIR",
-                   help="key directory with client.key_secret and server.key (`thc keys`)")
     _job_arg(w, "default: \"default\", the name every thc worker without --job shares")
     w.set_defaults(func=commands.cmd_worker)
 
@@ -637,10 +642,8 @@ def _add_cluster_commands(sub):
                                       "workers, slot regions, rounds and counters",
                   description="Asks a running `thc ps` (its control plane) for its jobs; exits 1 when "
                               "it does not answer.")
-    st.add_argument("--ps", type=_addr_list, required=True,
-                    help="the PS data address HOST:PORT, or a comma list of shards")
-    st.add_argument("--control-port", type=_port, default=None, help="control port (default data port + 1)")
-    st.add_argument("--keys", default=None, metavar="DIR", help="key directory (`thc keys`) of a PS run with --keys")
+    _running_ps_args(st, "the PS data address HOST:PORT, or a comma list of shards",
+                     "key directory (`thc keys`) of a PS run with --keys")
     st.add_argument("--timeout-s", type=_float_in(0.1, 600, lo_open=False, hi_open=False, what="seconds"),
                     default=3.0, help="how long to wait for the answer")
     st.add_argument("--json", action="store_true", help="the status reply as JSON (a list for several shards)")

@@ -377,7 +377,7 @@ def _p4_doctor(args):
 def _p4_mininet(args):
     import json
 
-    from p4 import mininet_run
+    from deploy import mininet_run
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
     doc = mininet_run.run(workers=args.workers, rounds=args.rounds, dim=args.dim, loss=args.loss,
                           straggler_delay_ms=args.straggler_delay_ms, straggler_rank=args.straggler_rank,

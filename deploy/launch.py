@@ -70,14 +70,6 @@ class LaunchFailed(RuntimeError):
         self.doc = doc
 
 
-def others_step(t) -> int:
-    """The step the other live ranks of the job are on (the PS's status), for a rank that
-    joins late: a restarted one, or one whose lease expired while it was paused."""
-    status = t.call({"type": "status"})
-    others = [v for k, v in status.get("progress", {}).items() if int(k) != t.worker_id and v >= 0]
-    return max(others, default=0)
-
-
 def skip_to_front(w, dim: int, step: int, limit: int, passes: int = 50) -> int:
     """Skip the allreduces of `dim` coordinates that the results the data plane has fanned
     out to worker `w` since it registered again show finished (every chunk of its next round
@@ -153,7 +145,7 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
         others are in (a round behind the front would be lost, and at the front's pace it
         would never catch up; a round skipped while the others are in it is lost for them)."""
         nonlocal catching
-        first = min(others_step(t), rounds)
+        first = min(t.others_step(), rounds)
         w.skip_rounds(first, dim)
         if quorum_job:
             first = skip_to_front(w, dim, first, rounds)
@@ -262,7 +254,7 @@ def reference_digests(job: JobConfig, seed: int, round_no: int, dim: int, report
         payloads = None
     else:
         from worker.client import round_rng
-        cfg = job.thc_config()
+        cfg = thc.ThcConfig.of_job(job)
         tab = np.asarray(job.table, dtype=np.int64)
         shared = next(r["norms"] for r in reports.values() if r.get("norms") is not None)
         # a rank encodes with the norms it ended up with (its own, if it lost the NORM result)

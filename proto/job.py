@@ -18,8 +18,11 @@ from proto.tables import parse_p, solve_table
 #: of its region): a worker's expectation of them is no conflict, it takes the PS's values.
 ADMISSION_FIELDS = ("job_id", "slots")
 
+#: Every codec a job may name: the names both ends instantiate (compression/registry.py
+#: maps each to its implementation, the same names in the same order).
+CODECS = ("thc", "uhc", "topk", "terngrad", "none", "3lc", "skcompress", "fastsgd", "casq")
 #: Codecs the data plane aggregates itself (lookup-and-sum or float sum); every other
-#: registered codec travels as BLOB fragments and the PS decodes, sums and re-encodes it.
+#: codec travels as BLOB fragments and the PS decodes, sums and re-encodes it.
 DATA_PLANE_CODECS = ("thc", "none")
 
 #: log2 of the RHT block: tensors are cut into blocks of 2^20 coordinates, each transformed
@@ -68,11 +71,6 @@ def _is_p(value) -> bool:
         return False
 
 
-def _known_codecs() -> list:
-    from compression import registry   # the names both ends can instantiate
-    return registry.names()
-
-
 @dataclass
 class JobConfig:
     num_workers: int
@@ -100,8 +98,8 @@ class JobConfig:
         n = self.num_workers
         if not 1 <= n <= headers.MAX_WORKERS:
             raise ValueError(f"num_workers must be in 1..{headers.MAX_WORKERS} (bitmap width), got {n}")
-        if self.codec not in DATA_PLANE_CODECS and self.codec not in _known_codecs():
-            raise ValueError(f"unknown codec {self.codec!r}; choose from {', '.join(_known_codecs())}")
+        if self.codec not in CODECS:
+            raise ValueError(f"unknown codec {self.codec!r}; choose from {', '.join(CODECS)}")
         for name, lo, hi in (("bits", 1, 8), ("granularity", 1, 1 << 16), ("block_log2", 0, MAX_BLOCK_LOG2),
                              ("mtu", 128, 65535), ("seed", 0, (1 << 63) - 1),
                              ("elems_per_packet", 0, 65535)):
@@ -162,12 +160,6 @@ class JobConfig:
 
     def down_payload_len(self, count: int) -> int:
         return count * self.down_bits // 8
-
-    def thc_config(self):
-        """The worker's THC parameters of this job (compression.thc.ThcConfig)."""
-        from compression.thc import ThcConfig
-        return ThcConfig(bits=self.bits, granularity=self.granularity, p=self.p, lane_bits=self.lane_bits,
-                         block_log2=self.block_log2, seed=self.seed)
 
     def to_msg(self) -> dict:
         d = asdict(self)

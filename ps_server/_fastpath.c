@@ -673,18 +673,30 @@ static int parse_addr(const char *ip, uint32_t *out) {
     return 0;
 }
 
-static PyObject *Engine_process(Engine *e, PyObject *args) {
+/* process()'s arguments (datagram, (ip, port)): the datagram's buffer (the caller releases
+ * it), the source address as text and as a network-order IPv4 address, and the port */
+typedef struct {
     Py_buffer buf;
     const char *ip;
+    uint32_t addr;
     int port;
-    uint32_t a;
-    if (!PyArg_ParseTuple(args, "y*(si)", &buf, &ip, &port)) return NULL;
-    if (parse_addr(ip, &a) < 0) { PyBuffer_Release(&buf); return NULL; }
+} datagram_args;
+
+/* -1 with the exception set when `args` are not (datagram, (ip, port)) */
+static int process_args(PyObject *args, datagram_args *d) {
+    if (!PyArg_ParseTuple(args, "y*(si)", &d->buf, &d->ip, &d->port)) return -1;
+    if (parse_addr(d->ip, &d->addr) < 0) { PyBuffer_Release(&d->buf); return -1; }
+    return 0;
+}
+
+static PyObject *Engine_process(Engine *e, PyObject *args) {
+    datagram_args d;
+    if (process_args(args, &d) < 0) return NULL;
     pthread_mutex_lock(&e->lock);
-    handle(e, buf.buf, (uint32_t)buf.len, a, (uint16_t)port, 0);
+    handle(e, d.buf.buf, (uint32_t)d.buf.len, d.addr, (uint16_t)d.port, 0);
     PyObject *out = drain_to_list(e);
     pthread_mutex_unlock(&e->lock);
-    PyBuffer_Release(&buf);
+    PyBuffer_Release(&d.buf);
     return out;
 }
 
@@ -893,16 +905,28 @@ static void engine_flush(void *ctx, int fd) {
     pthread_mutex_unlock(&e->lock);
 }
 
+#define SERVE_CAP 65536      /* the receive buffer of serve(): BATCH datagrams of up to 64 KiB */
+
+/* serve()'s arguments (fd, duration_ms, gro=True, gso=True) and its receive buffer, with UDP
+ * GRO on the socket as asked (a kernel without it: plain datagrams); NULL with the exception
+ * set when the arguments or the memory fail.  The caller frees the buffer. */
+static uint8_t *serve_begin(PyObject *args, int *fd, int *duration_ms, int *gso) {
+    int gro = 1;
+    *gso = 1;
+    if (!PyArg_ParseTuple(args, "ii|pp", fd, duration_ms, &gro, gso)) return NULL;
+    uint8_t *rx = PyMem_RawMalloc(BATCH * SERVE_CAP);
+    if (!rx) { PyErr_NoMemory(); return NULL; }
+    int on = gro ? 1 : 0;
+    setsockopt(*fd, SOL_UDP, UDP_GRO, &on, sizeof on);
+    return rx;
+}
+
 /* serve(fd, duration_ms, gro=True, gso=True) -> datagrams handled: this engine alone on the
  * socket (a PS of several jobs serves through a Mux). */
 static PyObject *Engine_serve(Engine *e, PyObject *args) {
-    int fd, duration_ms, gro = 1, gso = 1;
-    if (!PyArg_ParseTuple(args, "ii|pp", &fd, &duration_ms, &gro, &gso)) return NULL;
-    const size_t cap = 65536;
-    uint8_t *rx = PyMem_RawMalloc(BATCH * cap);
-    if (!rx) return PyErr_NoMemory();
-    int on = gro ? 1 : 0;
-    setsockopt(fd, SOL_UDP, UDP_GRO, &on, sizeof on);    /* a kernel without UDP GRO: plain datagrams */
+    int fd, duration_ms, gso;
+    uint8_t *rx = serve_begin(args, &fd, &duration_ms, &gso);
+    if (!rx) return NULL;
     pthread_mutex_lock(&e->lock);
     if (!gso) e->gso = 0;
     pthread_mutex_unlock(&e->lock);
@@ -910,21 +934,27 @@ static PyObject *Engine_serve(Engine *e, PyObject *args) {
     int err = 0;
     rx_t h = {engine_segment, engine_flush, NULL, e, e->io, &e->lock};
     Py_BEGIN_ALLOW_THREADS
-    handled = rx_loop(fd, duration_ms, rx, cap, &h, &err);
+    handled = rx_loop(fd, duration_ms, rx, SERVE_CAP, &h, &err);
     Py_END_ALLOW_THREADS
     PyMem_RawFree(rx);
     if (err) { errno = err; return PyErr_SetFromErrno(PyExc_OSError); }
     return PyLong_FromLong(handled);
 }
 
-static PyObject *Engine_io_stats(Engine *e, PyObject *noargs) {
+/* {name: count} of the socket batching counters io[first..last] (the caller holds their lock) */
+static PyObject *io_dict(const uint64_t *io, int first, int last) {
     PyObject *d = PyDict_New();
-    pthread_mutex_lock(&e->lock);
-    for (int i = 0; d && i < N_IO; i++) {
-        PyObject *v = PyLong_FromUnsignedLongLong(e->io[i]);
+    for (int i = first; d && i <= last; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(io[i]);
         PyDict_SetItemString(d, io_names[i], v);
         Py_XDECREF(v);
     }
+    return d;
+}
+
+static PyObject *Engine_io_stats(Engine *e, PyObject *noargs) {
+    pthread_mutex_lock(&e->lock);
+    PyObject *d = io_dict(e->io, 0, N_IO - 1);
     PyObject *g = PyBool_FromLong(e->gso);
     if (d) PyDict_SetItemString(d, "gso", g);
     Py_DECREF(g);
@@ -932,8 +962,15 @@ static PyObject *Engine_io_stats(Engine *e, PyObject *noargs) {
     return d;
 }
 
-/* {name: count} of n counters, and their drops under "drops": the stats() of Engine and Mux */
-static PyObject *stats_dict(const char **names, const uint64_t *counts, int n, const uint64_t *drop_counts) {
+/* {name: count} of n counters (n <= N_COUNTERS), and the drops by reason under "drops", both
+ * copied under `lock` (the dict is built after it is released): the stats() of Engine and Mux */
+static PyObject *stats_dict(pthread_mutex_t *lock, const char **names, const uint64_t *counters, int n,
+                            const uint64_t *drop_counters) {
+    uint64_t counts[N_COUNTERS], drop_counts[N_DROPS];
+    pthread_mutex_lock(lock);
+    memcpy(counts, counters, (size_t)n * sizeof *counts);
+    memcpy(drop_counts, drop_counters, sizeof drop_counts);
+    pthread_mutex_unlock(lock);
     PyObject *d = PyDict_New(), *drops = PyDict_New();
     if (!d || !drops) { Py_XDECREF(d); Py_XDECREF(drops); return NULL; }
     for (int i = 0; i < n + N_DROPS; i++) {
@@ -947,12 +984,7 @@ static PyObject *stats_dict(const char **names, const uint64_t *counts, int n, c
 }
 
 static PyObject *Engine_stats(Engine *e, PyObject *noargs) {
-    uint64_t c[N_COUNTERS], dr[N_DROPS];
-    pthread_mutex_lock(&e->lock);
-    memcpy(c, e->counters, sizeof c);
-    memcpy(dr, e->drops, sizeof dr);
-    pthread_mutex_unlock(&e->lock);
-    return stats_dict(counter_names, c, N_COUNTERS, dr);
+    return stats_dict(&e->lock, counter_names, e->counters, N_COUNTERS, e->drops);
 }
 
 /* region() -> (base, size): the engine's slots in its SlotSpace (base 0: its own array) */
@@ -960,29 +992,44 @@ static PyObject *Engine_region(Engine *e, PyObject *noargs) {
     return Py_BuildValue("(ii)", e->base, e->slots + e->norm_slots);
 }
 
-static PyMethodDef Engine_methods[] = {
-    {"region", (PyCFunction)Engine_region, METH_NOARGS, "(base, size) of the engine's slots"},
-    {"close", (PyCFunction)Engine_close, METH_NOARGS, "close(): free the engine's slots (the job ended)"},
-    {"register", (PyCFunction)Engine_register, METH_VARARGS, "register(worker_id, ip, port, token=0): bind a worker to its source address and token"},
-    {"unregister", (PyCFunction)Engine_unregister, METH_VARARGS, "unregister(worker_id): forget a worker (left or lease expired)"},
-    {"process", (PyCFunction)Engine_process, METH_VARARGS, "process(datagram, (ip, port)) -> [(bytes, (ip, port))]"},
-    {"process_segments", (PyCFunction)Engine_process_segments, METH_VARARGS, "process_segments(buffer, seg_size, (ip, port)) -> [(bytes, (ip, port))]: a UDP GRO batch, each segment one datagram"},
-    {"serve", (PyCFunction)Engine_serve, METH_VARARGS, "serve(fd, duration_ms, gro=True, gso=True) -> datagrams handled (GIL released)"},
-    {"io_stats", (PyCFunction)Engine_io_stats, METH_NOARGS, "socket batching counters (GRO/GSO)"},
-    {"stats", (PyCFunction)Engine_stats, METH_NOARGS, "counters and drops by reason"},
-    {NULL, NULL, 0, NULL}};
+/* The Python type of the _fastpath object NAME: its struct NAME, NAME_init, NAME_dealloc and
+ * NAME_methods; further slots (tp_members) follow DOC. */
+#define FASTPATH_TYPE(NAME, DOC, ...)                  \
+    static PyTypeObject NAME##Type = {                 \
+        PyVarObject_HEAD_INIT(NULL, 0)                 \
+        .tp_name = "ps_server._fastpath." #NAME,       \
+        .tp_basicsize = sizeof(NAME),                  \
+        .tp_flags = Py_TPFLAGS_DEFAULT,                \
+        .tp_new = PyType_GenericNew,                   \
+        .tp_init = (initproc)NAME##_init,              \
+        .tp_dealloc = (destructor)NAME##_dealloc,      \
+        .tp_methods = NAME##_methods,                  \
+        .tp_doc = DOC,                                 \
+        __VA_ARGS__                                    \
+    }
 
-static PyTypeObject EngineType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "ps_server._fastpath.Engine",
-    .tp_basicsize = sizeof(Engine),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Engine_init,
-    .tp_dealloc = (destructor)Engine_dealloc,
-    .tp_methods = Engine_methods,
-    .tp_doc = "C aggregation engine mirroring ps_server.reference.ReferencePS",
-};
+/* A method table entry: T_name as T.name */
+#define METHOD(T, name, flags, doc) {#name, (PyCFunction)T##_##name, flags, doc}
+
+/* The methods of a datagram handler, which an Engine and a Mux both are (process, serve,
+ * stats, io_stats), closing the method table of T. */
+#define HANDLER_METHODS(T, serve_doc, stats_doc, io_doc)                                              \
+    METHOD(T, process, METH_VARARGS, "process(datagram, (ip, port)) -> [(bytes, (ip, port))]"),      \
+    METHOD(T, serve, METH_VARARGS, "serve(fd, duration_ms, gro=True, gso=True) -> " serve_doc),      \
+    METHOD(T, stats, METH_NOARGS, stats_doc),                                                        \
+    METHOD(T, io_stats, METH_NOARGS, io_doc),                                                        \
+    {NULL, NULL, 0, NULL}
+
+static PyMethodDef Engine_methods[] = {
+    METHOD(Engine, region, METH_NOARGS, "(base, size) of the engine's slots"),
+    METHOD(Engine, close, METH_NOARGS, "close(): free the engine's slots (the job ended)"),
+    METHOD(Engine, register, METH_VARARGS, "register(worker_id, ip, port, token=0): bind a worker to its source address and token"),
+    METHOD(Engine, unregister, METH_VARARGS, "unregister(worker_id): forget a worker (left or lease expired)"),
+    METHOD(Engine, process_segments, METH_VARARGS, "process_segments(buffer, seg_size, (ip, port)) -> [(bytes, (ip, port))]: a UDP GRO batch, each segment one datagram"),
+    HANDLER_METHODS(Engine, "datagrams handled (GIL released)", "counters and drops by reason",
+                    "socket batching counters (GRO/GSO)")};
+
+FASTPATH_TYPE(Engine, "C aggregation engine mirroring ps_server.reference.ReferencePS");
 
 /* ------------------------------------------------------------------ SlotSpace */
 
@@ -1040,18 +1087,8 @@ static PyMemberDef SlotSpace_members[] = {
     {"size", T_INT, offsetof(SlotSpace, size), READONLY, "slots in the space"},
     {NULL, 0, 0, 0, NULL}};
 
-static PyTypeObject SlotSpaceType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "ps_server._fastpath.SlotSpace",
-    .tp_basicsize = sizeof(SlotSpace),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)SlotSpace_init,
-    .tp_dealloc = (destructor)SlotSpace_dealloc,
-    .tp_methods = SlotSpace_methods,
-    .tp_members = SlotSpace_members,
-    .tp_doc = "SlotSpace(size): the PS's slots, shared by the jobs' engines in disjoint regions",
-};
+FASTPATH_TYPE(SlotSpace, "SlotSpace(size): the PS's slots, shared by the jobs' engines in disjoint regions",
+              .tp_members = SlotSpace_members);
 
 /* ------------------------------------------------------------------ Mux */
 
@@ -1212,13 +1249,9 @@ static PyObject *mux_take_pending(Mux *m) {
 /* serve(fd, duration_ms, gro=True, gso=True) -> (datagrams handled, [(job_id, bytes, (ip, port))]):
  * the datagrams of Python-served jobs are returned (serve returns as soon as there are some) */
 static PyObject *Mux_serve(Mux *m, PyObject *args) {
-    int fd, duration_ms, gro = 1, gso = 1;
-    if (!PyArg_ParseTuple(args, "ii|pp", &fd, &duration_ms, &gro, &gso)) return NULL;
-    const size_t cap = 65536;
-    uint8_t *rx = PyMem_RawMalloc(BATCH * cap);
-    if (!rx) return PyErr_NoMemory();
-    int on = gro ? 1 : 0;
-    setsockopt(fd, SOL_UDP, UDP_GRO, &on, sizeof on);
+    int fd, duration_ms, gso;
+    uint8_t *rx = serve_begin(args, &fd, &duration_ms, &gso);
+    if (!rx) return NULL;
     long handled = 0;
     int err = 0;
     rx_t h = {mux_segment, mux_flush, mux_stop, m, m->io, &m->io_lock};
@@ -1233,7 +1266,7 @@ static PyObject *Mux_serve(Mux *m, PyObject *args) {
         double left = deadline - now_ms();
         if (left <= 0) break;
         pthread_mutex_lock(&m->lock);
-        handled += rx_loop(fd, left < 10 ? (int)left + 1 : 10, rx, cap, &h, &err);
+        handled += rx_loop(fd, left < 10 ? (int)left + 1 : 10, rx, SERVE_CAP, &h, &err);
         pthread_mutex_unlock(&m->lock);
     }
     Py_END_ALLOW_THREADS
@@ -1247,14 +1280,10 @@ static PyObject *Mux_serve(Mux *m, PyObject *args) {
 /* process(datagram, (ip, port)) -> [(bytes, (ip, port))]: one datagram as serve() handles it
  * (a Python engine's process() is called) */
 static PyObject *Mux_process(Mux *m, PyObject *args) {
-    Py_buffer buf;
-    const char *ip;
-    int port;
-    uint32_t a;
-    if (!PyArg_ParseTuple(args, "y*(si)", &buf, &ip, &port)) return NULL;
-    if (parse_addr(ip, &a) < 0) { PyBuffer_Release(&buf); return NULL; }
-    const uint8_t *b = buf.buf;
-    uint32_t len = (uint32_t)buf.len;
+    datagram_args d;
+    if (process_args(args, &d) < 0) return NULL;
+    const uint8_t *b = d.buf.buf;
+    uint32_t len = (uint32_t)d.buf.len;
     PyObject *out = NULL, *py = NULL;
     Engine *e = NULL;
     pthread_mutex_lock(&m->lock);
@@ -1269,38 +1298,28 @@ static PyObject *Mux_process(Mux *m, PyObject *args) {
     pthread_mutex_unlock(&m->lock);
     if (e) {
         pthread_mutex_lock(&e->lock);
-        handle(e, b, len, a, (uint16_t)port, 1);
+        handle(e, b, len, d.addr, (uint16_t)d.port, 1);
         out = drain_to_list(e);
         pthread_mutex_unlock(&e->lock);
     } else if (py) {
-        out = PyObject_CallMethod(py, "process", "y#(si)", (const char *)b, (Py_ssize_t)len, ip, port);
+        out = PyObject_CallMethod(py, "process", "y#(si)", (const char *)b, (Py_ssize_t)len, d.ip, d.port);
         Py_DECREF(py);
     } else {
         out = PyList_New(0);
     }
-    PyBuffer_Release(&buf);
+    PyBuffer_Release(&d.buf);
     return out;
 }
 
 /* stats() -> the counters of datagrams no job received: packets_in, bytes_in, drops */
 static PyObject *Mux_stats(Mux *m, PyObject *noargs) {
     static const char *names[N_MUX] = {"packets_in", "bytes_in"};
-    uint64_t c[N_MUX], dr[N_DROPS];
-    pthread_mutex_lock(&m->io_lock);
-    memcpy(c, m->counters, sizeof c);
-    memcpy(dr, m->drops, sizeof dr);
-    pthread_mutex_unlock(&m->io_lock);
-    return stats_dict(names, c, N_MUX, dr);
+    return stats_dict(&m->io_lock, names, m->counters, N_MUX, m->drops);
 }
 
 static PyObject *Mux_io_stats(Mux *m, PyObject *noargs) {
-    PyObject *d = PyDict_New();
     pthread_mutex_lock(&m->io_lock);
-    for (int i = IO_RX_MSGS; d && i <= IO_RX_SEGMENTS; i++) {
-        PyObject *v = PyLong_FromUnsignedLongLong(m->io[i]);
-        PyDict_SetItemString(d, io_names[i], v);
-        Py_XDECREF(v);
-    }
+    PyObject *d = io_dict(m->io, IO_RX_MSGS, IO_RX_SEGMENTS);
     pthread_mutex_unlock(&m->io_lock);
     return d;
 }
@@ -1314,26 +1333,13 @@ static PyObject *Mux_jobs(Mux *m, PyObject *noargs) {
 }
 
 static PyMethodDef Mux_methods[] = {
-    {"add", (PyCFunction)Mux_add, METH_VARARGS, "add(job_id, engine): serve a job"},
-    {"remove", (PyCFunction)Mux_remove, METH_VARARGS, "remove(job_id): stop serving a job"},
-    {"jobs", (PyCFunction)Mux_jobs, METH_NOARGS, "the job ids served"},
-    {"serve", (PyCFunction)Mux_serve, METH_VARARGS, "serve(fd, duration_ms, gro=True, gso=True) -> (handled, [(job_id, bytes, (ip, port))] for Python engines)"},
-    {"process", (PyCFunction)Mux_process, METH_VARARGS, "process(datagram, (ip, port)) -> [(bytes, (ip, port))]"},
-    {"stats", (PyCFunction)Mux_stats, METH_NOARGS, "counters of datagrams no job received"},
-    {"io_stats", (PyCFunction)Mux_io_stats, METH_NOARGS, "receive batching counters"},
-    {NULL, NULL, 0, NULL}};
+    METHOD(Mux, add, METH_VARARGS, "add(job_id, engine): serve a job"),
+    METHOD(Mux, remove, METH_VARARGS, "remove(job_id): stop serving a job"),
+    METHOD(Mux, jobs, METH_NOARGS, "the job ids served"),
+    HANDLER_METHODS(Mux, "(handled, [(job_id, bytes, (ip, port))] for Python engines)",
+                    "counters of datagrams no job received", "receive batching counters")};
 
-static PyTypeObject MuxType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "ps_server._fastpath.Mux",
-    .tp_basicsize = sizeof(Mux),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Mux_init,
-    .tp_dealloc = (destructor)Mux_dealloc,
-    .tp_methods = Mux_methods,
-    .tp_doc = "Mux(): the jobs of one PS socket, each datagram to its job's engine",
-};
+FASTPATH_TYPE(Mux, "Mux(): the jobs of one PS socket, each datagram to its job's engine");
 
 /* lookup_accumulate(acc, packed, table, bits, force_scalar=False, set=False): acc[i] += table[z_i]
  * (with set: acc[i] = table[z_i], a round's first contribution) for the indices packed in

@@ -82,8 +82,7 @@ def run_script(engine: str, offload: bool, monkeypatch, policy="retransmit"):
                   phase_engine=engine, timeout_ms=300, max_timeout_ms=600, policy=policy)
     fake = ScriptedPS(t.sessions[0]["nonce"], gso=offload)
     fake.start()
-    t.shard_addrs = [fake.sock.getsockname()]
-    t._by_addr = {fake.sock.getsockname(): 0}
+    t.shard_addrs = [fake.sock.getsockname()]          # results from the fake are this shard's
     try:
         chunks = [(16 * c, 16, bytes(8)) for c in range(30)]
         first = list(t.run_phase(H.DATA, chunks))
@@ -108,7 +107,7 @@ def as_plain(results):
 @pytest.mark.parametrize("offload,spin", [(True, 0), (False, 0), (True, 300)],
                          ids=["gso-gro", "no-offload", "gso-gro-busy-poll"])
 def test_c_phase_matches_python_phase(offload, spin, monkeypatch):
-    monkeypatch.setattr("worker.transport.SPIN_US", spin)     # THC_BUSY_POLL_US: the same results
+    monkeypatch.setattr("worker.phases.SPIN_US", spin)     # THC_BUSY_POLL_US: the same results
     c1, c2, c_counts, c_io = run_script("c", offload, monkeypatch)
     p1, p2, p_counts, _ = run_script("python", offload, monkeypatch)
     assert as_plain(c1) == as_plain(p1) and as_plain(c2) == as_plain(p2)
@@ -266,12 +265,15 @@ def test_window_doubles_when_clean_and_halves_on_timeouts(engine):
 
 
 def _placer(shards: int, slots: int = 8):
-    """A Transport's chunk placement alone (no sockets)."""
-    t = Transport.__new__(Transport)
-    t.job = JobConfig(num_workers=2, slots=slots)
-    t.shard_addrs = [("127.0.0.1", 9000 + 2 * s) for s in range(shards)]
-    t.slot_round = np.zeros((shards, slots + t.job.norm_slots), dtype=np.int64)
-    return t
+    """The phase engine's chunk placement alone: no sockets, a session that is only what a
+    phase needs of one (worker.phases.PhaseSession)."""
+    from types import SimpleNamespace
+
+    from worker.datagrams import TransportStats
+    from worker.phases import PhaseEngine
+    session = SimpleNamespace(worker_id=0, job=JobConfig(num_workers=2, slots=slots),
+                              shard_addrs=[("127.0.0.1", 9000 + 2 * s) for s in range(shards)])
+    return PhaseEngine(session, SimpleNamespace(stats=TransportStats()))
 
 
 @pytest.mark.parametrize("shards, nchunks", [(1, 200), (2, 300), (3, 10), (2, 1)])

@@ -249,7 +249,7 @@ def test_a_worker_written_from_the_doc_joins_a_real_job():
         th.join(30)
         server.stop()
     # what the real worker sent, recomputed with the project's own encoder
-    cfg = job.thc_config()
+    cfg = thc.ThcConfig.of_job(job)
     rnd = thc.WorkerRound(cfg, x_real)
     assert np.isclose(real_out["norms"][0], 1e6)
     z_real = rnd.encode(np.array([1e6]), round_rng(3, 0, 0), 0)

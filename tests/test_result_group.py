@@ -160,7 +160,7 @@ def test_a_worker_deaf_to_the_group_still_gets_every_result_in_the_c_phase():
         deaf.setblocking(False)
         ts[1].gsock.close()
         ts[1].gsock = deaf
-        assert all(t._c_phase() for t in ts)
+        assert all(t.phases._c_phase() for t in ts)
         grads = [np.random.default_rng(r).standard_normal(6000).astype(np.float32) for r in range(2)]
         workers = [Worker(t, error_feedback=False, seed=0) for t in ts]
         out: dict = {}
@@ -211,7 +211,7 @@ def test_a_ps_driving_a_switch_refuses_a_group():
 
 
 def test_the_worker_names_the_group_it_cannot_join(monkeypatch):
-    import worker.transport as T
+    import worker.datagrams as T
 
     def refuse(*_a, **_k):
         raise OSError(19, "No such device")

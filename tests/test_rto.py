@@ -1,4 +1,4 @@
-"""The worker's adaptive retransmission timer (worker/transport.py, RetransmitTimer): its
+"""The worker's adaptive retransmission timer (worker/rto.py, RetransmitTimer): its
 arithmetic, its robustness to answers that waited for a loss recovery, that both phase
 engines feed it, and that on a rate-limited path it stops the spurious resends of the
 fixed timer."""

@@ -103,7 +103,7 @@ def test_a_worker_may_register_again_with_its_own_session():
     try:
         (t,) = transports(server, 1, heartbeat=False)
         first = t.sessions[0]
-        t._register(0)
+        t.session.register(0)
         assert t.sessions[0]["token"] != first["token"] and not t.sessions[0]["rejoin"]
         assert server.stats()["rejoins"] == 0
         sock = req_socket(server)                                     # the old session is void

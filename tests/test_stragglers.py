@@ -107,17 +107,17 @@ def test_a_worker_tells_a_lapse_from_a_ps_restart_from_an_ended_job():
     try:
         t = transport(server, 0, heartbeat=False)
         sess = t.sessions[0]
-        t._membership_error(0, sess, control.error("x", "unknown_session", incarnation=sess["incarnation"] ^ 1))
+        t.session._membership_error(0, sess, control.error("x", "unknown_session", incarnation=sess["incarnation"] ^ 1))
         with pytest.raises(_PSRestarted):
-            t._check_membership()
-        t._restarted.clear()
-        t._membership_error(0, sess, control.error("x", "lease_expired"))
+            t.session.check_membership()
+        t.session._restarted.clear()
+        t.session._membership_error(0, sess, control.error("x", "lease_expired"))
         with pytest.raises(LeaseLost):
-            t._check_membership()
-        t._lease_lost.clear()
-        t._membership_error(0, sess, control.error("gone", "unknown_session", incarnation=sess["incarnation"]))
+            t.session.check_membership()
+        t.session._lease_lost.clear()
+        t.session._membership_error(0, sess, control.error("gone", "unknown_session", incarnation=sess["incarnation"]))
         with pytest.raises(JobEnded, match="job 1 ended while rank 0 was away"):
-            t._check_membership()
+            t.session.check_membership()
         t.close()
     finally:
         server.stop()

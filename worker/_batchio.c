@@ -171,7 +171,7 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
  *           payload, hdr, state, deadline, tmo, sent, done, inflight, tries, pend, res_hdr, lanes, roff, res_len,
  *           slot_round, counters, extras) -> (status, chunk)
  *
- * The loop of Transport._run_phase_python (worker/transport.py) with the GIL released:
+ * The loop of PhaseEngine._run_phase_python (worker/phases.py) with the GIL released:
  * fill the window (each new chunk's header written into hdr[c] and sent with the payload
  * slice as a second iovec, runs to one shard as UDP GSO messages), receive every queued
  * result (GRO batches split into datagrams), match results to pending chunks, expire
@@ -180,19 +180,19 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
  * after `budget_ms` (status 1) for the caller to look at a restarted PS, heartbeats and
  * the stall warning, and is called again; status 0 = every chunk has a result or is lost,
  * 2 = chunk `chunk` used up max_retries (the caller raises the error naming the cause).
- * Results that are not for a pending chunk and that Transport._keep would keep (a later
+ * Results that are not for a pending chunk and that PhaseEngine._keep would keep (a later
  * round of a slot, a BLOB fragment) are appended to `extras` as (shard, bytes).
  *
  * P (int64): type, want_type, job_id, worker_id, num_workers, elem_bits, op, nchunks,
  *            window, nslots, nshards, zero_policy, max_retries, gso, next_c, npending, finished,
  *            spin_us, and the result group's socket (-1: none; results are read from both)
- * T (float64): RetransmitTimer.T (worker/transport.py): floor, cap, adaptive, then each
+ * T (float64): RetransmitTimer.T (worker/rto.py): floor, cap, adaptive, then each
  *              shard's scale (seconds per chunk in flight)
  * sent, done (float64), inflight (int32): each chunk's first send and answer times and the
  *              chunks in flight when it was sent, itself included (RetransmitTimer's samples)
  * dests (int64, nshards x 4): IPv4 address (network order), port, nonce, token
  * state (int8): 0 not sent, 1 pending, 2 result, 3 lost, 4 settled by the caller (stash)
- * counters (int64): see PHASE_COUNTERS in worker/transport.py
+ * counters (int64): see PHASE_COUNTERS in worker/phases.py
  */
 enum { P_TYPE, P_WANT, P_JOB, P_WORKER, P_NW, P_EBITS, P_OP, P_N, P_WINDOW, P_NSLOTS, P_NSHARDS,
        P_ZERO, P_MAXRETRIES, P_GSO, P_NEXT, P_NPENDING, P_FINISHED, P_SPIN_US, P_GFD, P_COUNT };
@@ -331,7 +331,7 @@ static void send_chunks(phase_t *ph, const int *cs, int n) {
     }
 }
 
-/* RetransmitTimer.first_timeout (worker/transport.py): a chunk sent to shard s with k chunks
+/* RetransmitTimer.first_timeout (worker/rto.py): a chunk sent to shard s with k chunks
  * in flight waits clamp(scale_s * k, floor, cap), or the floor (fixed rule). */
 static inline double rto_first(const double *T, int s, int64_t k) {
     if (T[2] == 0) return T[0];
@@ -347,7 +347,8 @@ static void settle(phase_t *ph, int c, int state) {
     if (state == S_LOST) ph->counters[K_LOST]++;
 }
 
-/* One received datagram from (ip, port) (Transport._accept + the match of the phase loop).
+/* One received datagram from (ip, port) (Datagrams._parse and PhaseEngine._recv, then the
+ * match of the phase loop).
  * Returns -1 when it must be kept for later (extras, needs the GIL), else 0. */
 static int accept_one(phase_t *ph, const uint8_t *b, uint32_t len, uint32_t ip, uint16_t port, int *shard_out) {
     int64_t *P = ph->P;
@@ -376,7 +377,7 @@ static int accept_one(phase_t *ph, const uint8_t *b, uint32_t len, uint32_t ip, 
         return 0;
     }
     if (type == T_RESULT || type == T_NORM_RESULT) {
-        /* Transport._keep: BLOB fragments and later rounds of a slot are kept, the rest ignored */
+        /* PhaseEngine._keep: BLOB fragments and later rounds of a slot are kept, the rest ignored */
         if (op != OP_BLOB && (slot >= P[P_NSLOTS] || (int64_t)round <= ph->slot_round[shard * P[P_NSLOTS] + slot]))
             return 0;
         *shard_out = shard;

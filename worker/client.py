@@ -112,7 +112,7 @@ class Worker:
         self.job = transport.job
         self.cfg = None
         if self.job.codec == "thc":
-            self.cfg = self.job.thc_config()
+            self.cfg = thc.ThcConfig.of_job(self.job)
         self.error_feedback = error_feedback
         self.errors = ErrorFeedback()
         self.codec = None

@@ -1,4 +1,4 @@
-"""The worker's loss policies (worker/transport.py describes them); the first is the default.
+"""The worker's loss policies (worker/rto.py describes them); the first is the default.
 
 Standard library only: p4/harness/mininet_thc.py imports it under Debian's python3.
 """

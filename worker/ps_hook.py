@@ -17,7 +17,7 @@ GIL, so backward's operators and the round run side by side.
 Rounds of one rank run one bucket at a time, in the order DDP hands the buckets over.
 DDP launches buckets in index order on every rank (its reducer marks bucket i ready only
 after buckets 0 … i−1), so every rank issues the same sequence of phases, which is what the
-transport's slot rounds assume (worker/transport.py: a slot's round advances identically in
+transport's slot rounds assume (worker/phases.py: a slot's round advances identically in
 every worker): two buckets never share a slot's round, and a later bucket's chunks wait in
 the window until the earlier bucket's are answered.
 

@@ -134,10 +134,9 @@ def rejoin_step(sync: GradientSync, step: int) -> None:
     cannot have gone past that step without it, so it registers again, fast-forwards its
     slot rounds to the step and the caller runs the step's allreduce again (its gradients
     are untouched until every tensor is back)."""
-    from deploy.launch import others_step
     w = sync.worker
     w.rejoin()
-    others = others_step(w.t)
+    others = w.t.others_step()
     if others != step:
         raise RuntimeError(f"rank {w.t.worker_id} lost its lease at step {step}, and the others are "
                            f"at step {others}: a quorum-1 job cannot have moved on without it")

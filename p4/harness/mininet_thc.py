@@ -1,7 +1,7 @@
 """Mininet end-to-end: one bmv2 switch aggregates, N hosts run real `thc worker`s.
 
 Runs under Debian's python3 (Mininet 2.3.0 lives there), inside a network namespace and a
-PID namespace that the caller (p4/mininet_run.py, `thc p4 mininet`) created, so nothing
+PID namespace that the caller (deploy/mininet_run.py, `thc p4 mininet`) created, so nothing
 outlives it.  From the project it imports only worker/policies.py (standard library):
 the tool paths, the switch's table entries (a commands file) and the loss rules (an
 nftables ruleset) come from the venv side, and the workers are started with the venv's python.

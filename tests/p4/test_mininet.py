@@ -1,4 +1,4 @@
-"""Mininet through `thc p4 mininet`'s code path (p4/mininet_run.py): one bmv2 switch, N hosts
+"""Mininet through `thc p4 mininet`'s code path (deploy/mininet_run.py): one bmv2 switch, N hosts
 each running a real `thc worker`, every chunk exact against the in-process reference; the
 switch's counters agree with what the workers did.  Also with real kernel loss on the host
 links (nftables) and a delayed worker, with and without partial aggregation, and two jobs
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from p4 import mininet_run, tools
+from deploy import mininet_run
+from p4 import tools
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,8 @@ import subprocess
 
 import pytest
 
-from p4 import mininet_run, tools
+from deploy import mininet_run
+from p4 import tools
 from p4.control import EVENTS, parse_events, switch_job
 
 

@@ -1,6 +1,7 @@
 """`thc p4 mininet`: real `thc worker`s through one bmv2 switch in Mininet, checked exactly.
 
-The venv side of p4/harness/mininet_thc.py.  It finds the tools (p4/tools.py), builds the
+The venv side of p4/harness/mininet_thc.py (the switch's program and control plane are p4/'s;
+this runner, like the other launchers, is deploy/'s).  It finds the tools (p4/tools.py), builds the
 program if needed, writes the switch's commands and the loss ruleset, and runs the harness
 in Debian's python3 inside a network namespace *and* a PID namespace it creates:
 

@@ -1,6 +1,6 @@
 """Loss and stragglers through the bmv2 switch beside the software PS, same configurations.
 
-    PATH=/opt/p4tools/bin:$PATH .venv/bin/python -m p4.experiment    (root)
+    PATH=/opt/p4tools/bin:$PATH .venv/bin/python -m deploy.switch_experiment    (root)
 
 Each configuration runs twice:
   switch    `thc p4 mininet`: one bmv2 switch in Mininet, N hosts with real `thc worker`s,
@@ -21,7 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from p4 import mininet_run
+from deploy import mininet_run, netns
+from deploy.procs import stop_gracefully
 from p4.control import engine_stats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,8 +41,6 @@ CONFIGS = (
 
 def software(workers, rounds, dim, loss, delay, rank, quorum, policy) -> dict:
     """`thc ps` and `thc launch --ps` in two namespaces, nftables loss on the workers' side."""
-    from deploy import netns
-    from deploy.procs import stop_gracefully
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     py = [sys.executable, "-m", "deploy.cli"]
     with netns.two_hosts(loss=loss) as net:
@@ -104,7 +103,7 @@ def main(argv=None) -> int:
         "# Loss and stragglers through the bmv2 switch, beside the software PS",
         "",
         f"Command (root, p4lang's tools found by `thc p4 doctor`): "
-        f"`PATH=/opt/p4tools/bin:$PATH .venv/bin/python -m p4.experiment --workers {args.workers} "
+        f"`PATH=/opt/p4tools/bin:$PATH .venv/bin/python -m deploy.switch_experiment --workers {args.workers} "
         f"--rounds {args.rounds} --dim {args.dim}`",
         "",
         f"{args.workers} workers, {args.rounds} rounds of d={args.dim} (THC b=4, g=30, p=1/32). "

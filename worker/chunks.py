@@ -1,0 +1,120 @@
+"""A phase's chunks and results as flat buffers, so the C phase (_batchio.phase_run) sends
+from and receives into numpy arrays without a Python object per packet.
+"""
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from proto import headers as H
+
+_SETTLED = 4                 # phase_run chunk state: settled by Python (a stashed result)
+_RESULT = 2
+
+
+class PackedChunks(Sequence):
+    """A phase's chunks as one buffer: chunk c is (offset, count, payload) with `per` elements
+    of `bits` bits each (the last may be shorter), cut without copying.  The C phase sends
+    straight from the buffer; the Python phase reads chunks as (offset, count, bytes)."""
+
+    def __init__(self, payload, total: int, bits: int, per: int):
+        self.buffer = np.frombuffer(payload, dtype=np.uint8) if not isinstance(payload, np.ndarray) \
+            else payload.view(np.uint8).ravel()
+        n = -(-total // per) if total else 0
+        self.offsets = np.arange(n, dtype=np.int64) * per
+        self.counts = np.minimum(per, total - self.offsets)
+        ends = self.offsets * bits // 8 + (self.counts * bits + 7) // 8
+        self.poff = np.concatenate([[0], ends]).astype(np.int64)
+        self.poff[:-1] = self.offsets * bits // 8
+        self.offsets32, self.counts32 = self.offsets.astype(np.uint32), self.counts.astype(np.int32)
+        self.total, self.bits = total, bits
+
+    @classmethod
+    def from_list(cls, chunks: list) -> PackedChunks:
+        """Arbitrary [(offset, count, payload)] (a NORM phase) in the same form."""
+        self = cls.__new__(cls)
+        self.buffer = np.frombuffer(b"".join(bytes(p) for _, _, p in chunks) or b"\0", dtype=np.uint8)
+        self.offsets = np.array([o for o, _, _ in chunks], dtype=np.int64)
+        self.counts = np.array([k for _, k, _ in chunks], dtype=np.int64)
+        self.poff = np.concatenate([[0], np.cumsum([len(p) for _, _, p in chunks])]).astype(np.int64)
+        self.offsets32, self.counts32 = self.offsets.astype(np.uint32), self.counts.astype(np.int32)
+        self.total, self.bits = int(self.counts.sum()), 0
+        return self
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, c):
+        if isinstance(c, slice):
+            return [self[i] for i in range(*c.indices(len(self)))]
+        return (int(self.offsets[c]), int(self.counts[c]),
+                self.buffer[self.poff[c]:self.poff[c + 1]].tobytes())
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes the phase puts on the wire once (headers included)."""
+        return int(self.poff[-1]) + H.HEADER_SIZE * len(self)
+
+
+class PhaseResults(Sequence):
+    """A C phase's results: chunk c's result is (Header, payload) or None when lost, and the
+    payloads lie back to back in `lanes` (chunk c at roff[c]) for whole-vector use."""
+
+    def __init__(self, chunks: PackedChunks, down_bits: int):
+        n = len(chunks)
+        self.state = np.zeros(n, np.int8)
+        self.headers = np.zeros(n * H.HEADER_SIZE, np.uint8)
+        self.roff = np.concatenate([[0], np.cumsum((chunks.counts * down_bits + 7) // 8)]).astype(np.int64)
+        self.lanes = np.empty(int(self.roff[-1]), np.uint8)
+        self.lengths = np.zeros(n, np.int32)
+
+    def settle(self, c: int, h: H.Header, payload: bytes) -> None:
+        """Chunk c's result found before sending (a stashed read-ahead result)."""
+        room = int(self.roff[c + 1] - self.roff[c])
+        h = H.Header(**H.header_dict(h))
+        self.headers[c * H.HEADER_SIZE:(c + 1) * H.HEADER_SIZE] = np.frombuffer(h.pack(), np.uint8)
+        self.lanes[self.roff[c]:self.roff[c] + min(room, len(payload))] = \
+            np.frombuffer(payload, np.uint8)[:room]
+        self.lengths[c] = len(payload)
+        self.state[c] = _SETTLED
+
+    def ok(self) -> np.ndarray:
+        return (self.state == _RESULT) | (self.state == _SETTLED)
+
+    def _field(self, off: int, size: int) -> np.ndarray:
+        rows = self.headers.reshape(-1, H.HEADER_SIZE)[:, off:off + size]
+        return rows[:, 0] if size == 1 else rows.copy().view(f">u{size}").ravel()
+
+    @property
+    def contributors(self) -> np.ndarray:
+        return np.where(self.ok(), self._field(28, 1), 0)
+
+    @property
+    def bitmaps(self) -> np.ndarray:
+        return np.where(self.ok(), self._field(24, 4), 0)
+
+    def payload(self, c: int) -> np.ndarray:
+        room = int(self.roff[c + 1] - self.roff[c])
+        return self.lanes[self.roff[c]:self.roff[c] + min(room, int(self.lengths[c]))]
+
+    def digests(self) -> list:
+        """crc32 of each chunk's result payload (0 for a lost chunk), for the exact checks."""
+        starts = self.roff[:-1]
+        ends = starts + np.minimum(np.diff(self.roff), self.lengths)
+        lanes = memoryview(self.lanes)
+        return [zlib.crc32(lanes[a:b]) if ok else 0
+                for a, b, ok in zip(starts.tolist(), ends.tolist(), self.ok().tolist())]
+
+    def __len__(self) -> int:
+        return len(self.state)
+
+    def __getitem__(self, c):
+        if isinstance(c, slice):
+            return [self[i] for i in range(*c.indices(len(self)))]
+        if not self.ok()[c]:
+            return None
+        h, _ = H.parse(self.headers[c * H.HEADER_SIZE:(c + 1) * H.HEADER_SIZE].tobytes()
+                       + bytes(int(self.lengths[c])))
+        return h, self.payload(c).tobytes()
