@@ -61,7 +61,7 @@ def result_group_arg(value: str) -> str:
 
 #: `thc experiment peers` choices (deploy/experiments.py, deploy/peers.py; kept here so that
 #: --help needs no torch import)
-PEER_LAYOUTS = ("ps-host", "ps-group", "colocated")
+PEER_LAYOUTS = ("ps-host", "ps-group", "colocated", "colocated-group")
 PEER_METHODS = ("ddp-fp32", "ddp-fp16", "powersgd-1", "powersgd-4", "thc-hook", "thc-ps", "thc-ps-hook")
 
 

@@ -375,6 +375,7 @@ LAYOUTS = {
                 "bridge delivers to every worker host",
     "colocated": "a PS shard on every worker host (BytePS's colocated servers), each worker's chunks "
                  "spread over all shards",
+    "colocated-group": "a shard on every worker host, each sending its results once to the multicast group",
 }
 #: The result group of the "ps-group" layout (administratively scoped, inside our namespaces).
 PEER_GROUP = "239.255.79.1:47079"
@@ -393,12 +394,12 @@ def _ps_cfg(base: TrainConfig, m: str, layout: str, net) -> tuple[TrainConfig, l
     host indices; none on loopback, where `run` starts its own PS).  No model sync: under the
     retransmit policy every rank decodes the same sums, so replicas stay identical without it
     (each run checks that), and DDP's runs have none either."""
-    cfg = replace(base.with_job(codec="thc", result_group=PEER_GROUP if layout == "ps-group" else ""),
+    cfg = replace(base.with_job(codec="thc", result_group=PEER_GROUP if layout.endswith("group") else ""),
                   grad_sync=PS_METHODS[m], sync_every=0)
     if net is None:
         return replace(cfg, job=replace(cfg.job, result_group="")), []
     n = base.job.num_workers
-    hosts = list(range(n)) if layout == "colocated" else [n]
+    hosts = list(range(n)) if layout.startswith("colocated") else [n]
     return replace(cfg, ps=",".join(f"{net.ips[h]}:{PS_PORT}" for h in hosts), rank_netns=tuple(net.hosts[:n]),
                    rendezvous=f"{net.ips[0]}:{GLOO_PORT}"), hosts
 
