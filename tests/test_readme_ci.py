@@ -6,17 +6,17 @@ from tests.readme_sample import compare, deterministic_lines, main
 
 ROOT = Path(__file__).resolve().parents[1]
 W = ", lost chunks 0, models identical: True"
-# what `make run` printed on 2026-11-26 (the README's sample), timings as printed that day
+# what `make run` printed on 2026-11-27 (the README's sample), timings as printed that day
 TODAY = "\n".join([
     ".venv/bin/thc train",
     "training cnn on Fashion-MNIST: PS + 4 workers on loopback, codec=thc (b=4, g=30, p=1/32), 3 epochs",
-    "[thc] epoch 1/3: train loss 0.8480, test acc 0.8374, round 9.7 ms, up 8.10 MB, down 15.77 MB per worker" + W,
-    "[thc] epoch 2/3: train loss 0.3871, test acc 0.8714, round 9.6 ms, up 8.10 MB, down 15.77 MB per worker" + W,
-    "[thc] epoch 3/3: train loss 0.3118, test acc 0.8789, round 10.8 ms, up 8.10 MB, down 15.77 MB per worker" + W,
-    "[none] epoch 3/3: train loss 0.3123, test acc 0.8729, round 9.3 ms, up 61.41 MB, down 61.41 MB per worker" + W,
+    "[thc] epoch 1/3: train loss 0.8515, test acc 0.8406, round 9.8 ms, up 8.10 MB, down 15.77 MB per worker" + W,
+    "[thc] epoch 2/3: train loss 0.3821, test acc 0.8704, round 10.6 ms, up 8.10 MB, down 15.77 MB per worker" + W,
+    "[thc] epoch 3/3: train loss 0.3053, test acc 0.8799, round 11.7 ms, up 8.10 MB, down 15.77 MB per worker" + W,
+    "[none] epoch 3/3: train loss 0.3144, test acc 0.8810, round 6.7 ms, up 61.41 MB, down 61.41 MB per worker" + W,
     "",
-    "thc: final test accuracy 0.8789, 24.3 MB up / 47.3 MB down per worker, 56 s",
-    "uncompressed: final test accuracy 0.8729, 184.2 MB up / 184.2 MB down per worker, 56 s",
+    "thc: final test accuracy 0.8799, 24.3 MB up / 47.3 MB down per worker, 54 s",
+    "uncompressed: final test accuracy 0.8810, 184.2 MB up / 184.2 MB down per worker, 50 s",
 ]) + "\n"
 
 
@@ -38,19 +38,19 @@ def test_ci_runs_the_readme_test_command_first_then_checks_the_sample():
 
 def test_the_stale_claim_the_tester_found_is_named():
     """The README said the THC run gives 0.8678; the run printed another accuracy."""
-    stale = TODAY.replace("test acc 0.8789", "test acc 0.8678").replace("accuracy 0.8789", "accuracy 0.8678")
+    stale = TODAY.replace("test acc 0.8799", "test acc 0.8678").replace("accuracy 0.8799", "accuracy 0.8678")
     problems = compare(TODAY, stale)
     assert len(problems) == 2
-    assert problems[-1].startswith("final: README says ('0.8678'") and "'0.8789'" in problems[-1]
+    assert problems[-1].startswith("final: README says ('0.8678'") and "'0.8799'" in problems[-1]
 
 
 def test_only_the_final_accuracy_differs(tmp_path):
     run = tmp_path / "run.txt"
-    run.write_text(TODAY.replace("final test accuracy 0.8789", "final test accuracy 0.8820"))
+    run.write_text(TODAY.replace("final test accuracy 0.8799", "final test accuracy 0.8820"))
     readme = tmp_path / "README.md"
     readme.write_text("```\n" + TODAY + "```\n")
     assert main([str(run), str(readme)]) == 1
-    run.write_text(TODAY.replace(", 56 s", ", 385 s").replace("0.8729", "0.8771"))   # time, baseline: not compared
+    run.write_text(TODAY.replace(", 54 s", ", 385 s").replace("0.8810", "0.8771"))   # time, baseline: not compared
     assert main([str(run), str(readme)]) == 0
 
 
