@@ -62,6 +62,7 @@ def result_group_arg(value: str) -> str:
 #: `thc experiment peers` choices (deploy/experiments.py, deploy/peers.py; kept here so that
 #: --help needs no torch import)
 PEER_LAYOUTS = ("ps-host", "ps-group", "colocated", "colocated-group")
+PEER_DEFAULT_LAYOUTS = PEER_LAYOUTS[:3]      # what the committed run measured
 PEER_METHODS = ("ddp-fp32", "ddp-fp16", "powersgd-1", "powersgd-4", "thc-hook", "thc-ps", "thc-ps-hook")
 
 
@@ -351,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--peer-rates", type=_rate_list, default="0",
                     help="peers: comma list of link rates in Mbit/s, 0 = loopback; a capped rate puts every "
                          "rank and the PS in a host namespace of its own behind a link of that rate (root)")
-    ex.add_argument("--layouts", type=_choice_list("layout", PEER_LAYOUTS), default=",".join(PEER_LAYOUTS),
+    ex.add_argument("--layouts", type=_choice_list("layout", PEER_LAYOUTS), default=",".join(PEER_DEFAULT_LAYOUTS),
                     help="peers: where THC-PS aggregates under a capped rate, a comma list of "
                          + ", ".join(PEER_LAYOUTS) + " (docs/experiments/peers.md)")
     ex.add_argument("--methods", type=_choice_list("method", PEER_METHODS), default=",".join(PEER_METHODS),

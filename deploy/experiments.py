@@ -476,7 +476,7 @@ def _peer_runs(methods, layouts, rate) -> list:
 
 def peers(base: TrainConfig, command: str, log=print, target: float = 0.8, *, out: Path,
           methods=("ddp-fp32", "ddp-fp16", "powersgd-1", "powersgd-4", "thc-hook", "thc-ps", "thc-ps-hook"),
-          rates=(0,), layouts=tuple(LAYOUTS)) -> Path:
+          rates=(0,), layouts=("ps-host", "ps-group", "colocated")) -> Path:
     """"Why not DDP's own hooks?": the same training (model, seed, shards, optimizer) under DDP
     with a plain fp32 all-reduce, fp16_compress_hook, PowerSGD rank 1 and 4, the THC hook, and
     THC-PS (rounds after backward, `thc-ps`, or overlapped in DDP's hook, `thc-ps-hook`; in each
