@@ -4,17 +4,12 @@
 
 (proto owns the wire and job contract and imports no other package of the project; ps_server
 and worker do not import each other).  Imports inside functions count too: a lazy import that
-points up is still a back-arrow.  A tool that only writes a document (DOC_TOOLS) may read a
-package above its own, as long as no module imports the tool."""
+points up is still a back-arrow."""
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYER = {"proto": 0, "compression": 1, "ps_server": 2, "worker": 2, "p4": 3, "deploy": 4}
-#: Tools that only write documents, never imported by the code they describe: the generator of
-#: docs/protocol.md's tables (`python -m proto.protodoc`) prints the stochastic-rounding stream
-#: of compression/stochastic.py as an example.
-DOC_TOOLS = {"proto/protodoc.py": {"compression.stochastic"}}
 
 
 def absolute_imports():
@@ -34,15 +29,8 @@ def test_every_import_points_down_the_layers():
     found = [(path, pkg, m) for path, pkg, m, _ in absolute_imports()
              if m.split(".")[0] in LAYER and m.split(".")[0] != pkg]
     assert any(pkg == "deploy" and m.startswith("worker") for _, pkg, m in found)   # the scan sees imports
-    up = [f"{path}: {pkg} imports {m}" for path, pkg, m in found if LAYER[m.split(".")[0]] >= LAYER[pkg]
-          and m not in DOC_TOOLS.get(path.as_posix(), ())]
+    up = [f"{path}: {pkg} imports {m}" for path, pkg, m in found if LAYER[m.split(".")[0]] >= LAYER[pkg]]
     assert not up, "imports that point up or sideways:\n" + "\n".join(up)
-
-
-def test_the_document_tools_are_imported_by_no_module():
-    tools = {path[:-3].replace("/", ".") for path in DOC_TOOLS}
-    users = [f"{path} imports {n}" for path, _, m, names in absolute_imports() for n in [m, *names] if n in tools]
-    assert not users, users
 
 
 def test_the_registry_implements_exactly_the_codecs_a_job_may_name():

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import zmq
 
-from proto import control, protodoc
+from deploy import protodoc
+from proto import control
 from proto.job import JobConfig
 from ps_server.server import PSServer
 
@@ -22,7 +23,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
 
 def test_generated_tables_match_the_code():
     text = DOC.read_text()
-    assert protodoc.render(text) == text, "docs/protocol.md is stale: python -m proto.protodoc --write"
+    assert protodoc.render(text) == text, "docs/protocol.md is stale: python -m deploy.protodoc --write"
     assert protodoc.main(["--check"]) == 0
 
 
@@ -31,7 +32,7 @@ def test_every_request_field_and_error_code_is_documented():
     for kind, spec in control.SCHEMA.items():
         assert f"`{kind}`" in text
         for name in spec:
-            assert name in protodoc.REQUEST_FIELDS, f"{kind}.{name} has no meaning in proto/protodoc.py"
+            assert name in protodoc.REQUEST_FIELDS, f"{kind}.{name} has no meaning in deploy/protodoc.py"
     for code in control.ERROR_CODES:
         assert f"`{code}`" in text
 

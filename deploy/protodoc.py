@@ -6,7 +6,7 @@ docs/protocol.md is prose with generated blocks between the markers
     …
     <!-- end generated -->
 
-`python -m proto.protodoc --write` regenerates them in place; `--check` exits 1 when the
+`python -m deploy.protodoc --write` regenerates them in place; `--check` exits 1 when the
 document differs from what the code says (tests/test_protocol_doc.py runs the check).
 """
 from __future__ import annotations
@@ -295,7 +295,7 @@ def main(argv=None) -> int:
         DOC.write_text(new)
         return 0
     if new != text:
-        print(f"{DOC} is out of date: run `python -m proto.protodoc --write`", file=sys.stderr)
+        print(f"{DOC} is out of date: run `python -m deploy.protodoc --write`", file=sys.stderr)
         return 1
     return 0
 
