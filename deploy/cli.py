@@ -8,6 +8,7 @@ import sys
 import threading
 
 from deploy import commands
+from deploy import experiments
 from deploy import train as train_mod
 from proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, MAX_BLOCK_LOG2
 
@@ -57,13 +58,6 @@ def result_group_arg(value: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value
-
-
-#: `thc experiment peers` choices (deploy/experiments.py, deploy/peers.py; kept here so that
-#: --help needs no torch import)
-PEER_LAYOUTS = ("ps-host", "ps-group", "colocated", "colocated-group")
-PEER_DEFAULT_LAYOUTS = PEER_LAYOUTS[:3]      # what the committed run measured
-PEER_METHODS = ("ddp-fp32", "ddp-fp16", "powersgd-1", "powersgd-4", "thc-hook", "thc-ps", "thc-ps-hook")
 
 
 def _choice_list(what: str, choices: tuple):
@@ -352,11 +346,13 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--peer-rates", type=_rate_list, default="0",
                     help="peers: comma list of link rates in Mbit/s, 0 = loopback; a capped rate puts every "
                          "rank and the PS in a host namespace of its own behind a link of that rate (root)")
-    ex.add_argument("--layouts", type=_choice_list("layout", PEER_LAYOUTS), default=",".join(PEER_DEFAULT_LAYOUTS),
+    ex.add_argument("--layouts", type=_choice_list("layout", tuple(experiments.LAYOUTS)),
+                    default=",".join(experiments.DEFAULT_LAYOUTS),
                     help="peers: where THC-PS aggregates under a capped rate, a comma list of "
-                         + ", ".join(PEER_LAYOUTS) + " (docs/experiments/peers.md)")
-    ex.add_argument("--methods", type=_choice_list("method", PEER_METHODS), default=",".join(PEER_METHODS),
-                    help="peers: a comma list of " + ", ".join(PEER_METHODS))
+                         + ", ".join(experiments.LAYOUTS) + " (docs/experiments/peers.md)")
+    ex.add_argument("--methods", type=_choice_list("method", experiments.PEER_METHODS),
+                    default=",".join(experiments.PEER_METHODS),
+                    help="peers: a comma list of " + ", ".join(experiments.PEER_METHODS))
     ex.add_argument("--target", type=_float_in(0, 1, lo_open=True, hi_open=False, what="an accuracy"),
                     default=0.8, help="peers, bandwidth: the test accuracy whose time is compared")
     ex.add_argument("--eval-every", type=_int_in(0, 1 << 20, "steps"), default=0,

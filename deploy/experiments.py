@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from deploy.peers import METHODS as PEER_DDP_METHODS
 from deploy.procs import stop_gracefully
 from deploy.train import TrainConfig, run
 
@@ -377,11 +378,15 @@ LAYOUTS = {
                  "spread over all shards",
     "colocated-group": "a shard on every worker host, each sending its results once to the multicast group",
 }
+#: The layouts `thc experiment peers` runs unless told (the committed run's).
+DEFAULT_LAYOUTS = ("ps-host", "ps-group", "colocated")
 #: The result group of the "ps-group" layout (administratively scoped, inside our namespaces).
 PEER_GROUP = "239.255.79.1:47079"
 PS_PORT, GLOO_PORT = 9000, 29500
 #: THC-PS's methods in the peers experiment: rounds after backward, or in DDP's hook.
 PS_METHODS = {"thc-ps": "after-backward", "thc-ps-hook": "hook"}
+#: Every method of the peers experiment, DDP's (deploy/peers.py) then THC-PS's, in table order.
+PEER_METHODS = (*PEER_DDP_METHODS, *PS_METHODS)
 
 
 def _params(model: str) -> int:
@@ -453,7 +458,7 @@ def _peer_row(base: TrainConfig, m: str, log, target: float, net=None, layout: s
                  for (t0, r0), (t1, r1) in zip(links0, netns.link_bytes(net))]
         row["link_bytes_per_step"] = [[round(t), round(r)] for t, r in links]     # [sent, received] per host
         row["max_link_bytes_per_step"] = round(max(max(t, r) for t, r in links))
-        if net is not None and getattr(net, "rate_mbit", None):
+        if net.rate_mbit:
             # the least time a step's bytes need on the busiest link at the cap
             row["wire_ms"] = row["max_link_bytes_per_step"] * 8 / (net.rate_mbit * 1e3)
     if m in PS_METHODS:
@@ -475,8 +480,7 @@ def _peer_runs(methods, layouts, rate) -> list:
 
 
 def peers(base: TrainConfig, command: str, log=print, target: float = 0.8, *, out: Path,
-          methods=("ddp-fp32", "ddp-fp16", "powersgd-1", "powersgd-4", "thc-hook", "thc-ps", "thc-ps-hook"),
-          rates=(0,), layouts=("ps-host", "ps-group", "colocated")) -> Path:
+          methods=PEER_METHODS, rates=(0,), layouts=DEFAULT_LAYOUTS) -> Path:
     """"Why not DDP's own hooks?": the same training (model, seed, shards, optimizer) under DDP
     with a plain fp32 all-reduce, fp16_compress_hook, PowerSGD rank 1 and 4, the THC hook, and
     THC-PS (rounds after backward, `thc-ps`, or overlapped in DDP's hook, `thc-ps-hook`; in each

@@ -511,19 +511,21 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
     servers, servers_here = [], []
     if serve_shard is not None and ps is None:
         raise ValueError("--serve-shard needs --ps listing every host's shard (this one's included)")
+    from ps_server.server import PSServer
+    options = {"engine": engine, "keys": keys}       # of every PS shard this launch starts
+    if lease_s is not None:
+        options["lease_s"] = lease_s
+    if rejoin_grace_s is not None:
+        options["rejoin_grace_s"] = rejoin_grace_s
     if ps is None:
-        from ps_server.server import PSServer
-        extra = {} if lease_s is None else {"lease_s": lease_s}
-        if rejoin_grace_s is not None:
-            extra["rejoin_grace_s"] = rejoin_grace_s
         for _ in range(shards):
-            servers.append(PSServer(job, ("127.0.0.1", 0), control_port=0, engine=engine, keys=keys,
-                                    **extra).start())
+            servers.append(PSServer(job, ("127.0.0.1", 0), control_port=0, **options).start())
         shard_list = [("127.0.0.1", s.data_addr[1], s.control_port) for s in servers]
     else:
         shard_list = parse_ps(ps, ps_control_port)
         if serve_shard is not None:
-            servers_here.append(_serve_shard(job, serve_shard, shard_list, engine, keys, lease_s))
+            host, port = _shard_here(serve_shard, shard_list)
+            servers_here.append(PSServer(job, (host, port), control_port=port + 1, **options).start())
         if job_name is None and local_workers == workers:
             import secrets
             job_name = f"launch-{secrets.token_hex(4)}"
@@ -609,16 +611,15 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
             "bytes_down_per_round": first[0]["bytes_down"] if first else 0}
 
 
-def _serve_shard(job: JobConfig, addr: str, shard_list: list, engine: str, keys, lease_s):
-    """Start this host's shard of a colocated job at `addr`, which `shard_list` must name."""
-    from ps_server.server import PSServer
+def _shard_here(addr: str, shard_list: list) -> tuple[str, int]:
+    """--serve-shard's (host, port), which must be one of the --ps shards (colocated shards:
+    every host lists all of them, its own included)."""
     host, _, port = addr.rpartition(":")
     if not port.isdigit() or (host, int(port)) not in [(sh[0], sh[1]) for sh in shard_list]:
         listed = ", ".join(f"{sh[0]}:{sh[1]}" for sh in shard_list)
         raise ValueError(f"--serve-shard {addr} is not one of the --ps shards ({listed}): every host "
                          f"lists all shards, its own included")
-    extra = {} if lease_s is None else {"lease_s": lease_s}
-    return PSServer(job, (host, int(port)), control_port=int(port) + 1, engine=engine, keys=keys, **extra).start()
+    return host, int(port)
 
 
 def _stop_when_left(server, timeout_s: float = 120.0) -> None:

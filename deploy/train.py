@@ -147,11 +147,11 @@ def _init_gloo(cfg: TrainConfig, rank: int, store_port: int):
 
     import torch.distributed as dist
     n = cfg.job.num_workers
+    host, port, master = "127.0.0.1", store_port, False
     if cfg.rendezvous:
-        host, _, port = cfg.rendezvous.rpartition(":")
-        store = dist.TCPStore(host, int(port), n, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
-    else:
-        store = dist.TCPStore("127.0.0.1", store_port, n, is_master=False, timeout=datetime.timedelta(seconds=120))
+        host, _, text = cfg.rendezvous.rpartition(":")
+        port, master = int(text), rank == 0
+    store = dist.TCPStore(host, port, n, is_master=master, timeout=datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
 
 
@@ -293,7 +293,8 @@ class _GradPath:
         if cfg.uses_hook:
             import torch
 
-            from worker.ps_hook import HookSync, PSHookState, ps_hook
+            from worker.ps_hook import HookSync, PSHookState, merged_report, ps_hook
+            self._merged = merged_report
             _init_gloo(cfg, rank, store_port)
             # the gradients live in the buckets (no copy in and out of them each step)
             self.net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb,
@@ -309,13 +310,12 @@ class _GradPath:
             loss.backward()
             self.sync()
             return
-        from worker.ps_hook import merged_report
         try:
             loss.backward()
         except RuntimeError:
             self.hook.raise_error()
             raise
-        rep = merged_report(self.hook.take_reports())
+        rep = self._merged(self.hook.take_reports())
         if rep is not None:
             self.worker.last = rep
 
@@ -334,8 +334,7 @@ class _GradPath:
 
 def _destroy_gloo() -> None:
     """gloo processes must destroy their group before exiting (else gloo may abort at exit)."""
-    import sys as _sys
-    dist = _sys.modules.get("torch.distributed")
+    dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
