@@ -249,6 +249,11 @@ def _forget_pool() -> None:
 os.register_at_fork(after_in_child=_forget_pool)
 
 
+def _each_of(fn, blocks: range) -> None:
+    """fn(j) for the RHT blocks j in `blocks` (a range), as `_each_block` shares them."""
+    _each_block(lambda i: fn(blocks[i]), len(blocks))
+
+
 def _each_block(fn, blocks: int) -> None:
     """fn(j) for every RHT block j, shared among this thread and the pool's threads when there
     are several blocks and several codec threads (the C kernels release the GIL).  Each thread
@@ -312,12 +317,16 @@ def _packs_per_block(cfg: ThcConfig, layout: Layout) -> bool:
 
 
 def _encode_kernels(x: np.ndarray, max_norms, cfg: ThcConfig, layout: Layout, round_no: int,
-                    uniforms: np.ndarray, packed: bool = False) -> np.ndarray:
+                    uniforms: np.ndarray, packed: bool = False, blocks: range | None = None,
+                    out: np.ndarray | None = None) -> np.ndarray:
     """Alg. 3 lines 9-16 per RHT block in one C call (§5.1 signs + FWHT, clamp, stochastic
-    rounding, optional 4-bit packing); equal to the reference below."""
+    rounding, optional 4-bit packing); equal to the reference below.  `blocks`: only those
+    RHT blocks, into their part of `out` (a block's signs and uniforms depend on its index and
+    offset only, so encoding the blocks piece by piece gives the same bytes)."""
     table = cfg.table
     tab8 = bytes(table.values)
-    out = np.empty(layout.padded_dim // 2 if packed else layout.padded_dim, dtype=np.uint8)
+    if out is None:
+        out = np.empty(layout.padded_dim // 2 if packed else layout.padded_dim, dtype=np.uint8)
     stream = isinstance(uniforms, CounterUniforms)
     u = None if stream else np.ascontiguousarray(uniforms, dtype=np.float32)
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -330,7 +339,7 @@ def _encode_kernels(x: np.ndarray, max_norms, cfg: ThcConfig, layout: Layout, ro
         _kernels.rht_encode(x[s:s + n], p, rademacher_bits(cfg.seed, round_no, j, p), big_m,
                             cfg.granularity, tab8, (uniforms.key, off) if stream else u[off:off + p], o,
                             packed, _workspace(p))
-    _each_block(block, len(offsets))
+    _each_of(block, range(len(offsets)) if blocks is None else blocks)
     return out
 
 
@@ -390,11 +399,12 @@ def lookup_sum(indices, table) -> np.ndarray:
 
 
 def _decode_kernels(src, kind: int, contributors: int, max_norms, cfg: ThcConfig, layout: Layout,
-                    round_no: int, lut: np.ndarray | None = None, out=None) -> np.ndarray:
+                    round_no: int, lut: np.ndarray | None = None, out=None,
+                    blocks: range | None = None) -> np.ndarray:
     """Alg. 3 lines 19-21 per RHT block in one C call: a = v·2M/(g·k) − M from the source
     (kind 0: float32 values, 1: packed 4-bit indices, 2: byte indices, v = T[z]; 3: bytes,
     v = lut[byte]), then the inverse RHT of §5.1 (FWHT, then the signs D); into `out` if
-    given."""
+    given.  `blocks`: only those RHT blocks (the rest of `out` is left as it is)."""
     g, table = cfg.granularity, cfg.table
     tab8 = lut.tobytes() if lut is not None else bytes(table.values) if kind else b""
     out = result_vector(out, layout.dim)
@@ -407,7 +417,7 @@ def _decode_kernels(src, kind: int, contributors: int, max_norms, cfg: ThcConfig
         _kernels.rht_decode(seg, kind, 2.0 * big_m / (g * contributors), big_m, p,
                             rademacher_bits(cfg.seed, round_no, j, p), tab8, out[s:s + n],
                             None if n == p else _workspace(p))
-    _each_block(block, len(offsets))
+    _each_of(block, range(len(offsets)) if blocks is None else blocks)
     return out
 
 
@@ -449,22 +459,25 @@ def decode_own(z, max_norms, cfg: ThcConfig, layout: Layout, round_no: int, pack
 
 
 def decode_lanes(lanes, contributors: int, max_norms, cfg: ThcConfig, layout: Layout, round_no: int,
-                 out=None):
+                 out=None, blocks: range | None = None):
     """x̂ from the PS's 8-bit sum lanes Y (uint8, one per padded coordinate) and k contributors.
 
     Equal to ``decode((Y / k).astype(float32), 1, ...)`` (Alg. 3 lines 19–21), with the
     division done by a 256-entry table inside the fused decode; into `out` (a float32 numpy
-    vector of layout.dim) if given.
+    vector of layout.dim) if given.  `blocks` (C kernels only): just those RHT blocks, the
+    blocks whose lanes all came back with this k.
     """
     lut = (np.arange(256, dtype=np.int64) / contributors).astype(np.float32)
     lanes = np.ascontiguousarray(lanes, dtype=np.uint8)
     if _kernels is None:
+        if blocks is not None:
+            raise ValueError("decoding some blocks only needs the C kernels (compression/_kernels.c)")
         est = decode(lut[lanes], 1, max_norms, cfg, layout, round_no)
         if out is None:
             return est
         np.copyto(result_vector(out, layout.dim), est)
         return out
-    return _decode_kernels(lanes, 3, 1, max_norms, cfg, layout, round_no, lut=lut, out=out)
+    return _decode_kernels(lanes, 3, 1, max_norms, cfg, layout, round_no, lut=lut, out=out, blocks=blocks)
 
 
 class WorkerRound:
@@ -502,6 +515,7 @@ class WorkerRound:
             self.x = grad
         self.max_norms = self.z = self.round_no = None
         self.packed = False
+        self._uniforms = self._residual = None
 
     def norms(self) -> np.ndarray:
         """‖x_j‖ per RHT block (the preliminary stage's message, float64)."""
@@ -521,14 +535,49 @@ class WorkerRound:
         self.z = fn(self.x, max_norms, self.cfg, self.layout, round_no, uniforms)
         return self.z
 
+    # -- the same round a block at a time (a pipelined round: worker/client.py) --------------
+    def can_pipeline(self) -> bool:
+        """Whether encode, decode and residual can go block by block here: the C kernels,
+        a float32 numpy x and 4-bit indices packed within each block."""
+        return (_kernel_ok(self.x, self.cfg) and isinstance(self.x, np.ndarray) and self.x.dtype == np.float32
+                and self.x.flags.c_contiguous and _packs_per_block(self.cfg, self.layout))
+
+    def start_packed(self, max_norms, rng, round_no: int) -> np.ndarray:
+        """The packed wire buffer of this round's Z, to be filled by `encode_blocks` (the
+        uniforms' key is drawn from `rng` now, as `encode` draws it)."""
+        self.max_norms, self.round_no, self.packed = max_norms, round_no, True
+        self._uniforms = CounterUniforms(key_from(rng))
+        self.z = np.empty(self.layout.padded_dim // 2, dtype=np.uint8)
+        return self.z
+
+    def encode_blocks(self, blocks: range) -> None:
+        """Z of these RHT blocks into the buffer of `start_packed`: once every block is
+        done, the buffer is byte for byte what `encode(..., packed=True)` returns."""
+        _encode_kernels(self.x, self.max_norms, self.cfg, self.layout, self.round_no, self._uniforms,
+                        packed=True, blocks=blocks, out=self.z)
+
+    def residual_blocks(self, blocks: range) -> np.ndarray:
+        """`residual()` for these blocks (their Z made), into the round's residual vector,
+        which is returned; once every block is done it equals `residual()` bit for bit."""
+        if self._residual is None:
+            self._residual = (self.memory.buffer(self.key, self.x) if self.pooled
+                              else np.empty(self.layout.dim, dtype=np.float32))
+        e = self._residual
+        _decode_kernels(self.z, 1, 1, self.max_norms, self.cfg, self.layout, self.round_no, out=e, blocks=blocks)
+        lo = self.layout.starts[blocks[0]]
+        hi = self.layout.starts[blocks[-1]] + self.layout.lengths[blocks[-1]]
+        np.subtract(self.x[lo:hi], e[lo:hi], out=e[lo:hi])
+        return e
+
     def decode(self, sums, contributors: int = 1):
         """x̂ from Σ T[Z] over k contributors (or from Y/k with contributors=1)."""
         return decode(sums, contributors, self.max_norms, self.cfg, self.layout, self.round_no)
 
-    def decode_lanes(self, lanes, contributors: int, out=None):
-        """x̂ from the PS's 8-bit lanes Y and k, Y/k inside the fused decode (into `out`)."""
+    def decode_lanes(self, lanes, contributors: int, out=None, blocks: range | None = None):
+        """x̂ from the PS's 8-bit lanes Y and k, Y/k inside the fused decode (into `out`;
+        `blocks`: only those RHT blocks)."""
         return decode_lanes(lanes, contributors, self.max_norms, self.cfg, self.layout, self.round_no,
-                            out=out)
+                            out=out, blocks=blocks)
 
     def residual(self):
         """e' = x − RHT⁻¹(X): this worker's own decode with k = 1, so the clamping error is

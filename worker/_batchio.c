@@ -27,6 +27,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 #define BATCH 64
 #include "../proto/udpio.h"
@@ -185,7 +186,10 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
  *
  * P (int64): type, want_type, job_id, worker_id, num_workers, elem_bits, op, nchunks,
  *            window, nslots, nshards, zero_policy, max_retries, gso, next_c, npending, finished,
- *            spin_us, and the result group's socket (-1: none; results are read from both)
+ *            spin_us, the result group's socket (-1: none; results are read from both), then
+ *            `ready` and an eventfd (-1: none) for a phase whose chunks are made while it runs
+ *            (worker/chunks.py ChunkStream): only chunks below P[P_READY] are sent; the
+ *            producer raises it and writes the eventfd, which wakes the wait
  * T (float64): RetransmitTimer.T (worker/rto.py): floor, cap, adaptive, then each
  *              shard's scale (seconds per chunk in flight)
  * sent, done (float64), inflight (int32): each chunk's first send and answer times and the
@@ -195,7 +199,8 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
  * counters (int64): see PHASE_COUNTERS in worker/phases.py
  */
 enum { P_TYPE, P_WANT, P_JOB, P_WORKER, P_NW, P_EBITS, P_OP, P_N, P_WINDOW, P_NSLOTS, P_NSHARDS,
-       P_ZERO, P_MAXRETRIES, P_GSO, P_NEXT, P_NPENDING, P_FINISHED, P_SPIN_US, P_GFD, P_COUNT };
+       P_ZERO, P_MAXRETRIES, P_GSO, P_NEXT, P_NPENDING, P_FINISHED, P_SPIN_US, P_GFD, P_READY, P_EVFD,
+       P_COUNT };
 enum { K_SENT, K_RECV, K_BYTES_SENT, K_BYTES_RECV, K_RETRANS, K_TIMEOUTS, K_LOST, K_STRAGGLER,
        K_BAD, K_GSO_MSGS, K_GRO_BATCHES, K_COUNT };
 enum { S_NEW, S_PENDING, S_RESULT, S_LOST, S_SETTLED };
@@ -342,7 +347,8 @@ static inline double rto_first(const double *T, int s, int64_t k) {
 static void settle(phase_t *ph, int c, int state) {
     int key = ph->sh[c] * (int)ph->P[P_NSLOTS] + ph->slot[c];
     if (ph->pend[key] == c) { ph->pend[key] = -1; ph->P[P_NPENDING]--; }
-    ph->state[c] = (int8_t)state;
+    /* release: a reader on another thread that sees the state sees the result's bytes */
+    __atomic_store_n(&ph->state[c], (int8_t)state, __ATOMIC_RELEASE);
     ph->P[P_FINISHED]++;
     if (state == S_LOST) ph->counters[K_LOST]++;
 }
@@ -509,7 +515,9 @@ static PyObject *phase_run(PyObject *self, PyObject *args) {
         double now = mono_s();
         /* fill the window: chunks enter in order while their (shard, slot) is free */
         int nb = 0;
-        while (P[P_NEXT] < n && P[P_NPENDING] < P[P_WINDOW] && nb < ph.cap) {
+        int64_t ready = __atomic_load_n(&P[P_READY], __ATOMIC_ACQUIRE);   /* another thread raises it */
+        if (ready > n) ready = n;
+        while (P[P_NEXT] < ready && P[P_NPENDING] < P[P_WINDOW] && nb < ph.cap) {
             int c = (int)P[P_NEXT];
             if (ph.state[c] == S_SETTLED) { P[P_NEXT]++; continue; }
             int key = ph.sh[c] * (int)P[P_NSLOTS] + ph.slot[c];
@@ -541,8 +549,14 @@ static PyObject *phase_run(PyObject *self, PyObject *args) {
         if (now >= end) break;
         double wait = (np ? first : now + ph.T[0]) - now;
         if (wait > end - now) wait = end - now;
-        struct pollfd pfd[2] = {{.fd = ph.fd, .events = POLLIN}, {.fd = (int)P[P_GFD], .events = POLLIN}};
+        struct pollfd pfd[3] = {{.fd = ph.fd, .events = POLLIN}, {.fd = (int)P[P_GFD], .events = POLLIN},
+                                {.fd = (int)P[P_EVFD], .events = POLLIN}};
         int nfd = P[P_GFD] >= 0 ? 2 : 1;
+        int evf = -1;                            /* the producer's eventfd, while chunks are to come */
+        if (P[P_EVFD] >= 0 && ready < n) {
+            if (nfd == 1) pfd[1] = pfd[2];
+            evf = nfd++;
+        }
         int pr = 0;
         if (P[P_SPIN_US] > 0 && wait > 0) {      /* bounded busy-poll before sleeping */
             double spin_end = now + (double)P[P_SPIN_US] * 1e-6;
@@ -553,8 +567,15 @@ static PyObject *phase_run(PyObject *self, PyObject *args) {
         }
         if (pr == 0) pr = poll(pfd, nfd, wait > 0 ? (int)(wait * 1e3 + 0.999) : 0);
         if (pr < 0 && errno != EINTR) { err = errno; break; }
-        for (int f = 0; pr > 0 && f < nfd && !err; f++)
-            if (pfd[f].revents) err = drain(&ph, pfd[f].fd, rx, &ts);
+        for (int f = 0; pr > 0 && f < nfd && !err; f++) {
+            if (!pfd[f].revents) continue;
+            if (f == evf) {                      /* more chunks are ready: clear it, fill the window */
+                uint64_t v;
+                if (read(pfd[f].fd, &v, sizeof v) < 0 && errno != EAGAIN) err = errno;
+                continue;
+            }
+            err = drain(&ph, pfd[f].fd, rx, &ts);
+        }
         if (err) break;
         /* deadlines: retransmit with backoff, or lose the chunk (zero policy) */
         now = mono_s();

@@ -3,6 +3,8 @@ from and receives into numpy arrays without a Python object per packet.
 """
 from __future__ import annotations
 
+import os
+import threading
 import zlib
 from collections.abc import Sequence
 
@@ -83,6 +85,21 @@ class PhaseResults(Sequence):
     def ok(self) -> np.ndarray:
         return (self.state == _RESULT) | (self.state == _SETTLED)
 
+    def answered(self, lo: int, hi: int) -> bool:
+        """Whether chunks [lo, hi) all have a result or are lost (read while the phase runs)."""
+        return bool((self.state[lo:hi] >= _RESULT).all())
+
+    def common_k(self, lo: int, hi: int) -> int | None:
+        """k when chunks [lo, hi) all came back whole with the same number of contributors
+        (their lanes are then Y of one k), else None."""
+        st = self.state[lo:hi]
+        if not ((st == _RESULT) | (st == _SETTLED)).all():
+            return None
+        k = self.headers.reshape(-1, H.HEADER_SIZE)[lo:hi, 28]
+        if (k != k[0]).any() or (self.lengths[lo:hi] != np.diff(self.roff[lo:hi + 1])).any():
+            return None
+        return int(k[0])
+
     def _field(self, off: int, size: int) -> np.ndarray:
         rows = self.headers.reshape(-1, H.HEADER_SIZE)[:, off:off + size]
         return rows[:, 0] if size == 1 else rows.copy().view(f">u{size}").ravel()
@@ -118,3 +135,72 @@ class PhaseResults(Sequence):
         h, _ = H.parse(self.headers[c * H.HEADER_SIZE:(c + 1) * H.HEADER_SIZE].tobytes()
                        + bytes(int(self.lengths[c])))
         return h, self.payload(c).tobytes()
+
+
+class ChunkStream:
+    """A phase's chunks made while the phase runs: a producer thread fills the phase's
+    buffer in order and says, after each piece, how many leading chunks are ready; the C
+    phase sends only those and wakes on this stream's eventfd when more are.  The phase's
+    results (`results`, set when it starts) can be read while it runs, so a consumer can
+    decode what came back while later chunks are still on the wire.
+
+    Nothing on the wire changes: the same chunks, the same slots and rounds, only sent as
+    soon as each is made (docs/design.md, "A round as a pipeline")."""
+
+    def __init__(self, nchunks: int):
+        self.n = nchunks
+        self.ready = 0
+        self.error: BaseException | None = None
+        self.results: PhaseResults | None = None
+        self.evfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._P = self._index = None
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._started = threading.Event()
+
+    def advance(self, ready: int) -> None:
+        """The first `ready` chunks can be sent."""
+        with self._lock:
+            self.ready = min(max(ready, self.ready), self.n)
+            if self._P is not None:
+                self._P[self._index] = self.ready
+            if self.evfd >= 0:
+                os.eventfd_write(self.evfd, 1)
+        if self.ready >= self.n:
+            self._done.set()
+
+    def fail(self, exc: BaseException) -> None:
+        """The producer failed: the phase stops waiting for chunks and raises `exc`."""
+        self.error = exc
+        self._done.set()
+        with self._lock:
+            if self.evfd >= 0:
+                os.eventfd_write(self.evfd, 1)
+
+    def attach(self, P: np.ndarray, index: int, results: PhaseResults) -> None:
+        """The phase starts: it reads `ready` from P[index] from now on."""
+        with self._lock:
+            self._P, self._index = P, index
+            P[index] = self.ready
+            self.results = results
+        self._started.set()
+
+    def started(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the phase to start; whether it has."""
+        return self._started.wait(timeout)
+
+    def check(self) -> None:
+        """Raise the producer's error, if it failed."""
+        if self.error is not None:
+            raise self.error
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until every chunk is made (the Python phase and a resumed phase send whole)."""
+        self._done.wait(timeout)
+        self.check()
+
+    def close(self) -> None:
+        with self._lock:
+            if self.evfd >= 0:
+                os.close(self.evfd)
+                self.evfd = -1

@@ -15,6 +15,7 @@ the raw lane values (which would decode to −M).
 from __future__ import annotations
 
 import os
+import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +27,7 @@ from compression import thc
 from compression.codec import ErrorFeedback
 from proto import headers as H
 from proto.packing import unpack_lanes
-from worker.transport import PackedChunks, PhaseResults, Transport
+from worker.transport import ChunkStream, PackedChunks, PhaseResults, Transport
 
 
 def joined_lanes(chunks, results, total: int, lane_bits: int):
@@ -67,6 +68,11 @@ def average_lanes(chunks, results, total: int, granularity: int, lane_bits: int)
 #: workers on two cores) the decode took the CPU the phase's wake-ups need, and the phase took
 #: 2.5 times as long; for a worker with cores to spare (docs/design.md, "Co-located load").
 OVERLAP_RESIDUAL = os.environ.get("THC_OVERLAP_RESIDUAL", "0") == "1"
+#: Run a THC round as a pipeline over its RHT blocks (`Worker._pipelined_round`): on unless
+#: $THC_PIPELINE=0 (kept for side-by-side measurement, docs/bench.md).
+PIPELINE = os.environ.get("THC_PIPELINE", "1") != "0"
+#: How often the pipeline's decode looks whether a block's results are all back (seconds).
+_POLL_S = 0.0005
 
 
 @dataclass
@@ -83,6 +89,7 @@ class RoundReport:
     bytes_up: int = 0
     bytes_down: int = 0
     norms: list | None = None                          # the preliminary stage's result (THC)
+    pipelined: bool = False                            # the DATA phase ran as a block pipeline
     phase: PhaseResults | None = field(default=None, repr=False)   # digests not yet taken
 
     def chunk_digests(self) -> list:
@@ -130,6 +137,8 @@ class Worker:
         self._delay_rng = np.random.default_rng(np.random.SeedSequence([seed, transport.worker_id, 99]))
         self.last: RoundReport | None = None
         self._background: ThreadPoolExecutor | None = None
+        self._decode_pool: ThreadPoolExecutor | None = None
+        self.pipeline = PIPELINE
 
     def _in_background(self, fn):
         """Start fn() in this worker's helper thread; returns its Future.  For the
@@ -283,6 +292,9 @@ class Worker:
         layout = rnd.layout
         norms = self._exchange_norms(rnd.norms())
         report.norms = norms.tolist()
+        if self.pipeline and len(layout.starts) > 1 and job.lane_bits == 8 and rnd.can_pipeline() \
+                and getattr(self.t, "streams", lambda: False)():
+            return self._pipelined_round(rnd, norms, rn, report, out)
         n = layout.padded_dim
         packed = rnd.encode(norms, self.round_rng(rn), rn, packed=True)
         chunks = self._chunks(packed, n, cfg.bits)
@@ -308,6 +320,98 @@ class Worker:
             e = residual.result() if residual is not None else None
         rnd.feedback(e)
         return est
+
+    def _pipelined_round(self, rnd: thc.WorkerRound, norms, rn: int, report: RoundReport, out=None):
+        """The DATA phase of `_thc_round` as a pipeline over the RHT blocks: a helper thread
+        encodes block after block and the phase sends each block's chunks as soon as they are
+        made (worker/chunks.py ChunkStream), then the helper computes the error-feedback
+        residual block by block while the chunks are on the wire; this thread runs the phase,
+        and a second helper decodes each block as soon as all its results are back.  Every
+        byte on the wire and every value decoded is what the plain round gives (the same
+        chunks, slots and rounds; per-block kernels, each block decoded with its own k, which
+        is the round's k when every chunk came back with it); the codec's CPU just overlaps
+        the wire.  A block whose chunks came back with different k, or lost, is decoded with
+        the plain round's path once the phase is over."""
+        cfg, job, layout = self.cfg, self.job, rnd.layout
+        per, n = job.elems_per_packet, layout.padded_dim
+        flat = thc.result_vector(out, layout.dim)
+        packed = rnd.start_packed(norms, self.round_rng(rn), rn)
+        chunks = self._chunks(packed, n, cfg.bits)
+        report.bytes_up, report.pipelined = chunks.wire_bytes, True
+        offs, nblocks = layout.padded_offsets(), len(layout.starts)
+        ends = [offs[j] + layout.padded[j] for j in range(nblocks)]
+        # chunks [lo_j, hi_j) hold block j's coordinates; after block j the first end_j // per
+        # are whole (a chunk across two blocks waits for the second)
+        lo = [o // per for o in offs]
+        hi = [min(-(-e // per), len(chunks)) for e in ends]
+        stream = ChunkStream(len(chunks))
+        made = [threading.Event() for _ in range(nblocks)]       # block j's residual done too
+        over = threading.Event()
+        residual = [None]
+        shares = rnd.memory is not None and np.shares_memory(flat, rnd.x)
+
+        def produce():
+            try:
+                for j in range(nblocks):
+                    rnd.encode_blocks(range(j, j + 1))
+                    stream.advance(ends[j] // per if j < nblocks - 1 else len(chunks))
+                if rnd.memory is not None:
+                    for j in range(nblocks):
+                        residual[0] = rnd.residual_blocks(range(j, j + 1))
+                        made[j].set()
+            except BaseException as exc:    # noqa: BLE001 - the phase raises it
+                stream.fail(exc)
+                raise
+
+        def consume() -> list:
+            done = [False] * nblocks
+            while not stream.started(_POLL_S):
+                if over.is_set():
+                    return done
+            res = stream.results
+            for j in range(nblocks):
+                while not res.answered(lo[j], hi[j]):
+                    if over.wait(_POLL_S):
+                        return done
+                k = res.common_k(lo[j], hi[j])
+                if k is None:
+                    continue
+                if shares:
+                    made[j].wait()          # the residual still reads x, which is `out`
+                rnd.decode_lanes(res.lanes, k, out=flat, blocks=range(j, j + 1))
+                done[j] = True
+            return done
+
+        producer = self._in_background(produce)
+        decoder = self._decoder().submit(consume)
+        try:
+            self._maybe_straggle()
+            results = self.t.run_phase(H.DATA, chunks, stream)
+        finally:
+            over.set()
+            done = decoder.result()
+            try:
+                producer.result()
+            finally:
+                stream.close()
+        self._collect(results, report)
+        if results is not stream.results:           # resumed after a PS restart: all anew
+            done = [False] * nblocks
+        rest = [j for j in range(nblocks) if not done[j]]  # the last block, typically
+        ks = [results.common_k(lo[j], hi[j]) for j in rest] if isinstance(results, PhaseResults) else [None]
+        if None not in ks:
+            for j, k in zip(rest, ks):
+                rnd.decode_lanes(results.lanes, k, out=flat, blocks=range(j, j + 1))
+        else:                                       # loss or mixed k within a block: Y/k per chunk
+            np.copyto(flat, rnd.decode(average_lanes(chunks, results, n, cfg.granularity, job.lane_bits)))
+        rnd.feedback(residual[0])
+        return flat
+
+    def _decoder(self) -> ThreadPoolExecutor:
+        """The pipeline's decode thread (one per worker, made on first use)."""
+        if self._decode_pool is None:
+            self._decode_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="thc-decode")
+        return self._decode_pool
 
     def _blob_round(self, arr: np.ndarray, key: str, report: RoundReport) -> np.ndarray:
         """A decode–sum–re-encode codec: preliminary stage if it has one, payload as fragments."""

@@ -30,7 +30,7 @@ import numpy as np
 from proto import blob as B
 from proto import headers as H
 from proto.job import JobConfig
-from worker.chunks import _SETTLED, PackedChunks, PhaseResults
+from worker.chunks import _SETTLED, ChunkStream, PackedChunks, PhaseResults
 from worker.rto import STALL_NOTE_TRIES, RetransmitPolicy, RetransmitTimer
 from worker.session import PSUnavailable, _PSRestarted
 
@@ -50,6 +50,8 @@ PHASE_COUNTERS = ("packets_sent", "packets_received", "bytes_sent", "bytes_recei
 SPIN_US = int(os.environ.get("THC_BUSY_POLL_US", "0") or 0)
 #: The C phase loop returns to Python this often (restarted PS, read-ahead results, warnings).
 PHASE_BUDGET_MS = 100.0
+#: P's index of the count of chunks ready (_batchio.c's P_READY; the eventfd follows it)
+P_READY = 19
 
 DEFAULT_WINDOW = 512        # most chunks in flight per worker: the default job's 512 slots
 START_WINDOW = 64           # the window a transport starts with ...
@@ -175,21 +177,28 @@ class PhaseEngine:
             out.append((shard, h, payload))
         return out
 
-    def run_phase(self, kind: int, chunks: list) -> list:
+    def run_phase(self, kind: int, chunks: list, stream: ChunkStream | None = None) -> list:
         """Send chunks [(offset, count, payload)], of type DATA or NORM; results in chunk order.
 
         Each result is (Header, payload bytes), or None when lost under the `zero` policy.
         If the PS restarts meanwhile, the phase is resumed with the other ranks (`resume`).
+        `stream`: the chunks (a PackedChunks) are still being made; the C phase sends each as
+        soon as the stream says it is ready (the Python phase and a resumed one wait for all).
         """
         while True:
             if self._phase_no < self._skip_until:      # zero policy after a PS restart
+                if stream is not None:
+                    stream.wait()
                 results = [None] * len(chunks)
                 self.stats.add("lost_chunks", len(chunks))
                 break
             try:
-                results = self._run_phase_once(kind, chunks, self._phase_no)
+                results = self._run_phase_once(kind, chunks, self._phase_no, stream)
                 break
             except _PSRestarted as exc:
+                if stream is not None:
+                    stream.wait()
+                    stream = None               # again whole, with new results
                 self.resume(exc.shard)
         self._last_phase = (kind, chunks, self._phase_no)
         self._phase_no += 1
@@ -230,18 +239,24 @@ class PhaseEngine:
         self._place(kind, nchunks, self._phase_no)
         self._phase_no += 1
 
+    def streams(self) -> bool:
+        """Whether a phase sends a ChunkStream's chunks as they are made (the C phase)."""
+        return self._c_phase()
+
     def _c_phase(self) -> bool:
         """Whether phases run in C (_batchio.phase_run): batched I/O, no injected faults (they
         draw from the Python RNG per packet), and not forced off (phase_engine='python')."""
         return (self.net.batched and self.phase_engine == "c" and hasattr(_batchio, "phase_run")
                 and not self.net.faults.active)
 
-    def _run_phase_once(self, kind: int, chunks, phase_index: int):
+    def _run_phase_once(self, kind: int, chunks, phase_index: int, stream: ChunkStream | None = None):
         shard, slot, rounds = self._place(kind, len(chunks), phase_index)
         timeouts = self.stats.counters["timeouts"]
         if self._c_phase():
-            results = self._run_phase_c(kind, chunks, shard, slot, rounds)
+            results = self._run_phase_c(kind, chunks, shard, slot, rounds, stream)
         else:
+            if stream is not None:
+                stream.wait()
             results = self._run_phase_python(kind, chunks, list(zip(shard.tolist(), slot.tolist())),
                                              rounds.tolist())
         self._gc_stash()
@@ -346,7 +361,7 @@ class PhaseEngine:
         self.rtt.phase_done(np.array([w[0] for w in where], np.int64), sent, done, inflight)
         return results
 
-    def _run_phase_c(self, kind: int, chunks, shard, slot, rounds) -> PhaseResults:
+    def _run_phase_c(self, kind: int, chunks, shard, slot, rounds, stream: ChunkStream | None = None) -> PhaseResults:
         """The same phase in C (_batchio.phase_run, GIL released): Python prepares the arrays,
         settles chunks already in the stash, and between calls (every PHASE_BUDGET_MS) looks at
         a restarted PS, keeps read-ahead results and logs a long wait."""
@@ -366,7 +381,10 @@ class PhaseEngine:
                       job.num_workers, elem_bits, op, n, self.cwnd, nslots, len(self.shard_addrs),
                       self.policy == "zero", self.max_retries, self.net.gso, 0, 0,
                       int(np.count_nonzero(res.state == _SETTLED)), SPIN_US,
-                      -1 if self.net.gsock is None else self.net.gsock.fileno()], dtype=np.int64)
+                      -1 if self.net.gsock is None else self.net.gsock.fileno(), n,
+                      -1 if stream is None else stream.evfd], dtype=np.int64)
+        if stream is not None:
+            stream.attach(P, P_READY, res)
         dests = np.array([[int.from_bytes(socket.inet_aton(ip), sys.byteorder), port, *self.session.ids(s)]
                           for s, (ip, port) in enumerate(self.shard_addrs)], dtype=np.int64)
         hdr = np.zeros(n * H.HEADER_SIZE, np.uint8)
@@ -379,6 +397,8 @@ class PhaseEngine:
         extras: list = []
         while True:
             self.session.check_membership()
+            if stream is not None:
+                stream.check()
             status, c = _batchio.phase_run(
                 self.net.sock.fileno(), PHASE_BUDGET_MS, P, self.rtt.T, dests, shard, slot, rounds,
                 packed.offsets32, packed.counts32, packed.poff, packed.buffer, hdr, res.state, deadline,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 from proto.job import JobConfig
-from worker.chunks import PackedChunks, PhaseResults
+from worker.chunks import ChunkStream, PackedChunks, PhaseResults
 from worker.datagrams import Datagrams, Faults, TransportStats, local_ip_towards
 from worker.phases import (DEFAULT_WINDOW, MIN_WINDOW, PHASE_BUDGET_MS, PHASE_COUNTERS, SHARD_RUN, SPIN_US,
                            START_WINDOW, WINDOW_STEP, PhaseEngine, PhaseSession)
@@ -27,7 +27,7 @@ from worker.session import (DEFAULT_PS_WAIT_S, JobEnded, JobStalled, LeaseLost, 
                             _PSRestarted)
 
 __all__ = ["DEFAULT_PS_WAIT_S", "DEFAULT_WINDOW", "MIN_WINDOW", "PHASE_BUDGET_MS", "PHASE_COUNTERS", "POLICIES", "SHARD_RUN",
-           "SPIN_US", "STALL_NOTE_TRIES", "START_WINDOW", "WINDOW_STEP", "Datagrams", "Faults", "JobEnded",
+           "SPIN_US", "STALL_NOTE_TRIES", "START_WINDOW", "WINDOW_STEP", "ChunkStream", "Datagrams", "Faults", "JobEnded",
            "JobStalled", "LeaseLost", "PSUnavailable", "PackedChunks", "PhaseEngine", "PhaseResults",
            "PhaseSession", "Queued", "RetransmitPolicy", "RetransmitTimer", "Session", "Transport",
            "TransportStats", "_PSRestarted", "local_ip_towards", "rto_scale"]
@@ -201,10 +201,15 @@ class Transport:
         self.net.close()
 
     # ---------------------------------------------------------------- data plane
-    def run_phase(self, kind: int, chunks: list) -> list:
+    def run_phase(self, kind: int, chunks: list, stream=None) -> list:
         """Send chunks [(offset, count, payload)], of type DATA or NORM; results in chunk order
-        (`PhaseEngine.run_phase`)."""
-        return self.phases.run_phase(kind, chunks)
+        (`PhaseEngine.run_phase`; `stream`: a ChunkStream, the chunks are still being made)."""
+        return self.phases.run_phase(kind, chunks, stream)
+
+    def streams(self) -> bool:
+        """Whether a phase sends chunks as a ChunkStream makes them (the C phase), rather
+        than waiting for all of them."""
+        return self.phases.streams()
 
     def skip_phase(self, kind: int, nchunks: int) -> None:
         """Advance the slot rounds as if a phase of `nchunks` had run."""

@@ -1,0 +1,108 @@
+"""A THC round as a pipeline over its RHT blocks (worker/client.py `_pipelined_round`): the
+same bytes on the wire, the same averages and residuals bit for bit as the plain round, each
+block decoded with its own k under partial aggregation, and a failing encode that stops the
+phase instead of leaving it waiting."""
+import threading
+
+import numpy as np
+import pytest
+
+from compression import thc
+from proto.job import JobConfig
+from ps_server.server import PSServer
+from tests.helpers import run_threads
+from worker.client import Worker, average_lanes
+from worker.transport import PackedChunks, Transport
+
+DIM = 5 * 4096 + 1000          # block_log2 = 12: five whole blocks and a padded sixth
+
+
+def cluster(n, pipeline, rounds=3, quorum=1.0, straggle=None, seed=7):
+    """n workers in threads against the C PS; per rank, per round: (average, residual, report)."""
+    job = JobConfig(num_workers=n, block_log2=12, quorum=quorum, seed=seed)
+    server = PSServer(job, ("127.0.0.1", 0), control_port=0, engine="c").start()
+    out = {r: [] for r in range(n)}
+
+    def rank(r):
+        t = Transport("127.0.0.1", server.data_addr[1], r, control_port=server.control_port, timeout_ms=200)
+        try:
+            w = Worker(t, seed=seed, per_round_rng=True)
+            w.pipeline = pipeline
+            rng = np.random.default_rng([seed, r])
+            for k in range(rounds):
+                g = rng.standard_normal(DIM).astype(np.float32)
+                if straggle is not None and r == straggle:
+                    w.straggler_delay = 0.03 if k % 2 else 0.0
+                avg = w.allreduce(g, key="g", round_no=k)
+                out[r].append((avg.copy(), w.errors.errors["g"].copy(), w.last))
+        finally:
+            t.close()
+
+    try:
+        assert run_threads(rank, n, timeout=120) == []
+    finally:
+        server.stop()
+    return out
+
+
+def test_pipelined_rounds_equal_plain_rounds_bit_for_bit():
+    piped, plain = cluster(3, True), cluster(3, False)
+    for r in range(3):
+        for (a, e, rep), (a0, e0, rep0) in zip(piped[r], plain[r]):
+            assert rep.pipelined and not rep0.pipelined
+            np.testing.assert_array_equal(a, a0)              # the average
+            np.testing.assert_array_equal(e, e0)              # the error-feedback residual
+            assert rep.chunk_digests() == rep0.chunk_digests()     # the PS's sums, chunk by chunk
+            assert (rep.bytes_up, rep.chunks) == (rep0.bytes_up, rep0.chunks)
+    for r in (1, 2):                                          # every replica decodes the same
+        for (a, _, _), (a_0, _, _) in zip(piped[r], piped[0]):
+            np.testing.assert_array_equal(a, a_0)
+
+
+def test_partial_aggregation_each_block_with_its_own_k():
+    """Quorum 2 of 3 with rank 2 late every other round: chunks come back with k = 2 or 3;
+    the average must be the plain decode of exactly those results (Y/k per chunk)."""
+    piped = cluster(3, True, rounds=4, quorum=0.66, straggle=2)
+    ks = set()
+    for r in (0, 1):
+        for k, (avg, _, rep) in enumerate(piped[r]):
+            assert rep.pipelined and rep.lost == 0
+            ks.update(rep.contributors)
+            res = rep.phase
+            layout = thc.make_layout(DIM, 12)
+            job = JobConfig(num_workers=3, block_log2=12, quorum=0.66, seed=7)
+            cfg = thc.ThcConfig.of_job(job)
+            geometry = PackedChunks(np.zeros(layout.padded_dim // 2, np.uint8), layout.padded_dim, 4,
+                                    job.elems_per_packet)
+            ref = thc.decode(average_lanes(geometry, res, layout.padded_dim, cfg.granularity, 8), 1,
+                             np.asarray(rep.norms), cfg, layout, k)
+            np.testing.assert_array_equal(avg, ref)
+    assert 2 in ks
+
+
+def test_a_failing_encode_stops_the_phase(monkeypatch):
+    """The encode thread raises in the third block: the allreduce raises that error at once
+    (bounded), rather than the phase waiting for chunks that will never be made."""
+    job = JobConfig(num_workers=1, block_log2=12)
+    server = PSServer(job, ("127.0.0.1", 0), control_port=0, engine="c").start()
+    t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port)
+    real = thc.WorkerRound.encode_blocks
+
+    def broken(self, blocks):
+        if blocks[0] == 2:
+            raise RuntimeError("encode failed in block 2")
+        return real(self, blocks)
+
+    monkeypatch.setattr(thc.WorkerRound, "encode_blocks", broken)
+    try:
+        w = Worker(t, seed=1)
+        done = threading.Event()
+        with pytest.raises(RuntimeError, match="encode failed in block 2"):
+            try:
+                w.allreduce(np.ones(DIM, np.float32))
+            finally:
+                done.set()
+        assert done.is_set()
+    finally:
+        t.close()
+        server.stop()
