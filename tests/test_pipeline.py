@@ -96,6 +96,7 @@ def test_a_failing_encode_stops_the_phase(monkeypatch):
     monkeypatch.setattr(thc.WorkerRound, "encode_blocks", broken)
     try:
         w = Worker(t, seed=1)
+        w.pipeline = True
         done = threading.Event()
         with pytest.raises(RuntimeError, match="encode failed in block 2"):
             try:
@@ -106,3 +107,28 @@ def test_a_failing_encode_stops_the_phase(monkeypatch):
     finally:
         t.close()
         server.stop()
+
+
+def test_auto_pipelines_when_the_host_idled_through_the_last_phase(monkeypatch):
+    """THC_PIPELINE=auto: plain until a DATA phase has been measured; pipelined after a
+    plain phase with START_IDLE of the host idle, and kept while a pipelined one still
+    leaves STAY_IDLE; back to plain on a busy host.  Other values are refused."""
+    from worker import client
+    assert client.idle_share((100, 1000), (160, 1100)) == pytest.approx(0.6)
+    assert client.idle_share((100, 1000), (100, 1000)) is None and client.idle_share(None, (1, 2)) is None
+    idle, total = client.cpu_times()
+    assert 0 <= idle <= total
+
+    w = Worker.__new__(Worker)
+    w.pipeline, w._idle, w._piped = "auto", None, False
+    assert not w._pipelines()
+    for idle_, piped, want in ((0.30, False, True), (0.20, False, False), (0.12, True, True), (0.05, True, False)):
+        w._idle, w._piped = idle_, piped
+        assert w._pipelines() is want, (idle_, piped)
+    w.pipeline = False
+    w._idle = 0.9
+    assert not w._pipelines()
+
+    monkeypatch.setattr(client, "PIPELINE", "sometimes")
+    with pytest.raises(ValueError, match="THC_PIPELINE must be auto, 0 or 1"):
+        Worker(transport=type("T", (), {"job": JobConfig(num_workers=1), "worker_id": 0})())

@@ -189,7 +189,10 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
  *            spin_us, the result group's socket (-1: none; results are read from both), then
  *            `ready` and an eventfd (-1: none) for a phase whose chunks are made while it runs
  *            (worker/chunks.py ChunkStream): only chunks below P[P_READY] are sent; the
- *            producer raises it and writes the eventfd, which wakes the wait
+ *            producer raises it and writes the eventfd, which wakes the wait; then, for a
+ *            reader of the results on another thread: the chunk count it waits for, the
+ *            answered prefix (every chunk below it has a result or is lost), the count last
+ *            signalled, and its eventfd (-1: none), written when the prefix reaches the count
  * T (float64): RetransmitTimer.T (worker/rto.py): floor, cap, adaptive, then each
  *              shard's scale (seconds per chunk in flight)
  * sent, done (float64), inflight (int32): each chunk's first send and answer times and the
@@ -200,7 +203,7 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
  */
 enum { P_TYPE, P_WANT, P_JOB, P_WORKER, P_NW, P_EBITS, P_OP, P_N, P_WINDOW, P_NSLOTS, P_NSHARDS,
        P_ZERO, P_MAXRETRIES, P_GSO, P_NEXT, P_NPENDING, P_FINISHED, P_SPIN_US, P_GFD, P_READY, P_EVFD,
-       P_COUNT };
+       P_WATCH, P_ANSWERED, P_NOTIFIED, P_DONEFD, P_COUNT };
 enum { K_SENT, K_RECV, K_BYTES_SENT, K_BYTES_RECV, K_RETRANS, K_TIMEOUTS, K_LOST, K_STRAGGLER,
        K_BAD, K_GSO_MSGS, K_GRO_BATCHES, K_COUNT };
 enum { S_NEW, S_PENDING, S_RESULT, S_LOST, S_SETTLED };
@@ -351,6 +354,21 @@ static void settle(phase_t *ph, int c, int state) {
     __atomic_store_n(&ph->state[c], (int8_t)state, __ATOMIC_RELEASE);
     ph->P[P_FINISHED]++;
     if (state == S_LOST) ph->counters[K_LOST]++;
+}
+
+/* Advance the answered prefix; signal the reader once it reaches the count it waits for. */
+static void mark_answered(phase_t *ph, int n) {
+    int64_t *P = ph->P;
+    if (P[P_DONEFD] < 0) return;
+    int64_t w = P[P_ANSWERED];
+    while (w < n && ph->state[w] >= S_RESULT) w++;
+    __atomic_store_n(&P[P_ANSWERED], w, __ATOMIC_SEQ_CST);
+    int64_t watch = __atomic_load_n(&P[P_WATCH], __ATOMIC_SEQ_CST);
+    if (watch > P[P_NOTIFIED] && w >= watch) {
+        uint64_t one = 1;
+        if (write((int)P[P_DONEFD], &one, sizeof one) < 0) { /* a full counter is still readable */ }
+        P[P_NOTIFIED] = watch;
+    }
 }
 
 /* One received datagram from (ip, port) (Datagrams._parse and PhaseEngine._recv, then the
@@ -535,7 +553,7 @@ static PyObject *phase_run(PyObject *self, PyObject *args) {
             batch[nb++] = c;
         }
         if (nb) send_chunks(&ph, batch, nb);
-        if (P[P_FINISHED] >= n) { status = 0; break; }
+        if (P[P_FINISHED] >= n) { mark_answered(&ph, n); status = 0; break; }
         /* wait for results until the earliest deadline (or the budget) */
         int np = 0;
         double first = 1e300;
@@ -594,6 +612,7 @@ static PyObject *phase_run(PyObject *self, PyObject *args) {
             ph.deadline[c] = now + ph.tmo[c];
             ph.tries[c]++;
         }
+        mark_answered(&ph, n);
         if (nb) send_chunks(&ph, batch, nb);     /* resends count as sent packets, as in Python */
         if (give_up >= 0) { status = 2; break; }
         if (P[P_FINISHED] >= n) { status = 0; break; }

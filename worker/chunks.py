@@ -4,6 +4,7 @@ from and receives into numpy arrays without a Python object per packet.
 from __future__ import annotations
 
 import os
+import select
 import threading
 import zlib
 from collections.abc import Sequence
@@ -85,10 +86,6 @@ class PhaseResults(Sequence):
     def ok(self) -> np.ndarray:
         return (self.state == _RESULT) | (self.state == _SETTLED)
 
-    def answered(self, lo: int, hi: int) -> bool:
-        """Whether chunks [lo, hi) all have a result or are lost (read while the phase runs)."""
-        return bool((self.state[lo:hi] >= _RESULT).all())
-
     def common_k(self, lo: int, hi: int) -> int | None:
         """k when chunks [lo, hi) all came back whole with the same number of contributors
         (their lanes are then Y of one k), else None."""
@@ -140,12 +137,19 @@ class PhaseResults(Sequence):
 class ChunkStream:
     """A phase's chunks made while the phase runs: a producer thread fills the phase's
     buffer in order and says, after each piece, how many leading chunks are ready; the C
-    phase sends only those and wakes on this stream's eventfd when more are.  The phase's
-    results (`results`, set when it starts) can be read while it runs, so a consumer can
-    decode what came back while later chunks are still on the wire.
+    phase sends only those and wakes on this stream's eventfd when more are.  A reader on a
+    third thread can wait for a prefix of the chunks to be answered (`wait_answered`: the C
+    phase signals a second eventfd) and read their results (`results`) while later chunks
+    are still on the wire.
 
     Nothing on the wire changes: the same chunks, the same slots and rounds, only sent as
-    soon as each is made (docs/design.md, "A round as a pipeline")."""
+    soon as each is made (docs/design.md, "A round as a pipeline").
+
+    P's slots (_batchio.c): READY, the producer's eventfd, then WATCH, ANSWERED, NOTIFIED and
+    the reader's eventfd."""
+
+    READY = 19                  # P's index of the count of chunks ready (_batchio.c P_READY)
+    WATCH, ANSWERED = READY + 2, READY + 3
 
     def __init__(self, nchunks: int):
         self.n = nchunks
@@ -153,17 +157,23 @@ class ChunkStream:
         self.error: BaseException | None = None
         self.results: PhaseResults | None = None
         self.evfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._P = self._index = None
+        self.donefd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._P = None
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._started = threading.Event()
+        self._over = False
+
+    def p_fields(self) -> list:
+        """The values P starts with from index READY on (the phase appends them)."""
+        return [self.ready, self.evfd, 0, 0, 0, self.donefd]
 
     def advance(self, ready: int) -> None:
         """The first `ready` chunks can be sent."""
         with self._lock:
             self.ready = min(max(ready, self.ready), self.n)
             if self._P is not None:
-                self._P[self._index] = self.ready
+                self._P[self.READY] = self.ready
             if self.evfd >= 0:
                 os.eventfd_write(self.evfd, 1)
         if self.ready >= self.n:
@@ -177,17 +187,13 @@ class ChunkStream:
             if self.evfd >= 0:
                 os.eventfd_write(self.evfd, 1)
 
-    def attach(self, P: np.ndarray, index: int, results: PhaseResults) -> None:
-        """The phase starts: it reads `ready` from P[index] from now on."""
+    def attach(self, P: np.ndarray, results: PhaseResults) -> None:
+        """The phase starts with P (whose fields from READY on are `p_fields()`)."""
         with self._lock:
-            self._P, self._index = P, index
-            P[index] = self.ready
+            self._P = P
+            P[self.READY] = self.ready
             self.results = results
         self._started.set()
-
-    def started(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds for the phase to start; whether it has."""
-        return self._started.wait(timeout)
 
     def check(self) -> None:
         """Raise the producer's error, if it failed."""
@@ -199,8 +205,37 @@ class ChunkStream:
         self._done.wait(timeout)
         self.check()
 
+    def wait_answered(self, hi: int, recheck_s: float = 0.005) -> bool:
+        """Block until chunks [0, hi) have all been answered (a result, or lost): True; False
+        when the phase ended first (`end`).  Sleeps in select() on the phase's signal (GIL
+        released); `recheck_s` bounds a wake-up lost between the two threads."""
+        while not self._started.is_set():
+            if self._over:
+                return False
+            self._started.wait(recheck_s)
+        P = self._P
+        P[self.WATCH] = hi
+        while P[self.ANSWERED] < hi:
+            if self._over:
+                return False
+            ready, _, _ = select.select([self.donefd], [], [], recheck_s)
+            if ready:
+                try:
+                    os.eventfd_read(self.donefd)
+                except BlockingIOError:
+                    pass
+        return True
+
+    def end(self) -> None:
+        """The phase is over (or failed): a reader waiting in `wait_answered` returns False."""
+        self._over = True
+        with self._lock:
+            if self.donefd >= 0:
+                os.eventfd_write(self.donefd, 1)
+
     def close(self) -> None:
         with self._lock:
-            if self.evfd >= 0:
-                os.close(self.evfd)
-                self.evfd = -1
+            for fd in (self.evfd, self.donefd):
+                if fd >= 0:
+                    os.close(fd)
+            self.evfd = self.donefd = -1

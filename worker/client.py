@@ -68,11 +68,30 @@ def average_lanes(chunks, results, total: int, granularity: int, lane_bits: int)
 #: workers on two cores) the decode took the CPU the phase's wake-ups need, and the phase took
 #: 2.5 times as long; for a worker with cores to spare (docs/design.md, "Co-located load").
 OVERLAP_RESIDUAL = os.environ.get("THC_OVERLAP_RESIDUAL", "0") == "1"
-#: Run a THC round as a pipeline over its RHT blocks (`Worker._pipelined_round`): on unless
-#: $THC_PIPELINE=0 (kept for side-by-side measurement, docs/bench.md).
-PIPELINE = os.environ.get("THC_PIPELINE", "1") != "0"
-#: How often the pipeline's decode looks whether a block's results are all back (seconds).
-_POLL_S = 0.0005
+#: Run a THC round's DATA phase as a pipeline over its RHT blocks (`Worker._pipelined_round`):
+#: "auto" (the default) when the host's cores sat idle during the last DATA phase, "1" always,
+#: "0" never ($THC_PIPELINE; docs/design.md, "A round as a pipeline").
+PIPELINE = os.environ.get("THC_PIPELINE", "auto")
+#: Under "auto": pipeline when at least this share of the host's CPU was idle during the last
+#: plain DATA phase, and keep it while at least STAY_IDLE was idle during a pipelined one.
+START_IDLE, STAY_IDLE = 0.25, 0.10
+
+
+def cpu_times() -> tuple[int, int] | None:
+    """(idle, total) jiffies of the host's CPUs from /proc/stat (None where there is none)."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return fields[3] + fields[4], sum(fields[:8])
+
+
+def idle_share(before, after) -> float | None:
+    """The share of the host's CPU time that was idle between two `cpu_times()`."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 @dataclass
@@ -138,7 +157,11 @@ class Worker:
         self.last: RoundReport | None = None
         self._background: ThreadPoolExecutor | None = None
         self._decode_pool: ThreadPoolExecutor | None = None
-        self.pipeline = PIPELINE
+        if PIPELINE not in ("auto", "0", "1"):
+            raise ValueError(f"THC_PIPELINE must be auto, 0 or 1, not {PIPELINE!r}")
+        self.pipeline = {"auto": "auto", "0": False, "1": True}[PIPELINE]
+        self._idle: float | None = None        # host CPU idle during the last DATA phase
+        self._piped = False                     # whether that phase was pipelined
 
     def _in_background(self, fn):
         """Start fn() in this worker's helper thread; returns its Future.  For the
@@ -292,7 +315,7 @@ class Worker:
         layout = rnd.layout
         norms = self._exchange_norms(rnd.norms())
         report.norms = norms.tolist()
-        if self.pipeline and len(layout.starts) > 1 and job.lane_bits == 8 and rnd.can_pipeline() \
+        if self._pipelines() and len(layout.starts) > 1 and job.lane_bits == 8 and rnd.can_pipeline() \
                 and getattr(self.t, "streams", lambda: False)():
             return self._pipelined_round(rnd, norms, rn, report, out)
         n = layout.padded_dim
@@ -304,7 +327,7 @@ class Worker:
         residual = self._in_background(rnd.residual) if rnd.memory is not None and OVERLAP_RESIDUAL else None
         try:
             self._maybe_straggle()
-            results = self.t.run_phase(H.DATA, chunks)
+            results = self._timed_phase(chunks, False)
             if rnd.memory is not None and residual is None:
                 residual = self._in_background(rnd.residual)
             self._collect(results, report)
@@ -346,7 +369,6 @@ class Worker:
         hi = [min(-(-e // per), len(chunks)) for e in ends]
         stream = ChunkStream(len(chunks))
         made = [threading.Event() for _ in range(nblocks)]       # block j's residual done too
-        over = threading.Event()
         residual = [None]
         shares = rnd.memory is not None and np.shares_memory(flat, rnd.x)
 
@@ -365,14 +387,10 @@ class Worker:
 
         def consume() -> list:
             done = [False] * nblocks
-            while not stream.started(_POLL_S):
-                if over.is_set():
-                    return done
-            res = stream.results
             for j in range(nblocks):
-                while not res.answered(lo[j], hi[j]):
-                    if over.wait(_POLL_S):
-                        return done
+                if not stream.wait_answered(hi[j]):
+                    return done
+                res = stream.results
                 k = res.common_k(lo[j], hi[j])
                 if k is None:
                     continue
@@ -386,9 +404,9 @@ class Worker:
         decoder = self._decoder().submit(consume)
         try:
             self._maybe_straggle()
-            results = self.t.run_phase(H.DATA, chunks, stream)
+            results = self._timed_phase(chunks, True, stream)
         finally:
-            over.set()
+            stream.end()
             done = decoder.result()
             try:
                 producer.result()
@@ -406,6 +424,26 @@ class Worker:
             np.copyto(flat, rnd.decode(average_lanes(chunks, results, n, cfg.granularity, job.lane_bits)))
         rnd.feedback(residual[0])
         return flat
+
+    def _pipelines(self) -> bool:
+        """Whether this round's DATA phase is pipelined: always, never, or (auto) when the
+        host's cores were idle for START_IDLE of the last plain DATA phase (the wire, not the
+        CPU, held it up: the codec can overlap it) and STAY_IDLE of a pipelined one.  On a
+        host whose cores are busy throughout, overlapping only adds the codec's memory
+        traffic to the phase's (docs/bench-history.md).  Each rank decides alone: nothing on
+        the wire differs."""
+        if self.pipeline != "auto":
+            return self.pipeline
+        return self._idle is not None and self._idle >= (STAY_IDLE if self._piped else START_IDLE)
+
+    def _timed_phase(self, chunks, piped: bool, stream=None):
+        """The DATA phase, noting how idle the host's CPU was meanwhile (`_pipelines`)."""
+        before = cpu_times() if self.pipeline == "auto" else None
+        results = self.t.run_phase(H.DATA, chunks, stream) if stream is not None else \
+            self.t.run_phase(H.DATA, chunks)
+        if before is not None:
+            self._idle, self._piped = idle_share(before, cpu_times()), piped
+        return results
 
     def _decoder(self) -> ThreadPoolExecutor:
         """The pipeline's decode thread (one per worker, made on first use)."""

@@ -50,8 +50,6 @@ PHASE_COUNTERS = ("packets_sent", "packets_received", "bytes_sent", "bytes_recei
 SPIN_US = int(os.environ.get("THC_BUSY_POLL_US", "0") or 0)
 #: The C phase loop returns to Python this often (restarted PS, read-ahead results, warnings).
 PHASE_BUDGET_MS = 100.0
-#: P's index of the count of chunks ready (_batchio.c's P_READY; the eventfd follows it)
-P_READY = 19
 
 DEFAULT_WINDOW = 512        # most chunks in flight per worker: the default job's 512 slots
 START_WINDOW = 64           # the window a transport starts with ...
@@ -381,10 +379,10 @@ class PhaseEngine:
                       job.num_workers, elem_bits, op, n, self.cwnd, nslots, len(self.shard_addrs),
                       self.policy == "zero", self.max_retries, self.net.gso, 0, 0,
                       int(np.count_nonzero(res.state == _SETTLED)), SPIN_US,
-                      -1 if self.net.gsock is None else self.net.gsock.fileno(), n,
-                      -1 if stream is None else stream.evfd], dtype=np.int64)
+                      -1 if self.net.gsock is None else self.net.gsock.fileno(),
+                      *([n, -1, 0, 0, 0, -1] if stream is None else stream.p_fields())], dtype=np.int64)
         if stream is not None:
-            stream.attach(P, P_READY, res)
+            stream.attach(P, res)
         dests = np.array([[int.from_bytes(socket.inet_aton(ip), sys.byteorder), port, *self.session.ids(s)]
                           for s, (ip, port) in enumerate(self.shard_addrs)], dtype=np.int64)
         hdr = np.zeros(n * H.HEADER_SIZE, np.uint8)
