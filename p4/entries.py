@@ -51,20 +51,22 @@ SLOT_REGISTERS = ("owner_reg", "round_reg", "count_reg", "bitmap_reg", "offset_r
 REGISTERS = {f"{ING}.{r}": SLOTS for r in SLOT_REGISTERS} | {f"{ING}.norm_acc": 2 * SLOTS} | \
     {f"{ING}.acc{i}": 2 * SLOTS for i in range(LANES)}
 
-#: The Tofino program's names for what it shares with the v1model program (one job at a time,
-#: so no job id in its keys and no per-job counter blocks; p4/tofino/README.md): v1model name ->
-#: (TNA name, its key fields or action params [(name, bits)]).  What is not here has no
-#: counterpart there: thc_config is split into thc_job, job_size, worker_range and slot_range.
+#: The Tofino program's names for what it shares with the v1model program: v1model name ->
+#: (TNA name, its key fields or action params [(name, bits)], None: not compared).  p4c-barefoot
+#: names TNA objects after the Pipeline instance (`pipe.`); the program serves one job at a
+#: time (p4/tofino/README.md), so no job id in its keys and no per-job counter blocks, and
+#: thc_config has no single counterpart (thc_job, job_size, worker_range, slot_range).
+TNA_PIPE = "pipe"
 TNA_NAMES: dict = {
-    L2: (f"{ING}.l2", (("hdr.eth.dst", 48),)),
-    f"{ING}.forward": (f"{ING}.forward", (("port", 9),)),
-    REPLICA: (f"{EGR}.replica_dest", None),
-    f"{EGR}.set_dest": (f"{EGR}.set_dest", (("mac", 48), ("ip", 32), ("port", 16))),
-    WORKERS: (f"{ING}.workers", (("hdr.ipv4.src", 32), ("hdr.udp.src_port", 16), ("hdr.thc.token", 32),
-                                 ("hdr.thc.worker_id", 8))),
-    **{lut(i): (lut(i), ((f"hdr.idx.z{i}", 4),)) for i in range(LANES)},
-    **{f"{ING}.set_v{i}": (f"{ING}.set_v{i}", (("v", 8),)) for i in range(LANES)},
-    EVENTS_COUNTER: (f"{ING}.events", None),
+    L2: (f"{TNA_PIPE}.{ING}.l2", (("hdr.eth.dst", 48),)),
+    f"{ING}.forward": (f"{TNA_PIPE}.{ING}.forward", (("port", 9),)),
+    REPLICA: (f"{TNA_PIPE}.{EGR}.replica_dest", None),
+    f"{EGR}.set_dest": (f"{TNA_PIPE}.{EGR}.set_dest", (("mac", 48), ("ip", 32), ("port", 16))),
+    WORKERS: (f"{TNA_PIPE}.{ING}.workers", (("hdr.ipv4.src", 32), ("hdr.udp.src_port", 16), ("hdr.thc.token", 32),
+                                            ("hdr.thc.worker_id", 8))),
+    **{lut(i): (f"{TNA_PIPE}.{lut(i)}", ((f"hdr.idx.z{i}", 4),)) for i in range(LANES)},
+    **{f"{ING}.set_v{i}": (f"{TNA_PIPE}.{ING}.set_v{i}", (("v", 8),)) for i in range(LANES)},
+    EVENTS_COUNTER: (f"{TNA_PIPE}.{ING}.events", None),
 }
 
 

@@ -161,13 +161,6 @@ class P4RuntimeClient:
         req.config.cookie.cookie = int.from_bytes(hashlib.sha256(device_config).digest()[:8], "big")
         self.stub.SetForwardingPipelineConfig(req)
 
-    def device_p4info(self):
-        """The P4Info of the program the device runs."""
-        pb = self.pb
-        reply = self.stub.GetForwardingPipelineConfig(pb.GetForwardingPipelineConfigRequest(
-            device_id=self.device_id, response_type=pb.GetForwardingPipelineConfigRequest.P4INFO_AND_COOKIE))
-        return reply.config.p4info
-
     def write(self, updates: list) -> list:
         """One WriteRequest; [] when every update applied, else one (code, message) per update
         (code 0: applied) as the server reported them."""
@@ -237,19 +230,6 @@ class P4RuntimeControl:
         """Load the program (p4c's JSON and P4Info): the switch starts it with every table,
         multicast group, register and counter empty."""
         self.client.set_pipeline(self.p4info.message, self.device_config.read_bytes())
-
-    def check_device(self) -> None:
-        """Refuse a device whose program has other tables, actions or counters than this P4Info
-        names (another program, or another build of it), naming the first difference."""
-        theirs = P4Info(self.client.device_p4info())
-        for kind in ("tables", "actions", "counters", "registers"):
-            mine, other = getattr(self.p4info, kind), getattr(theirs, kind)
-            for name, item in mine.items():
-                if name != item.preamble.name:
-                    continue
-                if name not in other or other[name].preamble.id != item.preamble.id:
-                    raise ValueError(f"the switch runs another program: {kind[:-1]} {name} "
-                                     f"{'is missing' if name not in other else 'has another id'} in its P4Info")
 
     # ---------------------------------------------------------------- writes
 
