@@ -275,3 +275,26 @@ def test_a_switch_whose_cli_cannot_import_its_modules_says_so(tmp_path, monkeypa
     assert f"in python3 ({shutil.which('python3')} on PATH)" in msg and "PATH=/usr/bin:$PATH" in msg
     line = by_name(tools.doctor(**where(d)))["simple_switch_CLI"].line()     # the doctor says the same
     assert "broken" in line and f"in python3 ({shutil.which('python3')} on PATH)" in line
+
+
+def test_the_switch_control_plane_is_chosen_and_explained(tmp_path, monkeypatch, capsys):
+    """auto: P4Runtime where simple_switch_grpc (and the client library) are found, else Thrift
+    with the reason; asked for by name, P4Runtime without simple_switch_grpc is an error
+    naming it, before any switch starts."""
+    from p4.control import choose_control
+    from p4.p4runtime import client_problem
+    d = fake_tools(tmp_path)
+    monkeypatch.setenv("PATH", f"{d}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(tools, "SYSTEM_DIR", str(tmp_path / "no-such-dir"))
+    monkeypatch.delenv("THC_P4_TOOLS", raising=False)
+    kind, why = choose_control("auto")
+    assert kind == "thrift" and why.startswith("no P4Runtime: simple_switch_grpc (PATH, ")
+    assert choose_control("thrift") == ("thrift", "asked for")
+    with pytest.raises(FileNotFoundError, match="the P4Runtime control plane needs simple_switch_grpc"):
+        choose_control("p4runtime")
+    assert exit_code(["p4", "run", "--attach", "--worker-port", "10.0.0.1=1,00:00:00:00:00:01",
+                      "--switch-control", "p4runtime"]) == 1     # a missing tool, as `thc p4 build`'s
+    assert "thc p4: error: the P4Runtime control plane needs simple_switch_grpc" in capsys.readouterr().err
+    _tool(d, "simple_switch_grpc", "true")
+    if not client_problem():
+        assert choose_control("auto") == ("p4runtime", "simple_switch_grpc and the P4Runtime client are there")
