@@ -107,10 +107,6 @@ class SwitchCLI:
             raise RuntimeError(f"simple_switch_CLI failed: {bad[:5] or out.stderr[-500:]}")
         return out.stdout
 
-    def events(self, cell: int = 0) -> dict:
-        """Drop/event counters by name: block 0 (what no job owns) or a job cell's."""
-        return parse_events(self.run(events_commands(cell), check=False))
-
 
 def _failed(text: str) -> bool:
     return "Error" in text or "Invalid" in text
@@ -234,7 +230,7 @@ class ThriftControl:
 
     def read_counters(self, counter: str, first: int, count: int) -> list[int]:
         text = self.cli.run([f"counter_read {counter} {i}" for i in range(first, first + count)], check=False)
-        counts = [int(a or b) for a, b in re.findall(r"packets=(\d+)|(\d+) packets", text)]
+        counts = packet_counts(text)
         if len(counts) != count:
             raise RuntimeError(f"could not read {count} cells of {counter} from the switch CLI:\n{text[-500:]}")
         return counts
@@ -249,16 +245,16 @@ def events(control, cell: int = 0) -> dict:
     return dict(zip(EVENTS, counts))
 
 
-def events_commands(cell: int = 0) -> list[str]:
-    """Reads of one counter block: 0 for what no job owns, a job cell for that job."""
-    return [f"counter_read {EVENTS_COUNTER} {cell * EVENT_CELLS + i}" for i in range(len(EVENTS))]
+def packet_counts(text: str) -> list[int]:
+    """The packet counts in `counter_read` output: bmv2's CLI prints either `packets=N`
+    (older) or `(B bytes, N packets)` (newer)."""
+    return [int(a or b) for a, b in re.findall(r"packets=(\d+)|(\d+) packets", text)]
 
 
 def parse_events(text: str, blocks: int = 1) -> dict:
-    """The output of events_commands() as {event: packets}, summed over `blocks` blocks read
-    one after the other.  bmv2's CLI prints either `packets=N` (older) or `(B bytes, N
-    packets)` (newer); both are read, and a missing line is an error."""
-    counts = [int(a or b) for a, b in re.findall(r"packets=(\d+)|(\d+) packets", text)]
+    """`counter_read` output of `blocks` event counter blocks read one after the other, as
+    {event: packets} summed over the blocks; a missing line is an error."""
+    counts = packet_counts(text)
     if len(counts) != blocks * len(EVENTS):
         raise RuntimeError(f"could not read {blocks} x {len(EVENTS)} event counters from the switch CLI:\n"
                            f"{text[-500:]}")
