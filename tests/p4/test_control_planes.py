@@ -192,3 +192,59 @@ def test_a_p4info_that_is_not_the_switchs_names_what_differs(fake):
     with pytest.raises(SwitchRejected, match=r"rejected 16 of .*ThcIngress.lut3 .*NOT_FOUND"):
         switch.start_job(switch_job(2, job_id=3), nonce=5, base=0)
     assert not any(server.tables.values()) and server.groups == {} and not switch.cells
+
+
+# ---------------------------------------------------------------- the Thrift backend, fake CLI
+
+class FakeCLI:
+    """simple_switch_CLI as a batch sees it: its prompt before each command's output, entry
+    and node handles counted up, `Invalid table operation (TABLE_FULL)` for a table at its
+    `capacity`."""
+
+    thrift_port = 0
+
+    def __init__(self, capacity: dict):
+        self.capacity, self.rows, self.next = capacity, {}, itertools.count()
+        self.nodes, self.runs = itertools.count(), []
+
+    def run(self, commands, check=True):
+        self.runs.append(list(commands))
+        out = ["Obtaining JSON from switch...\nDone\n"]
+        for c in commands:
+            word, table = c.split()[:2]
+            text = ""
+            if word == "table_add":
+                rows = self.rows.setdefault(table, set())
+                if len(rows) >= self.capacity.get(table, 128):
+                    text = "Invalid table operation (TABLE_FULL)\n"
+                else:
+                    handle = next(self.next)
+                    rows.add(handle)
+                    text = f"Entry has been added with handle {handle}\n"
+            elif word == "table_delete":
+                self.rows[table].discard(int(c.split()[2]))
+            elif word == "mc_node_create":
+                text = f"node was created with handle {next(self.nodes)}\n"
+            out.append("RuntimeCmd: " + text)
+        return "".join(out) + "RuntimeCmd: \n"
+
+
+def test_thrift_batches_keep_handles_and_take_back_a_full_table():
+    from p4.control import ThriftControl
+    cli = FakeCLI({E.lut(5): 16 + 3})
+    switch = SwitchEngine(ThriftControl(cli), TOPOLOGY, PS_MAC)
+    a = switch.start_job(switch_job(2, job_id=1), nonce=1, base=0)
+    a.register(0, "10.0.0.1", 5000, token=3)
+    assert cli.runs[-1] == ["mc_node_associate 1 0"]           # the node bmv2 numbered, in the group
+    assert cli.runs[-2][1:] == ["mc_node_create 32 1", "table_add ThcEgress.replica_dest ThcEgress.set_dest "
+                                f"32 => 1 {E.ip_int('10.0.0.1')} 5000"]
+    with pytest.raises(SwitchRejected, match=r"failed 13 of .*ThcIngress.lut5 .*TABLE_FULL"):
+        switch.start_job(switch_job(2, job_id=2), nonce=2, base=100)
+    assert {t: len(r) for t, r in cli.rows.items() if r} == \
+        {t: len(r) for t, r in cli.rows.items() if r and t != E.lut(5)} | {E.lut(5): 16}
+    assert sum(len(r) for r in cli.rows.values()) == 1 + LANES * 16 + 2     # job 1 and its rank 0 only
+    taken_back = cli.runs[-1]
+    assert taken_back[0] == "mc_mgrp_destroy 2"                 # newest first: the group, ..., the config
+    assert taken_back[-1].startswith("table_delete ThcIngress.thc_config ") and len(taken_back) == 1 + 32 * 16 - 13 + 1
+    a.close()
+    assert not any(cli.rows.values()) and "mc_node_dissociate 1 0" in cli.runs[-1]
