@@ -75,7 +75,7 @@ def test_two_jobs_share_the_switch(tmp_path, control):
     once per switch control plane: each job gets its own region, cell and lookup tables, and
     each is exact on its own."""
     doc = run(tmp_path, workers=3, rounds=10, dim=2048, control="p4run", jobs=2, switch=control)
-    assert doc["switch_control"] == control and f"switch control plane: {control}" in doc["control_output"]
+    assert doc["switch_control"] == control
     assert [c["exact_rounds"] for c in doc["per_job"]] == [10, 10]
     assert doc["mismatched_chunks"] == 0 and doc["lost_chunks"] == 0
     assert doc["switch"]["rounds_completed"] == 2 * 10 * doc["chunks_per_round"]
