@@ -398,9 +398,11 @@ def start_switch_grpc(ports: dict, grpc_port: int | None = None, netns: str | No
     grpc_port = grpc_port or free_port()
     address = f"127.0.0.1:{grpc_port}"
     cmd = [ss, "--device-id", "0", "--no-p4"]
-    if "--notifications-addr" in subprocess.run([ss, "--help"], capture_output=True, text=True,
-                                                timeout=30).stdout:      # built with nanomsg: see start_switch
+    usage = subprocess.run([ss, "--help"], capture_output=True, text=True, timeout=30).stdout
+    if "--notifications-addr" in usage:           # built with nanomsg: see start_switch
         cmd += ["--notifications-addr", f"ipc:///tmp/bmv2-thc-{os.getpid()}-{grpc_port}-notifications.ipc"]
+    if "--thrift-port" in usage:                  # built with Thrift too: not on 9090, which others may hold
+        cmd += ["--thrift-port", str(free_port())]
     for port, iface in sorted(ports.items()):
         cmd += ["-i", f"{port}@{iface}"]
     if log:
