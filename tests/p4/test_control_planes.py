@@ -69,10 +69,10 @@ def schema_p4info():
 
 
 class FakeServer:
-    """Tables and multicast groups as bmv2's P4Runtime server keeps them: an insert of a key
-    that is there is ALREADY_EXISTS, a delete of one that is not NOT_FOUND, a table at its
-    `capacity` RESOURCE_EXHAUSTED, an unknown table id NOT_FOUND; each update on its own
-    (CONTINUE_ON_ERROR, bmv2's only mode)."""
+    """Tables and multicast groups as bmv2's P4Runtime server keeps them, answering as it does:
+    an insert of a key that is there is ALREADY_EXISTS, a delete of one that is not NOT_FOUND,
+    a table at its `capacity` UNKNOWN "Error when adding match entry to target", an unknown
+    table id NOT_FOUND; each update on its own (CONTINUE_ON_ERROR, bmv2's only mode)."""
 
     def __init__(self, capacity: dict):
         from p4.v1 import p4runtime_pb2
@@ -93,7 +93,7 @@ class FakeServer:
                 if key in rows:
                     return 6, "entry exists"
                 if len(rows) >= self.capacity[te.table_id]:
-                    return 8, "table is full"
+                    return 2, "Error when adding match entry to target"
                 rows.add(key)
             elif u.type == pb.Update.DELETE:
                 if key not in rows:
@@ -157,7 +157,7 @@ def test_a_full_table_rejects_the_job_and_nothing_of_it_stays(fake):
         switch.start_job(switch_job(2, job_id=2), nonce=22, base=100)
     msg = str(exc.value)
     assert "rejected 11 of" in msg and "table ThcIngress.lut7 entry (hdr.thc.job_id=2, hdr.idx.z7=5)" in msg
-    assert "RESOURCE_EXHAUSTED: table is full" in msg and "everything else of the batch was taken back" in msg
+    assert "UNKNOWN: Error when adding match entry to target" in msg and "everything else of the batch was taken back" in msg
     assert ({t: set(rows) for t, rows in server.tables.items()}, dict(server.groups)) == before
     assert nothing_of(server, ids, 2) and list(switch.cells) == [a.cell]
     capacity[ids[E.lut(7)]] = 128
