@@ -197,8 +197,8 @@ class ThriftControl:
         node_handles = iter(_handles("".join(o for c, o in zip(batch, outputs) if c.startswith("mc_node_create")),
                                      "created with handle"))
         for k, cmd, out in zip(owner, batch, outputs):
-            if _failed(out):
-                bad.setdefault(k, f"{cmd}: {out.strip()[-200:]}")
+            if _failed(out):        # the CLI's last line says why (e.g. `Invalid table operation (TABLE_FULL)`)
+                bad.setdefault(k, out.strip().splitlines()[-1][-200:])
             elif cmd.startswith("table_add"):
                 op, item = writes[k]
                 self.handles[item.key] = _handle(out)
