@@ -127,7 +127,9 @@ class P4RuntimeClient:
                  primary: bool = True):
         grpc, _, _, _, pb, pb_grpc = _modules()
         self.address, self.device_id, self.pb = address, device_id, pb
-        self.channel = grpc.insecure_channel(address)
+        # a rejected batch's status carries one error per update (~37 bytes each): past gRPC's
+        # default 16 KiB of metadata for a job's 515 writes
+        self.channel = grpc.insecure_channel(address, options=[("grpc.max_metadata_size", 16 << 20)])
         try:
             grpc.channel_ready_future(self.channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
@@ -182,8 +184,8 @@ class P4RuntimeClient:
                 err = self.pb.Error()
                 if detail.Unpack(err):
                     out.append((err.canonical_code, err.message))
-        if len(out) != n:            # no per-update detail: the whole batch failed
-            out = [(exc.code().value[0], exc.details() or str(exc.code()))] * n
+        if len(out) != n:            # no per-update detail: which updates applied is unknown
+            out = [(UNKNOWN_OUTCOME, exc.details() or str(exc.code()))] * n
         return out
 
     def read(self, entities: list) -> list:
@@ -207,6 +209,9 @@ def read_cells(client: P4RuntimeClient, info: P4Info, counter: str, cells) -> li
     got = {e.counter_entry.index.index: e.counter_entry.data.packet_count for e in client.read(entities)}
     return [got.get(i, 0) for i in cells]
 
+
+#: the status of an update the server's answer does not give one for
+UNKNOWN_OUTCOME = -1
 
 #: P4Runtime's canonical codes (google.rpc.Code) by number, for messages
 CODES = {0: "OK", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 5: "NOT_FOUND", 6: "ALREADY_EXISTS",
@@ -295,7 +300,9 @@ class P4RuntimeControl:
             if code != 0:
                 bad.setdefault(k, f"{CODES.get(code, code)}: {message}")
         rejected = [(op, item, bad[k]) for k, (op, item) in enumerate(writes) if k in bad]
-        applied = [(op, item) for k, (op, item) in enumerate(writes) if k not in bad]
+        unknown = {k for k, (code, _) in zip(owner, errors) if code == UNKNOWN_OUTCOME}
+        # an update of unknown outcome may have applied: taken back too
+        applied = [(op, item) for k, (op, item) in enumerate(writes) if k not in bad or k in unknown]
         first = rejected[0]
         raise P4RuntimeError(f"the switch (P4Runtime, {self.client.address}) rejected {len(rejected)} of "
                              f"{len(writes)} writes; first: {first[0]} {describe(first[1])}: {first[2]}",
