@@ -67,12 +67,8 @@ class Bmv2Switch(Switch):
         self.ipc, self.grpc = ipc, grpc
 
     def start(self, controllers):
-        args = [self.binary, "--device-id", "0"]
-        if not self.grpc:
-            args += ["--thrift-port", str(self.thrift_port)]
-        help_text = subprocess.run([self.binary, "--help"], capture_output=True, text=True).stdout
-        if "--notifications-addr" in help_text:             # not /tmp/bmv2-0-...: shared by all runs
-            args += ["--notifications-addr", f"ipc://{self.ipc}"]
+        args = [self.binary, "--thrift-port", str(self.thrift_port), "--device-id", "0",
+                "--notifications-addr", f"ipc://{self.ipc}"]       # not /tmp/bmv2-0-...: shared by all runs
         for port, intf in self.intfs.items():
             if intf.name != "lo":
                 args += ["-i", f"{port}@{intf.name}"]
