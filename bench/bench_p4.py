@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `bench`, `tests`: run from a checkout
-from p4.control import SwitchEngine, compile_program, l2_commands, switch_job  # noqa: E402
+from p4.control import SwitchEngine, compile_program, switch_job  # noqa: E402
 from p4.harness.veth_switch import VethSwitch  # noqa: E402
 from p4.resources import resources  # noqa: E402
 from scapy.layers.inet import IP, UDP  # noqa: E402
@@ -73,11 +73,10 @@ def run_forwarding(sw, packets: int, window: int) -> tuple[int, float]:
 
 def program(sw, job) -> None:
     """The job and its workers, through the one code path `thc p4 run` uses."""
-    switch = SwitchEngine(sw.cli, {w.ip: (w.switch_port, w.mac) for w in WORKERS}, PS_MAC)
+    switch = SwitchEngine(sw.control, {w.ip: (w.switch_port, w.mac) for w in WORKERS}, PS_MAC, l2={OTHER_MAC: N + 1})
     engine = switch.start_job(job, NONCE)
     for w in WORKERS:
         engine.register(w.worker_id, w.ip, w.udp_port, TOKENS[w.worker_id])
-    sw.cli.run(l2_commands({OTHER_MAC: N + 1}))
 
 
 def main() -> int:

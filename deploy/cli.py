@@ -10,6 +10,7 @@ import threading
 from deploy import commands
 from deploy import experiments
 from deploy import train as train_mod
+from p4.control import CONTROLS as SWITCH_CONTROLS
 from proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, MAX_BLOCK_LOG2
 
 
@@ -374,6 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
     p4_job = job_parent("workers", "quorum", "granularity", "p")
     p4_out = argparse.ArgumentParser(add_help=False)
     p4_out.add_argument("--out", default="build/p4", help="output directory of compiled programs")
+    p4_switch = argparse.ArgumentParser(add_help=False)
+    p4_switch.add_argument("--switch-control", choices=("auto",) + SWITCH_CONTROLS, default="auto",
+                           help="how the switch is programmed: p4runtime (simple_switch_grpc) or thrift "
+                                "(simple_switch_CLI); auto: p4runtime where simple_switch_grpc and the P4Runtime "
+                                "client are there, else thrift (the choice and why are printed)")
 
     p4_doctor = _command(
         p4_sub, "doctor", help="find and check the P4 tools",
@@ -397,7 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="compiler back end: bmv2 (p4c-bm2-ss), tofino or tofino2 (p4c-barefoot)")
 
     p4_run = _command(
-        p4_sub, "run", parents=[p4_job, p4_out], help="run the program under simple_switch and serve the workers",
+        p4_sub, "run", parents=[p4_job, p4_out, p4_switch],
+        help="run the program under simple_switch and serve the workers",
         description="Start simple_switch on interfaces (or attach to a running one) and serve the "
                     "workers' control plane: each job (workers of one --job name) gets a region of the "
                     "switch's slots and is programmed when its first worker registers, removed when it "
@@ -411,12 +418,19 @@ def build_parser() -> argparse.ArgumentParser:
     p4_run.add_argument("--control", type=_addr, default="0.0.0.0:9001",
                         help="ZeroMQ control plane address HOST:PORT")
     p4_run.add_argument("--thrift-port", type=_port, default=9090, help="simple_switch Thrift port")
+    p4_run.add_argument("--grpc-port", type=_port, default=None,
+                        help="simple_switch_grpc's P4Runtime port on 127.0.0.1 (default: a free one for the switch "
+                             "this starts, 9559 with --attach)")
+    p4_run.add_argument("--l2", action="append", default=[], metavar="MAC=PORT",
+                        help="a plain forwarding entry (non-THC traffic) the control plane writes, repeatable "
+                             "(P4Runtime loads the program, so the switch starts with none)")
     p4_run.add_argument("--attach", action="store_true",
                         help="program a simple_switch that is already running (e.g. started by Mininet) "
                              "on --thrift-port instead of compiling and starting one")
 
     p4_mn = _command(
-        p4_sub, "mininet", parents=[p4_job, p4_out], help="real workers through one bmv2 switch in Mininet (root)",
+        p4_sub, "mininet", parents=[p4_job, p4_out, p4_switch],
+        help="real workers through one bmv2 switch in Mininet (root)",
         description="One bmv2 switch and N hosts running real `thc worker`s in Mininet, every chunk "
                     "checked exactly (root).")
     p4_mn.add_argument("--json", action="store_true", help="one JSON document")

@@ -384,7 +384,7 @@ def _p4_mininet(args):
                           quorum=args.quorum, granularity=args.granularity, p=str(args.p),
                           policy=args.loss_policy, control=args.control_mode, timeout_ms=args.timeout_ms,
                           fixed_timeout=args.fixed_timeout,
-                          build_dir=args.out, jobs=args.jobs, log=log)
+                          build_dir=args.out, jobs=args.jobs, switch=args.switch_control, log=log)
     print(json.dumps(doc) if args.json else mininet_run.summary_text(doc), flush=True)
     why = mininet_run.failed(doc)
     if why:
@@ -443,18 +443,36 @@ def cmd_p4(args):
     if not topology:
         raise ValueError("thc p4 run needs --worker-port IP=PORT,MAC for every worker host")
     job = control.switch_job(args.workers, granularity=args.granularity, p=str(args.p), quorum=args.quorum)
-    proc = None
-    if not args.attach:
-        json_path = control.compile_program(args.out)
-        proc = control.start_switch(json_path, ports, thrift_port=args.thrift_port)
+    l2 = {}
+    for item in args.l2:
+        mac, sep, port = item.partition("=")
+        if not sep or not port.isdigit():
+            raise ValueError(f"--l2 expects MAC=PORT, got {item!r}")
+        l2[mac] = int(port)
+    kind, why = control.choose_control(args.switch_control)
+    print(f"switch control plane: {kind} ({why})", flush=True)
+    proc, ctl = None, None
     try:
-        cli = control.SwitchCLI(args.thrift_port)
+        if kind == "p4runtime":
+            from p4.p4runtime import P4RuntimeControl
+            json_path = control.ensure_program(args.out)
+            if args.attach:
+                address = f"127.0.0.1:{args.grpc_port or 9559}"
+            else:
+                proc, address = control.start_switch_grpc(ports, args.grpc_port)
+            ctl = P4RuntimeControl(address, control.p4info_path(json_path), json_path)
+            where = f"P4Runtime server {address}"
+        else:
+            if not args.attach:
+                proc = control.start_switch(control.compile_program(args.out), ports, thrift_port=args.thrift_port)
+            ctl = control.ThriftControl(control.SwitchCLI(args.thrift_port))
+            where = f"Thrift port {args.thrift_port}"
         from ps_server.server import PSServer
         host, cport = args.control
         server = PSServer(job, (host, 0), control_port=cport,
-                          engine=control.SwitchEngine(cli, topology, args.ps_mac),
+                          engine=control.SwitchEngine(ctl, topology, args.ps_mac, l2=l2),
                           log=lambda m: print(m, flush=True)).start()
-        where = f"{len(ports)} ports" if proc else f"attached to the switch on Thrift port {args.thrift_port}"
+        where = f"{len(ports)} ports, {where}" if proc else f"attached to the switch on {where}"
         print(f"switch up: PS address {args.ps_ip}:{gen_p4.PORT}, control tcp://{host}:{cport}, {where}",
               flush=True)
         try:
@@ -464,6 +482,8 @@ def cmd_p4(args):
         print(f"final stats: {server.stats()}", flush=True)
         server.stop()
     finally:
+        if ctl is not None:
+            ctl.close()
         if proc is not None:
             proc.kill()
     return None

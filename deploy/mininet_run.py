@@ -28,8 +28,8 @@ import uuid
 from pathlib import Path
 
 from p4 import tools
-from p4.control import (EVENTS, WorkerPort, ensure_program, job_commands, l2_commands, parse_events,
-                        switch_job, worker_commands)
+from p4.control import (EVENTS, WorkerPort, choose_control, ensure_program, job_commands, l2_commands,
+                        p4info_path, parse_events, switch_job, worker_commands)
 from p4.spec import EVENT_CELLS, MAX_JOBS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,11 +80,24 @@ def nft_dropped(listing: str) -> int:
     return sum(int(n) for n in re.findall(r"counter packets (\d+)", listing))
 
 
-def preflight(loss: float) -> dict:
+def switch_control(requested: str, mode: str) -> tuple[str, str]:
+    """The switch's control plane for a run (p4.control.choose_control), and why: a switch
+    programmed in advance (`static`) is programmed by the harness through the Thrift CLI."""
+    if mode == "static":
+        if requested == "p4runtime":
+            raise ValueError("--switch-control p4runtime needs --control-mode p4run (`thc p4 run --attach` "
+                             "programs the switch; the static mode's harness writes Thrift CLI commands)")
+        return "thrift", "--control-mode static programs the switch through the Thrift CLI"
+    return choose_control(requested)
+
+
+def preflight(loss: float, control: str = "thrift") -> dict:
     """The tools the run needs, or a one-line error naming the missing one."""
     if os.geteuid() != 0:
         raise PermissionError("thc p4 mininet needs root (network and PID namespaces, Mininet)")
     found = {name: tools.require(name) for name in tools.BMV2_HALF}
+    if control == "p4runtime":
+        found["simple_switch"] = tools.require("simple_switch_grpc")
     found["python"] = tools.mininet_python()
     if found["python"] is None:
         raise FileNotFoundError(f"Mininet does not import in Debian's {tools.DEBIAN_PYTHON}: it comes from "
@@ -146,7 +159,7 @@ def run(*, workers: int = 4, rounds: int = 20, dim: int = 4096, loss: float = 0.
         straggler_delay_ms: float = 0.0, straggler_rank: int | None = None, quorum: float = 1.0,
         granularity: int = 30, p: str = "1/32", policy: str = "retransmit", control: str = "static",
         timeout_ms: float = 200.0, fixed_timeout: bool = False, build_dir: str | Path = "build/p4",
-        worker_timeout_s: float = 900.0, jobs: int = 1, log=None) -> dict:
+        worker_timeout_s: float = 900.0, jobs: int = 1, switch: str = "auto", log=None) -> dict:
     """One Mininet run of `jobs` jobs of `workers` workers each at once; returns the summary
     (check per job and in all, workers' counters, switch counters)."""
     from deploy.launch import check_rounds
@@ -158,9 +171,11 @@ def run(*, workers: int = 4, rounds: int = 20, dim: int = 4096, loss: float = 0.
     if jobs > 1 and control != "p4run":
         raise ValueError("--jobs above 1 needs --control-mode p4run: a switch programmed in advance "
                          "holds one job")
-    found = preflight(loss)
-    json_path = ensure_program(build_dir)
     log = log or (lambda m: None)
+    switch, why = switch_control(switch, control)
+    log(f"switch control plane: {switch} ({why})")
+    found = preflight(loss, switch)
+    json_path = ensure_program(build_dir)
     ns = f"{NETNS_PREFIX}{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory(prefix="thc-mininet-") as tmp:
         tmpd = Path(tmp)
@@ -179,7 +194,8 @@ def run(*, workers: int = 4, rounds: int = 20, dim: int = 4096, loss: float = 0.
                *(["--fixed-timeout"] if fixed_timeout else []),
                "--control-mode", control, "--nonce", str(nonce),
                "--tokens", ",".join(map(str, tokens)), "--events", str(len(EVENTS)),
-               "--event-cells", str(EVENT_CELLS), "--jobs", str(jobs)]
+               "--event-cells", str(EVENT_CELLS), "--jobs", str(jobs), "--switch-control", switch,
+               "--p4info", str(p4info_path(json_path).resolve())]
         if loss > 0:
             (tmpd / "loss.nft").write_text(loss_ruleset(loss))
             cmd += ["--loss-rules", str(tmpd / "loss.nft")]
@@ -224,6 +240,7 @@ def run(*, workers: int = 4, rounds: int = 20, dim: int = 4096, loss: float = 0.
     return {**check, "jobs": jobs, "per_job": per_job, "workers": workers, "dim": dim, "quorum": quorum,
             "loss": loss, "policy": policy,
             "straggler_delay_ms": straggler_delay_ms, "straggler_rank": straggler_rank, "control": control,
+            "switch_control": switch,
             "chunks_per_round": len(reports[0]["rounds"][0]["digest"]) + 1,   # DATA chunks + one NORM
             "seconds": seconds, "mean_round_ms": 1e3 * sum(round_s) / len(round_s),
             "packets_sent": total("packets_sent"),
@@ -294,7 +311,8 @@ def summary_text(doc: dict) -> str:
                               for j, c in enumerate(doc["per_job"])))
         right.append("")
     size = f"{jobs} jobs of {doc['workers']} workers" if jobs > 1 else f"{doc['workers']} workers"
-    head = (f"{size} through bmv2 in Mininet, d={doc['dim']}, loss {doc['loss']} "
+    head = (f"{size} through bmv2 in Mininet ({doc.get('switch_control', 'thrift')} control plane), "
+            f"d={doc['dim']}, loss {doc['loss']} "
             f"(nftables on the host links), policy {doc['policy']}, quorum {doc['quorum']}, "
             f"straggler delay {doc['straggler_delay_ms']} ms "
             f"({who})")

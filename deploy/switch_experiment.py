@@ -23,7 +23,7 @@ from pathlib import Path
 
 from deploy import mininet_run, netns
 from deploy.procs import stop_gracefully
-from p4.control import engine_stats
+from p4.control import choose_control, engine_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,12 +83,19 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--dim", type=int, default=4096)
     ap.add_argument("--out", default=str(ROOT / "docs" / "experiments"))
+    ap.add_argument("--switch-control", choices=("auto", "p4runtime", "thrift"), default="auto",
+                    help="how the switch is programmed (p4.control.choose_control): P4Runtime runs the "
+                         "control plane as `thc p4 run --attach` (mininet's p4run mode), Thrift preprograms it")
     args = ap.parse_args(argv)
+    switch, why = choose_control(args.switch_control)
+    print(f"switch control plane: {switch} ({why})", flush=True)
+    mode = "p4run" if switch == "p4runtime" else "static"
     results = []
     for label, loss, delay, rank, quorum, policy in CONFIGS:
         print(f"== {label}", flush=True)
         sw = mininet_run.run(workers=args.workers, rounds=args.rounds, dim=args.dim, loss=loss,
-                             straggler_delay_ms=delay, straggler_rank=rank, quorum=quorum, policy=policy)
+                             straggler_delay_ms=delay, straggler_rank=rank, quorum=quorum, policy=policy,
+                             control=mode, switch=switch)
         sw.pop("control_output", None)
         print(mininet_run.summary_text(sw), flush=True)
         soft = software(args.workers, args.rounds, args.dim, loss, delay, rank, quorum, policy)
@@ -104,7 +111,7 @@ def main(argv=None) -> int:
         "",
         f"Command (root, p4lang's tools found by `thc p4 doctor`): "
         f"`PATH=/opt/p4tools/bin:$PATH .venv/bin/python -m deploy.switch_experiment --workers {args.workers} "
-        f"--rounds {args.rounds} --dim {args.dim}`",
+        f"--rounds {args.rounds} --dim {args.dim} --switch-control {switch}`",
         "",
         f"{args.workers} workers, {args.rounds} rounds of d={args.dim} (THC b=4, g=30, p=1/32). "
         "**switch**: `thc p4 mininet` — one bmv2 `simple_switch` running `p4/thc.p4` in Mininet, "

@@ -205,6 +205,7 @@ struct metadata_t {
     bit<16> group;
     event_t event_base;
     mac_addr_t ps_mac;
+    bit<32> epoch;
     bit<1> configured;
     // the packet's slot in the registers (base + slot)
     bit<32> slot;
@@ -306,7 +307,10 @@ control ThcVerify(inout headers_t hdr, inout metadata_t meta) {
 
 control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
     // ---- per-slot state (index: the job's region base + slot)
-    register<bit<1>>(1024) active_reg;
+    // the epoch of the job that last started a round in the slot (0: none); a slot holding
+    // another epoch than the packet's job is unused to it, so a new job needs no register
+    // writes to start on a clean region
+    register<bit<32>>(1024) owner_reg;
     register<round_t>(1024) round_reg;
     register<bit<8>>(1024) count_reg;
     register<bit<32>>(1024) bitmap_reg;
@@ -363,9 +367,11 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
     }
 
     // a running job, by its job id: its nonce, shape, region of the slot registers
-    // [base, base + data_slots + norm_slots), multicast group and event counter block
+    // [base, base + data_slots + norm_slots), multicast group, event counter block and epoch
+    // (never 0, never that of an earlier job on the switch: the slots it owns)
     action set_config(bit<32> nonce, bit<8> n, bit<8> quorum, bit<16> base, bit<16> data_slots,
-                      bit<16> norm_slots, bit<16> group, event_t event_base, mac_addr_t ps_mac) {
+                      bit<16> norm_slots, bit<16> group, event_t event_base, mac_addr_t ps_mac,
+                      bit<32> epoch) {
         meta.nonce = nonce;
         meta.n = n;
         meta.quorum = quorum;
@@ -375,6 +381,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
         meta.group = group;
         meta.event_base = event_base;
         meta.ps_mac = ps_mac;
+        meta.epoch = epoch;
         meta.configured = 1;
     }
     table thc_config {
@@ -717,7 +724,9 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
         bit<8> pc;
         bit<32> pbm;
         bit<32> poff;
-        active_reg.read(act, slot);
+        bit<32> owner;
+        owner_reg.read(owner, slot);
+        act = (owner == meta.epoch) ? 1w1 : 1w0;
         round_reg.read(r, slot);
         count_reg.read(c, slot);
         bitmap_reg.read(bm, slot);
@@ -770,7 +779,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
         } else {
             meta.verdict = V_STALE;
         }
-        active_reg.write(slot, act);
+        owner_reg.write(slot, (act == 1) ? meta.epoch : owner);
         round_reg.write(slot, r);
         count_reg.write(slot, c);
         bitmap_reg.write(slot, bm);

@@ -1,6 +1,7 @@
 """Finding and checking the P4 tools: the one place that knows where they live.
 
-p4lang's bmv2 (`simple_switch`, `simple_switch_CLI`) and p4c (`p4c-bm2-ss`; optionally
+p4lang's bmv2 (`simple_switch`, `simple_switch_CLI`; optionally `simple_switch_grpc`, bmv2
+built with p4lang's PI, for the P4Runtime control plane) and p4c (`p4c-bm2-ss`; optionally
 `p4c-barefoot` and `bfas`, its Tofino back end and assembler) are not shipped by any registry
 here; users build and install them as p4lang documents.  They are looked up on PATH, then in
 /opt/p4tools/bin, then in the directory named by $THC_P4_TOOLS.  The Mininet harness also needs Debian's `mininet` (in
@@ -27,6 +28,8 @@ P4C = ("p4c-bm2-ss",)
 BMV2_HALF = BMV2 + P4C           # what the switch tests need
 
 BMV2_README = "p4lang's behavioral-model (build and install as https://github.com/p4lang/behavioral-model#readme says)"
+GRPC_README = ("p4lang's behavioral-model configured --with-pi (build p4lang's PI, then bmv2, as "
+               "https://github.com/p4lang/behavioral-model/tree/main/targets/simple_switch_grpc#readme says)")
 P4C_README = "p4lang's p4c (build and install as https://github.com/p4lang/p4c#readme says)"
 TOFINO_README = ("p4lang's p4c with its open-source Tofino back end (backends/tofino; build and install "
                  "as https://github.com/p4lang/p4c#readme says)")
@@ -35,6 +38,7 @@ TOFINO_README = ("p4lang's p4c with its open-source Tofino back end (backends/to
 TESTED = {
     "simple_switch": "1.15.5",
     "simple_switch_CLI": "1.15.5",
+    "simple_switch_grpc": "1.15.5",
     "p4c-bm2-ss": "1.2.5.16",
     "p4c-barefoot": "9.13.4",    # p4c v1.2.5.16
     "bfas": "9.13.4",            # the assembler of the same build (reported as p4c-barefoot's version)
@@ -59,6 +63,7 @@ SPECS = (
     ToolSpec("p4c-bm2-ss", P4C_README, needed_for="compiling p4/thc.p4"),
     ToolSpec("p4c-barefoot", TOFINO_README, optional=True, needed_for="compiling p4/tofino/thc_tna.p4"),
     ToolSpec("bfas", TOFINO_README, optional=True, needed_for="assembling the Tofino program"),
+    ToolSpec("simple_switch_grpc", GRPC_README, optional=True, needed_for="the P4Runtime control plane"),
     ToolSpec("mininet", "Debian package mininet (apt-get install --no-install-recommends mininet)",
              needed_for="thc p4 mininet, the Mininet test"),
     ToolSpec("nft", "Debian package nftables", needed_for="kernel packet loss"),
@@ -256,14 +261,21 @@ def check(spec: ToolSpec, *, python: str = DEBIAN_PYTHON, **where) -> ToolStatus
 
 
 def doctor(*, python: str = DEBIAN_PYTHON, **where) -> dict:
-    """Every tool's status; bmv2_complete when the switch tests can run."""
+    """Every tool's status; bmv2_complete when the switch tests can run; p4runtime: '' when
+    the P4Runtime control plane can run (simple_switch_grpc and the client library), else why
+    not."""
+    from p4.p4runtime import client_problem
     tools = [check(s, python=python, **where) for s in SPECS]
     complete = all(t.usable for t in tools if t.name in BMV2_HALF)
-    return {"tools": tools, "bmv2_complete": complete}
+    grpc = next(t for t in tools if t.name == "simple_switch_grpc")
+    p4runtime = "; ".join(filter(None, ["" if grpc.usable else "simple_switch_grpc is " + grpc.status,
+                                        client_problem()]))
+    return {"tools": tools, "bmv2_complete": complete, "p4runtime": p4runtime}
 
 
 def doctor_json(report: dict) -> dict:
-    return {"bmv2_complete": report["bmv2_complete"],
+    return {"bmv2_complete": report["bmv2_complete"], "p4runtime_ready": not report["p4runtime"],
+            "p4runtime_problem": report["p4runtime"],
             "tools": [dict(asdict(t), usable=t.usable) for t in report["tools"]]}
 
 
@@ -274,4 +286,6 @@ def doctor_text(report: dict) -> str:
     else:
         missing = [t.name for t in report["tools"] if t.name in BMV2_HALF and not t.usable]
         lines.append(f"bmv2 half incomplete ({', '.join(missing)}): the switch tests skip")
+    lines.append("P4Runtime control plane: " + (f"unavailable ({report['p4runtime']}); `thc p4` uses Thrift"
+                                                if report["p4runtime"] else "ready (the default of `thc p4`)"))
     return "\n".join(lines)

@@ -20,6 +20,14 @@ Control plane, `--control-mode`:
           user runs.  `--jobs J` runs J jobs at once (p4run only): job j's rank i on host
           j·N + i, named `job<j+1>`.
 
+Switch control plane, `--switch-control`:
+  thrift     `simple_switch` with its Thrift server; the commands file goes to
+             `simple_switch_CLI`, and so do the counter reads;
+  p4runtime  (p4run only) `simple_switch_grpc --no-p4` with its P4Runtime server on
+             127.0.0.1:9559; `thc p4 run --attach --switch-control p4runtime` loads the program
+             and writes the L2 entries (`--l2`), and `python -m p4.p4runtime counters` reads
+             the counters in the CLI's format.
+
 Loss (`--loss-rules FILE`): the ruleset is loaded with `nft -f` in every worker host's
 namespace (real kernel drops on the host links); stragglers: `--straggler-delay-ms` for
 `--straggler-rank` (or every worker when it is -1).  The last stdout line is one JSON
@@ -45,17 +53,18 @@ from worker.policies import POLICIES  # noqa: E402
 PS_IP, PS_MAC, PS_PORT = "10.0.0.254", "00:00:00:00:00:fe", 9000
 CTRL_IP, CTRL_MAC, CTRL_PORT = "10.0.0.100", "00:00:00:00:00:64", 9001
 THRIFT_PORT = 9090
+GRPC_ADDR = "127.0.0.1:9559"
 
 
 class Bmv2Switch(Switch):
     """A Mininet switch that is simple_switch on its interfaces (no controller, no OVS)."""
 
     def __init__(self, name, json_path=None, thrift_port=THRIFT_PORT, simple_switch="simple_switch", ipc=None,
-                 **kw):
+                 grpc=False, **kw):
         Switch.__init__(self, name, **kw)
         self.json_path, self.thrift_port, self.binary = json_path, thrift_port, simple_switch
         self.proc = None
-        self.ipc = ipc
+        self.ipc, self.grpc = ipc, grpc
 
     def start(self, controllers):
         args = [self.binary, "--thrift-port", str(self.thrift_port), "--device-id", "0",
@@ -64,7 +73,8 @@ class Bmv2Switch(Switch):
             if intf.name != "lo":
                 args += ["-i", f"{port}@{intf.name}"]
                 subprocess.run(["ethtool", "-K", intf.name, "tx", "off", "rx", "off"], capture_output=True)
-        args.append(self.json_path)
+        # simple_switch_grpc: no program until the P4Runtime control plane loads it
+        args += ["--no-p4", "--", "--grpc-server-addr", GRPC_ADDR] if self.grpc else [self.json_path]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def stop(self, deleteIntfs=True):
@@ -80,6 +90,17 @@ def cli(binary, commands, check=True):
     if check and ("Error" in out.stdout or "Invalid" in out.stdout):
         raise RuntimeError("switch CLI: " + "; ".join(l for l in out.stdout.splitlines() if "Error" in l)[:500])
     return out.stdout
+
+
+def wait_for_grpc(tries=75):
+    import socket
+    host, port = GRPC_ADDR.rsplit(":", 1)
+    for _ in range(tries):
+        with socket.socket() as s:
+            if s.connect_ex((host, int(port))) == 0:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"simple_switch_grpc did not answer on {GRPC_ADDR} within {tries * 0.2:.0f} s")
 
 
 def wait_for_switch(binary, tries=75):
@@ -125,12 +146,15 @@ def main():
     ap.add_argument("--jobs", type=int, default=1, help="jobs at once (p4run): --workers hosts each")
     ap.add_argument("--worker-timeout-s", type=float, default=600.0)
     ap.add_argument("--control-mode", choices=("static", "p4run"), default="static")
+    ap.add_argument("--switch-control", choices=("thrift", "p4runtime"), default="thrift")
+    ap.add_argument("--p4info", default="", help="the program's P4Info (p4runtime: the counter reads)")
     args = ap.parse_args()
+    grpc = args.switch_control == "p4runtime"
     signal.signal(signal.SIGTERM, _terminate)
     setLogLevel("warning")
     net = Mininet(topo=None, controller=None, autoSetMacs=False, build=False)
     sw = net.addSwitch("s1", cls=Bmv2Switch, json_path=args.json, simple_switch=args.simple_switch, dpid="1",
-                      ipc=os.path.join(args.out, "bmv2-notifications.ipc"))
+                      ipc=os.path.join(args.out, "bmv2-notifications.ipc"), grpc=grpc)
     hosts = []
     total = args.jobs * args.workers
     for i in range(total):
@@ -153,11 +177,14 @@ def main():
                 out = h.cmd(f"nft -f {args.loss_rules} && echo nft-ok")
                 if "nft-ok" not in out:
                     raise RuntimeError(f"nft -f failed in {h.name}: {out.strip()[-300:]}")
-        wait_for_switch(args.simple_switch_cli)
-        with open(args.commands) as f:
-            cli(args.simple_switch_cli, [l.strip() for l in f if l.strip()])
         env = dict(os.environ, PYTHONPATH=args.repo, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
         env["PATH"] = os.path.dirname(args.simple_switch_cli) + os.pathsep + env.get("PATH", "")
+        if grpc:
+            wait_for_grpc()
+        else:
+            wait_for_switch(args.simple_switch_cli)
+            with open(args.commands) as f:
+                cli(args.simple_switch_cli, [l.strip() for l in f if l.strip()])
         job = ["--quorum", str(args.quorum), "--granularity", str(args.granularity), "--p", args.p]
         if args.control_mode == "static":
             tokens = args.tokens.split(",") if args.tokens else ["0"] * args.workers
@@ -169,7 +196,11 @@ def main():
                           for i in range(total)), [])
             cmd = [args.python, "-m", "deploy.cli", "p4", "run", "--attach", "--thrift-port", str(THRIFT_PORT),
                    "--control", f"{CTRL_IP}:{CTRL_PORT}", "--workers", str(args.workers),
-                   "--ps-ip", PS_IP, "--ps-mac", PS_MAC] + job + attach
+                   "--ps-ip", PS_IP, "--ps-mac", PS_MAC, "--switch-control", args.switch_control] + job + attach
+            if grpc:        # the program and the L2 entries (workers and this host) come from the control plane
+                cmd += ["--grpc-port", GRPC_ADDR.rsplit(":", 1)[1], "--out", os.path.dirname(args.json)]
+                cmd += sum((["--l2", f"00:00:00:00:00:{i + 1:02x}={i + 1}"] for i in range(total)), [])
+                cmd += ["--l2", f"{CTRL_MAC}={total + 1}"]
         control = ctrl.popen(cmd, cwd=args.repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(control)
         time.sleep(2.0)
@@ -199,8 +230,13 @@ def main():
                             "timed_out": late, "stdout": out.decode()[-2000:], "stderr": err.decode()[-2000:]})
         # block 0 (no job's) and the job cells 1..J (a job's counters outlive it until its
         # cell's next job)
-        counters = cli(args.simple_switch_cli, [f"counter_read ThcIngress.events {b * args.event_cells + e}"
-                                                for b in range(args.jobs + 1) for e in range(args.events)])
+        if grpc:
+            counters = subprocess.run([args.python, "-m", "p4.p4runtime", "--address", GRPC_ADDR, "--p4info",
+                                       args.p4info, "--blocks", str(args.jobs + 1)], cwd=args.repo, env=env,
+                                      capture_output=True, text=True, timeout=60).stdout
+        else:
+            counters = cli(args.simple_switch_cli, [f"counter_read ThcIngress.events {b * args.event_cells + e}"
+                                                    for b in range(args.jobs + 1) for e in range(args.events)])
         nft = [h.cmd("nft list table inet thcloss") if args.loss_rules else "" for h in hosts]
         control.send_signal(signal.SIGINT)
         try:

@@ -1,4 +1,6 @@
-"""Packet-level harness: simple_switch on veth pairs that the harness creates and removes.
+"""Packet-level harness: a bmv2 switch on veth pairs that the harness creates and removes,
+programmed through either control plane: `simple_switch` and its Thrift CLI (`thrift`), or
+`simple_switch_grpc` and P4Runtime (`p4runtime`, which loads the program itself).
 
 Switch side `thcsw{i}a` is port i; the test side `thcsw{i}b` is a raw AF_PACKET socket.
 IPv6 is off on both ends so the kernel's own packets do not reach the switch; the frames
@@ -14,7 +16,8 @@ import time
 import uuid
 from pathlib import Path
 
-from p4.control import SwitchCLI, reset_commands, start_switch
+from p4.control import (SwitchCLI, ThriftControl, free_port, p4info_path, reset_commands, start_switch,
+                        start_switch_grpc)
 
 ETH_P_ALL = 0x0003
 
@@ -24,15 +27,14 @@ def _run(*cmd):
 
 
 class VethSwitch:
-    """A bmv2 switch with `ports` veth-attached ports (1..ports)."""
+    """A bmv2 switch with `ports` veth-attached ports (1..ports); `control` is its backend
+    (p4.control.ThriftControl or p4.p4runtime.P4RuntimeControl, the program loaded)."""
 
-    def __init__(self, json_path: Path, ports: int, thrift_port: int | None = None, log: str | None = None):
+    def __init__(self, json_path: Path, ports: int, thrift_port: int | None = None, log: str | None = None,
+                 control: str = "thrift"):
         if os.geteuid() != 0:
             raise PermissionError("veth pairs need root")
-        if thrift_port is None:        # a free port: other switches on this machine may hold 9090
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                thrift_port = probe.getsockname()[1]
+        thrift_port = thrift_port or free_port()    # other switches on this machine may hold 9090
         self.tag = uuid.uuid4().hex[:4]
         self.names = {i: (f"t{self.tag}s{i}a", f"t{self.tag}s{i}b") for i in range(1, ports + 1)}
         self.proc = None
@@ -44,9 +46,16 @@ class VethSwitch:
                     subprocess.run(["sysctl", "-q", "-w", f"net.ipv6.conf.{dev}.disable_ipv6=1"],
                                    capture_output=True)
                     _run("ip", "link", "set", dev, "up")
-            self.proc = start_switch(json_path, {i: a for i, (a, _) in self.names.items()},
-                                     thrift_port=thrift_port, log=log)
-            self.cli = SwitchCLI(thrift_port)
+            ifaces = {i: a for i, (a, _) in self.names.items()}
+            if control == "p4runtime":
+                from p4.p4runtime import P4RuntimeControl
+                self.proc, address = start_switch_grpc(ifaces, log=log)
+                self.control = P4RuntimeControl(address, p4info_path(json_path), json_path)
+            else:
+                self.proc = start_switch(json_path, ifaces, thrift_port=thrift_port, log=log)
+                self.cli = SwitchCLI(thrift_port)
+                self.control = ThriftControl(self.cli)
+            self.control.take_over(0)
             for i, (_, b) in self.names.items():
                 s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
                 s.bind((b, 0))
@@ -94,11 +103,15 @@ class VethSwitch:
         return n
 
     def reset(self) -> None:
+        """Every register and counter to zero (Thrift only: bmv2's P4Runtime server writes no
+        registers; tests/p4/test_switch.py gives its jobs new epochs instead)."""
         self.cli.run(reset_commands())
 
     def close(self) -> None:
         for s in self.socks.values():
             s.close()
+        if getattr(self, "control", None) is not None:
+            self.control.close()
         if self.proc is not None:
             self.proc.kill()
             self.proc.wait(10)

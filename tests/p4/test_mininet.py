@@ -70,10 +70,12 @@ def test_partial_aggregation_with_a_straggler(tmp_path):
     assert doc["switch"]["rounds_completed"] == 8 * doc["chunks_per_round"]
 
 
-def test_two_jobs_share_the_switch(tmp_path):
-    """Two jobs of 3 workers each at once through `thc p4 run --attach` (the user's path):
-    each job gets its own region, cell and lookup tables, and each is exact on its own."""
-    doc = run(tmp_path, workers=3, rounds=10, dim=2048, control="p4run", jobs=2)
+def test_two_jobs_share_the_switch(tmp_path, control):
+    """Two jobs of 3 workers each at once through `thc p4 run --attach` (the user's path),
+    once per switch control plane: each job gets its own region, cell and lookup tables, and
+    each is exact on its own."""
+    doc = run(tmp_path, workers=3, rounds=10, dim=2048, control="p4run", jobs=2, switch=control)
+    assert doc["switch_control"] == control
     assert [c["exact_rounds"] for c in doc["per_job"]] == [10, 10]
     assert doc["mismatched_chunks"] == 0 and doc["lost_chunks"] == 0
     assert doc["switch"]["rounds_completed"] == 2 * 10 * doc["chunks_per_round"]

@@ -66,7 +66,16 @@ def test_switch_commands_per_control_mode():
     assert sum("ThcIngress.workers" in c for c in static) == 3
     assert any(c.startswith("table_add ThcIngress.thc_config") for c in static)
     two = mininet_run.switch_commands(job, "p4run", jobs=2)     # every host of both jobs + the control host
-    assert len(two) == 6 + 1 and any("00:00:00:00:00:06 => 6" in c for c in two)
+    assert len(two) == 6 + 1 and "table_add ThcIngress.l2 ThcIngress.forward 6 => 6" in two   # MAC ...:06 → port 6
+
+
+def test_static_mode_is_programmed_through_thrift():
+    """A switch programmed in advance gets the harness's CLI commands: asking for P4Runtime with
+    it is refused before anything starts; auto picks Thrift and says why."""
+    assert mininet_run.switch_control("auto", "static") == \
+        ("thrift", "--control-mode static programs the switch through the Thrift CLI")
+    with pytest.raises(ValueError, match="needs --control-mode p4run"):
+        mininet_run.run(workers=2, switch="p4runtime")
 
 
 def test_refuses_bad_configurations_before_anything_starts():

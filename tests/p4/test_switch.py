@@ -1,15 +1,20 @@
-"""The THC P4 program under bmv2 simple_switch: one behaviour per test, each checked against
-the software PS (ps_server.reference) fed the same packets — same packets in, same out."""
+"""The THC P4 program under bmv2: one behaviour per test, each checked against the software PS
+(ps_server.reference) fed the same packets — same packets in, same out.  Every test runs once
+per control plane (`control`: simple_switch + Thrift CLI, simple_switch_grpc + P4Runtime)."""
+import itertools
+
 import numpy as np
 import pytest
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
-from p4.control import WorkerPort, job_commands, l2_commands, switch_job, worker_commands
+from p4 import entries as E
+from p4.control import WorkerPort, apply, events, switch_job
 from p4.harness.veth_switch import VethSwitch
 from proto import headers as H
 from proto.packing import pack_indices
 from proto.scapy_layers import THC
+from p4.spec import MAX_JOBS
 from ps_server.reference import ReferencePS
 
 pytestmark = pytest.mark.bmv2
@@ -24,18 +29,24 @@ TOKENS = [0x7000 + 13 * i for i in range(N)]
 QUORUM_JOB_ID, QUORUM_BASE, QUORUM_CELL = 2, 16, 2
 
 
-def make_switch(thc_json, jobs):
+def make_switch(thc_json, jobs, control):
     """The switch with `jobs` programmed in one batch: [(job, base, cell)], every worker in each."""
-    sw = VethSwitch(thc_json, N + 1)
-    cmds = l2_commands({OTHER_MAC: N + 1, WORKERS[0].mac: 1})
-    handle = 0
+    sw = VethSwitch(thc_json, N + 1, control=control)
+    writes = [("insert", e) for e in E.l2_entries({OTHER_MAC: N + 1, WORKERS[0].mac: 1})]
     for job, base, cell in jobs:
-        cmds += job_commands(job, PS_MAC, NONCE, base, cell)
-        for w in WORKERS:
-            cmds += worker_commands(w, handle, TOKENS[w.worker_id], job.job_id, cell)
-            handle += 1
-    sw.cli.run(cmds)
+        writes += E.job_writes(job, PS_MAC, NONCE, base, cell, epoch=cell)
+        writes += [("insert", e) for w in WORKERS
+                   for e in (E.worker_entry(w, TOKENS[w.worker_id], job.job_id), E.replica_entry(w, cell))]
+        writes.append(("modify", E.McGroup(cell, tuple((w.switch_port, E.rid(cell, w.worker_id)) for w in WORKERS))))
+    apply(sw.control, writes)
     return sw
+
+
+def reset(sw, jobs, epochs):
+    """Each job's slots unused again (a new epoch in its config entry: no register is
+    written) and every counter zero."""
+    writes = [("modify", E.config_entry(job, PS_MAC, NONCE, base, cell, next(epochs))) for job, base, cell in jobs]
+    apply(sw.control, writes + [("modify", E.CounterCells(c, 0, n)) for c, n in E.COUNTERS.items()])
 
 
 def reference(job):
@@ -87,18 +98,21 @@ def quorum_job():
     return switch_job(N, slots=8, norm_slots=2, quorum=0.75, job_id=QUORUM_JOB_ID)
 
 
+JOBS = [(switch_job(N, slots=8, norm_slots=2), 0, 1), (quorum_job(), QUORUM_BASE, QUORUM_CELL)]
+
+
 @pytest.fixture(scope="module")
-def env(thc_json):
-    job = switch_job(N, slots=8, norm_slots=2)
-    sw = make_switch(thc_json, [(job, 0, 1), (quorum_job(), QUORUM_BASE, QUORUM_CELL)])
-    yield sw, job
+def env(thc_json, control):
+    sw = make_switch(thc_json, JOBS, control)
+    sw.epochs = itertools.count(MAX_JOBS + 1)
+    yield sw, JOBS[0][0]
     sw.close()
 
 
 @pytest.fixture
 def fresh(env):
     sw, job = env
-    sw.reset()
+    reset(sw, JOBS, sw.epochs)
     return sw, job, reference(job), np.random.default_rng(0)
 
 
@@ -151,7 +165,7 @@ def test_retransmission_after_completion(fresh):
 def test_partial_aggregation_at_quorum(env):
     sw, _ = env
     job = quorum_job()
-    sw.reset()
+    reset(sw, JOBS, sw.epochs)
     ps, rng = reference(job), np.random.default_rng(1)
     both(sw, ps, 0, datagram(job, 0, 0, 1, rng))
     both(sw, ps, 1, datagram(job, 1, 0, 1, rng))
@@ -159,7 +173,7 @@ def test_partial_aggregation_at_quorum(env):
     assert len(out) == N and H.parse(out[0][2])[0].contributors == 3
     late = both(sw, ps, 3, datagram(job, 3, 0, 1, rng))
     assert len(late) == 1 and late[0][0] == WORKERS[3].ip
-    ev = sw.cli.events(QUORUM_CELL)
+    ev = events(sw.control, QUORUM_CELL)
     assert (ev["rounds_completed"], ev["partial_rounds"], ev["late"]) == (1, 1, 1)
 
 
@@ -200,7 +214,7 @@ def test_malformed_and_unregistered_are_dropped(fresh):
     sw.send(1, bytes(Ether(dst=PS_MAC, src=WORKERS[0].mac) / IP(src="10.0.0.77", dst=PS_IP) /
                      UDP(sport=5000, dport=PS_PORT, chksum=0) / good))
     assert sw.drain(0.25) == []
-    switch, mine = sw.cli.events(0), sw.cli.events(1)      # no job's; the job's (cell 1)
+    switch, mine = events(sw.control, 0), events(sw.control, 1)      # no job's; the job's (cell 1)
     assert (switch["wrong_version"], switch["unknown_job"]) == (1, 1)
     assert (mine["slot_out_of_range"], mine["unregistered"]) == (1, 1)
     assert mine["wrong_version"] == mine["unknown_job"] == switch["slot_out_of_range"] == 0
@@ -233,7 +247,7 @@ def test_job_nonce_token_and_round_window(fresh):
     assert both(sw, ps, 0, patched(good, 32, NONCE ^ 0xFF)) == []          # a previous job's nonce
     assert both(sw, ps, 0, patched(good, 36, TOKENS[1])) == []             # rank 1's token
     assert both(sw, ps, 0, patched(good, 12, 0xFFFFFFFF)) == []            # far-future round
-    ev = sw.cli.events(1)                 # a known job id with a wrong nonce counts in its block
+    ev = events(sw.control, 1)                 # a known job id with a wrong nonce counts in its block
     assert (ev["unknown_job"], ev["unregistered"], ev["ahead"]) == (1, 1, 1)
     for w in range(N):
         out = both(sw, ps, w, datagram(job, w, 2, 1, rng))

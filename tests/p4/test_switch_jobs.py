@@ -3,13 +3,16 @@
 (multicast group, counters) and lookup tables.  Every packet — interleaved, random, with
 packets of the wrong job, the wrong region, the wrong nonce or token — gives the same output
 as the software PS's twin (ps_server.engine.JobTable over ps_server.reference.ReferencePS in
-the same regions of one SlotSpace), and the counters agree block by block."""
+the same regions of one SlotSpace), and the counters agree block by block.  Once per control
+plane (`control`); and a batch the switch rejects through P4Runtime (a full table, a P4Info
+that is not the loaded program's) leaves nothing of the job, whose next start is exact."""
 import numpy as np
 import pytest
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
-from p4.control import SwitchEngine, WorkerPort, switch_job
+from p4 import entries as E
+from p4.control import SwitchEngine, SwitchRejected, WorkerPort, apply, events, switch_job
 from p4.harness.veth_switch import VethSwitch
 from p4.spec import DROPS, MAX_JOBS, SLOTS
 from proto import headers as H
@@ -79,10 +82,10 @@ def exchange(sw, table, host, dgram):
 
 
 @pytest.fixture
-def two_jobs(thc_json):
-    sw = VethSwitch(thc_json, HOSTS)
+def two_jobs(thc_json, control):
+    sw = VethSwitch(thc_json, HOSTS, control=control)
     try:
-        switch = SwitchEngine(sw.cli, TOPOLOGY, PS_MAC)
+        switch = SwitchEngine(sw.control, TOPOLOGY, PS_MAC)
         space, table = SlotSpace(SLOTS), JobTable()
         a = Job(switch_job(3, slots=6, norm_slots=2, job_id=5, granularity=30), 0xA11CE, [0, 1, 2], base=10)
         b = Job(switch_job(2, slots=4, norm_slots=2, job_id=9, granularity=50, seed=3), 0xB0B, [3, 4], base=40)
@@ -116,7 +119,7 @@ def random_packet(job, other, rng, rounds):
 
 
 def counters_agree(sw, table, jobs, switch_engines):
-    assert {k: v for k, v in sw.cli.events(0).items() if k in DROPS and v} == \
+    assert {k: v for k, v in events(sw.control, 0).items() if k in DROPS and v} == \
         {k: v for k, v in table.drops.items() if v}
     for job, engine, ps in switch_engines:
         mine = engine.stats()
@@ -159,7 +162,7 @@ def test_a_job_ends_and_another_takes_its_region_and_cell(two_jobs):
     table.remove(a.config.job_id)
     pa.close()
     assert exchange(sw, table, a.host(0), a.datagram(0, 2, 8, rng)) == []    # a's packets: no job
-    assert sw.cli.events(0)["unknown_job"] == 1
+    assert events(sw.control, 0)["unknown_job"] == 1
     c = Job(switch_job(2, slots=6, norm_slots=2, job_id=5, granularity=40, seed=8), 0xC0FFEE, [0, 1], base=10)
     ec, pc = start(switch, table, space, c)
     assert ec.cell == cell and ec.stats()["rounds_completed"] == 0         # counters cleared
@@ -186,3 +189,63 @@ def test_the_switch_refuses_what_it_cannot_hold(two_jobs):
         switch.start_job(switch_job(2, slots=4, norm_slots=1, job_id=40), 1, 200)
     extra[0].close()
     assert switch.start_job(switch_job(2, slots=4, norm_slots=1, job_id=40), 1, 200).cell == extra[0].cell
+
+
+def leaves_nothing(ctl, job_id: int, cell: int) -> bool:
+    """No entry of the job's id in the THC tables keyed by job id, no replica rewrite and no
+    multicast group of its cell."""
+    keyed = [t for t in E.THC_TABLES if t != E.REPLICA]
+    return (not [t for t in keyed if any(k[0] == job_id for k in ctl.table_keys(t))]
+            and not [k for k in ctl.table_keys(E.REPLICA) if k[0] // 32 == cell] and cell not in ctl.groups())
+
+
+def third_job_is_exact(sw, switch, table, space, jobs, job_id):
+    """A job started after the rejection, in the region and cell the rejected one would have
+    had: every output equal to the software twin's."""
+    c = Job(switch_job(2, slots=4, norm_slots=2, job_id=job_id, granularity=40, seed=2), 0xC0DE, [0, 1], base=60)
+    ec, pc = start(switch, table, space, c)
+    rng = np.random.default_rng(3)
+    for rnd in (1, 2, 3):
+        out = [exchange(sw, table, c.host(rank), c.datagram(rank, 1, rnd, rng)) for rank in range(2)]
+        assert out[0] == [] and len(out[1]) == 2 and H.parse(out[1][0][2])[0].contributors == 2
+    counters_agree(sw, table, jobs, [(c, ec, pc)] + [(j, e, p) for j, e, p in jobs.values()])
+
+
+def test_a_full_table_rejects_a_job_through_p4runtime_and_leaves_nothing(two_jobs, control):
+    if control != "p4runtime":
+        pytest.skip("the P4Runtime control plane's rejections")
+    sw, switch, table, space, jobs = two_jobs
+    ctl = sw.control
+    size = ctl.p4info.table(E.lut(7)).size
+    fill = [("insert", E.entry(E.lut(7), (100 + k // 16, k % 16), f"{E.ING}.set_v7", (0,)))
+            for k in range(size - len(ctl.table_keys(E.lut(7))))]
+    apply(ctl, fill)                                    # lut7 is full now
+    cell = min(set(range(1, 9)) - set(switch.cells))
+    with pytest.raises(SwitchRejected) as exc:
+        switch.start_job(switch_job(2, slots=4, norm_slots=2, job_id=12), 0xC0DE, 60)
+    assert f"table {E.lut(7)} entry (hdr.thc.job_id=12, hdr.idx.z7=0)" in str(exc.value)
+    assert "everything else of the batch was taken back" in str(exc.value)
+    assert leaves_nothing(ctl, 12, cell) and cell not in switch.cells
+    apply(ctl, [("delete", e) for _, e in fill])
+    third_job_is_exact(sw, switch, table, space, jobs, 12)
+
+
+def test_a_p4info_not_of_the_loaded_program_is_rejected_and_leaves_nothing(two_jobs, control):
+    if control != "p4runtime":
+        pytest.skip("the P4Runtime control plane's rejections")
+    from p4.p4runtime import P4Info
+    sw, switch, table, space, jobs = two_jobs
+    ctl = sw.control
+    right = ctl.p4info
+    stale = type(right.message)()
+    stale.CopyFrom(right.message)
+    for t in stale.tables:                  # another build of the program: lut3 under another id
+        if t.preamble.name == E.lut(3):
+            t.preamble.id += 0x7F
+    ctl.p4info = P4Info(stale)
+    cell = min(set(range(1, 9)) - set(switch.cells))
+    with pytest.raises(SwitchRejected, match=rf"rejected 16 of .*table {E.lut(3)} entry"):
+        switch.start_job(switch_job(2, slots=4, norm_slots=2, job_id=13), 0xC0DE, 60)
+    ctl.p4info = right
+    assert leaves_nothing(ctl, 13, cell) and cell not in switch.cells
+    third_job_is_exact(sw, switch, table, space, jobs, 13)

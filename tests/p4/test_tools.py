@@ -82,11 +82,30 @@ def test_doctor_complete_with_tested_versions(tmp_path):
     assert t["p4c-bm2-ss"].version == tools.TESTED["p4c-bm2-ss"]
     assert t["p4c-barefoot"].status == "missing" and t["p4c-barefoot"].optional
     text = tools.doctor_text(report).splitlines()
-    assert len(text) == len(tools.SPECS) + 1            # one line per tool, then the verdict
+    assert len(text) == len(tools.SPECS) + 2            # one line per tool, the verdict, P4Runtime
     assert text[0].startswith("simple_switch ") and str(d / "simple_switch") in text[0]
     assert "tests ran with this version" in text[0]
     assert "optional" in text[3] and "p4c#readme" in text[3]
-    assert "complete" in text[-1] and "incomplete" not in text[-1]
+    assert "complete" in text[-2] and "incomplete" not in text[-2]
+    assert t["simple_switch_grpc"].status == "missing" and t["simple_switch_grpc"].optional
+    assert text[-1].startswith("P4Runtime control plane: unavailable (simple_switch_grpc is missing")
+
+
+def test_doctor_reports_simple_switch_grpc_and_the_p4runtime_control_plane(tmp_path):
+    """simple_switch_grpc is optional: found, it makes the P4Runtime control plane ready (the
+    client library is this venv's); missing, the bmv2 half is still complete."""
+    from p4.p4runtime import client_problem
+    d = fake_tools(tmp_path)
+    _tool(d, "simple_switch_grpc", f'[ "$1" = --version ] && echo "{tools.TESTED["simple_switch"]}-abc" && exit 0; exit 3')
+    report = tools.doctor(**where(d))
+    grpc = by_name(report)["simple_switch_grpc"]
+    assert grpc.status == "ok" and grpc.path == str(d / "simple_switch_grpc") and report["bmv2_complete"]
+    assert report["p4runtime"] == client_problem()
+    doc = tools.doctor_json(report)
+    assert doc["p4runtime_ready"] is (client_problem() == "")
+    line = tools.doctor_text(report).splitlines()[-1]
+    assert line == ("P4Runtime control plane: ready (the default of `thc p4`)" if not client_problem()
+                    else f"P4Runtime control plane: unavailable ({client_problem()}); `thc p4` uses Thrift")
 
 
 def test_doctor_reports_an_untested_version_but_stays_complete(tmp_path):
@@ -110,7 +129,7 @@ def test_doctor_missing_compiler_names_its_source(tmp_path):
     line = by_name(report)["p4c-bm2-ss"].line()
     assert not report["bmv2_complete"]
     assert "missing" in line and "https://github.com/p4lang/p4c#readme" in line
-    assert "p4c-bm2-ss" in tools.doctor_text(report).splitlines()[-1]
+    assert "p4c-bm2-ss" in tools.doctor_text(report).splitlines()[-2]
 
 
 def test_doctor_bfas_takes_the_version_of_its_compiler(tmp_path):
@@ -150,6 +169,7 @@ def test_thc_p4_doctor_exit_status_and_json(tmp_path, monkeypatch, capsys, compl
     assert exit_code(["p4", "doctor"]) == (0 if complete else 1)
     text = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in text[:len(tools.SPECS)]] == [s.name for s in tools.SPECS]
+    assert text[-1].startswith("P4Runtime control plane: ")
     assert exit_code(["p4", "doctor", "--json"]) == (0 if complete else 1)
     doc = json.loads(capsys.readouterr().out)
     assert doc["bmv2_complete"] is complete
@@ -213,8 +233,10 @@ def test_thc_p4_actions_refuse_other_actions_options(argv, capsys):
     ("doctor", {"--json"}, {"--check", "--iface", "--rounds", "--target"}),
     ("gen", {"--check", "--target"}, {"--json", "--iface", "--rounds", "--out"}),
     ("build", {"--target", "--out"}, {"--check", "--iface", "--rounds", "--workers"}),
-    ("run", {"--iface", "--attach", "--workers", "--thrift-port"}, {"--check", "--rounds", "--loss"}),
-    ("mininet", {"--rounds", "--loss", "--workers", "--json"}, {"--check", "--iface", "--attach"}),
+    ("run", {"--iface", "--attach", "--workers", "--thrift-port", "--grpc-port", "--l2", "--switch-control"},
+     {"--check", "--rounds", "--loss"}),
+    ("mininet", {"--rounds", "--loss", "--workers", "--json", "--switch-control"},
+     {"--check", "--iface", "--attach", "--grpc-port"}),
 ])
 def test_thc_p4_action_help_lists_only_its_options(action, own, foreign, capsys):
     assert exit_code(["p4", action, "--help"]) == 0
@@ -253,3 +275,26 @@ def test_a_switch_whose_cli_cannot_import_its_modules_says_so(tmp_path, monkeypa
     assert f"in python3 ({shutil.which('python3')} on PATH)" in msg and "PATH=/usr/bin:$PATH" in msg
     line = by_name(tools.doctor(**where(d)))["simple_switch_CLI"].line()     # the doctor says the same
     assert "broken" in line and f"in python3 ({shutil.which('python3')} on PATH)" in line
+
+
+def test_the_switch_control_plane_is_chosen_and_explained(tmp_path, monkeypatch, capsys):
+    """auto: P4Runtime where simple_switch_grpc (and the client library) are found, else Thrift
+    with the reason; asked for by name, P4Runtime without simple_switch_grpc is an error
+    naming it, before any switch starts."""
+    from p4.control import choose_control
+    from p4.p4runtime import client_problem
+    d = fake_tools(tmp_path)
+    monkeypatch.setenv("PATH", f"{d}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(tools, "SYSTEM_DIR", str(tmp_path / "no-such-dir"))
+    monkeypatch.delenv("THC_P4_TOOLS", raising=False)
+    kind, why = choose_control("auto")
+    assert kind == "thrift" and why.startswith("no P4Runtime: simple_switch_grpc (PATH, ")
+    assert choose_control("thrift") == ("thrift", "asked for")
+    with pytest.raises(FileNotFoundError, match="the P4Runtime control plane needs simple_switch_grpc"):
+        choose_control("p4runtime")
+    assert exit_code(["p4", "run", "--attach", "--worker-port", "10.0.0.1=1,00:00:00:00:00:01",
+                      "--switch-control", "p4runtime"]) == 1     # a missing tool, as `thc p4 build`'s
+    assert "thc p4: error: the P4Runtime control plane needs simple_switch_grpc" in capsys.readouterr().err
+    _tool(d, "simple_switch_grpc", "true")
+    if not client_problem():
+        assert choose_control("auto") == ("p4runtime", "simple_switch_grpc and the P4Runtime client are there")

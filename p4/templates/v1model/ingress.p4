@@ -1,6 +1,9 @@
 control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
     // ---- per-slot state (index: the job's region base + slot)
-    register<bit<1>>($slots) active_reg;
+    // the epoch of the job that last started a round in the slot (0: none); a slot holding
+    // another epoch than the packet's job is unused to it, so a new job needs no register
+    // writes to start on a clean region
+    register<bit<32>>($slots) owner_reg;
     register<round_t>($slots) round_reg;
     register<bit<8>>($slots) count_reg;
     register<bit<32>>($slots) bitmap_reg;
@@ -26,9 +29,11 @@ $lane_registers
     }
 
     // a running job, by its job id: its nonce, shape, region of the slot registers
-    // [base, base + data_slots + norm_slots), multicast group and event counter block
+    // [base, base + data_slots + norm_slots), multicast group, event counter block and epoch
+    // (never 0, never that of an earlier job on the switch: the slots it owns)
     action set_config(bit<32> nonce, bit<8> n, bit<8> quorum, bit<16> base, bit<16> data_slots,
-                      bit<16> norm_slots, bit<16> group, event_t event_base, mac_addr_t ps_mac) {
+                      bit<16> norm_slots, bit<16> group, event_t event_base, mac_addr_t ps_mac,
+                      bit<32> epoch) {
         meta.nonce = nonce;
         meta.n = n;
         meta.quorum = quorum;
@@ -38,6 +43,7 @@ $lane_registers
         meta.group = group;
         meta.event_base = event_base;
         meta.ps_mac = ps_mac;
+        meta.epoch = epoch;
         meta.configured = 1;
     }
     table thc_config {
@@ -93,7 +99,9 @@ $lookup_tables
         bit<8> pc;
         bit<32> pbm;
         bit<32> poff;
-        active_reg.read(act, slot);
+        bit<32> owner;
+        owner_reg.read(owner, slot);
+        act = (owner == meta.epoch) ? 1w1 : 1w0;
         round_reg.read(r, slot);
         count_reg.read(c, slot);
         bitmap_reg.read(bm, slot);
@@ -146,7 +154,7 @@ $lookup_tables
         } else {
             meta.verdict = V_STALE;
         }
-        active_reg.write(slot, act);
+        owner_reg.write(slot, (act == 1) ? meta.epoch : owner);
         round_reg.write(slot, r);
         count_reg.write(slot, c);
         bitmap_reg.write(slot, bm);

@@ -19,6 +19,7 @@ struct metadata_t {
     bit<16> group;
     event_t event_base;
     mac_addr_t ps_mac;
+    bit<32> epoch;
     bit<1> configured;
     // the packet's slot in the registers (base + slot)
     bit<32> slot;
