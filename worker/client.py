@@ -315,8 +315,9 @@ class Worker:
         layout = rnd.layout
         norms = self._exchange_norms(rnd.norms())
         report.norms = norms.tolist()
-        if self._pipelines() and len(layout.starts) > 1 and job.lane_bits == 8 and rnd.can_pipeline() \
-                and getattr(self.t, "streams", lambda: False)():
+        can = len(layout.starts) > 1 and job.lane_bits == 8 and rnd.can_pipeline() \
+            and getattr(self.t, "streams", lambda: False)()
+        if can and self._pipelines():
             return self._pipelined_round(rnd, norms, rn, report, out)
         n = layout.padded_dim
         packed = rnd.encode(norms, self.round_rng(rn), rn, packed=True)
@@ -327,7 +328,7 @@ class Worker:
         residual = self._in_background(rnd.residual) if rnd.memory is not None and OVERLAP_RESIDUAL else None
         try:
             self._maybe_straggle()
-            results = self._timed_phase(chunks, False)
+            results = self._timed_phase(chunks, False, measure=can)
             if rnd.memory is not None and residual is None:
                 residual = self._in_background(rnd.residual)
             self._collect(results, report)
@@ -436,9 +437,10 @@ class Worker:
             return self.pipeline
         return self._idle is not None and self._idle >= (STAY_IDLE if self._piped else START_IDLE)
 
-    def _timed_phase(self, chunks, piped: bool, stream=None):
-        """The DATA phase, noting how idle the host's CPU was meanwhile (`_pipelines`)."""
-        before = cpu_times() if self.pipeline == "auto" else None
+    def _timed_phase(self, chunks, piped: bool, stream=None, measure: bool = True):
+        """The DATA phase, noting how idle the host's CPU was meanwhile (`_pipelines`;
+        not for a round that could not be pipelined: /proc/stat is read only when it counts)."""
+        before = cpu_times() if measure and self.pipeline == "auto" else None
         results = self.t.run_phase(H.DATA, chunks, stream) if stream is not None else \
             self.t.run_phase(H.DATA, chunks)
         if before is not None:
