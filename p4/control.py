@@ -154,48 +154,54 @@ class ThriftControl:
         # groups of an earlier run on an attached switch (absent ones just fail)
         self.cli.run([f"mc_mgrp_destroy {c}" for c in range(1, max_jobs + 1)], check=False)
 
-    def _group_commands(self, op: str, g: McGroup) -> tuple[list, list]:
-        """(commands, the nodes [(group, port, rid)] they make, which the next run associates)."""
-        have = self.nodes.setdefault(g.group, {})
+    def _group_commands(self, op: str, g: McGroup) -> tuple[list, list, list]:
+        """(commands, the nodes [(group, port, rid)] they make, in the order of their
+        `mc_node_create`, and the members [(port, rid)] they take out).  Nothing is recorded
+        here: `write` records what the CLI reports done."""
+        have = self.nodes.get(g.group, {})
         want = set(g.replicas) if op != "delete" else set()
         cmds = [f"mc_mgrp_create {g.group}"] if op == "insert" else []
-        for key in sorted(set(have) - want):
-            node = have.pop(key)
-            cmds += [f"mc_node_dissociate {g.group} {node}", f"mc_node_destroy {node}"]
+        gone = sorted(set(have) - want)
+        for key in gone:
+            cmds += [f"mc_node_dissociate {g.group} {have[key]}", f"mc_node_destroy {have[key]}"]
         new = [(g.group, port, r) for port, r in sorted(want - set(have))]
         cmds += [f"mc_node_create {r} {port}" for _, port, r in new]
         if op == "delete":
             cmds.append(f"mc_mgrp_destroy {g.group}")
-            self.nodes.pop(g.group, None)
-        return cmds, new
+        return cmds, new, gone
 
-    def _commands(self, op: str, item) -> tuple[list, list]:
+    def _commands(self, op: str, item) -> tuple[list, list, list]:
         if isinstance(item, TableEntry) and op != "insert":
             handle = self.handles.get(item.key)
             if handle is None:
                 raise ValueError(f"{op}: no handle for {describe(item)} (not written by this control plane)")
             if op == "delete":
-                return [f"table_delete {item.table} {handle}"], []
-            return [f"table_modify {item.table} {item.action} {handle} => {_values(item.params)}"], []
+                return [f"table_delete {item.table} {handle}"], [], []
+            return [f"table_modify {item.table} {item.action} {handle} => {_values(item.params)}"], [], []
         if isinstance(item, McGroup):
             return self._group_commands(op, item)
-        return self.commands(op, item), []
+        return self.commands(op, item), [], []
 
-    def write(self, writes: list) -> None:
+    def write(self, writes: list, restoring: bool = False) -> None:
         """One CLI run of every write (and one more to put new multicast nodes in their
-        groups); ThriftError naming each failed one."""
+        groups); ThriftError naming each failed one.  A multicast group write is several
+        commands: when any of them fails, the group is put back to the members it had (a
+        failed group write is rejected whole, as a P4Runtime update is)."""
         if not writes:
             return
-        batch, owner, made = [], [], []
+        before = {item.group: (item.group in self.nodes, dict(self.nodes.get(item.group, {})))
+                  for _, item in writes if isinstance(item, McGroup)}
+        batch, owner, made, taken = [], [], [], []
         for k, (op, item) in enumerate(writes):
-            cmds, new = self._commands(op, item)
+            cmds, new, gone = self._commands(op, item)
+            creates = [len(batch) + i for i, c in enumerate(cmds) if c.startswith("mc_node_create")]
+            made += [(k, *n, i) for n, i in zip(new, creates)]
+            taken += [(k, item.group, key, len(batch) + i)
+                      for key, i in zip(gone, (j for j, c in enumerate(cmds) if c.startswith("mc_node_dissociate")))]
             batch += cmds
             owner += [k] * len(cmds)
-            made += [(k, *n) for n in new]
         outputs = self.run_each(batch)
         bad: dict = {}
-        node_handles = iter(_handles("".join(o for c, o in zip(batch, outputs) if c.startswith("mc_node_create")),
-                                     "created with handle"))
         for k, cmd, out in zip(owner, batch, outputs):
             if _failed(out):        # the CLI's last line says why (e.g. `Invalid table operation (TABLE_FULL)`)
                 bad.setdefault(k, out.strip().splitlines()[-1][-200:])
@@ -204,21 +210,62 @@ class ThriftControl:
                 self.handles[item.key] = _handle(out)
             elif cmd.startswith("table_delete"):
                 self.handles.pop(writes[k][1].key, None)
-        assoc = []
-        for k, group, port, r in made:
-            if k in bad:
+            elif cmd.startswith("mc_mgrp_create"):
+                self.nodes.setdefault(int(cmd.split()[1]), {})
+            elif cmd.startswith("mc_mgrp_destroy"):
+                self.nodes.pop(int(cmd.split()[1]), None)
+        for _, group, key, i in taken:           # a member is out once its dissociation is done
+            if not _failed(outputs[i]) and group in self.nodes:
+                self.nodes[group].pop(key, None)
+        assoc, joins, stray = [], [], []
+        for k, group, port, r, i in made:
+            if _failed(outputs[i]):
                 continue
-            node = next(node_handles)
-            self.nodes.setdefault(group, {})[(port, r)] = node
-            assoc.append(f"mc_node_associate {group} {node}")
-        if assoc:
-            self.cli.run(assoc)
+            node = _handle(outputs[i], "created with handle")
+            if k not in bad and group not in self.nodes:
+                bad[k] = f"multicast group {group} does not exist"
+            if k in bad:
+                stray.append(node)              # made for a write that failed: not put in a group
+            else:
+                assoc.append(f"mc_node_associate {group} {node}")
+                joins.append((k, group, (port, r), node))
+        for (k, group, key, node), out in zip(joins, self.run_each(assoc) if assoc else []):
+            if _failed(out):
+                bad.setdefault(k, out.strip().splitlines()[-1][-200:])
+                stray.append(node)
+            else:
+                self.nodes[group][key] = node
+        if stray:
+            self.run_each([f"mc_node_destroy {n}" for n in stray])
         if bad:
+            note = "" if restoring else self._restore_groups(
+                {writes[k][1].group: before[writes[k][1].group] for k in bad if isinstance(writes[k][1], McGroup)})
             rejected = [(op, item, bad[k]) for k, (op, item) in enumerate(writes) if k in bad]
             applied = [(op, item) for k, (op, item) in enumerate(writes) if k not in bad]
             raise ThriftError(f"simple_switch_CLI (Thrift port {self.cli.thrift_port}) failed {len(rejected)} of "
                               f"{len(writes)} writes; first: {rejected[0][0]} {describe(rejected[0][1])}: "
-                              f"{rejected[0][2]}", rejected, applied)
+                              f"{rejected[0][2]}{note}", rejected, applied)
+
+    def _restore_groups(self, groups: dict) -> str:
+        """Put each group of a failed write back as it was ({group: (existed, {member: node})});
+        '' when done, else a note for the error."""
+        for group, (existed, members) in groups.items():
+            now = self.nodes.get(group)
+            if now is None and not existed:
+                continue
+            if now is not None and now.keys() == members.keys():
+                continue
+            try:
+                if existed:
+                    if now is None:
+                        self.write([("insert", McGroup(group, tuple(sorted(members))))], restoring=True)
+                    else:
+                        self.write([("modify", McGroup(group, tuple(sorted(members))))], restoring=True)
+                else:
+                    self.write([("delete", McGroup(group))], restoring=True)
+            except ThriftError as exc:
+                return f" (multicast group {group} could not be put back as it was: {exc})"
+        return ""
 
     def run_each(self, commands: list[str]) -> list[str]:
         """One CLI run; each command's output (the CLI prints its prompt before each)."""

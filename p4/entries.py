@@ -4,10 +4,10 @@
 `SCHEMA` names every table the control plane writes (its key fields, in key order, and the
 actions it uses with their parameters, in declaration order, each with its bit width) as the
 P4Info of p4/thc.p4 names them; `COUNTERS` and `REGISTERS` the counter and register arrays it
-reads or resets.  `TNA_NAMES` says which of them the Tofino program (p4/tofino/thc_tna.p4)
-has under which name.  A test (tests/p4/test_p4info_names.py) checks all of it against the
-P4Info p4c writes.  Values are integers (MAC and IPv4 addresses too: `mac_int`, `ip_int`);
-each is checked against its field's width here, before any backend sees it.
+reads or resets; p4/tna_entries.py says the same for the Tofino program.  A test
+(tests/p4/test_p4info_names.py) checks all of it against the P4Info p4c writes.  Values are
+integers (MAC and IPv4 addresses too: `mac_int`, `ip_int`); each is checked against its
+field's width here, before any backend sees it.
 """
 from __future__ import annotations
 
@@ -51,25 +51,6 @@ SLOT_REGISTERS = ("owner_reg", "round_reg", "count_reg", "bitmap_reg", "offset_r
 REGISTERS = {f"{ING}.{r}": SLOTS for r in SLOT_REGISTERS} | {f"{ING}.norm_acc": 2 * SLOTS} | \
     {f"{ING}.acc{i}": 2 * SLOTS for i in range(LANES)}
 
-#: The Tofino program's names for what it shares with the v1model program: v1model name ->
-#: (TNA name, its key fields or action params [(name, bits)], None: not compared).  p4c-barefoot
-#: names TNA objects after the Pipeline instance (`pipe.`); the program serves one job at a
-#: time (p4/tofino/README.md), so no job id in its keys and no per-job counter blocks, and
-#: thc_config has no single counterpart (thc_job, job_size, worker_range, slot_range).
-TNA_PIPE = "pipe"
-TNA_NAMES: dict = {
-    L2: (f"{TNA_PIPE}.{ING}.l2", (("hdr.eth.dst", 48),)),
-    f"{ING}.forward": (f"{TNA_PIPE}.{ING}.forward", (("port", 9),)),
-    REPLICA: (f"{TNA_PIPE}.{EGR}.replica_dest", None),
-    f"{EGR}.set_dest": (f"{TNA_PIPE}.{EGR}.set_dest", (("mac", 48), ("ip", 32), ("port", 16))),
-    WORKERS: (f"{TNA_PIPE}.{ING}.workers", (("hdr.ipv4.src", 32), ("hdr.udp.src_port", 16), ("hdr.thc.token", 32),
-                                            ("hdr.thc.worker_id", 8))),
-    **{lut(i): (f"{TNA_PIPE}.{lut(i)}", ((f"hdr.idx.z{i}", 4),)) for i in range(LANES)},
-    **{f"{ING}.set_v{i}": (f"{TNA_PIPE}.{ING}.set_v{i}", (("v", 8),)) for i in range(LANES)},
-    EVENTS_COUNTER: (f"{TNA_PIPE}.{ING}.events", None),
-}
-
-
 def mac_int(mac: str) -> int:
     parts = mac.split(":")
     if len(parts) != 6:
@@ -89,12 +70,14 @@ def _fit(what: str, value: int, bits: int) -> int:
 
 @dataclass(frozen=True)
 class TableEntry:
-    """An exact-match entry: match and params as ((name, value), ...) in P4Info order."""
+    """A table entry: match and params as ((name, value), ...) in P4Info order; a range key's
+    value is (low, high), and a table with one needs a `priority` (P4Runtime: > 0)."""
 
     table: str
     match: tuple
     action: str
     params: tuple
+    priority: int = 0
 
     @property
     def key(self) -> tuple:
@@ -127,6 +110,22 @@ class CounterCells:
     counter: str
     first: int
     count: int
+
+
+@dataclass(frozen=True)
+class ValueSet:
+    """A parser value set's members, written whole (P4Runtime writes a value set by MODIFY)."""
+
+    name: str
+    members: tuple = ()
+
+
+@dataclass(frozen=True)
+class RegisterFill:
+    """Every cell of a register array set to `value` (one wildcard P4Runtime write)."""
+
+    register: str
+    value: int = 0
 
 
 @dataclass(frozen=True)
@@ -219,4 +218,8 @@ def describe(item) -> str:
         return f"table {item.table} entry ({match})" + (f" -> {item.action}" if item.action else "")
     if isinstance(item, McGroup):
         return f"multicast group {item.group} ({len(item.replicas)} replicas)"
+    if isinstance(item, ValueSet):
+        return f"value set {item.name} {list(item.members)}"
+    if isinstance(item, RegisterFill):
+        return f"register {item.register} (every cell = {item.value})"
     return f"counter {item.counter} cells {item.first}..{item.first + item.count - 1}"

@@ -19,7 +19,7 @@ import queue
 import sys
 from pathlib import Path
 
-from p4.entries import CounterCells, McGroup, TableEntry, describe
+from p4.entries import CounterCells, McGroup, RegisterFill, TableEntry, ValueSet, describe
 
 PURE_PYTHON = ("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
 
@@ -65,6 +65,7 @@ class P4Info:
         self.actions = self._index(message.actions)
         self.counters = self._index(message.counters)
         self.registers = self._index(message.registers)
+        self.value_sets = self._index(message.value_sets)
 
     @staticmethod
     def _index(items) -> dict:
@@ -97,6 +98,9 @@ class P4Info:
     def register(self, name: str):
         return self._get("register", self.registers, name)
 
+    def value_set(self, name: str):
+        return self._get("value set", self.value_sets, name)
+
     def match_fields(self, table: str) -> dict:
         return {m.name: m for m in self.table(table).match_fields}
 
@@ -104,7 +108,7 @@ class P4Info:
         return {p.name: p for p in self.action(action).params}
 
     def name_of(self, p4_id: int) -> str:
-        for index in (self.tables, self.actions, self.counters, self.registers):
+        for index in (self.tables, self.actions, self.counters, self.registers, self.value_sets):
             for item in index.values():
                 if item.preamble.id == p4_id:
                     return item.preamble.name
@@ -230,6 +234,7 @@ class P4RuntimeControl:
         self.p4info = P4Info.load(p4info)
         self.client = client or P4RuntimeClient(address, device_id, election_id)
         self.pb = self.client.pb
+        self._p4info_pb2 = _modules()[3]
 
     def take_over(self, max_jobs: int) -> None:
         """Load the program (p4c's JSON and P4Info): the switch starts it with every table,
@@ -245,7 +250,15 @@ class P4RuntimeControl:
             if name not in fields:
                 raise ValueError(f"the P4Info's table {e.table} has no key field {name}")
             fm = te.match.add(field_id=fields[name].id)
-            fm.exact.value = encode(value)
+            if fields[name].match_type == self._p4info_pb2.MatchField.RANGE:
+                if not isinstance(value, tuple):
+                    raise ValueError(f"{e.table} key {name} is a range: give (low, high)")
+                fm.range.low, fm.range.high = encode(value[0]), encode(value[1])
+            elif isinstance(value, tuple):
+                raise ValueError(f"{e.table} key {name} is not a range in the P4Info")
+            else:
+                fm.exact.value = encode(value)
+        te.priority = e.priority
         if with_action:
             act = te.action.action
             act.action_id = self.p4info.action(e.action).preamble.id
@@ -271,7 +284,17 @@ class P4RuntimeControl:
                 out.append(u)
             return out
         u = pb.Update(type=kind)
-        if isinstance(item, TableEntry):
+        if isinstance(item, ValueSet):
+            vs = self.p4info.value_set(item.name)
+            ve = u.entity.value_set_entry
+            ve.value_set_id = vs.preamble.id
+            for value in item.members:
+                ve.members.add().match.add(field_id=vs.match[0].id).exact.value = encode(value)
+        elif isinstance(item, RegisterFill):
+            re_ = u.entity.register_entry      # no index: every cell (P4Runtime's wildcard write)
+            re_.register_id = self.p4info.register(item.register).preamble.id
+            re_.data.bitstring = encode(item.value)
+        elif isinstance(item, TableEntry):
             u.entity.table_entry.CopyFrom(self._table_entry(item, op != "delete"))
         elif isinstance(item, McGroup):
             g = u.entity.packet_replication_engine_entry.multicast_group_entry

@@ -10,6 +10,7 @@ from p4 import entries as E
 from p4.control import SwitchEngine, SwitchRejected, job_commands, switch_job
 from p4.p4runtime import P4RuntimeControl, client_problem, encode
 from p4.spec import EVENT_CELLS, LANES
+from tests.p4.fakes import FakeServer, schema_p4info
 
 pytestmark = pytest.mark.skipif(bool(client_problem()), reason=client_problem() or "")
 
@@ -45,91 +46,10 @@ def test_values_that_do_not_fit_their_field_are_refused_naming_it():
 
 # ---------------------------------------------------------------- a fake P4Runtime server
 
-def schema_p4info():
-    """A P4Info with SCHEMA's tables, actions and counters (ids as p4c would number them)."""
-    from p4.config.v1 import p4info_pb2
-    info, ids, actions = p4info_pb2.P4Info(), itertools.count(0x01000001), {}
-    for table, (keys, acts) in E.SCHEMA.items():
-        t = info.tables.add()
-        t.preamble.id, t.preamble.name, t.size = next(ids), table, 128
-        for k, (name, bits) in enumerate(keys, 1):
-            t.match_fields.add(id=k, name=name, bitwidth=bits, match_type=p4info_pb2.MatchField.EXACT)
-        for action, params in acts.items():
-            if action not in actions:
-                a = info.actions.add()
-                a.preamble.id, a.preamble.name = next(ids), action
-                for k, (name, bits) in enumerate(params, 1):
-                    a.params.add(id=k, name=name, bitwidth=bits)
-                actions[action] = a.preamble.id
-            t.action_refs.add(id=actions[action])
-    for name, size in E.COUNTERS.items():
-        c = info.counters.add()
-        c.preamble.id, c.preamble.name, c.size = next(ids), name, size
-    return info
-
-
-class FakeServer:
-    """Tables and multicast groups as bmv2's P4Runtime server keeps them, answering as it does:
-    an insert of a key that is there is ALREADY_EXISTS, a delete of one that is not NOT_FOUND,
-    a table at its `capacity` UNKNOWN "Error when adding match entry to target", an unknown
-    table id NOT_FOUND; each update on its own (CONTINUE_ON_ERROR, bmv2's only mode)."""
-
-    def __init__(self, capacity: dict):
-        from p4.v1 import p4runtime_pb2
-        self.pb, self.capacity = p4runtime_pb2, capacity
-        self.tables: dict = {}
-        self.groups: dict = {}
-        self.address = "fake:0"
-
-    def _one(self, u) -> tuple:
-        pb, ent = self.pb, u.entity
-        if ent.HasField("table_entry"):
-            te = ent.table_entry
-            if te.table_id not in self.capacity:
-                return 5, f"unknown table id {te.table_id}"
-            rows = self.tables.setdefault(te.table_id, set())
-            key = tuple(m.exact.value for m in te.match)
-            if u.type == pb.Update.INSERT:
-                if key in rows:
-                    return 6, "entry exists"
-                if len(rows) >= self.capacity[te.table_id]:
-                    return 2, "Error when adding match entry to target"
-                rows.add(key)
-            elif u.type == pb.Update.DELETE:
-                if key not in rows:
-                    return 5, "no such entry"
-                rows.remove(key)
-            return 0, ""
-        if ent.HasField("packet_replication_engine_entry"):
-            g = ent.packet_replication_engine_entry.multicast_group_entry
-            there = g.multicast_group_id in self.groups
-            if (u.type == pb.Update.INSERT) == there:
-                return (6, "group exists") if there else (5, "no such group")
-            if u.type == pb.Update.DELETE:
-                del self.groups[g.multicast_group_id]
-            else:
-                self.groups[g.multicast_group_id] = sorted((r.egress_port, r.instance) for r in g.replicas)
-        return 0, ""
-
-    def write(self, updates):
-        out = [self._one(u) for u in updates]
-        return [] if all(code == 0 for code, _ in out) else out
-
-    def read(self, entities):
-        return []
-
-    def set_pipeline(self, p4info, config):
-        self.tables.clear()
-        self.groups.clear()
-
-    def close(self):
-        pass
-
-
 @pytest.fixture
 def fake(tmp_path):
     from google.protobuf import text_format
-    info = schema_p4info()
+    info = schema_p4info(E.SCHEMA, E.COUNTERS)
     (tmp_path / "thc.p4info.txtpb").write_text(text_format.MessageToString(info))
     (tmp_path / "thc.json").write_text("{}")
     ids = {t.preamble.name: t.preamble.id for t in info.tables}
@@ -199,34 +119,68 @@ def test_a_p4info_that_is_not_the_switchs_names_what_differs(fake):
 class FakeCLI:
     """simple_switch_CLI as a batch sees it: its prompt before each command's output, entry
     and node handles counted up, `Invalid table operation (TABLE_FULL)` for a table at its
-    `capacity`."""
+    `capacity`; the packet replication engine's groups and nodes, with bmv2's `Invalid PRE
+    operation (...)` for a group already made or missing, and `TABLE_FULL` for a group holding
+    `members` nodes; `Invalid PRE operation (ERROR)` for a node of a rid in `refuse`."""
 
     thrift_port = 0
 
-    def __init__(self, capacity: dict):
+    def __init__(self, capacity: dict, members: int = 64):
         self.capacity, self.rows, self.next = capacity, {}, itertools.count()
-        self.nodes, self.runs = itertools.count(), []
+        self.node_ids, self.runs, self.members = itertools.count(), [], members
+        self.groups: dict = {}          # group -> set of node handles
+        self.nodes: dict = {}           # node handle -> (rid, port)
+        self.refuse: set = set()        # rids whose node the switch will not make
+
+    def _pre(self, word: str, args: list) -> str:
+        if word == "mc_mgrp_create":
+            if int(args[0]) in self.groups:
+                return "Invalid PRE operation (INVALID_MGID)\n"
+            self.groups[int(args[0])] = set()
+        elif word == "mc_mgrp_destroy":
+            if self.groups.pop(int(args[0]), None) is None:
+                return "Invalid PRE operation (INVALID_MGRP_HANDLE)\n"
+        elif word == "mc_node_create":
+            if int(args[0]) in self.refuse:
+                return "Invalid PRE operation (ERROR)\n"
+            node = next(self.node_ids)
+            self.nodes[node] = (int(args[0]), int(args[1]))
+            return f"node was created with handle {node}\n"
+        elif word == "mc_node_destroy":
+            if self.nodes.pop(int(args[0]), None) is None:
+                return "Invalid PRE operation (INVALID_L1_HANDLE)\n"
+        elif word in ("mc_node_associate", "mc_node_dissociate"):
+            group, node = self.groups.get(int(args[0])), int(args[1])
+            if group is None or node not in self.nodes:
+                return "Invalid PRE operation (INVALID_MGRP_HANDLE)\n"
+            if word == "mc_node_associate" and len(group) >= self.members:
+                return "Invalid PRE operation (TABLE_FULL)\n"
+            (group.add if word == "mc_node_associate" else group.discard)(node)
+        return ""
 
     def run(self, commands, check=True):
         self.runs.append(list(commands))
         out = ["Obtaining JSON from switch...\nDone\n"]
         for c in commands:
-            word, table = c.split()[:2]
+            word, *args = c.split()
             text = ""
             if word == "table_add":
-                rows = self.rows.setdefault(table, set())
-                if len(rows) >= self.capacity.get(table, 128):
+                rows = self.rows.setdefault(args[0], set())
+                if len(rows) >= self.capacity.get(args[0], 128):
                     text = "Invalid table operation (TABLE_FULL)\n"
                 else:
                     handle = next(self.next)
                     rows.add(handle)
                     text = f"Entry has been added with handle {handle}\n"
             elif word == "table_delete":
-                self.rows[table].discard(int(c.split()[2]))
-            elif word == "mc_node_create":
-                text = f"node was created with handle {next(self.nodes)}\n"
+                self.rows[args[0]].discard(int(args[1]))
+            elif word.startswith("mc_"):
+                text = self._pre(word, args)
             out.append("RuntimeCmd: " + text)
         return "".join(out) + "RuntimeCmd: \n"
+
+    def members_of(self, group: int) -> set:
+        return {self.nodes[n] for n in self.groups[group]}
 
 
 def test_thrift_batches_keep_handles_and_take_back_a_full_table():
@@ -248,3 +202,42 @@ def test_thrift_batches_keep_handles_and_take_back_a_full_table():
     assert taken_back[-1].startswith("table_delete ThcIngress.thc_config ") and len(taken_back) == 1 + 32 * 16 - 13 + 1
     a.close()
     assert not any(cli.rows.values()) and "mc_node_dissociate 1 0" in cli.runs[-1]
+
+
+def test_a_thrift_group_write_that_fails_partway_leaves_the_group_as_it_was():
+    """A registration whose multicast node cannot join the group (bmv2: the group is full) is
+    rejected whole: its node is destroyed, the group keeps the members it had, and the
+    rank's workers and replica_dest entries are taken back."""
+    from p4.control import ThriftControl
+    cli = FakeCLI({}, members=1)
+    switch = SwitchEngine(ThriftControl(cli), TOPOLOGY, PS_MAC)
+    job = switch.start_job(switch_job(2, job_id=1), nonce=1, base=0)
+    job.register(0, "10.0.0.1", 5000, token=3)
+    rows = {t: set(r) for t, r in cli.rows.items()}
+    assert cli.members_of(1) == {(E.rid(1, 0), 1)}
+    with pytest.raises(SwitchRejected, match=r"failed 1 of 3 writes; first: modify multicast group 1 .*TABLE_FULL"):
+        job.register(1, "10.0.0.2", 5000, token=4)
+    assert cli.members_of(1) == {(E.rid(1, 0), 1)}
+    assert set(cli.nodes.values()) == {(E.rid(1, 0), 1)}            # the rejected rank's node is gone
+    assert {t: r for t, r in cli.rows.items() if r} == {t: r for t, r in rows.items() if r}
+    job.register(0, "10.0.0.1", 5000, token=5)                   # the job goes on with what it had
+    job.close()
+    assert not cli.groups and not cli.nodes and not any(cli.rows.values())
+
+
+def test_a_thrift_group_restored_after_members_were_taken_out():
+    """A write that takes a member out and adds one the switch refuses: the member taken out
+    comes back (a new node), so the group and the backend's record of it are as before."""
+    from p4.control import ThriftControl, ThriftError
+    cli = FakeCLI({})
+    control = ThriftControl(cli)
+    a, b, c = (1, E.rid(1, 0)), (2, E.rid(1, 1)), (3, E.rid(1, 2))
+    control.write([("insert", E.McGroup(1, (a, b)))])
+    cli.refuse.add(c[1])
+    with pytest.raises(ThriftError, match=r"modify multicast group 1 .*Invalid PRE operation \(ERROR\)"):
+        control.write([("modify", E.McGroup(1, (a, c)))])          # b out, c in: c is refused
+    assert cli.members_of(1) == {(a[1], a[0]), (b[1], b[0])}
+    assert sorted(cli.nodes.values()) == sorted([(a[1], a[0]), (b[1], b[0])])    # no node left over
+    assert {key: cli.nodes[n] for key, n in control.nodes[1].items()} == {a: (a[1], a[0]), b: (b[1], b[0])}
+    control.write([("delete", E.McGroup(1))])
+    assert not cli.groups and not cli.nodes

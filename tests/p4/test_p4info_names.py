@@ -1,12 +1,16 @@
 """Every name the control plane writes or reads (p4/entries.py) against the P4Info p4c writes:
 each table with its key fields (order, width, exact match), each action it uses with its
 parameters (order, width), the counters and registers with their sizes.  The same for the
-Tofino program's names (entries.TNA_NAMES) where p4c-barefoot is there."""
+Tofino program (p4/tna_entries.py: key match kinds, value set, registers) where p4c-barefoot
+is there; and a Tofino job through the P4Runtime backend against a fake server, with a P4Info
+made from the schema and with p4c-barefoot's."""
+import dataclasses
 import subprocess
 
 import pytest
 
 from p4 import entries as E
+from p4 import tna_entries as T
 from p4 import tools
 from p4.control import HERE, compile_program, p4info_path
 from p4.p4runtime import P4Info, client_problem
@@ -45,21 +49,124 @@ def test_every_name_the_control_plane_uses_is_in_the_v1model_p4info(tmp_path):
         info.table("ThcIngress.nope")
 
 
-@pytest.mark.skipif(tools.find_tool("p4c-barefoot") is None,
-                    reason=f"p4c-barefoot not found on {tools.where_text()}: no TNA P4Info to check")
-def test_the_tofino_programs_names_for_what_it_shares(tmp_path):
-    out = tmp_path / "tofino"
-    proc = subprocess.run([tools.require("p4c-barefoot"), "--target", "tofino", "--arch", "tna", "-o", str(out),
-                           "--p4runtime-files", str(tmp_path / "tna.p4info.txtpb"),
+NO_BAREFOOT = f"p4c-barefoot not found on {tools.where_text()}: no TNA P4Info to check"
+
+
+@pytest.fixture(scope="module")
+def tna_p4info(tmp_path_factory):
+    """The P4Info p4c-barefoot writes for p4/tofino/thc_tna.p4 (compiled once)."""
+    if tools.find_tool("p4c-barefoot") is None:
+        pytest.skip(NO_BAREFOOT)
+    tmp = tmp_path_factory.mktemp("tna")
+    proc = subprocess.run([tools.require("p4c-barefoot"), "--target", "tofino", "--arch", "tna", "-o", str(tmp / "out"),
+                           "--p4runtime-files", str(tmp / "tna.p4info.txtpb"),
                            str(HERE / "tofino" / "thc_tna.p4")], capture_output=True, text=True, timeout=3600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    info = P4Info.load(tmp_path / "tna.p4info.txtpb")
-    for ours, (theirs, shape) in E.TNA_NAMES.items():
-        if ours in E.SCHEMA:
-            assert info.table(theirs) and (shape is None or
-                                           [(m.name, m.bitwidth) for m in info.table(theirs).match_fields]
-                                           == list(shape)), ours
-        elif ours in E.COUNTERS:
-            assert info.counter(theirs), ours
-        else:
-            check_action(info, theirs, shape)
+    return tmp / "tna.p4info.txtpb"
+
+
+def test_every_name_the_tofino_control_plane_uses_is_in_the_tna_p4info(tna_p4info):
+    from p4.config.v1 import p4info_pb2
+    kinds = {"exact": p4info_pb2.MatchField.EXACT, "range": p4info_pb2.MatchField.RANGE}
+    info = P4Info.load(tna_p4info)
+    for table, (keys, actions) in T.TNA_SCHEMA.items():
+        t = info.table(table)
+        assert [(m.name, m.bitwidth, m.match_type) for m in t.match_fields] == \
+            [(name, bits, kinds[kind]) for name, bits, kind in keys], table
+        refs = {info.name_of(r.id) for r in t.action_refs}
+        for action, params in actions.items():
+            assert action in refs, (table, action)
+            check_action(info, action, params)
+    for name, size in T.TNA_COUNTERS.items():
+        assert info.counter(name).size == size, name
+    for name, (bits, size) in T.TNA_VALUE_SETS.items():
+        vs = info.value_set(name)
+        assert vs.size == size and [m.bitwidth for m in vs.match] == [bits], name
+    for name in T.SLOT_REGISTERS:
+        assert info.register(name).type_spec.bitstring.bit.bitwidth == 32, name
+
+
+def test_what_both_programs_share_has_one_shape():
+    """The tables and counters both programs have (tna_entries.SHARED): the same actions
+    (but for the pipe's prefix) with the same parameters, the same keys but for bmv2's job id."""
+    def bare(name):
+        return name.split(".", 1)[1] if name.startswith(T.PIPE + ".") else name
+    for ours, theirs in T.SHARED.items():
+        if ours in E.COUNTERS:
+            assert theirs in T.TNA_COUNTERS
+            continue
+        (keys, actions), (tkeys, tactions) = E.SCHEMA[ours], T.TNA_SCHEMA[theirs]
+        assert {a: p for a, p in actions.items()} == {bare(a): p for a, p in tactions.items()}, ours
+        mine = [(n, b) for n, b in keys if n != "hdr.thc.job_id"]
+        assert [(n.replace("eg_intr_md.", "sm."), b) for n, b, _ in tkeys] == mine, ours
+
+
+def tna_control(tmp_path, info):
+    from google.protobuf import text_format
+
+    from p4.p4runtime import P4RuntimeControl
+    from tests.p4.fakes import FakeServer
+    (tmp_path / "tna.p4info.txtpb").write_text(text_format.MessageToString(info))
+    (tmp_path / "tna.bin").write_bytes(b"")
+    capacity = {t.preamble.id: 128 for t in info.tables}
+    server = FakeServer(capacity)
+    ctl = P4RuntimeControl("fake:0", tmp_path / "tna.p4info.txtpb", tmp_path / "tna.bin", client=server)
+    return ctl, server, {t.preamble.name: t.preamble.id for t in info.tables}, capacity
+
+
+def tna_job_through(ctl, server, ids, capacity):
+    """A job on the Tofino program through the P4Runtime backend and p4.control.apply: the
+    pipe's writes, the job's, two registrations; a job the switch rejects (a full lookup
+    table) leaves nothing; closing leaves only the pipe's L2 entries."""
+    from p4.control import SwitchRejected, apply, switch_job
+    from p4.entries import WorkerPort
+    job = switch_job(2, job_id=5)
+    apply(ctl, T.pipe_writes(68, {"00:00:00:00:00:01": 1, "00:00:00:00:00:02": 2}))
+    capacity[ids[T.lut(9)]] = 3
+    with pytest.raises(SwitchRejected, match=r"rejected 13 of .*pipe.ThcIngress.lut9 .*everything else"):
+        apply(ctl, T.tna_job_writes(job, "00:00:00:00:00:fe", nonce=77, recirc_port=68))
+    assert {i: rows for i, rows in server.tables.items() if rows} == {ids[T.L2]: server.tables[ids[T.L2]]}
+    assert server.groups == {}
+    capacity[ids[T.lut(9)]] = 128
+    writes = T.tna_job_writes(job, "00:00:00:00:00:fe", nonce=77, recirc_port=68)
+    apply(ctl, writes)
+    members = ()
+    for rank in range(2):
+        w = WorkerPort(rank, f"10.0.0.{rank + 1}", 5000, f"00:00:00:00:00:{rank + 1:02x}", rank + 1)
+        reg = T.tna_worker_writes(w, token=40 + rank, members=members)
+        apply(ctl, reg, {T.GROUP: T.McGroup(T.GROUP, members)})
+        writes += reg
+        members = reg[1][1].replicas
+    assert server.groups == {T.GROUP: [(1, 1), (2, 2)]}
+    assert len(server.tables[ids[T.WORKERS]]) == 2 and len(server.tables[ids[T.lut(31)]]) == 16
+    kinds = [e.WhichOneof("entity") for e in server.writes]
+    assert kinds.count("register_entry") == 2 * len(T.SLOT_REGISTERS) and kinds.count("value_set_entry") == 1
+    apply(ctl, [("delete", item) for op, item in reversed(writes) if op == "insert" and not isinstance(item, T.McGroup)]
+          + [("delete", T.McGroup(T.GROUP))])
+    assert {i: rows for i, rows in server.tables.items() if rows} == {ids[T.L2]: server.tables[ids[T.L2]]}
+    assert server.groups == {}
+
+
+def test_a_tofino_job_through_the_p4runtime_control_plane(tmp_path):
+    """Against a P4Info made from TNA_SCHEMA (no compiler needed)."""
+    from tests.p4.fakes import schema_p4info
+    regs = {r: 4096 for r in T.SLOT_REGISTERS}
+    info = schema_p4info(T.TNA_SCHEMA, T.TNA_COUNTERS, T.TNA_VALUE_SETS, regs)
+    tna_job_through(*tna_control(tmp_path, info))
+
+
+def test_a_tofino_job_against_the_p4info_p4c_barefoot_writes(tmp_path, tna_p4info):
+    tna_job_through(*tna_control(tmp_path, P4Info.load(tna_p4info).message))
+
+
+def test_tofino_entries_refuse_what_the_program_cannot_hold():
+    from p4.control import switch_job
+    with pytest.raises(ValueError, match="the switch aggregates codec thc with b=4"):
+        T.tna_job_writes(dataclasses.replace(switch_job(2), lane_bits=16), "00:00:00:00:00:fe", nonce=1,
+                         recirc_port=68)
+    with pytest.raises(ValueError, match="recirc_port = 600 does not fit in 9 bits"):
+        T.tna_job_writes(switch_job(2), "00:00:00:00:00:fe", nonce=1, recirc_port=600)
+    with pytest.raises(ValueError, match="empty range 3..2"):
+        T.tna_entry(T.WORKER_RANGE, ((3, 2),), f"{T.TING}.worker_in_range", (), priority=1)
+    with pytest.raises(ValueError, match="a priority is needed with range keys"):
+        T.tna_entry(T.WORKER_RANGE, ((0, 2),), f"{T.TING}.worker_in_range", ())
