@@ -7,8 +7,9 @@ Each configuration runs twice:
             loss = nftables drops on every host link;
   software  `thc ps` in one network namespace, `thc launch --ps` (N workers) in another,
             loss = the same nftables rule on the workers' side (deploy/netns.py).
-Both check every chunk of every round against the in-process reference.  Writes
-docs/experiments/switch.md and switch.json.
+Both check every chunk of every round against the in-process reference.  Writes switch.md
+and switch.json to --out (default ./thc-results/switch; `--out docs/experiments` regenerates
+the committed results).
 """
 from __future__ import annotations
 
@@ -82,11 +83,18 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--dim", type=int, default=4096)
-    ap.add_argument("--out", default=str(ROOT / "docs" / "experiments"))
+    ap.add_argument("--out", default=str(Path.cwd() / "thc-results" / "switch"),
+                    help="where switch.md and switch.json go (default: ./thc-results/switch; "
+                         "`--out docs/experiments` regenerates the committed results)")
     ap.add_argument("--switch-control", choices=("auto", "p4runtime", "thrift"), default="auto",
                     help="how the switch is programmed (p4.control.choose_control): P4Runtime runs the "
                          "control plane as `thc p4 run --attach` (mininet's p4run mode), Thrift preprograms it")
     args = ap.parse_args(argv)
+    out = Path(args.out).expanduser()
+    try:                        # before any run: a run's results are not lost to a bad --out
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        ap.error(f"--out {args.out}: {exc.strerror}")
     switch, why = choose_control(args.switch_control)
     print(f"switch control plane: {switch} ({why})", flush=True)
     mode = "p4run" if switch == "p4runtime" else "static"
@@ -103,7 +111,6 @@ def main(argv=None) -> int:
               f"{soft['mismatched_chunks']}, lost {soft['lost_chunks']}, PS {soft['ps']}", flush=True)
         results.append({"label": label, "loss": loss, "straggler_delay_ms": delay, "straggler_rank": rank,
                         "quorum": quorum, "policy": policy, "switch": sw, "software": soft})
-    out = Path(args.out)
     (out / "switch.json").write_text(json.dumps(results, indent=1) + "\n")
     rate = [r["switch"]["packets_per_s"] for r in results if r["switch"]["packets_per_s"]]
     lines = [

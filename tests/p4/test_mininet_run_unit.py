@@ -101,3 +101,12 @@ def test_summary_names_the_straggler_and_the_switch_drops():
     assert "drops {'malformed': 2}" in text and "rounds_completed 5" in text
     assert "(15 chunk rounds)" in text and text.endswith("3.3 s")
     assert "(all workers)" in mininet_run.summary_text({**full, "straggler_rank": None})
+
+
+def test_switch_experiment_refuses_an_out_it_cannot_write_before_any_run(capsys, monkeypatch):
+    """A bad --out is refused at once, naming it: the runs' minutes are not lost to it."""
+    from deploy import switch_experiment
+    monkeypatch.setattr(switch_experiment, "choose_control", lambda *a: pytest.fail("a run started"))
+    with pytest.raises(SystemExit) as exc:
+        switch_experiment.main(["--out", "/proc/no-such-dir/switch"])
+    assert exc.value.code == 2 and "--out /proc/no-such-dir/switch: No such file or directory" in capsys.readouterr().err
