@@ -77,9 +77,14 @@ class P4Info:
 
     @classmethod
     def load(cls, path: Path | str) -> P4Info:
-        """A P4Info in protobuf text format (p4c's --p4runtime-files NAME.txtpb)."""
+        """A P4Info as p4c writes it with --p4runtime-files: protobuf text (NAME.txtpb, NAME.txt),
+        or binary (NAME.bin), which also holds externs of types this client has no
+        description of (p4c-barefoot's `barefoot.PortMetadata`: text cannot be parsed without it)."""
         _, text_format, _, p4info_pb2, _, _ = _modules()
-        return cls(text_format.Parse(Path(path).read_text(), p4info_pb2.P4Info()))
+        path = Path(path)
+        if path.suffix == ".bin":
+            return cls(p4info_pb2.P4Info.FromString(path.read_bytes()))
+        return cls(text_format.Parse(path.read_text(), p4info_pb2.P4Info()))
 
     def _get(self, kind: str, index: dict, name: str):
         if name not in index:
@@ -288,8 +293,9 @@ class P4RuntimeControl:
             vs = self.p4info.value_set(item.name)
             ve = u.entity.value_set_entry
             ve.value_set_id = vs.preamble.id
+            fid = vs.match[0].id if vs.match else 1     # p4c-barefoot lists no match field: one, id 1
             for value in item.members:
-                ve.members.add().match.add(field_id=vs.match[0].id).exact.value = encode(value)
+                ve.members.add().match.add(field_id=fid).exact.value = encode(value)
         elif isinstance(item, RegisterFill):
             re_ = u.entity.register_entry      # no index: every cell (P4Runtime's wildcard write)
             re_.register_id = self.p4info.register(item.register).preamble.id

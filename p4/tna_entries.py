@@ -1,32 +1,32 @@
 """What a job needs on the Tofino program (p4/tofino/thc_tna.p4), in the names of the P4Info
-p4c-barefoot writes for it: the same item types as p4/entries.py (TableEntry, McGroup,
-CounterCells, plus a parser value set and a register fill), so p4/p4runtime.py's
-P4RuntimeControl and p4.control.apply drive it as they drive bmv2 — a P4Runtime server on a
-Tofino (Stratum) takes the same messages.
+`p4c-barefoot --p4runtime-force-std-externs` writes for it: the P4Info a P4Runtime server on a
+Tofino (Stratum) loads, whose counters, registers and value sets are P4Runtime's standard
+entities (without the flag p4c-barefoot describes them as Tofino-specific externs and prefixes
+every name with the Pipeline's, `pipe.`).  The items are p4/entries.py's (TableEntry,
+McGroup, CounterCells, ValueSet, RegisterFill), so p4/p4runtime.py's P4RuntimeControl and
+p4.control.apply drive it as they drive bmv2.
 
 The program serves one job at a time (p4/tofino/README.md): the job is matched on (job id,
 nonce) with no job id in the other keys, worker ids and slots are checked by range tables
 (a Tofino gateway compares a field with a constant, not with another field), and a slot is
 unused while its `round_reg` cell is 0, so a new job zeroes the slot registers instead of
 taking a new epoch.  `TNA_SCHEMA` names every table the control plane writes; a test checks
-it and every write below against the P4Info (tests/p4/test_p4info_names.py).
+it and a job's writes against the P4Info (tests/p4/test_p4info_names.py).
 """
 from __future__ import annotations
 
-from p4 import entries as E
 from p4.entries import (EGR, ING, CounterCells, McGroup, RegisterFill, TableEntry, ValueSet, WorkerPort, _fit,
                         check_shape, ip_int, mac_int)
 from p4.spec import EVENT_CELLS, LANES
 from proto.headers import DATA, NORM
 from proto.job import JobConfig
 
-#: p4c-barefoot names a TNA object after its Pipeline instance (`pipe`) and its control.
-PIPE = "pipe"
-TING, TEGR = f"{PIPE}.{ING}", f"{PIPE}.{EGR}"
+#: With standard externs p4c-barefoot names a TNA object after its control, as p4c names bmv2's.
+TING, TEGR = ING, EGR
 JOB, JOB_SIZE, WORKER_RANGE, SLOT_RANGE = (f"{TING}.thc_job", f"{TING}.job_size", f"{TING}.worker_range",
                                            f"{TING}.slot_range")
 WORKERS, L2, REPLICA = f"{TING}.workers", f"{TING}.l2", f"{TEGR}.replica_dest"
-RECIRC_PORTS = f"{PIPE}.ThcIngressParser.recirc_ports"
+RECIRC_PORTS = "ThcIngressParser.recirc_ports"
 EVENTS, EXTRA_EVENTS = f"{TING}.events", f"{TING}.extra_events"
 #: The job's multicast group (the program sends every RESULT to group 1).
 GROUP = 1
@@ -56,11 +56,11 @@ TNA_SCHEMA: dict = {
                                                                                 ("port", 16))}),
     **{lut(i): (((f"hdr.idx.z{i}", 4, "exact"),), {f"{TING}.set_v{i}": (("v", 8),)}) for i in range(LANES)},
 }
-#: What both programs have, v1model name -> TNA name: the same actions with the same
-#: parameters, and the same key fields but for the v1model program's job id (it holds 8 jobs)
-#: and the egress rid's metadata name.  `workers` is not among them: its TNA action gives the
-#: worker's bitmap bit, keyed by the worker id too, where bmv2's gives the worker id.
-SHARED = {E.L2: L2, E.REPLICA: REPLICA, **{E.lut(i): lut(i) for i in range(LANES)}, E.EVENTS_COUNTER: EVENTS}
+#: What both programs have under the same name: the same actions with the same parameters,
+#: and the same key fields but for the v1model program's job id (it holds 8 jobs) and the
+#: egress rid's metadata name.  `workers` is not among them: its TNA action gives the worker's
+#: bitmap bit, keyed by the worker id too, where bmv2's gives the worker id.
+SHARED = (L2, REPLICA, *(lut(i) for i in range(LANES)), EVENTS)
 #: counter array -> cells
 TNA_COUNTERS = {EVENTS: EVENT_CELLS, EXTRA_EVENTS: EVENT_CELLS}
 #: parser value set -> (member bits, size)
