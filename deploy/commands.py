@@ -422,7 +422,8 @@ def cmd_p4(args):
         print((proc.stdout + proc.stderr).strip())
         if proc.returncode != 0:
             raise RuntimeError(f"p4c-barefoot --target {args.target} failed (status {proc.returncode})")
-        print(f"compiled p4/tofino/thc_tna.p4 for {args.target} into {args.out}/{args.target}")
+        print(f"compiled p4/tofino/thc_tna.p4 for {args.target} into {args.out}/{args.target} "
+              f"(P4Info for a P4Runtime server: {args.out}/{args.target}/{control.TNA_P4INFO})")
         _print_tofino_resources(Path(args.out) / args.target / "pipe")
         return None
     ports = {}

@@ -360,18 +360,25 @@ def p4info_path(json_path: Path | str) -> Path:
 TOFINO_TARGETS = {"tofino": "tna", "tofino2": "t2na"}
 
 
+#: the Tofino program's P4Info, beside its build (compile_tofino)
+TNA_P4INFO = "thc_tna.p4info.bin"
+
+
 def compile_tofino(target: str = "tofino", out_dir: Path | str = "build/tofino",
                    extra: tuple = ()) -> subprocess.CompletedProcess:
     """p4c-barefoot p4/tofino/thc_tna.p4 for Tofino 1 (`tofino`, TNA) or 2 (`tofino2`, T2NA) into
     out_dir/<target>; the completed process (its output holds the compiler's messages).  `-g`
     makes it write its resource report (pipe/logs/resources.json, phv.json:
-    p4.tofino_resources.summarize)."""
+    p4.tofino_resources.summarize).  The P4Info goes to out_dir/<target>/thc_tna.p4info.bin,
+    with standard externs: what a P4Runtime server on a Tofino (Stratum) loads and
+    p4/tna_entries.py names (binary, as it keeps an extern text cannot describe)."""
     if target not in TOFINO_TARGETS:
         raise ValueError(f"unknown Tofino target {target!r}: one of {', '.join(TOFINO_TARGETS)}")
     p4c = require("p4c-barefoot")
     out = Path(out_dir) / target
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [p4c, "--target", target, "--arch", TOFINO_TARGETS[target], "-g", "-o", str(out), *extra,
+    cmd = [p4c, "--target", target, "--arch", TOFINO_TARGETS[target], "-g", "-o", str(out),
+           "--p4runtime-force-std-externs", "--p4runtime-files", str(out / TNA_P4INFO), *extra,
            str(HERE / "tofino" / "thc_tna.p4")]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
 

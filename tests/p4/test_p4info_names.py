@@ -5,14 +5,13 @@ Tofino program (p4/tna_entries.py: key match kinds, value set, registers) where 
 is there; and a Tofino job through the P4Runtime backend against a fake server, with a P4Info
 made from the schema and with p4c-barefoot's."""
 import dataclasses
-import subprocess
 
 import pytest
 
 from p4 import entries as E
 from p4 import tna_entries as T
 from p4 import tools
-from p4.control import HERE, compile_program, p4info_path
+from p4.control import compile_program, p4info_path
 from p4.p4runtime import P4Info, client_problem
 
 pytestmark = pytest.mark.skipif(bool(client_problem()), reason=client_problem() or "")
@@ -54,15 +53,15 @@ NO_BAREFOOT = f"p4c-barefoot not found on {tools.where_text()}: no TNA P4Info to
 
 @pytest.fixture(scope="module")
 def tna_p4info(tmp_path_factory):
-    """The P4Info p4c-barefoot writes for p4/tofino/thc_tna.p4 (compiled once)."""
+    """The P4Info p4c-barefoot writes for p4/tofino/thc_tna.p4 (`thc p4 build --target tofino`'s,
+    compiled once)."""
     if tools.find_tool("p4c-barefoot") is None:
         pytest.skip(NO_BAREFOOT)
+    from p4.control import TNA_P4INFO, compile_tofino
     tmp = tmp_path_factory.mktemp("tna")
-    proc = subprocess.run([tools.require("p4c-barefoot"), "--target", "tofino", "--arch", "tna", "-o", str(tmp / "out"),
-                           "--p4runtime-force-std-externs", "--p4runtime-files", str(tmp / "tna.p4info.bin"),
-                           str(HERE / "tofino" / "thc_tna.p4")], capture_output=True, text=True, timeout=3600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return tmp / "tna.p4info.bin"
+    proc = compile_tofino("tofino", tmp)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-2000:]
+    return tmp / "tofino" / TNA_P4INFO
 
 
 def test_every_name_the_tofino_control_plane_uses_is_in_the_tna_p4info(tna_p4info):

@@ -28,6 +28,7 @@ def _compile(target, tmp_path):
     build = tmp_path / target
     bfa = sorted(build.rglob("*.bfa"))
     assert bfa, f"no assembly in {build}: {sorted(p.name for p in build.rglob('*'))}"
+    assert (build / control.TNA_P4INFO).stat().st_size > 0        # the P4Info for a P4Runtime server
     return bfa[0]
 
 
