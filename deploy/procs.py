@@ -114,12 +114,35 @@ def start_shielded(proc) -> None:
 def leave_on_sigterm() -> None:
     """In a worker process: SIGTERM raises KeyboardInterrupt once (its `finally` blocks run:
     the worker leaves its job), and any later SIGTERM or SIGINT is ignored so that the
-    leaving is not cut short."""
+    leaving is not cut short.  Call it from the main thread."""
     def stop(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, stop)
+    quiet_once_stopped()
+
+
+def quiet_once_stopped() -> None:
+    """Once SIGINT or SIGTERM arrives, the worker's notes (`worker.*` loggers) say only errors.
+
+    Python runs a signal's handler in the main thread only when that thread runs Python
+    again; a worker whose main thread waits in a C call (a phase, DDP's future) goes on
+    retransmitting to peers that already left on the same Ctrl-C, and its "unanswered
+    after N retransmissions" notes would follow the one line an interrupted `thc train`
+    prints.  The signal module's wakeup fd is written by the C-level handler at once,
+    whatever thread runs: a daemon thread waiting on it quiets the notes.  Call it from
+    the main thread."""
+    import logging
+    import threading
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+
+    def watch():
+        os.read(r, 1)
+        logging.getLogger("worker").setLevel(logging.ERROR)
+    threading.Thread(target=watch, daemon=True, name="thc-stop-watch").start()
 
 
 def stop_children(procs, timeout: float = 5.0) -> None:

@@ -76,3 +76,43 @@ def test_reports_are_yielded_as_they_arrive():
         for p in procs:
             p.kill()
             p.join(5)
+
+
+QUIET_SCRIPT = r"""
+import logging, os, signal, threading, time
+import numpy as np
+from deploy.procs import leave_on_sigterm
+leave_on_sigterm()
+note = logging.getLogger("worker.phases")
+assert note.isEnabledFor(logging.WARNING)
+quiet_at = []
+def watch():                      # when the notes went quiet
+    while note.isEnabledFor(logging.WARNING):
+        time.sleep(0.001)
+    quiet_at.append(time.monotonic())
+threading.Thread(target=watch, daemon=True).start()
+data = np.random.default_rng(0).random(12_000_000)
+try:
+    threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    np.sort(data)                 # about a second in C (the GIL released), where no handler runs
+    time.sleep(5)                 # the handler runs before this line at the latest
+    print("no KeyboardInterrupt")
+except KeyboardInterrupt:
+    caught = time.monotonic()     # the handler ran: the main thread was back in Python
+    print("interrupted", "quiet while busy" if quiet_at and quiet_at[0] < caught
+          else f"not quiet while busy {quiet_at} {caught}")
+"""
+
+
+def test_a_stopped_worker_goes_quiet_while_its_main_thread_is_busy_in_c():
+    """Reproduction: an interrupted `thc train` printed a rank's "unanswered after 8
+    retransmissions" note after its one line, the rank's main thread waiting in C while its
+    phase went on.  After SIGTERM (or SIGINT) the worker.* notes stop at once, before the
+    main thread runs Python again; the handler still raises KeyboardInterrupt there."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", QUIET_SCRIPT], cwd=root, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(root)))
+    assert out.stdout.strip() == "interrupted quiet while busy", out.stdout + out.stderr
