@@ -255,14 +255,9 @@ class ThriftControl:
                 continue
             if now is not None and now.keys() == members.keys():
                 continue
+            op = ("insert" if now is None else "modify") if existed else "delete"
             try:
-                if existed:
-                    if now is None:
-                        self.write([("insert", McGroup(group, tuple(sorted(members))))], restoring=True)
-                    else:
-                        self.write([("modify", McGroup(group, tuple(sorted(members))))], restoring=True)
-                else:
-                    self.write([("delete", McGroup(group))], restoring=True)
+                self.write([(op, McGroup(group, tuple(sorted(members))))], restoring=True)
             except ThriftError as exc:
                 return f" (multicast group {group} could not be put back as it was: {exc})"
         return ""

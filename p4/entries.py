@@ -85,13 +85,28 @@ class TableEntry:
         return self.table, tuple(v for _, v in self.match)
 
 
-def entry(table: str, match: tuple, action: str, params: tuple) -> TableEntry:
-    """A TableEntry of SCHEMA's `table` with positional values, each checked against its width."""
-    keys, actions = SCHEMA[table]
+def entry(table: str, match: tuple, action: str, params: tuple, *, schema: dict | None = None,
+          priority: int = 0) -> TableEntry:
+    """A TableEntry of `schema`'s `table` (SCHEMA unless said) with positional values, each
+    checked against its width.  A key field is (name, bits) or (name, bits, kind); a range
+    key's value is (low, high), and a table with one needs a priority (P4Runtime: > 0)."""
+    keys, actions = (SCHEMA if schema is None else schema)[table]
     if action not in actions or len(match) != len(keys) or len(params) != len(actions[action]):
         raise ValueError(f"{table} takes {len(keys)} key values and action {', '.join(actions)}")
-    return TableEntry(table, tuple((k, _fit(f"{table} key {k}", v, b)) for (k, b), v in zip(keys, match)), action,
-                      tuple((p, _fit(f"{action} {p}", v, b)) for (p, b), v in zip(actions[action], params)))
+    values, ranged = [], False
+    for (name, bits, *kind), v in zip(keys, match):
+        if kind == ["range"]:
+            ranged = True
+            lo, hi = (_fit(f"{table} key {name}", x, bits) for x in v)
+            if lo > hi:
+                raise ValueError(f"{table} key {name}: empty range {lo}..{hi}")
+            values.append((name, (lo, hi)))
+        else:
+            values.append((name, _fit(f"{table} key {name}", v, bits)))
+    if ranged != (priority > 0):
+        raise ValueError(f"{table}: a priority is needed with range keys and only then")
+    return TableEntry(table, tuple(values), action,
+                      tuple((p, _fit(f"{action} {p}", v, b)) for (p, b), v in zip(actions[action], params)), priority)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ it and a job's writes against the P4Info (tests/p4/test_p4info_names.py).
 from __future__ import annotations
 
 from p4.entries import (EGR, ING, CounterCells, McGroup, RegisterFill, TableEntry, ValueSet, WorkerPort, _fit,
-                        check_shape, ip_int, mac_int)
+                        check_shape, entry, ip_int, mac_int)
 from p4.spec import EVENT_CELLS, LANES
 from proto.headers import DATA, NORM
 from proto.job import JobConfig
@@ -68,26 +68,9 @@ TNA_VALUE_SETS = {RECIRC_PORTS: (PORT_BITS, 4)}
 
 
 def tna_entry(table: str, match: tuple, action: str, params: tuple, priority: int = 0) -> TableEntry:
-    """A TableEntry of TNA_SCHEMA's `table`: exact values as ints, range values as (low, high),
-    each checked against its width; a table with a range key needs a priority."""
-    keys, actions = TNA_SCHEMA[table]
-    if action not in actions or len(match) != len(keys) or len(params) != len(actions[action]):
-        raise ValueError(f"{table} takes {len(keys)} key values and action {', '.join(actions)}")
-    values = []
-    for (name, bits, kind), v in zip(keys, match):
-        if kind == "range":
-            lo, hi = (_fit(f"{table} key {name}", x, bits) for x in v)
-            if lo > hi:
-                raise ValueError(f"{table} key {name}: empty range {lo}..{hi}")
-            values.append((name, (lo, hi)))
-        else:
-            values.append((name, _fit(f"{table} key {name}", v, bits)))
-    ranged = any(kind == "range" for _, _, kind in keys)
-    if ranged != (priority > 0):
-        raise ValueError(f"{table}: a priority is needed with range keys and only then")
-    return TableEntry(table, tuple(values), action,
-                      tuple((p, _fit(f"{action} {p}", v, b)) for (p, b), v in zip(actions[action], params)),
-                      priority)
+    """A TableEntry of TNA_SCHEMA's `table` (entries.entry: exact values as ints, range values
+    as (low, high), each checked against its width; range keys need a priority)."""
+    return entry(table, match, action, params, schema=TNA_SCHEMA, priority=priority)
 
 
 def pipe_writes(recirc_port: int, hosts: dict) -> list[tuple]:
