@@ -8,6 +8,11 @@
  *                written as bytes or packed 4-bit (high nibble first).  Lines 9-16.
  *   rht_decode:  table-domain values (float Y/k, or own indices looked up in T) -> affine map
  *                m + v (M - m)/g -> FWHT + 1/sqrt(p) -> signs D.  Lines 19-22.
+ *   rht_rotate:  signs D + FWHT + 1/sqrt(p), plus a carried vector: R = H·D·x + e, the rotation of
+ *                a job whose D is fixed (error feedback kept in the rotated domain).  Line 9.
+ *   quantize_ef: clamp + grid map + stochastic rounding of an already rotated block (lines 11-16),
+ *                and in the same pass the block's own quantization error R − X in the rotated
+ *                domain (line 22 without its RHT⁻¹).
  *   sumsq:       a block's sum of squares for its norm (§5.2), in 16 float64 lanes in a fixed order.
  *   quantize, apply_signs: the previous separate passes (kept for the "before" benchmark).
  *
@@ -122,7 +127,7 @@ static inline uint8_t quant1(const qtab_t *q, float a, float u) {
 /* ------------------------------------------------------------------ sources and sinks */
 
 enum { IN_INPLACE, IN_SIGNS, IN_VALUES, IN_NIBBLES, IN_BYTES };
-enum { EPI_SCALE, EPI_ENCODE, EPI_DECODE };
+enum { EPI_SCALE, EPI_ENCODE, EPI_DECODE, EPI_ADD };
 
 /* What the first pass reads: the block in place, x·D (x zero-padded to the block), or the
  * decoder's table-domain values a = v·c − m with v a float (Y/k) or T[index]. */
@@ -149,6 +154,7 @@ typedef struct {
     const uint8_t *signs;
     float *dst;
     size_t ndst;
+    const float *carry;      /* EPI_ADD: added after the scale (NULL: nothing) */
 } epi_t;
 
 static inline uint32_t sign_bit(const uint8_t *bits, size_t i) {
@@ -215,6 +221,10 @@ static void rht_scalar(float *w, size_t n, const in_t *in, const epi_t *e) {
     case EPI_DECODE:
         for (size_t i = 0; i < e->ndst; i++) e->dst[i] = flip(w[i], sign_bit(e->signs, i));
         break;
+    case EPI_ADD:
+        if (e->carry)
+            for (size_t i = 0; i < n; i++) w[i] = w[i] + e->carry[i];
+        break;
     default:
         break;
     }
@@ -273,9 +283,9 @@ static inline __m256 signmask8(uint8_t byte) {
 }
 
 /* 8 table values T[idx] as floats: two 8-entry permutes and a blend for tables of <= 16. */
-static inline __m256 lookup8(const in_t *in, __m256i idx) {
-    __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(in->tabf), idx);
-    __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(in->tabf + 8), idx);
+static inline __m256 lookup16(const float *tabf, __m256i idx) {
+    __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(tabf), idx);
+    __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(tabf + 8), idx);
     __m256i sel = _mm256_slli_epi32(idx, 28);          /* bit 3 -> sign bit for blendv */
     return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(sel));
 }
@@ -301,7 +311,7 @@ static inline __m256 in8(const in_t *in, const float *w, size_t i) {
         __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word),
                                                          _mm256_setr_epi32(4, 0, 12, 8, 20, 16, 28, 24)),
                                        _mm256_set1_epi32(15));
-        return _mm256_sub_ps(_mm256_mul_ps(lookup8(in, idx), c), m);
+        return _mm256_sub_ps(_mm256_mul_ps(lookup16(in->tabf, idx), c), m);
     }
     case IN_BYTES: {
         __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(in->idx + i)));
@@ -378,27 +388,31 @@ static inline __m256 cu8(uint64_t key, uint64_t i) {
     return _mm256_mul_ps(_mm256_cvtepi32_ps(k24), _mm256_set1_ps(1.0f / 16777216.0f));
 }
 
+/* 8 indices (int32 lanes) into out at coordinate i: packed nibbles (pair 2k, 2k+1 -> z0 << 4 | z1)
+ * or one byte each. */
+static inline void store_idx8(uint8_t *out, int packed, size_t i, __m256i z) {
+    if (packed) {   /* pair (2k, 2k+1) -> low byte of 64-bit lane k: z0 << 4 | z1 */
+        __m256i t = _mm256_or_si256(_mm256_slli_epi64(z, 4), _mm256_srli_epi64(z, 32));
+        t = _mm256_shuffle_epi8(t, _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                    0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+        uint32_t word = (uint32_t)_mm_cvtsi128_si32(_mm256_castsi256_si128(t)) |
+                        (uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(t, 1)) << 16;
+        memcpy(out + (i >> 1), &word, 4);
+    } else {
+        __m256i t = _mm256_shuffle_epi8(z, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                            0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+        uint64_t word = (uint32_t)_mm_cvtsi128_si32(_mm256_castsi256_si128(t)) |
+                        (uint64_t)(uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(t, 1)) << 32;
+        memcpy(out + i, &word, 8);
+    }
+}
+
 static inline void epi8(const epi_t *e, float *p, size_t i, __m256 v) {
     v = _mm256_mul_ps(v, _mm256_set1_ps(e->scale));
     switch (e->kind) {
-    case EPI_ENCODE: {
-        __m256i z = quant8(e->q, v, e->u ? _mm256_loadu_ps(e->u + i) : cu8(e->ukey, e->ubase + i));
-        if (e->packed) {   /* pair (2k, 2k+1) -> low byte of 64-bit lane k: z0 << 4 | z1 */
-            __m256i t = _mm256_or_si256(_mm256_slli_epi64(z, 4), _mm256_srli_epi64(z, 32));
-            t = _mm256_shuffle_epi8(t, _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                                        0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
-            uint32_t word = (uint32_t)_mm_cvtsi128_si32(_mm256_castsi256_si128(t)) |
-                            (uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(t, 1)) << 16;
-            memcpy(e->out + (i >> 1), &word, 4);
-        } else {
-            __m256i t = _mm256_shuffle_epi8(z, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                                                0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
-            uint64_t word = (uint32_t)_mm_cvtsi128_si32(_mm256_castsi256_si128(t)) |
-                            (uint64_t)(uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(t, 1)) << 32;
-            memcpy(e->out + i, &word, 8);
-        }
+    case EPI_ENCODE:
+        store_idx8(e->out, e->packed, i, quant8(e->q, v, e->u ? _mm256_loadu_ps(e->u + i) : cu8(e->ukey, e->ubase + i)));
         break;
-    }
     case EPI_DECODE:
         v = _mm256_xor_ps(v, signmask8(e->signs[i >> 3]));
         if (i + 8 <= e->ndst) _mm256_storeu_ps(e->dst + i, v);
@@ -407,6 +421,9 @@ static inline void epi8(const epi_t *e, float *p, size_t i, __m256 v) {
             _mm256_storeu_ps(t, v);
             memcpy(e->dst + i, t, (e->ndst - i) * 4);
         }
+        break;
+    case EPI_ADD:
+        _mm256_storeu_ps(p, e->carry ? _mm256_add_ps(v, _mm256_loadu_ps(e->carry + i)) : v);
         break;
     default:
         _mm256_storeu_ps(p, v);
@@ -523,6 +540,34 @@ static void rht_avx2(float *w, size_t n, const in_t *in, const epi_t *e) {
     }
     rht_level(w, 0, bounds, k, in, e);
 }
+
+/* What quantize_ef works with besides the quantizer: the uniforms, the index sink and the
+ * own-value map a = T[z]·c − m of the residual. */
+typedef struct {
+    const float *u;
+    uint64_t ukey, ubase;
+    uint8_t *out;
+    int packed;
+    float *resid;            /* NULL: no residual */
+    float tabf[256];
+    int levels;
+    float c, m;
+} qef_t;
+
+/* quantize_ef on 8 coordinates at a time (n a multiple of 8): quant8, the indices as
+ * epi8 stores them, then x − (T[z]·c − m) in the scalar loop's operations. */
+static void quant_ef_avx2(const float *x, size_t n, const qtab_t *q, const qef_t *f) {
+    const __m256 c = _mm256_set1_ps(f->c), m = _mm256_set1_ps(f->m);
+    for (size_t i = 0; i < n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        __m256i z = quant8(q, v, f->u ? _mm256_loadu_ps(f->u + i) : cu8(f->ukey, f->ubase + i));
+        store_idx8(f->out, f->packed, i, z);
+        if (f->resid) {
+            __m256 t = f->levels <= 16 ? lookup16(f->tabf, z) : _mm256_i32gather_ps(f->tabf, z, 4);
+            _mm256_storeu_ps(f->resid + i, _mm256_sub_ps(v, _mm256_sub_ps(_mm256_mul_ps(t, c), m)));
+        }
+    }
+}
 #pragma GCC pop_options
 #endif
 
@@ -536,6 +581,46 @@ static void rht_run(int simd, float *w, size_t n, const in_t *in, epi_t *e) {
     }
 #endif
     rht_scalar(w, n, in, e);
+}
+
+
+#if !THC_HAVE_AVX2
+typedef struct {
+    const float *u;
+    uint64_t ukey, ubase;
+    uint8_t *out;
+    int packed;
+    float *resid;
+    float tabf[256];
+    int levels;
+    float c, m;
+} qef_t;
+#endif
+
+/* Alg. 3 lines 11-16 on a rotated block, and its own error R − X (line 22 in the rotated
+ * domain): per coordinate z = quant1(x, u), then x − (T[z]·c − m), c = float32(2M/g) and
+ * m = float32(M) — the decode of the worker's own indices with k = 1, operation for operation. */
+static void quant_ef_scalar(const float *x, size_t n, const qtab_t *q, const qef_t *f) {
+    for (size_t i = 0; i < n; i++) {
+        uint8_t z = quant1(q, x[i], f->u ? f->u[i] : cu_at(f->ukey, f->ubase + i));
+        if (f->packed) {
+            if (i & 1) f->out[i >> 1] = (uint8_t)(f->out[i >> 1] | z);
+            else f->out[i >> 1] = (uint8_t)(z << 4);
+        } else {
+            f->out[i] = z;
+        }
+        if (f->resid) f->resid[i] = x[i] - (f->tabf[z] * f->c - f->m);
+    }
+}
+
+static void quant_ef_run(int simd, const float *x, size_t n, const qtab_t *q, const qef_t *f) {
+#if THC_HAVE_AVX2
+    if (simd && n % 8 == 0) {
+        quant_ef_avx2(x, n, q, f);
+        return;
+    }
+#endif
+    quant_ef_scalar(x, n, q, f);
 }
 
 /* ------------------------------------------------------------------ block norm (sum of squares) */
@@ -702,6 +787,65 @@ static PyObject *py_rht_decode(PyObject *self, PyObject *args) {
     return run_released(simd, work, n, &in, &e, bufs, 5);
 }
 
+
+/* rht_rotate(x: float32 buf (n <= p values, zero-padded to p), p, signs: bytes,
+ *            carry: float32 buf (>= p values) or None, out: float32 writable buf (>= p), simd=-1)
+ * out = (1/sqrt(p))·H·(D x) + carry (the product first, then the sum), in out's first p floats. */
+static PyObject *py_rht_rotate(PyObject *self, PyObject *args) {
+    Py_buffer x = {0}, sg = {0}, cy = {0}, o = {0};
+    Py_ssize_t p;
+    PyObject *cobj;
+    int simd = -1;
+    if (!PyArg_ParseTuple(args, "y*ny*Ow*|i", &x, &p, &sg, &cobj, &o, &simd)) return NULL;
+    Py_buffer *bufs[] = {&x, &sg, &cy, &o};
+    if (cobj != Py_None && PyObject_GetBuffer(cobj, &cy, PyBUF_SIMPLE) < 0) return fail(bufs, 4, NULL);
+    size_t n = (size_t)p;
+    if (!is_pow2(n) || (size_t)x.len / 4 > n || (size_t)sg.len * 8 < n || (cy.obj && (size_t)cy.len / 4 < n) ||
+        (size_t)o.len / 4 < n)
+        return fail(bufs, 4, "rht_rotate: inconsistent buffer sizes");
+    if ((simd = pick_simd(simd)) < 0) return fail(bufs, 4, NULL);
+    in_t in = {.kind = IN_SIGNS, .x = x.buf, .nx = (size_t)x.len / 4, .signs = sg.buf};
+    epi_t e = {.kind = EPI_ADD, .carry = cy.obj ? cy.buf : NULL};
+    return run_released(simd, o.buf, n, &in, &e, bufs, 4);
+}
+
+/* quantize_ef(x: float32 buf (n values, already rotated), M, g, table: bytes, uniforms,
+ *             out: uint8 buf, packed: bool, resid: float32 writable buf (>= n) or None, simd=-1)
+ * uniforms as rht_encode's.  Indices as rht_encode writes them for the same rotated values;
+ * resid[i] = x[i] − (T[z_i]·c − m), c = float32(2M/g), m = float32(M). */
+static PyObject *py_quantize_ef(PyObject *self, PyObject *args) {
+    Py_buffer x = {0}, t = {0}, u = {0}, o = {0}, r = {0};
+    double big_m;
+    int g, packed, simd = -1;
+    PyObject *uobj, *robj;
+    unsigned long long ukey = 0, ubase = 0;
+    if (!PyArg_ParseTuple(args, "y*diy*Ow*pO|i", &x, &big_m, &g, &t, &uobj, &o, &packed, &robj, &simd)) return NULL;
+    Py_buffer *bufs[] = {&x, &t, &u, &o, &r};
+    if (PyTuple_Check(uobj)) {
+        if (!PyArg_ParseTuple(uobj, "KK", &ukey, &ubase)) return fail(bufs, 5, NULL);
+    } else if (PyObject_GetBuffer(uobj, &u, PyBUF_SIMPLE) < 0) {
+        return fail(bufs, 5, NULL);
+    }
+    if (robj != Py_None && PyObject_GetBuffer(robj, &r, PyBUF_WRITABLE) < 0) return fail(bufs, 5, NULL);
+    size_t n = (size_t)x.len / 4;
+    if (n == 0 || (u.obj && (size_t)u.len / 4 < n) || (size_t)o.len < (packed ? (n + 1) / 2 : n) ||
+        (packed && (t.len > 16 || n % 2)) || (r.obj && (size_t)r.len / 4 < n))
+        return fail(bufs, 5, "quantize_ef: inconsistent buffer sizes");
+    qtab_t q;
+    if (qtab_init(&q, big_m, g, t.buf, t.len) < 0) return fail(bufs, 5, "quantize_ef: bad table");
+    if ((simd = pick_simd(simd)) < 0) return fail(bufs, 5, NULL);
+    qef_t f = {.u = u.obj ? u.buf : NULL, .ukey = ukey, .ubase = ubase, .out = o.buf, .packed = packed,
+               .resid = r.obj ? r.buf : NULL, .levels = (int)t.len,
+               .c = (float)(2.0 * big_m / g), .m = (float)big_m};
+    memset(f.tabf, 0, sizeof f.tabf);
+    for (Py_ssize_t i = 0; i < t.len; i++) f.tabf[i] = ((const uint8_t *)t.buf)[i];
+    Py_BEGIN_ALLOW_THREADS
+    quant_ef_run(simd, x.buf, n, &q, &f);
+    Py_END_ALLOW_THREADS
+    release(bufs, 5);
+    Py_RETURN_NONE;
+}
+
 /* quantize(r: float32 buf, M, g, table: bytes, uniforms: float32 buf, out: uint8 buf):
  * the separate quantizer pass of the previous pipeline (scalar). */
 static PyObject *py_quantize(PyObject *self, PyObject *args) {
@@ -777,6 +921,8 @@ static PyMethodDef methods[] = {
     {"fwht", py_fwht, METH_VARARGS, "fwht(x, simd=-1): normalized in-place fast Walsh-Hadamard transform (deterministic)"},
     {"rht_encode", py_rht_encode, METH_VARARGS, "fused signs + FWHT + clamp + stochastic quantization (+ 4-bit packing)"},
     {"rht_decode", py_rht_decode, METH_VARARGS, "fused table-domain values + inverse RHT"},
+    {"rht_rotate", py_rht_rotate, METH_VARARGS, "signs + FWHT + scale, plus a carried vector (the rotated residual)"},
+    {"quantize_ef", py_quantize_ef, METH_VARARGS, "quantize a rotated block to table indices, with its rotated-domain residual"},
     {"quantize", py_quantize, METH_VARARGS, "clamp + grid map + stochastic rounding to table indices (separate pass)"},
     {"sumsq", py_sumsq, METH_VARARGS, "sumsq(x, simd=-1): sum of squares of float32 values in 16 float64 lanes (the block norm)"},
     {"apply_signs", py_apply_signs, METH_VARARGS, "multiply by the Rademacher diagonal given as packed bits"},

@@ -9,6 +9,10 @@ Worker side (paper Alg. 3, §5.1–5.4):
   6. Z = T⁻¹ by unbiased stochastic rounding of y to its two neighbouring table
      values (App. B: optimal for a fixed table); b-bit indices go on the wire.
   7. e ← x − RHT⁻¹(X)                 carries rounding *and* clamping error
+With one sign diagonal for the whole job (rotation "job", not Alg. 3's D^r per round) the
+round runs in the rotated domain instead: R = H·D·∇ + e_R (the transform is linear), ℓ_j =
+‖R_j‖ (it is orthogonal), Z from R, and e_R ← R − X needs no inverse transform: two FWHTs a
+step instead of three (`rotate`, `quantize_rotated`).
 PS side (Alg. 2 line 13): Y = Σ_i T[Z_i] in integers.
 Worker decode (Alg. 3 lines 19–21): x̂ = RHT⁻¹(m + (Y/k)·(M − m)/g) with k the
 number of contributors (k < n under partial aggregation).
@@ -39,8 +43,8 @@ try:   # fused C kernels for the numpy path; the numpy code below stays the refe
     from compression import _kernels
 except ImportError:  # pragma: no cover - source checkout without a build
     _kernels = None
-from proto.job import DEFAULT_BLOCK_LOG2   # the job's default block, one definition
-from proto.packing import check_lane_capacity, pack_indices, unpack_indices
+from proto.job import DEFAULT_BLOCK_LOG2, ROTATIONS   # the job's defaults, one definition
+from proto.packing import check_lane_capacity, pack_indices, packed_size, unpack_indices
 from proto.tables import Table, identity_table, lower_interval_index, parse_p, solve_table
 
 
@@ -54,12 +58,20 @@ class ThcConfig:
     lane_bits: int = 8
     block_log2: int = DEFAULT_BLOCK_LOG2
     seed: int = 0
+    rotation: str = "round"
 
     def __post_init__(self):
         object.__setattr__(self, "p", parse_p(self.p))
         if not 0 <= self.block_log2 <= 30:
             raise ValueError(f"block_log2 must be in 0..30, got {self.block_log2}")
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"rotation must be one of {', '.join(ROTATIONS)}, got {self.rotation!r}")
         _ = self.table  # validates (b, g)
+
+    def sign_round(self, round_no: int) -> int:
+        """The round whose sign diagonals D this round uses: its own (Alg. 3's D^r), or
+        round 0's in every round of a job with one rotation (docs/protocol.md §4 step 3)."""
+        return round_no if self.rotation == "round" else 0
 
     @property
     def table(self) -> Table:
@@ -73,7 +85,7 @@ class ThcConfig:
     def of_job(cls, job) -> ThcConfig:
         """The THC parameters of a job (proto/job.py JobConfig)."""
         return cls(bits=job.bits, granularity=job.granularity, p=job.p, lane_bits=job.lane_bits,
-                   block_log2=job.block_log2, seed=job.seed)
+                   block_log2=job.block_log2, seed=job.seed, rotation=job.rotation)
 
 
 @dataclass(frozen=True)
@@ -165,6 +177,15 @@ def _clip(x, lo, hi):
         import torch
         return torch.clamp(x, lo, hi)
     return np.clip(x, lo, hi)
+
+
+def _grid(r, big_m: float, g: int):
+    """Alg. 3 lines 11-15 on rotated coordinates: clamp to [−M, M], then y = (a + M)·g/2M
+    in [0, g], in float32 as docs/protocol.md §4 step 4 says; y = g/2 when M = 0."""
+    if big_m > 0:
+        y = (_clip(r, -big_m, big_m) + big_m) * (g / (2.0 * big_m))
+        return _clip(y, 0.0, float(g))
+    return r * 0 + g / 2.0
 
 
 # ----------------------------------------------------------------------------- THC
@@ -336,7 +357,7 @@ def _encode_kernels(x: np.ndarray, max_norms, cfg: ThcConfig, layout: Layout, ro
         off, p, s, n = offsets[j], layout.padded[j], layout.starts[j], layout.lengths[j]
         big_m = _scale(float(max_norms[j]), p, table.t_p)
         o = out[off // 2:(off + p) // 2] if packed else out[off:off + p]
-        _kernels.rht_encode(x[s:s + n], p, rademacher_bits(cfg.seed, round_no, j, p), big_m,
+        _kernels.rht_encode(x[s:s + n], p, rademacher_bits(cfg.seed, cfg.sign_round(round_no), j, p), big_m,
                             cfg.granularity, tab8, (uniforms.key, off) if stream else u[off:off + p], o,
                             packed, _workspace(p))
     _each_of(block, range(len(offsets)) if blocks is None else blocks)
@@ -360,15 +381,10 @@ def encode(x, max_norms, cfg: ThcConfig, layout: Layout, round_no: int, uniforms
     parts = []
     for j, off in enumerate(layout.padded_offsets()):
         p = layout.padded[j]
-        signs = rademacher_signs(cfg.seed, round_no, j, p)
+        signs = rademacher_signs(cfg.seed, cfg.sign_round(round_no), j, p)
         r = fwht(_block_padded(x, layout, j) * _asarray(signs, x))
         big_m = _scale(float(max_norms[j]), p, tp)
-        if big_m > 0:
-            y = (_clip(r, -big_m, big_m) + big_m) * (g / (2.0 * big_m))
-            y = _clip(y, 0.0, float(g))
-        else:
-            y = r * 0 + g / 2.0
-        parts.append(stochastic_round(y, tab, iv, uniforms[off:off + p]))
+        parts.append(stochastic_round(_grid(r, big_m, g), tab, iv, uniforms[off:off + p]))
     if _is_torch(x):
         import torch
         return torch.cat(parts)
@@ -415,7 +431,7 @@ def _decode_kernels(src, kind: int, contributors: int, max_norms, cfg: ThcConfig
         big_m = _scale(float(max_norms[j]), p, table.t_p)
         seg = src[off // 2:(off + p) // 2] if kind == 1 else src[off:off + p]
         _kernels.rht_decode(seg, kind, 2.0 * big_m / (g * contributors), big_m, p,
-                            rademacher_bits(cfg.seed, round_no, j, p), tab8, out[s:s + n],
+                            rademacher_bits(cfg.seed, cfg.sign_round(round_no), j, p), tab8, out[s:s + n],
                             None if n == p else _workspace(p))
     _each_of(block, range(len(offsets)) if blocks is None else blocks)
     return out
@@ -436,7 +452,7 @@ def decode(sums, contributors: int, max_norms, cfg: ThcConfig, layout: Layout, r
         yj = sums[off:off + p]
         yj = yj.float() if _is_torch(yj) else yj.astype(np.float32)
         a = yj * (2.0 * big_m / (g * contributors)) - big_m
-        signs = rademacher_signs(cfg.seed, round_no, j, p)
+        signs = rademacher_signs(cfg.seed, cfg.sign_round(round_no), j, p)
         out[s:s + n] = (fwht(a) * _asarray(signs, a))[:n]
     return out
 
@@ -480,6 +496,87 @@ def decode_lanes(lanes, contributors: int, max_norms, cfg: ThcConfig, layout: La
     return _decode_kernels(lanes, 3, 1, max_norms, cfg, layout, round_no, lut=lut, out=out, blocks=blocks)
 
 
+# ----------------------------------------------------------------------------- one rotation per job
+
+def rotate(x, cfg: ThcConfig, layout: Layout, carry=None, out=None, round_no: int = 0) -> np.ndarray:
+    """R = H·D·x per RHT block (§5.1; D of `cfg.sign_round(round_no)`, the job's one diagonal
+    when cfg.rotation is "job"), plus `carry` if given: the rotated residual of the last round, so
+    that R(∇ + e) = R∇ + R·e is formed without leaving the rotated domain.  float32, one
+    value per padded coordinate (blocks in order), into `out` if given."""
+    n = layout.padded_dim
+    if out is None:
+        out = np.empty(n, dtype=np.float32)
+    if _is_torch(x):
+        x = x.detach().cpu().numpy()
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    if carry is not None and (carry.shape != (n,) or carry.dtype != np.float32):
+        raise ValueError(f"carry must be {n} float32 values, got {carry.dtype} {carry.shape}")
+    offsets = layout.padded_offsets()
+
+    def block(j):
+        off, p, s, m = offsets[j], layout.padded[j], layout.starts[j], layout.lengths[j]
+        bits = rademacher_bits(cfg.seed, cfg.sign_round(round_no), j, p)
+        c = None if carry is None else carry[off:off + p]
+        if _kernels is not None:
+            _kernels.rht_rotate(x[s:s + m], p, bits, c, out[off:off + p])
+            return
+        r = fwht(_block_padded(x, layout, j) * rademacher_signs(cfg.seed, cfg.sign_round(round_no), j, p))
+        out[off:off + p] = r if c is None else r + c
+    _each_block(block, len(offsets))
+    return out
+
+
+def rotated_norms(xr: np.ndarray, layout: Layout) -> np.ndarray:
+    """‖R_j‖ per RHT block of a rotated vector, over its P_j coordinates: ‖x_j‖ itself (the
+    normalized RHT is orthogonal), computed as `block_norms` computes it (float64)."""
+    out = np.empty(len(layout.padded), dtype=np.float32)
+    for j, (off, p) in enumerate(zip(layout.padded_offsets(), layout.padded)):
+        out[j] = math.sqrt(sum_of_squares(xr[off:off + p]))
+    return out.astype(np.float64)
+
+
+def quantize_rotated(xr: np.ndarray, max_norms, cfg: ThcConfig, layout: Layout, uniforms, *,
+                     packed: bool = False, out: np.ndarray | None = None, resid: np.ndarray | None = None,
+                     blocks: range | None = None) -> np.ndarray:
+    """Alg. 3 lines 11-16 on a vector already rotated (`rotate`): the table indices Z, bytes
+    or packed as `encode_packed` packs them (equal to `encode` of the unrotated x, byte for
+    byte), and, into `resid` if given, the own error in the rotated domain, R − X with
+    X = T[Z]·2M/g − M (line 22 without its RHT⁻¹; float32, the k = 1 decode's operations).
+    `blocks`: only those RHT blocks, into their parts of `out` and `resid`."""
+    table, g = cfg.table, cfg.granularity
+    n = layout.padded_dim
+    fused = _kernels is not None and g <= 255 and (not packed or _packs_per_block(cfg, layout))
+    if out is None:
+        out = np.empty(packed_size(n, cfg.bits) if packed else n, dtype=np.uint8)
+    z = out if fused or not packed else np.empty(n, dtype=np.uint8)     # the reference packs at the end
+    stream = isinstance(uniforms, CounterUniforms)
+    offsets = layout.padded_offsets()
+    tab8 = bytes(table.values)
+    tab32 = table.as_array().astype(np.float32)
+    iv = lower_interval_index(table.as_array())
+
+    def block(j):
+        off, p = offsets[j], layout.padded[j]
+        big_m = _scale(float(max_norms[j]), p, table.t_p)
+        r = resid[off:off + p] if resid is not None else None
+        if fused:
+            o = z[off // 2:(off + p) // 2] if packed else z[off:off + p]
+            u = (uniforms.key, off) if stream else np.ascontiguousarray(uniforms[off:off + p], dtype=np.float32)
+            _kernels.quantize_ef(xr[off:off + p], big_m, g, tab8, u, o, packed, r)
+            return
+        u = uniforms.take(off, p) if stream else uniforms[off:off + p]
+        zj = z[off:off + p] = stochastic_round(_grid(xr[off:off + p], big_m, g), tab32, iv, u)
+        if r is not None:
+            own = tab32[zj] * np.float32(2.0 * big_m / g) - np.float32(big_m)
+            np.subtract(xr[off:off + p], own, out=r)
+    _each_of(block, range(len(offsets)) if blocks is None else blocks)
+    if z is not out:
+        if blocks is not None:
+            raise ValueError("packing some blocks only needs the C kernels and 4-bit indices")
+        out[:] = pack_indices(z, cfg.bits)
+    return out
+
+
 class WorkerRound:
     """One worker's THC round (Alg. 3), the steps every caller shares; only the exchange of
     norms and of indices/sums (PS over UDP, torch all-reduce, in-process sum) differs:
@@ -501,11 +598,28 @@ class WorkerRound:
     `decode_lanes(..., out=)` writes x̂ where the caller says.  Fresh 64 MB
     vectors at d = 2^24 cost the kernel's page zeroing every round (docs/bench-history.md,
     "Rounds without new vectors").
+
+    With cfg.rotation "job" the same calls run in the rotated domain: x is R = H·D·∇ + e_R
+    (padded_dim values), `norms` are ‖R_j‖, `encode` makes Z and R − X in one pass, and the
+    memory keeps e_R: no inverse transform for the residual.
     """
 
     def __init__(self, cfg: ThcConfig, grad, memory=None, key=None, *, compensate: bool = True):
         self.cfg, self.memory, self.key = cfg, memory, key
         self.layout = make_layout(grad.numel() if _is_torch(grad) else grad.size, cfg.block_log2)
+        self.max_norms = self.z = self.round_no = None
+        self.packed = False
+        self._uniforms = self._residual = None
+        self.rotated = cfg.rotation == "job"
+        if self.rotated:
+            # x is R = H·D·∇ + e_R from the start (the memory keeps e_R, padded_dim values)
+            n = self.layout.padded_dim
+            shape = np.broadcast_to(np.float32(0), (n,))
+            self.pooled = self._own_x = memory is not None
+            carry = memory.get(key, shape) if memory is not None and compensate else None
+            self.x = rotate(grad, cfg, self.layout, carry=carry,
+                            out=memory.buffer(key, shape) if self.pooled else None)
+            return
         self.pooled = memory is not None and isinstance(grad, np.ndarray) and grad.dtype == np.float32 \
             and grad.ndim == 1 and grad.flags.c_contiguous
         self._own_x = self.pooled and compensate          # x is the memory's buffer, not grad
@@ -513,13 +627,20 @@ class WorkerRound:
             self.x = memory.compensate(key, grad, out=memory.buffer(key, grad) if self.pooled else None)
         else:
             self.x = grad
-        self.max_norms = self.z = self.round_no = None
-        self.packed = False
-        self._uniforms = self._residual = None
 
     def norms(self) -> np.ndarray:
         """‖x_j‖ per RHT block (the preliminary stage's message, float64)."""
+        if self.rotated:
+            return rotated_norms(self.x, self.layout)
         return block_norms(self.x, self.layout)
+
+    def _residual_vector(self) -> np.ndarray | None:
+        """Where a rotated round's quantize writes R − X (None without a memory)."""
+        if self.memory is None:
+            return None
+        if self._residual is None:
+            self._residual = self.memory.buffer(self.key, self.x)
+        return self._residual
 
     def encode(self, max_norms, rng, round_no: int, *, packed: bool = False, uniforms=None):
         """Z for this round with the shared norms: uint8 indices, or packed MSB first.  The
@@ -531,6 +652,10 @@ class WorkerRound:
             uniforms = CounterUniforms(key_from(rng))
         elif uniforms.shape != (n,) or uniforms.dtype != np.float32:
             raise ValueError(f"uniforms must be {n} float32 values, got {uniforms.dtype} {uniforms.shape}")
+        if self.rotated:
+            self.z = quantize_rotated(self.x, max_norms, self.cfg, self.layout, uniforms, packed=packed,
+                                      resid=self._residual_vector())
+            return self.z
         fn = encode_packed if packed else encode
         self.z = fn(self.x, max_norms, self.cfg, self.layout, round_no, uniforms)
         return self.z
@@ -539,6 +664,8 @@ class WorkerRound:
     def can_pipeline(self) -> bool:
         """Whether encode, decode and residual can go block by block here: the C kernels,
         a float32 numpy x and 4-bit indices packed within each block."""
+        if self.rotated:
+            return _kernels is not None and self.cfg.granularity <= 255 and _packs_per_block(self.cfg, self.layout)
         return (_kernel_ok(self.x, self.cfg) and isinstance(self.x, np.ndarray) and self.x.dtype == np.float32
                 and self.x.flags.c_contiguous and _packs_per_block(self.cfg, self.layout))
 
@@ -553,12 +680,18 @@ class WorkerRound:
     def encode_blocks(self, blocks: range) -> None:
         """Z of these RHT blocks into the buffer of `start_packed`: once every block is
         done, the buffer is byte for byte what `encode(..., packed=True)` returns."""
+        if self.rotated:        # the blocks' residuals come in the same pass
+            quantize_rotated(self.x, self.max_norms, self.cfg, self.layout, self._uniforms, packed=True,
+                             out=self.z, resid=self._residual_vector(), blocks=blocks)
+            return
         _encode_kernels(self.x, self.max_norms, self.cfg, self.layout, self.round_no, self._uniforms,
                         packed=True, blocks=blocks, out=self.z)
 
     def residual_blocks(self, blocks: range) -> np.ndarray:
         """`residual()` for these blocks (their Z made), into the round's residual vector,
         which is returned; once every block is done it equals `residual()` bit for bit."""
+        if self.rotated:        # made by encode_blocks
+            return self._residual
         if self._residual is None:
             self._residual = (self.memory.buffer(self.key, self.x) if self.pooled
                               else np.empty(self.layout.dim, dtype=np.float32))
@@ -581,7 +714,9 @@ class WorkerRound:
 
     def residual(self):
         """e' = x − RHT⁻¹(X): this worker's own decode with k = 1, so the clamping error is
-        carried too (Alg. 3 line 22)."""
+        carried too (Alg. 3 line 22).  A rotated round made R − X while it quantized."""
+        if self.rotated:
+            return self._residual
         spare = self.memory.buffer(self.key, self.x) if self.pooled else None
         own = decode_own(self.z, self.max_norms, self.cfg, self.layout, self.round_no, packed=self.packed,
                          out=spare)

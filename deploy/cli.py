@@ -11,7 +11,7 @@ from deploy import commands
 from deploy import experiments
 from deploy import train as train_mod
 from p4.control import CONTROLS as SWITCH_CONTROLS
-from proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, MAX_BLOCK_LOG2
+from proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, MAX_BLOCK_LOG2, ROTATIONS
 
 
 def _p_arg(value: str):
@@ -45,6 +45,13 @@ _any_port = _int_in(0, 65535, "a port number (0: any)")
 _seed = _int_in(0, (1 << 63) - 1, "a seed")
 _block_log2 = _int_in(0, MAX_BLOCK_LOG2, "log2 of the RHT block")
 _count = _int_in(0, 1 << 31, "a count")
+
+
+def _rotation(value: str) -> str:
+    """argparse type for JobConfig.rotation (proto.job.ROTATIONS)."""
+    if value not in ROTATIONS:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a rotation: choose {' or '.join(ROTATIONS)}")
+    return value
 
 
 def result_group_arg(value: str) -> str:
@@ -141,6 +148,9 @@ JOB_OPTIONS = {
     "seed": dict(type=None, help="the job's seed (RHT signs; test gradients)"),
     "block-log2": dict(type=None, help="log2 of the RHT block: a tensor is rotated in blocks of "
                                        "2^k coordinates (THC's artifact: 23; docs/bench.md \"RHT block size\")"),
+    "rotation": dict(type=None, help="round: a fresh RHT sign diagonal every round (THC's Alg. 3); job: one "
+                                     "for the whole job, so error feedback stays rotated and a worker's step "
+                                     "runs two transforms instead of three (docs/design.md \"One rotation per job\")"),
     "result-group": dict(type=None, metavar="ADDR:PORT",
                          help="IPv4 multicast group the PS sends each result to, once, instead of once per "
                               "worker (the workers join it; docs/design.md \"Result fan-out\"); empty: per worker"),
@@ -149,12 +159,13 @@ JOB_OPTIONS = {
 LOCAL_GROUP = dict(result_group=AUTO_GROUP, helps={"result_group": JOB_OPTIONS["result-group"]["help"] + (
     "; auto: a fresh group on loopback when this command starts the PS, none with --ps")})
 JOB_DEFAULTS = {"workers": 4, "bits": 4, "granularity": 30, "p": "1/32", "lane-bits": 8, "quorum": 1.0,
-                "seed": 0, "block-log2": DEFAULT_BLOCK_LOG2, "result-group": ""}
+                "seed": 0, "block-log2": DEFAULT_BLOCK_LOG2, "rotation": "round", "result-group": ""}
 
 
 def _job_types() -> dict:
     return {"workers": _workers, "bits": _bits, "granularity": _granularity, "p": _p_arg,
-            "quorum": _quorum, "seed": _seed, "block-log2": _block_log2, "result-group": result_group_arg}
+            "quorum": _quorum, "seed": _seed, "block-log2": _block_log2, "rotation": _rotation,
+            "result-group": result_group_arg}
 
 
 def job_parent(*names, stated: bool = False, helps: dict | None = None, **defaults) -> argparse.ArgumentParser:
@@ -326,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex = _command(sub, "experiment", help="rerun the paper's loss/straggler/scale/bandwidth experiments, "
                                            "the codec comparison, or DDP's own hooks beside THC (peers)",
                   description="Each writes NAME.md (table), NAME.json and NAME.png (plots) to --out.",
-                  parents=[job_parent("workers", "bits", "granularity", "p", "seed",
+                  parents=[job_parent("workers", "bits", "granularity", "p", "seed", "rotation",
                                       workers=None, granularity=None, p=None,
                                       helps={"workers": "workers (default 4; 10 for stragglers)",
                                              "granularity": "granularity g (default 30; 20 for stragglers)",
@@ -572,7 +583,7 @@ def _add_cluster_commands(sub):
                  description="Connects to a running `thc ps`, registers as --rank, runs rounds. The "
                              "job options given are what it insists on.",
                  parents=[job_parent("workers", "bits", "granularity", "p", "lane-bits", "quorum",
-                                     "block-log2", "result-group", stated=True)])
+                                     "block-log2", "rotation", "result-group", stated=True)])
     _codec_arg(w, stated=True)
     _running_ps_args(w, "the PS data address HOST:PORT, or a comma list of shards (chunk c -> shard c mod S)",
                      "key directory with client.key_secret and server.key (`thc keys`)")

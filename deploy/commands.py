@@ -52,6 +52,7 @@ def _job(args, **more):
     return JobConfig(num_workers=args.workers, codec=args.codec, bits=args.bits,
                      granularity=args.granularity, p=args.p, lane_bits=args.lane_bits,
                      quorum=args.quorum, seed=args.seed, block_log2=args.block_log2,
+                     rotation=args.rotation,
                      result_group=one_host_group(args.result_group, own_ps=not getattr(args, "ps", None)),
                      **more)
 
@@ -122,7 +123,7 @@ def _stated_job(args) -> dict:
     stated = {"num_workers": args.workers, "codec": args.codec, "bits": args.bits,
               "granularity": args.granularity, "p": None if args.p is None else str(args.p),
               "lane_bits": args.lane_bits, "quorum": args.quorum, "block_log2": args.block_log2,
-              "result_group": args.result_group}
+              "rotation": args.rotation, "result_group": args.result_group}
     return {k: v for k, v in stated.items() if v is not None}
 
 
@@ -245,7 +246,8 @@ def cmd_launch(args):
     if args.ps is not None:
         # insist on the options given explicitly; the PS announces the rest
         # (and a result group only when one was named: "auto" takes the running PS's)
-        insist = ("num_workers", "codec", "bits", "granularity", "p", "lane_bits", "quorum", "block_log2") \
+        insist = ("num_workers", "codec", "bits", "granularity", "p", "lane_bits", "quorum", "block_log2",
+                  "rotation") \
             + (("result_group",) if args.result_group != AUTO_GROUP else ())
         expect = {k: v for k, v in job.to_msg().items() if k in insist}
     if not args.json:
@@ -262,7 +264,8 @@ def cmd_launch(args):
                      expect=expect, keys=args.keys, lease_s=args.lease_s, rejoin_grace_s=args.rejoin_grace_s,
                      stall_s=args.stall_s, kill=(args.kill_rank, kill_at) if args.kill_rank is not None else None,
                      restart=args.restart_killed, job_name=args.job, fixed_timeout=args.fixed_timeout,
-                     block_log2=args.block_log2, result_group=job.result_group, serve_shard=args.serve_shard,
+                     block_log2=args.block_log2, rotation=args.rotation, result_group=job.result_group,
+                     serve_shard=args.serve_shard,
                      ps_wait_s=args.ps_wait_s)
     if args.json:
         return doc
@@ -328,7 +331,8 @@ def cmd_experiment(args) -> None:
     workers = args.workers or (10 if strag else 4)
     granularity = args.granularity or (20 if strag else 30)
     p = str(args.p) if args.p else ("1/512" if strag else "1/32")
-    job = JobConfig(num_workers=workers, bits=args.bits, granularity=granularity, p=p, seed=args.seed)
+    job = JobConfig(num_workers=workers, bits=args.bits, granularity=granularity, p=p, seed=args.seed,
+                    rotation=args.rotation)
     base = TrainConfig(job=job, epochs=args.epochs, model=args.model, train_limit=args.train_limit,
                        test_limit=args.test_limit, per_tensor=args.per_tensor, eval_every=args.eval_every)
     command = experiments.main_command(sys.argv[2:] if sys.argv[1:2] == ["experiment"] else [args.name])

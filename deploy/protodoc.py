@@ -158,6 +158,8 @@ JOB_FIELDS = {
     "block_log2": "RHT blocks are 2^block_log2 coordinates (the last one padded to a power of two)",
     "table": "THC: the 2^b table values T[0..2^b−1] (must equal the solver's for (b, g, p))",
     "codec_params": "keyword parameters of a BLOB codec",
+    "rotation": "`round`: the RHT sign diagonals of allreduce r are drawn for r (§4 step 3, THC's Alg. 3); "
+                "`job`: every allreduce uses those of r = 0, so a worker may keep its error feedback rotated",
     "result_group": "`ADDR:PORT`, an IPv4 multicast group: the software PS sends each result (RESULT, NORM_RESULT, "
                     "BLOB fragment) once, to it, and the workers join it; resent results stay unicast; "
                     "`\"\"`: one copy per worker. Two running jobs never share one",

@@ -31,6 +31,11 @@ DATA_PLANE_CODECS = ("thc", "none")
 #: and the three transforms of a round cost 15–20% less, with the same NMSE at the same
 #: bytes and less padding (docs/bench.md, "RHT block size").
 DEFAULT_BLOCK_LOG2 = 20
+#: How the RHT's sign diagonal D changes (docs/protocol.md §4 step 3).  "round": a fresh D^r
+#: every round, as THC's Alg. 3 line 9 draws it.  "job": one D for the whole job, so that
+#: R(∇ + e) = R∇ + Re and the error feedback can stay in the rotated domain: a worker's step
+#: then runs two transforms instead of three (docs/design.md, "One rotation per job").
+ROTATIONS = ("round", "job")
 #: The largest block a job may ask for (2^26 float32 = 256 MiB of one transform's workspace).
 MAX_BLOCK_LOG2 = 26
 
@@ -90,6 +95,7 @@ class JobConfig:
     table: tuple = field(default=())   # filled in from (bits, granularity, p)
     codec_params: dict = field(default_factory=dict)   # keyword parameters of a BLOB codec
     result_group: str = ""             # "A.B.C.D:PORT": results multicast there (parse_group)
+    rotation: str = "round"            # ROTATIONS: a sign diagonal per round, or one per job
 
     def __post_init__(self):
         self.validate()
@@ -116,6 +122,8 @@ class JobConfig:
             raise ValueError("slots and norm_slots must be positive and together fit 16 bits")
         self.p = str(parse_p(self.p))
         parse_group(self.result_group)
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"rotation must be one of {', '.join(ROTATIONS)}, got {self.rotation!r}")
         if self.codec == "thc":
             check_lane_capacity(n, self.granularity, self.lane_bits)
             self.table = tuple(solve_table(self.bits, self.granularity, self.p).values)

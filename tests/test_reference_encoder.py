@@ -128,6 +128,15 @@ def ref_indices(rot: np.ndarray, big_l: float, p: int, job: dict, u: np.ndarray,
     return (i + (u < f)).astype(np.uint8)
 
 
+def ref_residual(rot: np.ndarray, z: np.ndarray, big_l: float, p: int, job: dict) -> np.ndarray:
+    """§4 step 8: e = R − (T[Z]·c − m), c = float32(2M/g), m = float32(M), in float32."""
+    g, table = job["granularity"], np.asarray(job["table"], np.float32)
+    tp = statistics.NormalDist().inv_cdf(1.0 - float(Fraction(job["p"])) / 2.0)
+    big_m = (tp * big_l) / math.sqrt(p)
+    c, m = (np.float32(2.0 * big_m / g), np.float32(big_m)) if big_m > 0 else (np.float32(0), np.float32(0))
+    return rot - (table[z] * c - m)
+
+
 def ref_pack(z: np.ndarray, b: int) -> bytes:
     """§2: b-bit indices MSB first, the last byte's unused low bits 0."""
     bits = ((z.astype(np.uint16)[:, None] >> np.arange(b - 1, -1, -1)) & 1).astype(np.uint8)
@@ -143,8 +152,11 @@ def ref_code(values) -> bytes:
 class RefWorker:
     """The data plane of one rank, from the document: the packets of each allreduce."""
 
-    def __init__(self, job: dict, rank: int, nonce: int, token: int, worker_seed: int, per_round: bool):
+    def __init__(self, job: dict, rank: int, nonce: int, token: int, worker_seed: int, per_round: bool,
+                 error_feedback: bool = False):
         self.job, self.rank, self.nonce, self.token = job, rank, nonce, token
+        self.fixed = job["rotation"] == "job"          # one sign diagonal, residual kept rotated (§4 steps 3, 8)
+        self.residual = {} if error_feedback else None
         self.S, self.Sn = job["slots"], job["norm_slots"]
         self.rounds = [0] * (self.S + self.Sn)       # slot round counters, 0 before first use
         self.phase = 0
@@ -169,7 +181,13 @@ class RefWorker:
         """(NORM packet, DATA packets) of allreduce r; `others_max(j, l)` is L_j given ℓ_j."""
         job = self.job
         blocks = ref_blocks(x.size, job["block_log2"])
-        norms = [ref_norm(x[s:s + n]) for s, n, _ in blocks]
+        rots = []
+        for j, (s, n, p) in enumerate(blocks):
+            rot = ref_rotate(x[s:s + n], p, ref_signs(job["seed"], 0 if self.fixed else r, j, p))
+            if self.fixed and self.residual is not None and j in self.residual:
+                rot = rot + self.residual[j]
+            rots.append(rot)
+        norms = [ref_norm(rots[j] if self.fixed else x[s:s + n]) for j, (s, n, _) in enumerate(blocks)]
         norm_slot = self.S + self.phase % self.Sn
         norm_pkt = self.header(NORM, OP_MAX_U32, 32, norm_slot, self.use(norm_slot), 0, len(norms),
                                ref_code(norms))
@@ -178,8 +196,10 @@ class RefWorker:
         u = ref_uniforms(self.key(r), padded)
         z, off = [], 0
         for j, (s, n, p) in enumerate(blocks):
-            rot = ref_rotate(x[s:s + n], p, ref_signs(job["seed"], r, j, p))
-            z.append(ref_indices(rot, float(others_max(j, norms[j])), p, job, u[off:off + p]))
+            big_l = float(others_max(j, norms[j]))
+            z.append(ref_indices(rots[j], big_l, p, job, u[off:off + p]))
+            if self.fixed and self.residual is not None:
+                self.residual[j] = ref_residual(rots[j], z[-1], big_l, p, job)
             off += p
         z = np.concatenate(z)
         b, per = job["bits"], job["elems_per_packet"]
@@ -256,20 +276,24 @@ def _gradient(r: int, d: int) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("bits,per_round", [(4, True), (2, False)])
-def test_reference_encoder_sends_the_real_workers_packets(bits, per_round):
+@pytest.mark.parametrize("bits,per_round,rotation", [(4, True, "round"), (2, False, "round"), (4, True, "job"),
+                                                    (2, False, "job")])
+def test_reference_encoder_sends_the_real_workers_packets(bits, per_round, rotation):
+    """Under `rotation` `job` the worker keeps error feedback (§4 step 8): its residuals reach
+    the later rounds' norms and indices, so the packets check them too."""
     from worker.client import Worker
     from worker.transport import Transport
-    job = JobConfig(num_workers=2, bits=bits, seed=11, block_log2=11, slots=3, norm_slots=3)
+    job = JobConfig(num_workers=2, bits=bits, seed=11, block_log2=11, slots=3, norm_slots=3, rotation=rotation)
+    feedback = rotation == "job"
     rank, worker_seed, d, rounds = 1, 5, 5000, 3
     server = PSServer(job, ("127.0.0.1", 0), control_port=0).start()
     fake = FakePS(job)
     t = None
     try:
         t = Transport(fake.addr[0], fake.addr[1], rank, control_port=server.control_port)
-        w = Worker(t, error_feedback=False, seed=worker_seed, per_round_rng=per_round)
+        w = Worker(t, error_feedback=feedback, seed=worker_seed, per_round_rng=per_round)
         sess, announced = t.sessions[0], t.job.to_msg()
-        ref = RefWorker(announced, rank, sess["nonce"], sess["token"], worker_seed, per_round)
+        ref = RefWorker(announced, rank, sess["nonce"], sess["token"], worker_seed, per_round, feedback)
         want = {}
         for r in range(rounds):
             x = _gradient(r, d)

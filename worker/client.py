@@ -259,7 +259,7 @@ class Worker:
         torch_in = not isinstance(x, np.ndarray)
         if out is not None and torch_in:
             raise ValueError("out must be a contiguous float32 numpy array of x's size (numpy x)")
-        arr = x.detach().cpu().numpy().astype(np.float32).ravel() if torch_in else \
+        arr = x.detach().cpu().numpy().astype(np.float32, copy=False).ravel() if torch_in else \
             np.ascontiguousarray(x, dtype=np.float32).ravel()
         self.check_dim(arr.size)
         flat = None if out is None else thc.result_vector(out, arr.size)

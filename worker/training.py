@@ -2,7 +2,7 @@
 
 `GradientSync` flattens a model's gradients into one bucket, averages it through
 the PS (THC with error feedback kept per bucket key by the Worker, or float32
-for codec "none"), and writes the average back into `.grad` — the PS-side
+for codec "none"), and makes the average the parameters' `.grad` — the PS-side
 counterpart of a DDP communication hook with explicit state.
 
 Periodic model synchronization (THC §6.1, §8.3): rank 0 publishes its
@@ -96,8 +96,29 @@ class GradientSync:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.key = key
         self.per_tensor = per_tensor
+        # one float32 bucket kept across steps; after a step each .grad is a view of it (as
+        # DDP's gradient_as_bucket_view), so a step copies the gradients in once and the
+        # average is decoded in place: no new vector of d and no copy back
+        self.bucket = None
+        if not per_tensor and self.params and all(p.dtype == torch.float32 and p.device.type == "cpu"
+                                                  for p in self.params):
+            self.bucket = np.empty(sum(p.numel() for p in self.params), dtype=np.float32)
+            self.views, off = [], 0
+            for p in self.params:
+                self.views.append(torch.from_numpy(self.bucket[off:off + p.numel()]).view_as(p))
+                off += p.numel()
 
     def __call__(self) -> None:
+        if self.bucket is not None:
+            for p, v in zip(self.params, self.views):
+                if p.grad is None:
+                    v.zero_()
+                elif p.grad.data_ptr() != v.data_ptr():     # a new gradient (zero_grad set it to None)
+                    v.copy_(p.grad)
+            self.worker.allreduce(self.bucket, key=self.key, out=self.bucket)
+            for p, v in zip(self.params, self.views):
+                p.grad = v
+            return
         if not self.per_tensor:
             write_flat_grad(self.params, self.worker.allreduce(flat_grad(self.params), key=self.key))
             return
