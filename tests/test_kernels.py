@@ -109,6 +109,58 @@ def test_rht_decode_paths_equal_separate_passes(kind, p, nout):
         assert np.array_equal(bits_of(out), bits_of(a[:nout]))
 
 
+@pytest.mark.parametrize("p,n", [(8, 8), (128, 128), (1 << 14, 9000), (1 << 17, 1 << 17)])
+def test_rht_rotate_equals_separate_passes_plus_carry(p, n):
+    """rht_rotate (AVX2 and scalar) == apply_signs + fwht, then + carry in float32, bit for bit."""
+    x, carry = ugly(n, p), ugly(p, p + 1)
+    signs = rademacher_bits(3, 0, 1, p)
+    ref = np.zeros(p, np.float32)
+    ref[:n] = x
+    K.apply_signs(ref, signs)
+    K.fwht(ref, 0)
+    for simd in SIMD:
+        for c in (None, carry):
+            out = np.full(p, np.nan, np.float32)
+            K.rht_rotate(x, p, signs, c, out, simd)
+            assert np.array_equal(bits_of(out), bits_of(ref if c is None else ref + carry))
+
+
+@pytest.mark.parametrize("bits,g", [(4, 30), (4, 63), (2, 36), (5, 120), (4, 255)])
+@pytest.mark.parametrize("n", [2, 128, 1000, 1 << 16])
+def test_quantize_ef_equals_quantize_and_own_decode(bits, g, n):
+    """quantize_ef: the indices of the separate quantizer (and of the counter stream's C
+    encode), and R − (T[Z]·c − m) with c = float32(2M/g), m = float32(M), bit for bit."""
+    tab = solve_table(bits, g, "1/32").values
+    x = ugly(n, g + n)
+    u = np.random.default_rng(n).random(n, dtype=np.float32)
+    for big_m in (2.5 * float(np.linalg.norm(x)) / np.sqrt(n), 0.0):
+        ref = np.empty(n, np.uint8)
+        K.quantize(x, big_m, g, bytes(tab), u, ref)
+        c, m = (np.float32(2.0 * big_m / g), np.float32(big_m))
+        want = x - (np.asarray(tab, np.float32)[ref] * c - m)
+        for simd in SIMD:
+            z, r = np.empty(n, np.uint8), np.full(n, np.nan, np.float32)
+            K.quantize_ef(x, big_m, g, bytes(tab), u, z, False, r, simd)
+            assert np.array_equal(z, ref)
+            assert np.array_equal(bits_of(r), bits_of(want))
+            if bits == 4:
+                zp = np.empty(n // 2, np.uint8)
+                K.quantize_ef(x, big_m, g, bytes(tab), u, zp, True, None, simd)
+                assert np.array_equal(zp, pack_indices(ref, 4))
+    # the counter stream: the same indices as the fused encode of an unrotated block
+    p = 1 << 12
+    signs = rademacher_bits(1, 0, 0, p)
+    y, rot = ugly(p, 5), np.empty(p, np.float32)
+    K.rht_rotate(y, p, signs, None, rot)
+    big_m = 2.2 * float(np.linalg.norm(y)) / np.sqrt(p)
+    for simd in SIMD:
+        fused, alone = np.empty(p, np.uint8), np.empty(p, np.uint8)
+        K.rht_encode(y, p, signs, big_m, 30, bytes(solve_table(4, 30, "1/32").values), (77, 4096), fused, False,
+                     np.empty(p, np.float32), simd)
+        K.quantize_ef(rot, big_m, 30, bytes(solve_table(4, 30, "1/32").values), (77, 4096), alone, False, None, simd)
+        assert np.array_equal(fused, alone)
+
+
 def test_kernel_argument_checks():
     x = np.zeros(100, np.float32)
     with pytest.raises(ValueError):
@@ -124,6 +176,12 @@ def test_kernel_argument_checks():
         K.rht_encode(x, 128, bytes(16), 1.0, 31, tab, u, np.empty(128, np.uint8), False, np.empty(128, np.float32))
     with pytest.raises(ValueError):      # fewer outputs than p need a work buffer
         K.rht_decode(u, 0, 1.0, 0.0, 128, bytes(16), b"", np.empty(100, np.float32), None)
+    with pytest.raises(ValueError):      # a carry shorter than the block
+        K.rht_rotate(x, 128, bytes(16), np.zeros(64, np.float32), np.empty(128, np.float32))
+    with pytest.raises(ValueError):      # a residual buffer shorter than the input
+        K.quantize_ef(u, 1.0, 30, tab, u, np.empty(128, np.uint8), False, np.empty(100, np.float32))
+    with pytest.raises(ValueError):      # packed needs an even count
+        K.quantize_ef(u[:3], 1.0, 30, tab, u, np.empty(2, np.uint8), True, None)
     assert K.simd() in ("avx2", "scalar")
 
 

@@ -5,6 +5,7 @@ import torch
 
 from compression import nmse, thc
 from compression.codec import ErrorFeedback
+from compression.hadamard import irht, rademacher_signs
 from proto.packing import LaneOverflowError
 from proto.tables import lower_interval_index
 
@@ -45,9 +46,11 @@ def test_stochastic_round_unbiased():
     assert np.allclose(means, [0.0, 0.4, 2.9, 13.5, 29.99, 30.0], atol=0.02)
 
 
-def test_encode_decode_unbiased_without_clamping():
-    # p tiny: t_p ≈ 4.9 so no coordinate is clamped and the estimate is unbiased.
-    cfg = thc.ThcConfig(p="1/1000000", granularity=30)
+@pytest.mark.parametrize("rotation", ["round", "job"])
+def test_encode_decode_unbiased_without_clamping(rotation):
+    # p tiny: t_p ≈ 4.9 so no coordinate is clamped and the estimate is unbiased (for any
+    # one D: under a job's single rotation too).
+    cfg = thc.ThcConfig(p="1/1000000", granularity=30, rotation=rotation)
     rng = np.random.default_rng(9)
     x = rng.standard_normal(256).astype(np.float32)
     layout = thc.make_layout(x.size)
@@ -62,8 +65,9 @@ def test_encode_decode_unbiased_without_clamping():
     assert np.abs(mean - x).max() > 0  # a real estimate, not the input
 
 
-def test_error_feedback_telescopes():
-    cfg = thc.ThcConfig(seed=1)
+@pytest.mark.parametrize("rotation", ["round", "job"])
+def test_error_feedback_telescopes(rotation):
+    cfg = thc.ThcConfig(seed=1, rotation=rotation)
     rng = np.random.default_rng(2)
     layout = thc.make_layout(3000)
     memory = ErrorFeedback()
@@ -77,9 +81,89 @@ def test_error_feedback_telescopes():
         sent += thc.decode(thc.lookup_sum([z], cfg.table.values), 1, norms, cfg, layout, r)
         rnd.feedback()
     err = memory.errors["g"]
+    if rotation == "job":     # kept rotated, padding included: back to the gradient's domain
+        assert err.shape == (layout.padded_dim,)
+        err = irht(err, rademacher_signs(cfg.seed, 0, 0, layout.padded_dim))[:3000]
     # Σ decoded + final error == Σ gradients: nothing is lost, clamping included.
     assert np.allclose(sent + err, total, atol=1e-3)
     assert np.abs(err).max() > 0
+
+
+def test_a_job_rotation_keeps_the_residual_rotated():
+    """rotation "job": x = R∇ + e_R, Z from it, and e_R = R − X equals the rotation of the
+    gradient-domain residual x − RHT⁻¹(X) (up to float32 rounding); the next round's x is
+    R∇' + e_R bit for bit; the signs are round 0's in every round."""
+    dim = 1 << 12                 # a power of two: no padding, so both domains hold the same vector
+    cfg = thc.ThcConfig(seed=6, block_log2=11, rotation="job")
+    layout = thc.make_layout(dim, cfg.block_log2)
+    rng = np.random.default_rng(8)
+    memory = ErrorFeedback()
+    g1, g2 = (rng.standard_normal(dim).astype(np.float32) * 3 for _ in range(2))
+    a = thc.WorkerRound(cfg, g1, memory, "k")
+    assert np.array_equal(a.x, thc.rotate(g1, cfg, layout))
+    norms = a.norms()
+    assert np.allclose(norms, thc.block_norms(g1, layout), rtol=1e-5)     # ‖R_j‖ = ‖x_j‖
+    z = a.encode(norms, np.random.default_rng(1), 7)
+    assert np.array_equal(z, thc.encode(g1, norms, cfg, layout, 7, thc.CounterUniforms(
+        thc.key_from(np.random.default_rng(1)))))
+    own = thc.decode_own(z, norms, cfg, layout, 7)
+    want = thc.rotate(g1 - own, cfg, layout)
+    assert np.abs(a.residual() - want).max() < 1e-5 * np.abs(want).max()
+    a.feedback()
+    e = memory.errors["k"].copy()
+    b = thc.WorkerRound(cfg, g2, memory, "k")
+    assert np.array_equal(b.x, thc.rotate(g2, cfg, layout) + e)
+    assert np.array_equal(own, thc.decode_own(z, norms, cfg, layout, 0))        # D of round 0 in round 7
+
+
+def test_a_job_rotation_round_block_by_block_equals_the_whole_round():
+    """The pipelined calls (start_packed, encode_blocks, residual_blocks) of a rotated round
+    make the bytes and the residual of encode(packed=True) + residual(), bit for bit."""
+    cfg = thc.ThcConfig(seed=2, block_log2=10, rotation="job")
+    dim = 3500
+    rng = np.random.default_rng(3)
+    g = (rng.standard_normal(dim) * rng.lognormal(0, 1, dim)).astype(np.float32)
+    whole = thc.WorkerRound(cfg, g, ErrorFeedback(), "w")
+    piece = thc.WorkerRound(cfg, g, ErrorFeedback(), "w")
+    assert piece.can_pipeline()
+    norms = whole.norms() * 0.8           # some coordinates clamped
+    z = whole.encode(norms, np.random.default_rng(5), 4, packed=True)
+    buf = piece.start_packed(norms, np.random.default_rng(5), 4)
+    for j in reversed(range(len(piece.layout.starts))):
+        piece.encode_blocks(range(j, j + 1))
+    res = piece.residual_blocks(range(0, 1))
+    assert np.array_equal(buf, z)
+    assert np.array_equal(res.view(np.uint32), whole.residual().view(np.uint32))
+
+
+def test_a_job_rotation_numpy_reference_equals_the_kernels(monkeypatch):
+    cfg = thc.ThcConfig(seed=9, block_log2=11, rotation="job", bits=4)
+    dim = 5000
+    rng = np.random.default_rng(11)
+    g = (rng.standard_normal(dim) * rng.lognormal(0, 2, dim)).astype(np.float32)
+    carry = rng.standard_normal(thc.make_layout(dim, 11).padded_dim).astype(np.float32)
+
+    def run():
+        memory = ErrorFeedback()
+        memory.update("r", carry.copy())
+        rnd = thc.WorkerRound(cfg, g, memory, "r")
+        z = rnd.encode(rnd.norms(), np.random.default_rng(2), 1, packed=True)
+        return rnd.x.copy(), z, rnd.residual().copy()
+    fast = run()
+    monkeypatch.setattr(thc, "_kernels", None)
+    slow = run()
+    for a, b in zip(fast, slow):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_a_rotation_the_job_does_not_know_is_refused():
+    with pytest.raises(ValueError, match="rotation must be one of round, job"):
+        thc.ThcConfig(rotation="epoch")
+    from proto.job import JobConfig
+    with pytest.raises(ValueError, match="rotation must be one of round, job"):
+        JobConfig(num_workers=2, rotation="epoch")
+    assert JobConfig(num_workers=2).differences({"rotation": "job"}) == ["rotation: PS has 'round', worker expects 'job'"]
+    assert thc.ThcConfig.of_job(JobConfig(num_workers=2, rotation="job")).rotation == "job"
 
 
 def test_pooled_rounds_equal_fresh_ones_and_reuse_their_buffers():

@@ -27,8 +27,8 @@ def batches(rank, step):
     return torch.rand(16, 1, 28, 28, generator=g), torch.randint(0, 10, (16,), generator=g)
 
 
-def train_through_ps():
-    job = JobConfig(num_workers=N, seed=SEED)
+def train_through_ps(rotation="round", set_to_none=True):
+    job = JobConfig(num_workers=N, seed=SEED, rotation=rotation)
     server = PSServer(job, ("127.0.0.1", 0), control_port=0).start()
     finals, errors = {}, []
     models = []
@@ -43,9 +43,12 @@ def train_through_ps():
         sync = GradientSync(Worker(t, seed=SEED), model)
         for step in range(STEPS):
             x, y = batches(rank, step)
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
             F.cross_entropy(model(x), y).backward()
             sync()
+            # the average is each .grad, a view of the sync's bucket (set_to_none=False: the
+            # next backward accumulates into it in place)
+            assert all(np.shares_memory(p.grad.numpy(), sync.bucket) for p in model.parameters())
             opt.step()
         finals[rank] = flat_params(model)
         t.close()
@@ -56,9 +59,10 @@ def train_through_ps():
     return finals
 
 
-def train_reference():
-    """Same seeds, no network: the THC average computed in-process (Alg. 3)."""
-    cfg = thc.ThcConfig(seed=SEED)
+def train_reference(rotation="round"):
+    """Same seeds, no network: the THC average computed in-process (Alg. 3; with one rotation
+    per job, error feedback in the rotated domain, docs/protocol.md §4 step 8)."""
+    cfg = thc.ThcConfig(seed=SEED, rotation=rotation)
     models, opts = [], []
     for _ in range(N):
         torch.manual_seed(0)
@@ -74,16 +78,25 @@ def train_reference():
             opts[r].zero_grad()
             F.cross_entropy(models[r](x), y).backward()
             g = flat_grad(list(models[r].parameters())).numpy().astype(np.float32)
-            xs.append(g + errs[r] if errs[r] is not None else g)
-        layout = thc.make_layout(xs[0].size, cfg.block_log2)
-        norms = np.max([thc.block_norms(x, layout) for x in xs], axis=0).astype(np.float32).astype(np.float64)
-        zs = [thc.encode(x, norms, cfg, layout, step, CounterUniforms(key_from(rngs[r])))   # one key per round
-              for r, x in enumerate(xs)]
+            layout = thc.make_layout(g.size, cfg.block_log2)
+            if rotation == "job":
+                xs.append(thc.rotate(g, cfg, layout, carry=errs[r]))
+            else:
+                xs.append(g + errs[r] if errs[r] is not None else g)
+        norm = thc.rotated_norms if rotation == "job" else thc.block_norms
+        norms = np.max([norm(x, layout) for x in xs], axis=0).astype(np.float32).astype(np.float64)
+        if rotation == "job":
+            res = [np.empty(layout.padded_dim, np.float32) for _ in xs]
+            zs = [thc.quantize_rotated(x, norms, cfg, layout, CounterUniforms(key_from(rngs[r])), resid=res[r])
+                  for r, x in enumerate(xs)]
+        else:
+            zs = [thc.encode(x, norms, cfg, layout, step, CounterUniforms(key_from(rngs[r])))   # one key per round
+                  for r, x in enumerate(xs)]
         y_avg = (thc.lookup_sum(zs, cfg.table.values) / N).astype(np.float32)
         avg = thc.decode(y_avg, 1, norms, cfg, layout, step)
         for r in range(N):
             own = thc.lookup_sum([zs[r]], cfg.table.values)
-            errs[r] = xs[r] - thc.decode(own, 1, norms, cfg, layout, step)
+            errs[r] = res[r] if rotation == "job" else xs[r] - thc.decode(own, 1, norms, cfg, layout, step)
             off = 0
             for p in models[r].parameters():
                 p.grad = torch.from_numpy(avg[off:off + p.numel()].copy()).view_as(p)
@@ -101,8 +114,9 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-def test_training_through_ps_matches_reference_exactly(one_torch_thread):
-    got, ref = train_through_ps(), train_reference()
+@pytest.mark.parametrize("rotation,set_to_none", [("round", True), ("job", True), ("job", False)])
+def test_training_through_ps_matches_reference_exactly(one_torch_thread, rotation, set_to_none):
+    got, ref = train_through_ps(rotation, set_to_none), train_reference(rotation)
     for r in range(N):
         assert np.array_equal(got[r], ref[r]), np.abs(got[r] - ref[r]).max()
     assert np.array_equal(got[0], got[1])
