@@ -529,7 +529,10 @@ def peers(base: TrainConfig, command: str, log=print, target: float = 0.8, *, ou
              f"epoch's end, first reaches it (\"-\": never); \"step ms\" is that training time per step.\n",
              "THC-PS layouts: " + "; ".join(f"`{k}`: {v}" for k, v in LAYOUTS.items() if k in layouts)
              + ". `thc-ps` runs its rounds after backward, `thc-ps-hook` in DDP's communication hook "
-               "(each bucket while backward goes on).\n",
+               "(each bucket while backward goes on)"
+             + (". THC-PS's job has one rotation (`--rotation job`: the same RHT signs every round, error "
+                "feedback kept rotated, two transforms a worker step instead of three; docs/design.md).\n"
+                if base.job.rotation == "job" else ".\n"),
              "\"wire ms\" is the least time the busiest link needs for a step's bytes at the cap; \"in rounds "
              "ms\" THC-PS's time per step inside its rounds (codec, phases and waiting for the other ranks; "
              "with the hook, overlapping backward).\n",

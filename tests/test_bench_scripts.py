@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("script", ["bench_p4.py", "bench_breakeven.py", "pauses.py", "bench_jobs.py", "bench_rto.py",
-                                    "round_cpu.py"])
+                                    "round_cpu.py", "bench_rotation.py"])
 def test_script_help_runs_from_anywhere(script, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], cwd=tmp_path, env=env,
@@ -47,6 +47,20 @@ def test_bench_rto_runs_both_timers_and_writes_its_table(tmp_path):
     assert all(r["exact_rounds"] == 3 for r in doc["rows"])
     assert all(r["path_drops"] > 0 for r in doc["rows"] if r["loss"])     # injected drops counted
     assert "| loopback | 5% | adaptive | 3/3 |" in (tmp_path / "rto" / "rto.md").read_text()
+
+
+def test_bench_rotation_times_both_rotations_and_writes_its_json(tmp_path):
+    """A small bench_rotation run: both rotations timed on the same steps, the ratio printed
+    and the JSON written where --json says."""
+    import json
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_rotation.py"), "--dim", "5000",
+                           "--block-log2", "11", "--steps", "3", "--json", str(tmp_path / "rot.json")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads((tmp_path / "rot.json").read_text())
+    assert set(doc["cpu_ms"]) == {"round", "job"} and all(v > 0 for v in doc["cpu_ms"].values())
+    assert "round / job CPU:" in proc.stdout
 
 
 def test_background_load_runs_niced_hogs_and_stops_them():
