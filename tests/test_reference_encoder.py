@@ -195,7 +195,7 @@ class RefWorker:
         padded = sum(p for _, _, p in blocks)
         u = ref_uniforms(self.key(r), padded)
         z, off = [], 0
-        for j, (s, n, p) in enumerate(blocks):
+        for j, (_, _, p) in enumerate(blocks):
             big_l = float(others_max(j, norms[j]))
             z.append(ref_indices(rots[j], big_l, p, job, u[off:off + p]))
             if self.fixed and self.residual is not None:
