@@ -1,10 +1,10 @@
 """A worker's codec CPU per step: a fresh sign diagonal every round (rotation "round", THC's
 Alg. 3) against one per job (rotation "job", error feedback kept rotated), side by side.
 
-One step is what Worker._thc_round runs besides the transport, through thc.WorkerRound with
-error feedback: x (∇ + e, or R∇ + e_R), the block norms, the packed encode, the residual
-(round: RHT⁻¹ of the own indices and x − it; job: made by the encode), the 8-bit lanes
-decode into the gradient's vector, and the feedback.  The two rotations alternate step by
+One step is bench_floor's `_codec_round`, what Worker._thc_round runs besides the transport,
+through thc.WorkerRound with error feedback: x (∇ + e, or R∇ + e_R), the block norms, the
+packed encode, the residual (round: RHT⁻¹ of the own indices and x − it; job: made by the
+encode), the 8-bit lanes decode into the gradient's vector, and the feedback.  The two rotations alternate step by
 step in one process on one codec thread, so the host's drift hits both alike; the figures
 are medians of the thread's CPU time and of the wall time per step.
 
@@ -25,19 +25,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `bench` is not installed: run from a checkout
 os.environ.setdefault("THC_CODEC_THREADS", "1")                 # one codec thread, as a rank on a busy host
+from bench.bench_floor import _codec_round  # noqa: E402
 from compression import thc  # noqa: E402
 from compression.codec import ErrorFeedback  # noqa: E402
+from proto.job import JobConfig  # noqa: E402
 
 ROTATIONS = ("round", "job")
-
-
-def step(cfg, memory, grad, lanes, out, rng, r) -> None:
-    rnd = thc.WorkerRound(cfg, grad, memory, "g")
-    norms = rnd.norms()
-    rnd.encode(norms, rng, r, packed=True)
-    e = rnd.residual()
-    rnd.decode_lanes(lanes, 4, out=out)
-    rnd.feedback(e)
 
 
 def main(argv=None) -> dict:
@@ -55,17 +48,18 @@ def main(argv=None) -> dict:
     lanes = rng.integers(0, 121, layout.padded_dim).astype(np.uint8)
     state = {}
     for rot in ROTATIONS:
-        cfg = thc.ThcConfig(block_log2=args.block_log2, rotation=rot)
-        state[rot] = (cfg, ErrorFeedback(), np.empty(args.dim, np.float32), np.random.default_rng(1))
+        job = JobConfig(num_workers=4, block_log2=args.block_log2, rotation=rot)
+        state[rot] = (thc.ThcConfig.of_job(job), job, ErrorFeedback(), np.empty(args.dim, np.float32),
+                      np.random.default_rng(1))
     times = {rot: ([], []) for rot in ROTATIONS}
     for r in range(args.steps + 2):                 # two untimed steps: buffers and caches warm
         for rot in ROTATIONS:
-            cfg, memory, out, rrng = state[rot]
-            np.copyto(out, grads[r % 2])
-            c0, w0 = time.thread_time(), time.perf_counter()
-            step(cfg, memory, out, lanes, out, rrng, r)
+            cfg, job, memory, grad, rrng = state[rot]
+            np.copyto(grad, grads[r % 2])
+            w0 = time.perf_counter()
+            cpu = _codec_round(cfg, job, grad, memory, lanes, rrng, r)
             if r >= 2:
-                times[rot][0].append(1e3 * (time.thread_time() - c0))
+                times[rot][0].append(1e3 * cpu)
                 times[rot][1].append(1e3 * (time.perf_counter() - w0))
     res = {"dim": args.dim, "block_log2": args.block_log2, "steps": args.steps,
            "cpu_ms": {rot: float(np.median(times[rot][0])) for rot in ROTATIONS},

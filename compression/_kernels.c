@@ -157,6 +157,19 @@ typedef struct {
     const float *carry;      /* EPI_ADD: added after the scale (NULL: nothing) */
 } epi_t;
 
+/* What quantize_ef works with besides the quantizer: the uniforms, the index sink and the
+ * own-value map a = T[z]·c − m of the residual. */
+typedef struct {
+    const float *u;
+    uint64_t ukey, ubase;
+    uint8_t *out;
+    int packed;
+    float *resid;            /* NULL: no residual */
+    float tabf[256];
+    int levels;
+    float c, m;
+} qef_t;
+
 static inline uint32_t sign_bit(const uint8_t *bits, size_t i) {
     return (uint32_t)((bits[i >> 3] >> (7 - (i & 7))) & 1u) << 31;
 }
@@ -541,18 +554,6 @@ static void rht_avx2(float *w, size_t n, const in_t *in, const epi_t *e) {
     rht_level(w, 0, bounds, k, in, e);
 }
 
-/* What quantize_ef works with besides the quantizer: the uniforms, the index sink and the
- * own-value map a = T[z]·c − m of the residual. */
-typedef struct {
-    const float *u;
-    uint64_t ukey, ubase;
-    uint8_t *out;
-    int packed;
-    float *resid;            /* NULL: no residual */
-    float tabf[256];
-    int levels;
-    float c, m;
-} qef_t;
 
 /* quantize_ef on 8 coordinates at a time (n a multiple of 8): quant8, the indices as
  * epi8 stores them, then x − (T[z]·c − m) in the scalar loop's operations. */
@@ -582,20 +583,6 @@ static void rht_run(int simd, float *w, size_t n, const in_t *in, epi_t *e) {
 #endif
     rht_scalar(w, n, in, e);
 }
-
-
-#if !THC_HAVE_AVX2
-typedef struct {
-    const float *u;
-    uint64_t ukey, ubase;
-    uint8_t *out;
-    int packed;
-    float *resid;
-    float tabf[256];
-    int levels;
-    float c, m;
-} qef_t;
-#endif
 
 /* Alg. 3 lines 11-16 on a rotated block, and its own error R − X (line 22 in the rotated
  * domain): per coordinate z = quant1(x, u), then x − (T[z]·c − m), c = float32(2M/g) and
@@ -707,6 +694,13 @@ static PyObject *run_released(int simd, float *w, size_t n, const in_t *in, epi_
     Py_RETURN_NONE;
 }
 
+/* The uniforms argument of rht_encode and quantize_ef: a float32 buffer (into u), or a tuple
+ * (key, base) of the counter stream; 0 on success, -1 with the Python error set. */
+static int get_uniforms(PyObject *uobj, Py_buffer *u, unsigned long long *ukey, unsigned long long *ubase) {
+    if (PyTuple_Check(uobj)) return PyArg_ParseTuple(uobj, "KK", ukey, ubase) ? 0 : -1;
+    return PyObject_GetBuffer(uobj, u, PyBUF_SIMPLE);
+}
+
 /* fwht(x: float32 writable buf, simd=-1): normalized FWHT in place (length a power of two). */
 static PyObject *py_fwht(PyObject *self, PyObject *args) {
     Py_buffer x = {0};
@@ -736,11 +730,7 @@ static PyObject *py_rht_encode(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*ny*diy*Ow*pw*|i", &x, &p, &sg, &big_m, &g, &t, &uobj, &o, &packed, &w, &simd))
         return NULL;
     Py_buffer *bufs[] = {&x, &sg, &t, &u, &o, &w};
-    if (PyTuple_Check(uobj)) {
-        if (!PyArg_ParseTuple(uobj, "KK", &ukey, &ubase)) return fail(bufs, 6, NULL);
-    } else if (PyObject_GetBuffer(uobj, &u, PyBUF_SIMPLE) < 0) {
-        return fail(bufs, 6, NULL);
-    }
+    if (get_uniforms(uobj, &u, &ukey, &ubase) < 0) return fail(bufs, 6, NULL);
     size_t n = (size_t)p;
     if (!is_pow2(n) || (size_t)x.len / 4 > n || (size_t)sg.len * 8 < n || (u.obj && (size_t)u.len / 4 < n) ||
         (size_t)w.len / 4 < n || (size_t)o.len < (packed ? (n + 1) / 2 : n) || (packed && (t.len > 16 || n < 2)))
@@ -787,7 +777,6 @@ static PyObject *py_rht_decode(PyObject *self, PyObject *args) {
     return run_released(simd, work, n, &in, &e, bufs, 5);
 }
 
-
 /* rht_rotate(x: float32 buf (n <= p values, zero-padded to p), p, signs: bytes,
  *            carry: float32 buf (>= p values) or None, out: float32 writable buf (>= p), simd=-1)
  * out = (1/sqrt(p))·H·(D x) + carry (the product first, then the sum), in out's first p floats. */
@@ -821,11 +810,7 @@ static PyObject *py_quantize_ef(PyObject *self, PyObject *args) {
     unsigned long long ukey = 0, ubase = 0;
     if (!PyArg_ParseTuple(args, "y*diy*Ow*pO|i", &x, &big_m, &g, &t, &uobj, &o, &packed, &robj, &simd)) return NULL;
     Py_buffer *bufs[] = {&x, &t, &u, &o, &r};
-    if (PyTuple_Check(uobj)) {
-        if (!PyArg_ParseTuple(uobj, "KK", &ukey, &ubase)) return fail(bufs, 5, NULL);
-    } else if (PyObject_GetBuffer(uobj, &u, PyBUF_SIMPLE) < 0) {
-        return fail(bufs, 5, NULL);
-    }
+    if (get_uniforms(uobj, &u, &ukey, &ubase) < 0) return fail(bufs, 5, NULL);
     if (robj != Py_None && PyObject_GetBuffer(robj, &r, PyBUF_WRITABLE) < 0) return fail(bufs, 5, NULL);
     size_t n = (size_t)x.len / 4;
     if (n == 0 || (u.obj && (size_t)u.len / 4 < n) || (size_t)o.len < (packed ? (n + 1) / 2 : n) ||

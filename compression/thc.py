@@ -214,17 +214,21 @@ def sum_of_squares(seg: np.ndarray) -> float:
     return total
 
 
+def _norms(x: np.ndarray, segments) -> np.ndarray:
+    """The float64 square root of each (start, length) segment's :func:`sum_of_squares`,
+    rounded to float32 (the values the NORM packet carries), returned as float64."""
+    out = np.empty(len(segments), dtype=np.float32)
+    for j, (s, n) in enumerate(segments):
+        out[j] = math.sqrt(sum_of_squares(x[s:s + n]))
+    return out.astype(np.float64)
+
+
 def block_norms(x, layout: Layout) -> np.ndarray:
-    """‖x_j‖ per RHT block (the preliminary-stage message): the float64 square root of the
-    block's :func:`sum_of_squares` of float32(x), rounded to float32 (the values the NORM
-    packet carries), returned as float64."""
+    """‖x_j‖ per RHT block (the preliminary-stage message) over its unpadded coordinates."""
     if _is_torch(x):
         x = x.detach().cpu().numpy()
     x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
-    out = np.empty(len(layout.starts), dtype=np.float32)
-    for j, (s, n) in enumerate(zip(layout.starts, layout.lengths)):
-        out[j] = math.sqrt(sum_of_squares(x[s:s + n]))
-    return out.astype(np.float64)
+    return _norms(x, list(zip(layout.starts, layout.lengths)))
 
 
 def _scale(max_norm: float, padded: int, tp: float) -> float:
@@ -498,11 +502,13 @@ def decode_lanes(lanes, contributors: int, max_norms, cfg: ThcConfig, layout: La
 
 # ----------------------------------------------------------------------------- one rotation per job
 
-def rotate(x, cfg: ThcConfig, layout: Layout, carry=None, out=None, round_no: int = 0) -> np.ndarray:
-    """R = H·D·x per RHT block (§5.1; D of `cfg.sign_round(round_no)`, the job's one diagonal
-    when cfg.rotation is "job"), plus `carry` if given: the rotated residual of the last round, so
-    that R(∇ + e) = R∇ + R·e is formed without leaving the rotated domain.  float32, one
-    value per padded coordinate (blocks in order), into `out` if given."""
+def rotate(x, cfg: ThcConfig, layout: Layout, carry=None, out=None) -> np.ndarray:
+    """R = H·D·x per RHT block (§5.1) with the job's one diagonal D (cfg.rotation "job"), plus
+    `carry` if given: the rotated residual of the last round, so that R(∇ + e) = R∇ + R·e is
+    formed without leaving the rotated domain.  float32, one value per padded coordinate
+    (blocks in order), into `out` if given."""
+    if cfg.rotation != "job":
+        raise ValueError("rotate() holds for a job with one rotation; a rotation per round encodes with encode()")
     n = layout.padded_dim
     if out is None:
         out = np.empty(n, dtype=np.float32)
@@ -515,12 +521,12 @@ def rotate(x, cfg: ThcConfig, layout: Layout, carry=None, out=None, round_no: in
 
     def block(j):
         off, p, s, m = offsets[j], layout.padded[j], layout.starts[j], layout.lengths[j]
-        bits = rademacher_bits(cfg.seed, cfg.sign_round(round_no), j, p)
+        bits = rademacher_bits(cfg.seed, cfg.sign_round(0), j, p)
         c = None if carry is None else carry[off:off + p]
         if _kernels is not None:
             _kernels.rht_rotate(x[s:s + m], p, bits, c, out[off:off + p])
             return
-        r = fwht(_block_padded(x, layout, j) * rademacher_signs(cfg.seed, cfg.sign_round(round_no), j, p))
+        r = fwht(_block_padded(x, layout, j) * rademacher_signs(cfg.seed, cfg.sign_round(0), j, p))
         out[off:off + p] = r if c is None else r + c
     _each_block(block, len(offsets))
     return out
@@ -528,11 +534,8 @@ def rotate(x, cfg: ThcConfig, layout: Layout, carry=None, out=None, round_no: in
 
 def rotated_norms(xr: np.ndarray, layout: Layout) -> np.ndarray:
     """‖R_j‖ per RHT block of a rotated vector, over its P_j coordinates: ‖x_j‖ itself (the
-    normalized RHT is orthogonal), computed as `block_norms` computes it (float64)."""
-    out = np.empty(len(layout.padded), dtype=np.float32)
-    for j, (off, p) in enumerate(zip(layout.padded_offsets(), layout.padded)):
-        out[j] = math.sqrt(sum_of_squares(xr[off:off + p]))
-    return out.astype(np.float64)
+    normalized RHT is orthogonal), computed as `block_norms` computes it."""
+    return _norms(xr, list(zip(layout.padded_offsets(), layout.padded)))
 
 
 def quantize_rotated(xr: np.ndarray, max_norms, cfg: ThcConfig, layout: Layout, uniforms, *,
@@ -545,15 +548,16 @@ def quantize_rotated(xr: np.ndarray, max_norms, cfg: ThcConfig, layout: Layout, 
     `blocks`: only those RHT blocks, into their parts of `out` and `resid`."""
     table, g = cfg.table, cfg.granularity
     n = layout.padded_dim
-    fused = _kernels is not None and g <= 255 and (not packed or _packs_per_block(cfg, layout))
+    fused = _kernel_ok(xr, cfg) and (not packed or _packs_per_block(cfg, layout))
     if out is None:
         out = np.empty(packed_size(n, cfg.bits) if packed else n, dtype=np.uint8)
     z = out if fused or not packed else np.empty(n, dtype=np.uint8)     # the reference packs at the end
     stream = isinstance(uniforms, CounterUniforms)
     offsets = layout.padded_offsets()
     tab8 = bytes(table.values)
-    tab32 = table.as_array().astype(np.float32)
-    iv = lower_interval_index(table.as_array())
+    if not fused:
+        tab32 = table.as_array().astype(np.float32)
+        iv = lower_interval_index(table.as_array())
 
     def block(j):
         off, p = offsets[j], layout.padded[j]
@@ -664,8 +668,6 @@ class WorkerRound:
     def can_pipeline(self) -> bool:
         """Whether encode, decode and residual can go block by block here: the C kernels,
         a float32 numpy x and 4-bit indices packed within each block."""
-        if self.rotated:
-            return _kernels is not None and self.cfg.granularity <= 255 and _packs_per_block(self.cfg, self.layout)
         return (_kernel_ok(self.x, self.cfg) and isinstance(self.x, np.ndarray) and self.x.dtype == np.float32
                 and self.x.flags.c_contiguous and _packs_per_block(self.cfg, self.layout))
 

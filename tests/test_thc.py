@@ -164,6 +164,8 @@ def test_a_rotation_the_job_does_not_know_is_refused():
         JobConfig(num_workers=2, rotation="epoch")
     assert JobConfig(num_workers=2).differences({"rotation": "job"}) == ["rotation: PS has 'round', worker expects 'job'"]
     assert thc.ThcConfig.of_job(JobConfig(num_workers=2, rotation="job")).rotation == "job"
+    with pytest.raises(ValueError, match="one rotation"):      # rotate() under a per-round job
+        thc.rotate(np.ones(8, np.float32), thc.ThcConfig(), thc.make_layout(8))
 
 
 def test_pooled_rounds_equal_fresh_ones_and_reuse_their_buffers():
