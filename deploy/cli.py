@@ -11,7 +11,7 @@ from deploy import commands
 from deploy import experiments
 from deploy import train as train_mod
 from p4.control import CONTROLS as SWITCH_CONTROLS
-from proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, MAX_BLOCK_LOG2, ROTATIONS
+from proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, LANE_AUTO, MAX_BLOCK_LOG2, ROTATIONS
 
 
 def _p_arg(value: str):
@@ -45,6 +45,15 @@ _any_port = _int_in(0, 65535, "a port number (0: any)")
 _seed = _int_in(0, (1 << 63) - 1, "a seed")
 _block_log2 = _int_in(0, MAX_BLOCK_LOG2, "log2 of the RHT block")
 _count = _int_in(0, 1 << 31, "a count")
+
+
+def _lane_bits(value: str) -> int:
+    """argparse type for JobConfig.lane_bits: 8, 16, 32, or auto (LANE_AUTO)."""
+    if value == "auto":
+        return LANE_AUTO
+    if value not in ("8", "16", "32"):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a lane width: choose 8, 16, 32 or auto")
+    return int(value)
 
 
 def _rotation(value: str) -> str:
@@ -142,7 +151,8 @@ JOB_OPTIONS = {
     "bits": dict(type=None, help="bits b per table index"),
     "granularity": dict(type=None, help="granularity g: the table's values lie on the grid 0..g"),
     "p": dict(type=None, help="support fraction p (the table covers all but p of the normal), e.g. 1/32"),
-    "lane-bits": dict(type=int, choices=(8, 16, 32), help="bits per aggregated value; n*g must fit"),
+    "lane-bits": dict(type=None, metavar="{8,16,32,auto}",
+                      help="bits per aggregated value; n*g must fit (auto: the narrowest lane that holds it)"),
     "quorum": dict(type=None, help="fraction of the workers after which a slot's result is sent "
                                    "(partial aggregation)"),
     "seed": dict(type=None, help="the job's seed (RHT signs; test gradients)"),
@@ -158,12 +168,12 @@ JOB_OPTIONS = {
 #: --result-group of the commands that may start their own PS (launch, train)
 LOCAL_GROUP = dict(result_group=AUTO_GROUP, helps={"result_group": JOB_OPTIONS["result-group"]["help"] + (
     "; auto: a fresh group on loopback when this command starts the PS, none with --ps")})
-JOB_DEFAULTS = {"workers": 4, "bits": 4, "granularity": 30, "p": "1/32", "lane-bits": 8, "quorum": 1.0,
+JOB_DEFAULTS = {"workers": 4, "bits": 4, "granularity": 30, "p": "1/32", "lane-bits": "auto", "quorum": 1.0,
                 "seed": 0, "block-log2": DEFAULT_BLOCK_LOG2, "rotation": "round", "result-group": ""}
 
 
 def _job_types() -> dict:
-    return {"workers": _workers, "bits": _bits, "granularity": _granularity, "p": _p_arg,
+    return {"workers": _workers, "bits": _bits, "granularity": _granularity, "p": _p_arg, "lane-bits": _lane_bits,
             "quorum": _quorum, "seed": _seed, "block-log2": _block_log2, "rotation": _rotation,
             "result-group": result_group_arg}
 
@@ -526,23 +536,19 @@ _quorum = _float_in(0, 1, lo_open=True, hi_open=False, what="a quorum fraction o
 
 def _addr(value: str):
     """HOST:PORT → (host, port), with a message that says what is wrong."""
-    host, sep, port = value.strip().rpartition(":")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (no ':PORT')")
-    if not host:
-        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (no host before ':')")
-    if not port.isdigit():
-        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (port {port!r} is not a number)")
-    if not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"port {port} is out of range 1..65535 in {value!r}")
-    return host, int(port)
+    from proto.addresses import parse_addr
+    try:
+        return parse_addr(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _addr_list(value: str):
-    addrs = [_addr(v) for v in value.split(",") if v.strip()]
-    if not addrs:
-        raise argparse.ArgumentTypeError(f"{value!r} names no HOST:PORT")
-    return addrs
+    from proto.addresses import parse_addrs
+    try:
+        return parse_addrs(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _addr_text(value: str) -> str:

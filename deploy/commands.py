@@ -219,7 +219,7 @@ def format_status(where: str, doc: dict) -> str:
 
 def cmd_launch(args):
     from deploy.launch import run_launch
-    from proto.job import AUTO_GROUP
+    from proto.job import AUTO_GROUP, LANE_AUTO
     job = _job(args, slots=args.slots)   # refuse a bad configuration before anything starts
     if args.straggler_rank is not None and not 0 <= args.straggler_rank < args.workers:
         raise ValueError(f"--straggler-rank must be in 0..{args.workers - 1}")
@@ -246,9 +246,9 @@ def cmd_launch(args):
     if args.ps is not None:
         # insist on the options given explicitly; the PS announces the rest
         # (and a result group only when one was named: "auto" takes the running PS's)
-        insist = ("num_workers", "codec", "bits", "granularity", "p", "lane_bits", "quorum", "block_log2",
-                  "rotation") \
-            + (("result_group",) if args.result_group != AUTO_GROUP else ())
+        insist = ("num_workers", "codec", "bits", "granularity", "p", "quorum", "block_log2", "rotation") \
+            + (("result_group",) if args.result_group != AUTO_GROUP else ()) \
+            + (("lane_bits",) if args.lane_bits != LANE_AUTO else ())
         expect = {k: v for k, v in job.to_msg().items() if k in insist}
     if not args.json:
         print(f"launching {'PS + ' if args.ps is None else ''}{local} of {args.workers} workers: "
@@ -284,7 +284,8 @@ def cmd_launch(args):
 def cmd_train(args):
     from deploy import train
     from proto.packing import check_lane_capacity
-    check_lane_capacity(args.workers, args.granularity, args.lane_bits)   # any codec (JobConfig: thc only)
+    if args.lane_bits:          # a width given; auto is the narrowest that fits (JobConfig)
+        check_lane_capacity(args.workers, args.granularity, args.lane_bits)   # any codec (JobConfig: thc only)
     cfg = train.TrainConfig(job=_job(args), epochs=args.epochs,
                             model=args.model, batch=args.batch, lr=args.lr, loss=args.loss,
                             loss_policy=args.loss_policy,
