@@ -3,7 +3,8 @@ char LM trained by a Lightning Trainer whose DDPStrategy sends its gradients thr
 
 Lightning initializes the process group only when none exists, so the script starts it
 first: then `thc_ps.connect` can run before the Trainer, and its state and hook go to
-DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)."""
+DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...); on CPU, where Lightning registers no
+communication hook, thc_ps.lightning.HookOnCPU does."""
 import argparse
 import hashlib
 import json
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy
 
 import thc_ps
+from thc_ps.lightning import HookOnCPU
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from char_lm import CharLM, batch, text_bytes   # noqa: E402
@@ -47,6 +49,7 @@ def main():
     module = Module(text_bytes(0.2))
     trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), max_steps=args.steps,
                         strategy=DDPStrategy(ddp_comm_state=state, ddp_comm_hook=thc_ps.hook),
+                        callbacks=[HookOnCPU(state)],
                         enable_progress_bar=False, enable_checkpointing=False, logger=False,
                         enable_model_summary=False)
     steps = torch.utils.data.DataLoader(range(args.steps), batch_size=1)

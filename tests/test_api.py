@@ -352,7 +352,9 @@ def test_lightning_trains_through_the_ps(ps, tmp_path):
 
 def test_two_nodes_in_namespaces_join_one_ps_job(tmp_path):
     """Two "nodes" and a PS host, each a network namespace: torchrun's c10d rendezvous
-    across them, 2 × 2 ranks, one PS job, replicas identical at the end."""
+    across them, 2 × 2 ranks, one PS job, replicas identical at the end.  (In a namespace
+    the host name resolves to the host's address, not the namespace's: each node names its
+    own address, --local-addr, and the first is told it holds the rendezvous, is_host=1.)"""
     from deploy import netns
     why = netns.unavailable()
     if why:
@@ -368,7 +370,8 @@ def test_two_nodes_in_namespaces_join_one_ps_job(tmp_path):
             for node in (0, 1):
                 cmd = [*net.prefix(node + 1), sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                        "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={net.ips[1]}:29400",
-                       "--rdzv-id=thc-netns", str(EXAMPLE), *SMALL_LM, "--steps", "20", "--eval-every", "10",
+                       "--rdzv-id=thc-netns", f"--rdzv-conf=is_host={int(node == 0)}",
+                       f"--local-addr={net.ips[node + 1]}", str(EXAMPLE), *SMALL_LM, "--steps", "20", "--eval-every", "10",
                        "--ps", f"{net.ips[0]}:9000", "--out", str(tmp_path / f"node{node}.json")]
                 nodes.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                               text=True, env=env))
