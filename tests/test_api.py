@@ -130,6 +130,15 @@ def test_the_ps_address_and_keys_may_come_from_the_environment(group, ps, monkey
     assert ps.status()["jobs"] == []
 
 
+def test_job_and_transport_options_reach_the_job(group, ps):
+    with thc_ps.connect(ps=_addr(ps), bits=2, granularity=40, rotation="job", loss_policy="zero",
+                        timeout_ms=20, job_name="opts") as state:
+        assert (state.job.bits, state.job.granularity, state.job.rotation, state.job.lane_bits) == (2, 40, "job", 8)
+        assert state.transport.policy == "zero" and state.job_name == "opts"
+        job = next(j for j in ps.status()["jobs"] if j["job_name"] == "opts")
+        assert job["num_workers"] == 1
+
+
 def test_the_job_name_comes_from_torchrun_and_a_launch_token():
     env = {"TORCHELASTIC_RUN_ID": "a1b2 c3/d4", "TORCHELASTIC_RESTART_COUNT": "2"}
     assert thc_ps.default_job_name("0123456789abcdef", env) == "a1b2-c3-d4.r2.01234567"
@@ -388,3 +397,32 @@ def test_two_nodes_in_namespaces_join_one_ps_job(tmp_path):
     started = [line for line in ps_log.splitlines() if "started: n=4" in line]
     assert len(started) == 1, ps_log[-3000:]
     assert ps_log.count("registered rank") == 4
+
+
+def test_the_api_reference_states_the_options_and_defaults_the_code_has():
+    """docs/api.md's tables of job and transport options: the names connect() takes, and for
+    each job option the default JobConfig gives (the lane: the narrowest that fits)."""
+    import dataclasses
+    import inspect
+
+    from thc_ps.torch import JOB_OPTIONS, TRANSPORT_OPTIONS
+    from worker.transport import Transport
+    text = (ROOT / "docs" / "api.md").read_text()
+
+    def table(header: str) -> dict:
+        block = text[text.index(f"| {header} |"):].split("\n\n")[0].splitlines()[2:]
+        return {re.match(r"\| `(\w+)` \| ([^|]*) \|", row).group(1): re.match(r"\| `(\w+)` \| ([^|]*) \|", row)
+                .group(2).strip() for row in block}
+    jobs = table("job option")
+    assert list(jobs) == list(JOB_OPTIONS)
+    defaults = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+                for f in dataclasses.fields(JobConfig) if f.name != "num_workers"}
+    said = {"none": "", "{}": {}, "narrowest that fits": 0}
+    for name, cell in jobs.items():
+        want = defaults[name]
+        got = said.get(cell, cell.strip("`"))
+        assert str(got) == str(want), (name, cell, want)
+    transports = table("transport option")
+    assert list(transports) == list(TRANSPORT_OPTIONS)
+    from thc_ps.torch import TRANSPORT_NAMES
+    assert {TRANSPORT_NAMES.get(o, o) for o in TRANSPORT_OPTIONS} <= set(inspect.signature(Transport).parameters)

@@ -39,6 +39,8 @@ JOB_OPTIONS = ("codec", "bits", "granularity", "p", "lane_bits", "quorum", "seed
                "slots", "result_group", "codec_params")
 #: The transport options `connect` takes, as Transport names them (None: its default).
 TRANSPORT_OPTIONS = ("loss_policy", "timeout_ms", "ps_wait_s", "queue_s", "window")
+#: A transport option's name on Transport where it differs (`thc train`'s --loss-policy is its `policy`).
+TRANSPORT_NAMES = {"loss_policy": "policy"}
 #: Where a script's defaults for `ps` and `keys` may come from instead of arguments.
 PS_ENV, KEYS_ENV = "THC_PS", "THC_PS_KEYS"
 #: The format of `State.state_dict()`: bumped when its layout changes.
@@ -278,7 +280,7 @@ def connect(model=None, ps: str | None = None, *, keys: str | None = None, job_n
     given = {k: v for k, v in options.items() if k in JOB_OPTIONS and v is not None}
     proposal = JobConfig(num_workers=world, **given)        # bad values refused here, in their names
     expect = {k: v for k, v in proposal.to_msg().items() if k in {"num_workers", *given}}
-    transport = {k: v for k, v in options.items() if k in TRANSPORT_OPTIONS and v is not None}
+    transport = {TRANSPORT_NAMES.get(k, k): v for k, v in options.items() if k in TRANSPORT_OPTIONS and v is not None}
     box = [secrets.token_hex(8) if rank == 0 else None]
     dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0) if process_group else 0,
                                group=process_group)
