@@ -352,8 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       helps={"workers": "workers (default 4; 10 for stragglers)",
                                              "granularity": "granularity g (default 30; 20 for stragglers)",
                                              "p": "support fraction p (default 1/32; 1/512 for stragglers)"})])
-    ex.add_argument("name", choices=("loss", "stragglers", "scale", "bandwidth", "codecs", "peers"),
-                    help="which experiment")
+    ex.add_argument("name", choices=("loss", "stragglers", "scale", "bandwidth", "codecs", "peers", "lm"),
+                    help="which experiment (lm: the library example's transformer language model under "
+                         "link caps, docs/experiments/lm.md)")
     ex.add_argument("--epochs", type=_int_in(1, 10000, "epochs"), default=3, help="epochs per training run")
     _model_arg(ex)
     ex.add_argument("--train-limit", type=_count, default=30000, help="training images used")
@@ -365,16 +366,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="bandwidth: comma list of codecs")
     ex.add_argument("--rates", type=_rate_list, default="100,1000,0",
                     help="bandwidth: comma list of link rates in Mbit/s, 0 = unlimited")
-    ex.add_argument("--peer-rates", type=_rate_list, default="0",
-                    help="peers: comma list of link rates in Mbit/s, 0 = loopback; a capped rate puts every "
-                         "rank and the PS in a host namespace of its own behind a link of that rate (root)")
-    ex.add_argument("--layouts", type=_choice_list("layout", tuple(experiments.LAYOUTS)),
-                    default=",".join(experiments.DEFAULT_LAYOUTS),
-                    help="peers: where THC-PS aggregates under a capped rate, a comma list of "
-                         + ", ".join(experiments.LAYOUTS) + " (docs/experiments/peers.md)")
-    ex.add_argument("--methods", type=_choice_list("method", experiments.PEER_METHODS),
-                    default=",".join(experiments.PEER_METHODS),
-                    help="peers: a comma list of " + ", ".join(experiments.PEER_METHODS))
+    ex.add_argument("--peer-rates", type=_rate_list, default=None,
+                    help="peers, lm: comma list of link rates in Mbit/s, 0 = loopback (peers only); a capped "
+                         "rate puts every rank and the PS in a host namespace of its own behind a link of that "
+                         "rate (root) (default: peers 0, lm 100,1000)")
+    ex.add_argument("--layouts", type=_choice_list("layout", tuple(experiments.LAYOUTS)), default=None,
+                    help="peers, lm: where THC-PS aggregates under a capped rate, a comma list of "
+                         + ", ".join(experiments.LAYOUTS) + " (docs/experiments/peers.md; default: peers "
+                         + ",".join(experiments.DEFAULT_LAYOUTS) + "; lm colocated)")
+    ex.add_argument("--methods", type=_choice_list("method", experiments.PEER_METHODS), default=None,
+                    help="peers: a comma list of " + ", ".join(experiments.PEER_METHODS) + " (default: all); "
+                         "lm: of ddp-fp32, ddp-fp16, thc-hook, thc-ps (default: all four)")
+    ex.add_argument("--steps", type=_int_in(1, 1 << 20, "steps"), default=300, help="lm: training steps")
+    ex.add_argument("--target-loss", type=_float_in(0, 10, lo_open=True, hi_open=False, what="a loss"),
+                    default=2.2, help="lm: the validation loss whose time is compared")
     ex.add_argument("--target", type=_float_in(0, 1, lo_open=True, hi_open=False, what="an accuracy"),
                     default=0.8, help="peers, bandwidth: the test accuracy whose time is compared")
     ex.add_argument("--eval-every", type=_int_in(0, 1 << 20, "steps"), default=0,

@@ -348,8 +348,15 @@ def cmd_experiment(args) -> None:
     elif args.name == "codecs":
         path = experiments.codecs(base, command, log, out=out)
     elif args.name == "peers":
-        path = experiments.peers(base, command, log, out=out, rates=args.peer_rates, target=args.target,
-                                 methods=args.methods, layouts=args.layouts)
+        path = experiments.peers(base, command, log, out=out, rates=args.peer_rates or (0,), target=args.target,
+                                 methods=args.methods or experiments.PEER_METHODS,
+                                 layouts=args.layouts or experiments.DEFAULT_LAYOUTS)
+    elif args.name == "lm":
+        from deploy import lm_experiment as lm
+        cfg = lm.LMConfig(ranks=workers, steps=args.steps, seed=args.seed, eval_every=args.eval_every or 25,
+                          rotation=args.rotation)
+        path = lm.lm(cfg, command, log, out=out, rates=args.peer_rates or (100, 1000),
+                     methods=args.methods or lm.METHODS, target=args.target_loss, layouts=args.layouts or ("colocated",))
     else:
         path = experiments.bandwidth(base, command, log, rates=args.rates, codecs=args.codecs, target=args.target, out=out)
     print(f"wrote {path} and its plot")
