@@ -130,6 +130,22 @@ def test_the_ps_address_and_keys_may_come_from_the_environment(group, ps, monkey
     assert ps.status()["jobs"] == []
 
 
+def test_close_leaves_no_thread_handler_or_job_behind(group, ps):
+    """A long-lived process may connect many times: each close() ends the hook's and the
+    transport's threads, gives SIGTERM and the signal wakeup fd back, and leaves the job."""
+    import threading
+    before = {t.name for t in threading.enumerate()}
+    for _ in range(3):
+        state = thc_ps.connect(ps=_addr(ps))
+        assert signal.getsignal(signal.SIGTERM) == state._on_sigterm
+        state.close()
+    time.sleep(0.3)
+    assert {t.name for t in threading.enumerate()} <= before
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and signal.set_wakeup_fd(-1) == -1
+    assert sys.excepthook is sys.__excepthook__ or "thc" not in getattr(sys.excepthook, "__qualname__", "")
+    assert ps.status()["jobs"] == [] or all(not j["live"] for j in ps.status()["jobs"])
+
+
 def test_job_and_transport_options_reach_the_job(group, ps):
     with thc_ps.connect(ps=_addr(ps), bits=2, granularity=40, rotation="job", loss_policy="zero",
                         timeout_ms=20, job_name="opts") as state:

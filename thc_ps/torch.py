@@ -68,6 +68,7 @@ class State(PSHookState):
         self._old_sigterm = None
         self._old_excepthook = None
         self._stopping = threading.Lock()
+        self._wakeup = None                     # the write end of the SIGTERM watch's pipe
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -121,6 +122,10 @@ class State(PSHookState):
         if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._old_sigterm)
             self._old_sigterm = None
+            if self._wakeup is not None:        # the watch thread reads EOF and ends
+                signal.set_wakeup_fd(-1)
+                os.close(self._wakeup)
+                self._wakeup = None
         if self._old_excepthook is not None and sys.excepthook == self._on_exception:
             sys.excepthook, self._old_excepthook = self._old_excepthook, None
 
@@ -178,8 +183,10 @@ class State(PSHookState):
                 got = os.read(r, 64)
                 if not got or signal.SIGTERM in got:
                     break
+            os.close(r)
             if got and not self._closed:
                 self._on_sigterm()
+        self._wakeup = w
         threading.Thread(target=watch, daemon=True, name="thc-ps-sigterm").start()
 
 
