@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from deploy.procs import die_with_parent, free_tcp_port, single_threaded_children, stop_gracefully
+from deploy.procs import die_with_parent, each_report, free_tcp_port, single_threaded_children, stop_gracefully
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "char_lm.py"
@@ -58,12 +58,6 @@ def example():
 
 def _rank_main(method: str, cfg: LMConfig, rank: int, port: int, q, net, ps: str) -> None:
     die_with_parent()
-    host = "127.0.0.1"
-    if net is not None:
-        from deploy import netns
-        netns.enter(net.hosts[rank])
-        os.environ["GLOO_SOCKET_IFNAME"] = net.ifname
-        host = net.ips[0]
     import hashlib
 
     import numpy as np
@@ -71,9 +65,8 @@ def _rank_main(method: str, cfg: LMConfig, rank: int, port: int, q, net, ps: str
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from deploy.peers import AllReduceCounter, make_hook
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=cfg.ranks)
+    from deploy.peers import AllReduceCounter, join_group, make_hook
+    join_group(rank, cfg.ranks, port, net)
     state = None
     try:
         ex = example()
@@ -144,19 +137,9 @@ def run_method(method: str, cfg: LMConfig, net=None, ps: str = "", timeout_s: fl
              for r in range(cfg.ranks)]
     for p in procs:
         p.start()
-    done, deadline = {}, time.monotonic() + timeout_s
+    done = {}
     try:
-        while len(done) < cfg.ranks:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{method}: no result within {timeout_s:g} s")
-            try:
-                kind, rank, body = q.get(timeout=1)
-            except Exception:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"{method}: rank {dead[0]} exited with status {procs[dead[0]].exitcode}") \
-                        from None
-                continue
+        for kind, rank, body in each_report(q, procs, timeout_s, what=f"{method} rank"):
             if kind == "error":
                 raise RuntimeError(f"{method}: rank {rank} failed: {body}")
             done[rank] = body

@@ -64,15 +64,25 @@ def make_hook(method: str, world: int, rank: int, seed: int, warmup: int):
     return THCHookState(world, rank, seed=seed), thc_hook
 
 
-def _rank_main(method: str, cfg, rank: int, port: int, q, warmup, net=None) -> None:
-    die_with_parent()
+def join_group(rank: int, world: int, port: int, net=None) -> None:
+    """This rank's gloo group, as every method's rank starts: in host net.hosts[rank] (gloo on
+    the star's interface, the rendezvous at host 0's address) or on loopback; one torch thread."""
     import os
+
+    import torch
+    import torch.distributed as dist
     host = "127.0.0.1"
     if net is not None:
         from deploy import netns
         netns.enter(net.hosts[rank])
         os.environ["GLOO_SOCKET_IFNAME"] = net.ifname
         host = net.ips[0]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=world)
+
+
+def _rank_main(method: str, cfg, rank: int, port: int, q, warmup, net=None) -> None:
+    die_with_parent()
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -80,9 +90,8 @@ def _rank_main(method: str, cfg, rank: int, port: int, q, warmup, net=None) -> N
     from deploy.train import AccuracyClock, _evaluate, training_data
     from worker import data
     from worker.training import MODELS, flat_params
-    torch.set_num_threads(1)
     n = cfg.job.num_workers
-    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=n)
+    join_group(rank, n, port, net)
     try:
         torch.manual_seed(cfg.job.seed)                       # identical initial models, as thc train
         xtr, ytr, xte, yte = training_data(cfg)
