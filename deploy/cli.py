@@ -707,8 +707,16 @@ def main(argv=None) -> int:
     level = (args.log_level or ("info" if args.command == "ps" else "warning")).upper()
     logging.basicConfig(level=level, stream=sys.stderr,
                         format="%(message)s" if args.log_level is None else "%(levelname)s %(name)s: %(message)s")
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _sigterm)      # a service manager's stop = Ctrl-C
+    if threading.current_thread() is not threading.main_thread():
+        return _run(args)
+    old = signal.signal(signal.SIGTERM, _sigterm)    # a service manager's stop = Ctrl-C
+    try:
+        return _run(args)
+    finally:                                         # main() called in-process leaves no handler
+        signal.signal(signal.SIGTERM, old)
+
+
+def _run(args) -> int:
     if args.command in ("ps", "worker", "launch", "train"):
         from deploy import hostload
         hostload.warn_in_background(f"thc {args.command}")   # other sessions' CPU-bound load, once

@@ -7,7 +7,8 @@ through THC-PS.  The text is the Python standard library's own source (every mac
     torchrun --standalone --nproc-per-node 2 examples/char_lm.py --no-thc   # plain DDP
 
 With --ckpt DIR it saves a checkpoint every --ckpt-every steps and resumes from it when it
-starts (torchrun --max-restarts N restarts a failed launch from there).
+starts (torchrun --max-restarts N restarts a failed launch from there; give torchrun
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 then, see docs/api.md "Checkpoints and restarts").
 """
 import argparse
 import hashlib

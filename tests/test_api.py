@@ -310,12 +310,17 @@ def _kill_rank_after_checkpoint(proc, ckpt: Path, rank: int = 1, timeout: float 
     os.kill(pid, signal.SIGKILL)
 
 
+# torchrun shares its rendezvous store with the ranks; a restarted rank may then read the
+# previous attempt's gloo address and fail to connect (pytorch/pytorch#135712; docs/api.md)
+RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
 def _torchrun_bg(*args, extra=()):
     """torchrun --standalone in the background, in a session of its own (`_stop` ends it all)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *extra,
            *map(str, args)]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **RESTARTABLE}, start_new_session=True)
 
 
 def _stop(proc) -> str:
