@@ -577,6 +577,9 @@ def _add_cluster_commands(sub):
                                        "a job that needs the rank fails naming it")
     ps.add_argument("--stats-every", type=_float_in(0, 86400, lo_open=False, hi_open=False, what="seconds"),
                     default=10.0, help="seconds between stats lines (0: off)")
+    ps.add_argument("--metrics", type=_addr, default=None, metavar="HOST:PORT",
+                    help="serve Prometheus metrics at http://HOST:PORT/metrics (totals and per running job) "
+                         "and /healthz (200 while the PS serves)")
     ps.set_defaults(func=commands.cmd_ps)
 
     w = _command(sub, "worker", help="run one worker process: R rounds of test gradients through a PS",
@@ -585,7 +588,9 @@ def _add_cluster_commands(sub):
                  parents=[job_parent("workers", "bits", "granularity", "p", "lane-bits", "quorum",
                                      "block-log2", "rotation", "result-group", stated=True)])
     _codec_arg(w, stated=True)
-    _running_ps_args(w, "the PS data address HOST:PORT, or a comma list of shards (chunk c -> shard c mod S)",
+    _running_ps_args(w, "the PS data address HOST:PORT, or a comma list of S shards (a DATA phase's chunks go "
+                        "in runs of up to 64, run j to shard j mod S; NORM phases and barriers to the first; "
+                        "docs/protocol.md \"Shards\")",
                      "key directory with client.key_secret and server.key (`thc keys`)")
     w.add_argument("--rank", type=_int_in(0, 31, "a rank"), default=None,
                    help="worker id (default: $RANK from torchrun, else 0)")
@@ -669,6 +674,9 @@ def _add_cluster_commands(sub):
     st.add_argument("--timeout-s", type=_float_in(0.1, 600, lo_open=False, hi_open=False, what="seconds"),
                     default=3.0, help="how long to wait for the answer")
     st.add_argument("--json", action="store_true", help="the status reply as JSON (a list for several shards)")
+    st.add_argument("--drain", action="store_true",
+                    help="first tell the PS (every shard) to drain: admit no new job, refuse the queued "
+                         "ones (code draining), let the running jobs finish, then exit 0 (as SIGUSR1 does)")
     st.set_defaults(func=commands.cmd_status)
 
     k = _command(sub, "keys", help="make a CURVE key directory for the control plane",

@@ -631,7 +631,7 @@ def _stop_when_left(server, timeout_s: float = 120.0) -> None:
     server.stop()
 
 
-def _ask(shard: tuple, msg: dict, keys=None, timeout_s: float = 2.0) -> dict | None:
+def ask_ps(shard: tuple, msg: dict, keys=None, timeout_s: float = 2.0) -> dict | None:
     """One control request to a PS shard (host, data_port, control_port[, control_host]) from
     outside any job; None when it does not answer within `timeout_s`.  Keys that do not fit
     the PS's raise HandshakeFailed (a ValueError) naming the cause, at once."""
@@ -663,7 +663,7 @@ def _ask(shard: tuple, msg: dict, keys=None, timeout_s: float = 2.0) -> dict | N
 
 def fetch_status(shard: tuple, keys=None, timeout_s: float = 2.0) -> dict | None:
     """A running PS's status reply: every running and queued job (None: no answer)."""
-    reply = _ask(shard, {"type": "status"}, keys, timeout_s)
+    reply = ask_ps(shard, {"type": "status"}, keys, timeout_s)
     return reply if reply is not None and reply.get("type") == "status" else None
 
 
@@ -703,7 +703,7 @@ def fetch_ps_stats(shard_list: list, keys=None, timeout_s: float = 2.0) -> dict 
     None when a shard does not answer within `timeout_s`."""
     stats = []
     for shard in shard_list:
-        reply = _ask(shard, {"type": "stats"}, keys, timeout_s)
+        reply = ask_ps(shard, {"type": "stats"}, keys, timeout_s)
         if reply is None or reply.get("type") != "stats":
             return None
         stats.append(reply["stats"])

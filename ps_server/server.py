@@ -57,6 +57,9 @@ JOIN_ROUND = (1 << 31) - 1
 DEFAULT_JOB_NAME = "default"
 #: A queued job whose workers stopped asking for this long leaves the queue.
 QUEUE_FORGET_S = 5.0
+#: A job's own control counters (beside its engine's data-plane ones): what the status listing
+#: and the metrics (ps_server/metrics.py) show per job.
+JOB_COUNTERS = ("registrations", "rejoins", "leases_expired", "stall_s_excused")
 #: A control step (a request, a lease check) that kept the control plane busy at least this
 #: long — programming a switch takes seconds — does not count against any rank's lease.
 DEAF_EXCUSE_S = 0.5
@@ -143,6 +146,7 @@ class Job:
     resume: dict = field(default_factory=dict)           # rank -> phase (after a PS restart)
     resume_waiters: dict = field(default_factory=dict)   # rank -> ident
     started: float = field(default_factory=time.monotonic)
+    counters: dict = field(default_factory=lambda: dict.fromkeys(JOB_COUNTERS, 0))
 
     def live(self) -> list:
         return sorted(r for r, m in self.members.items() if m.state == "live")
@@ -266,7 +270,13 @@ class PSServer:
         self._totals: dict = {"drops": dict.fromkeys(DROP_REASONS, 0)}
         self._control = {"jobs_started": 0, "jobs_ended": 0, "registrations": 0,
                          "registrations_refused": 0, "registrations_queued": 0, "control_errors": 0,
-                         "leases_expired": 0, "rejoins": 0}
+                         "leases_expired": 0, "rejoins": 0, "stall_s_excused": 0.0}
+        self._io: dict = {}                        # the C engines' socket counters of ended jobs
+        # draining (`drain`): no new job is admitted, the PS stops once the running ones end;
+        # the jobs queued when it began are told so when their workers ask again
+        self.draining = False
+        self._drain_queued: dict = {}              # queued job name -> told yet
+        self._drain_since = 0.0
         self.incarnation = secrets.randbits(32)
         # event lines: to `log` when given (thc ps prints them), else this module's logger
         self.log = log or _log_event
@@ -362,6 +372,7 @@ class PSServer:
         if self._external is None:
             self.mux.remove(job.config.job_id)
         _add_stats(self._totals, job.engine.stats())
+        _add_stats(self._io, _io_stats(job.engine))
         for r in list(job.members):
             self._unregister(job, r)
         job.engine.close()                 # the region is free (and clear) for the next job
@@ -384,7 +395,9 @@ class PSServer:
         if busy < DEAF_EXCUSE_S:
             return
         now = time.monotonic()
+        self._control["stall_s_excused"] += busy
         for job in self.jobs.values():
+            job.counters["stall_s_excused"] += busy
             for m in job.members.values():
                 if m.state == "live":
                     m.last_seen = min(now, m.last_seen + busy)
@@ -414,6 +427,7 @@ class PSServer:
                 if m.state == "live" and now - m.last_seen > self.lease_s:
                     m.state, m.died = "dead", now
                     self._control["leases_expired"] += 1
+                    job.counters["leases_expired"] += 1
                     self._unregister(job, m.rank)
                     self.log(f"job {job.number}: rank {m.rank} lost its lease (no heartbeat for "
                              f"{now - m.last_seen:.1f} s)")
@@ -493,6 +507,13 @@ class PSServer:
             raise control.ControlError(f"no running job to rejoin as rank {rank} (job {name!r} ended, "
                                        f"or the rank never joined it)")
         if job is None:
+            if self.draining:
+                if name in self._drain_queued:
+                    self._drain_queued[name] = True
+                raise control.CodedError(
+                    f"this PS is draining (it admits no new job and stops once its running jobs end), "
+                    f"so job {name!r} cannot start{' (it was queued)' if name in self._drain_queued else ''}: "
+                    f"use another PS, or this one once it is back", "draining")
             queued = self.queue.get(name)
             if self.fixed_job is not None:
                 config = self.fixed_job
@@ -537,8 +558,10 @@ class PSServer:
         job.members[rank] = m
         job.engine.register(rank, ip, port, token)
         self._control["registrations"] += 1
+        job.counters["registrations"] += 1
         if rejoin:
             self._control["rejoins"] += 1
+            job.counters["rejoins"] += 1
         self.log(f"job {job.number}: {'re' if rejoin else ''}registered rank {rank} at {ip}:{port}"
                  f" (control peer {peer or '?'})")
         return {"type": "config", "job": job.config.to_msg(), "nonce": job.nonce, "token": token,
@@ -579,6 +602,7 @@ class PSServer:
             doc["jobs"] = [{**self.job_status(j, now), "stats": j.engine.stats()} for j in jobs]
             doc["queued"] = [{"job_name": q.name, "slots": q.data + q.norm, "waiting_s": now - q.since,
                               "ranks": sorted(q.ranks)} for q in self.queue.values()]
+            doc["draining"] = self.draining
             return doc
 
     def _try_release(self, job: Job, name: str, now: float) -> None:
@@ -609,20 +633,8 @@ class PSServer:
                 self._control["registrations_refused"] += 1
                 raise
             return reply
-        if kind == "status":
-            if "session" in msg:            # a worker asking about its own job
-                control.require(msg, "worker_id")
-                job, _ = self._member(msg)
-                return self.status(job)
-            return self.status()
-        if kind == "stats":
-            return {"type": "stats", "stats": self.stats()}
-        if kind == "shutdown":
-            if self._auth is None and not peer.startswith("127."):
-                raise control.ControlError("shutdown is accepted only from this host when the PS "
-                                           "runs without keys")
-            self._stop.set()
-            return {"type": "ok"}
+        if kind in ("status", "stats", "shutdown", "drain"):
+            return self._handle_ps(kind, msg, peer)
         job, m = self._member(msg)
         m.last_seen = time.monotonic()
         if kind == "heartbeat":
@@ -671,6 +683,24 @@ class PSServer:
             return None
         raise control.ControlError(f"unhandled control message type {kind!r}")
 
+    def _handle_ps(self, kind: str, msg: dict, peer: str) -> dict:
+        """The requests about the PS rather than a rank's job: status, stats, shutdown, drain."""
+        if kind == "status":
+            if "session" in msg:            # a worker asking about its own job
+                control.require(msg, "worker_id")
+                job, _ = self._member(msg)
+                return self.status(job)
+            return self.status()
+        if kind == "stats":
+            return {"type": "stats", "stats": self.stats()}
+        if self._auth is None and not peer.startswith("127."):
+            raise control.ControlError(f"{kind} is accepted only from this host when the PS runs without keys")
+        if kind == "drain":
+            self.drain(f"a drain request from {peer or 'a control peer'}")
+        else:
+            self._stop.set()
+        return {"type": "ok"}
+
     def _control_loop(self):
         poller = zmq.Poller()
         poller.register(self.ctl, zmq.POLLIN)
@@ -688,6 +718,7 @@ class PSServer:
                     self._check_leases()
                     self._excuse(time.monotonic() - last_check)
                     asleep = time.monotonic()
+                    self._drained()                 # after the drain request's reply
                 if not events:
                     continue
                 try:
@@ -738,6 +769,55 @@ class PSServer:
             total.update(self._control)
             return total
 
+    def drain(self, why: str = "drain") -> None:
+        """Stop admitting jobs: a registration that would start or queue one is refused with
+        code `draining` (the jobs queued now are told so when their workers ask again); the
+        running jobs go on, and once the last one ends (and the queued ones were told, or
+        stopped asking) the PS stops (`wait` returns)."""
+        with self._lock:
+            if self.draining:
+                return
+            self.draining, self._drain_since = True, time.monotonic()
+            self._drain_queued = dict.fromkeys(self.queue, False)
+            self.queue.clear()
+            self.log(f"draining ({why}): no new job is admitted; {len(self.jobs)} running job(s) go on"
+                     + (f", queued job(s) {', '.join(map(repr, self._drain_queued))} are told to stop"
+                        if self._drain_queued else "") + "; the PS stops when they end")
+        self._drained()
+
+    def _drained(self) -> None:
+        """While draining: stop once no job runs and every job queued at the drain was told so
+        (its workers ask every half second; one that stopped asking leaves after QUEUE_FORGET_S)."""
+        if not self.draining or self._stop.is_set():
+            return
+        with self._lock:
+            told = all(self._drain_queued.values()) or \
+                time.monotonic() - self._drain_since > QUEUE_FORGET_S
+            if not self.jobs and told:
+                self.log("drained: every job has ended; the PS stops")
+                self._stop.set()
+
+    def serving(self) -> bool:
+        """Whether both planes are up: started, not stopped, and their threads alive."""
+        return bool(self._threads) and not self._stop.is_set() and all(t.is_alive() for t in self._threads)
+
+    def snapshot(self) -> dict:
+        """Everything the metrics show, read at once: the lifetime `stats`, the C engines'
+        socket counters (`io`: ended jobs', the running ones' and what no job received), and
+        each running job's name, counters, socket counters and ranks."""
+        with self._lock:
+            io = dict(self._io)
+            _add_stats(io, _io_stats(self.mux))
+            jobs = []
+            for job in sorted(self.jobs.values(), key=lambda j: j.number):
+                jio = _io_stats(job.engine)
+                _add_stats(io, jio)
+                jobs.append({"name": job.name, "number": job.number, "stats": job.engine.stats(),
+                             "control": dict(job.counters), "io": jio, "live": len(job.live()),
+                             "num_workers": job.config.num_workers})
+            return {"stats": self.stats(), "io": io, "jobs": jobs, "draining": self.draining,
+                    "serving": self.serving()}
+
     def wait(self, timeout: float | None = None) -> bool:
         return self._stop.wait(timeout)
 
@@ -751,6 +831,12 @@ class PSServer:
         self.sock.close()
         if self._auth is not None:
             self._auth.stop()
+
+
+def _io_stats(engine) -> dict:
+    """The C engine's (or Mux's) socket batching counters; {} for engines without them."""
+    io_stats = getattr(engine, "io_stats", None)
+    return {k: v for k, v in io_stats().items() if not isinstance(v, bool)} if io_stats else {}
 
 
 def _log_event(message: str) -> None:

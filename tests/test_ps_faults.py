@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import zmq
 
@@ -268,3 +269,77 @@ def test_launch_json_prints_its_line_when_the_ps_refuses_the_job():
     assert proc.returncode == 2, proc.stderr
     doc = json.loads(proc.stdout.strip().splitlines()[-1])
     assert doc["ok"] is False and doc["refused"] is True and "num_workers" in doc["problems"][0], doc
+
+
+def _ps_process(port: int, log_path, *extra) -> subprocess.Popen:
+    """`thc ps` on `port` (lease 1 s, no job options), its output to `log_path`, once it answers."""
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "ps", "--bind", f"127.0.0.1:{port}",
+                             "--stats-every", "0", "--lease-s", "1", *extra], cwd=ROOT,
+                            stdout=open(log_path, "a"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not status(port):
+        assert proc.poll() is None and time.monotonic() < deadline, open(log_path).read()[-2000:]
+        time.sleep(0.1)
+    return proc
+
+
+@pytest.mark.parametrize("cut", ["before_put", "after_put"])
+def test_a_model_sync_cut_by_a_ps_kill_completes_with_the_same_parameters_everywhere(cut, tmp_path):
+    """Reproduction: a model sync (sync_get/sync_put) cut by a PS restart failed at once ("a job
+    resumes an interrupted data-plane phase only").  Three ranks with different parameters; the
+    PS is killed (SIGKILL) while ranks 1 and 2 wait for the source's state (before_put), or
+    after rank 0 put it and rank 1 took it, both now in the barrier, rank 2 not yet there
+    (after_put), and started again on the same ports.  Every rank resumes with the others, the
+    sync runs again at the new PS and every rank ends with rank 0's parameters, bit for bit.
+    Ranks 1 and 2 never proposed the job (a restarted PS without job options learns it from
+    whichever rank registers first: each sends its job again)."""
+    from worker.client import Worker
+    port, log = _free_port(), tmp_path / "ps.log"
+    proc = _ps_process(port, log)
+    job = JobConfig(num_workers=3, seed=5)
+    ts = [Transport("127.0.0.1", port, 0, propose=job, ps_wait_s=60)]
+    ts += [Transport("127.0.0.1", port, r, expect={"num_workers": 3}, ps_wait_s=60) for r in (1, 2)]
+    rng = np.random.default_rng(3)
+    states = [rng.standard_normal(70_000).astype(np.float32) for _ in range(3)]   # 280 kB each
+    got, errors = {}, []
+
+    def sync(r):
+        try:
+            got[r] = ts[r].sync_state(0, states[r].tobytes())
+            Worker(ts[r]).allreduce(states[r][:5000])       # the job goes on after the sync
+        except Exception as exc:        # surfaced below
+            errors.append((r, exc))
+
+    threads = {r: threading.Thread(target=sync, args=(r,)) for r in range(3)}
+    try:
+        rounds = [threading.Thread(target=Worker(t).allreduce, args=(states[0][:3000],)) for t in ts]
+        for th in rounds:               # a gradient round first: the phases the resume agrees on
+            th.start()
+        for th in rounds:
+            th.join(60)
+        first = (1, 2) if cut == "before_put" else (0, 1)
+        for r in first:
+            threads[r].start()
+        if cut == "before_put":         # both wait for a put that has not come
+            time.sleep(1.0)
+            assert not got and all(threads[r].is_alive() for r in first), errors
+        else:                           # both took the state and wait in barrier sync-0
+            wait_until(lambda: status(port).get("barriers", {}).get("sync-0") == [0, 1], [threads[0]])
+        proc.kill()
+        proc.wait()
+        proc = _ps_process(port, log)
+        for r in range(3):
+            if not threads[r].is_alive() and r not in first:
+                threads[r].start()
+        for th in threads.values():
+            th.join(120)
+        assert not errors, errors
+        assert sorted(got) == [0, 1, 2] and [got[r][1] for r in range(3)] == [True, False, False]
+        for r in range(3):
+            assert got[r][0] == states[0].tobytes(), f"rank {r} holds other parameters"
+        assert [t.resumes for t in ts] == [1, 1, 1]
+    finally:
+        for t in ts:
+            t.close()
+        proc.kill()
+        proc.wait()
