@@ -65,6 +65,7 @@ JOB_COUNTERS = ("registrations", "rejoins", "leases_expired", "stall_s_excused")
 DEAF_EXCUSE_S = 0.5
 #: The control loop's longest sleep (ZeroMQ poll).  A loop that wakes later than this plus
 #: DEAF_EXCUSE_S was itself stopped (SIGSTOP, a VM pause, swap): the PS stalled, not its ranks.
+#: Any other step of the loop that took that long is excused the same way (`_account`).
 POLL_S = 0.1
 
 
@@ -262,6 +263,7 @@ class PSServer:
         self.ctl.bind(f"tcp://{bind[0]}:{cport}")
         self.control_port = int(self.ctl.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
         self._stop = threading.Event()
+        self._mark = time.monotonic()              # the control loop's last accounting point
         self._threads: list[threading.Thread] = []
         self._lock = threading.RLock()
         self.jobs: dict = {}                       # number -> Job, the running ones
@@ -406,20 +408,25 @@ class PSServer:
         for q in self.queue.values():
             q.last_asked = min(now, q.last_asked + busy)
 
-    def _woke(self, slept: float) -> None:
-        """The control loop slept `slept` seconds in a poll of POLL_S: longer means this
-        process stalled (nothing of it ran: no heartbeat was read, no lease checked), and
-        the stall is the PS's own, never a rank's: every lease is extended by it before
-        any is checked."""
-        stall = slept - POLL_S
+    def _account(self, stalled: bool = True) -> None:
+        """Excuse the time since the control loop's last accounting point beyond POLL_S (its
+        poll): a stretch of DEAF_EXCUSE_S or more in which nothing of the control loop ran
+        means this process stalled (SIGSTOP, a VM pause, swap: `stalled`, logged) or a
+        request kept it busy (programming a switch).  Either is the PS's own, never a rank's:
+        every lease is extended by it.  Accounting before every lease check, and after every
+        request, leaves no stretch of the loop unaccounted, wherever a stop lands."""
+        now = time.monotonic()
+        gap, self._mark = now - self._mark, now
+        stall = gap - POLL_S
         if stall >= DEAF_EXCUSE_S:
             self._excuse(stall)
-            if self.jobs:
-                self.log(f"the PS stalled for {stall:.1f} s (its control loop slept past its "
-                         f"{POLL_S:g} s poll); every lease is extended by that, no rank is blamed")
+            if stalled and self.jobs:
+                self.log(f"the PS stalled for {stall:.1f} s (its control loop ran nothing for that long); "
+                         f"every lease is extended by that, no rank is blamed")
 
     def _check_leases(self) -> None:
-        now = time.monotonic()
+        self._account()                     # a stall up to now is excused before any lease is judged
+        now = self._mark
         for name in [n for n, q in self.queue.items() if now - q.last_asked > QUEUE_FORGET_S]:
             del self.queue[name]
         for job in list(self.jobs.values()):
@@ -705,19 +712,16 @@ class PSServer:
         poller = zmq.Poller()
         poller.register(self.ctl, zmq.POLLIN)
         last_check = 0.0
-        asleep = time.monotonic()
+        self._mark = time.monotonic()
         while not self._stop.is_set():
             events = dict(poller.poll(int(POLL_S * 1000)))
             for line in self._watch.problems() if self._watch is not None else ():
                 self.log(f"WARNING: {line}")
             with self._lock:
-                self._woke(time.monotonic() - asleep)      # before any lease is checked
-                asleep = time.monotonic()
+                self._account()                 # the poll, and the previous request's reply
                 if time.monotonic() - last_check > 0.1:
                     last_check = time.monotonic()
                     self._check_leases()
-                    self._excuse(time.monotonic() - last_check)
-                    asleep = time.monotonic()
                     self._drained()                 # after the drain request's reply
                 if not events:
                     continue
@@ -730,19 +734,17 @@ class PSServer:
                     peer = body.get("Peer-Address") or ""
                 except (zmq.ZMQError, AttributeError):
                     peer = ""
-                started = time.monotonic()
                 try:
                     reply = self._handle(ident, control.decode(body.bytes), peer)
                 except Exception as exc:        # every failure is answered; the loop goes on
                     self._control["control_errors"] += 1
                     reply = control.error_from(exc)
-                self._excuse(time.monotonic() - started)
+                self._account(stalled=False)    # a request that kept the loop busy (a switch)
                 if reply is not None:
                     try:
                         self._reply(ident, reply)
                     except zmq.ZMQError:
                         pass
-                asleep = time.monotonic()       # the request's own time is excused above
         time.sleep(0.05)
 
     # ---------------------------------------------------------------- lifecycle

@@ -343,3 +343,70 @@ def test_a_model_sync_cut_by_a_ps_kill_completes_with_the_same_parameters_everyw
             t.close()
         proc.kill()
         proc.wait()
+
+
+def _thc_worker(port: int, rank: int, log_path, *extra) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "deploy.cli", "worker", "--ps", f"127.0.0.1:{port}",
+                             "--rank", str(rank), "--dim", "4096", *extra], cwd=ROOT,
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+
+
+def _until_running(port: int, ranks: int, procs: list, at_least: int = 5) -> None:
+    deadline = time.monotonic() + 120
+    while not (lambda j: j and len(j[0]["live"]) == ranks and min(j[0]["progress"].values()) >= at_least)(
+            status(port).get("jobs")):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.1)
+
+
+def test_ps_wait_s_is_the_wait_from_the_ps_last_reply(tmp_path):
+    """Reproduction: `thc worker --ps-wait-s 4` exited 8.0–8.1 s after the PS was killed, saying it
+    "answered nothing for 6 s".  The silence is counted from the PS's last reply, to a tenth of
+    a second, and a worker that gives up does not wait on the silent PS again (leave): it exits
+    ps_wait_s after the last reply, which came within one heartbeat interval (lease_s / 5)
+    before the kill."""
+    port = _free_port()
+    proc = _ps_process(port, tmp_path / "ps.log")      # lease 1 s: a heartbeat every 0.2 s
+    log = tmp_path / "worker.log"
+    w = _thc_worker(port, 0, log, "--workers", "1", "--rounds", "1000000", "--ps-wait-s", "4")
+    try:
+        _until_running(port, 1, [w])
+        proc.kill()
+        killed = time.monotonic()
+        assert w.wait(30) == 1
+        took = time.monotonic() - killed
+    finally:
+        for p in (w, proc):
+            if p.poll() is None:
+                p.kill()
+    out = log.read_text()
+    print(f"exit {took:.2f} s after the kill")
+    assert 4.0 - 0.2 - 0.1 <= took <= 4.0 + 0.6, (took, out[-2000:])
+    import re
+    said = re.search(r"answered nothing for (\d+\.\d) s \(no heartbeat reply\); a worker waits ps_wait_s = 4 s", out)
+    assert said and 4.0 <= float(said.group(1)) <= 4.3, out[-2000:]
+
+
+def test_workers_name_the_ps_when_it_is_the_silent_one(tmp_path):
+    """Reproduction: while the PS was stopped for 10 s the workers printed "waiting for ranks 1, 2
+    (1: not started…)", blaming ranks from the PS's last status, and never named the PS.  A PS
+    that leaves heartbeats unanswered is what a worker waits for; the job then goes on exact."""
+    port = _free_port()
+    proc = _ps_process(port, tmp_path / "ps.log")
+    logs = [tmp_path / f"worker{r}.log" for r in range(3)]
+    ws = [_thc_worker(port, r, logs[r], "--workers", "3", "--rounds", "400", "--straggler-delay-ms", "20")
+          for r in range(3)]
+    try:
+        _until_running(port, 3, ws + [proc], at_least=20)
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(10)
+        os.kill(proc.pid, signal.SIGCONT)
+        assert [w.wait(120) for w in ws] == [0, 0, 0], [log.read_text()[-1500:] for log in logs]
+    finally:
+        for p in ws + [proc]:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+    out = "".join(log.read_text() for log in logs)
+    assert f"waiting for the PS at tcp://127.0.0.1:{port + 1} (no reply to heartbeats for" in out, out[-3000:]
+    assert "waiting for rank" not in out, out[-3000:]

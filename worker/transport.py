@@ -26,7 +26,8 @@ from worker.rto import STALL_NOTE_TRIES, RetransmitPolicy, RetransmitTimer, rto_
 from worker.session import (DEFAULT_PS_WAIT_S, Draining, JobEnded, JobStalled, LeaseLost, PSUnavailable, Queued,
                             Session, _PSRestarted)
 
-__all__ = ["DEFAULT_PS_WAIT_S", "DEFAULT_WINDOW", "Draining", "MIN_WINDOW", "PHASE_BUDGET_MS", "PHASE_COUNTERS", "POLICIES", "SHARD_RUN",
+__all__ = ["DEFAULT_PS_WAIT_S", "DEFAULT_WINDOW", "Draining",
+           "MIN_WINDOW", "PHASE_BUDGET_MS", "PHASE_COUNTERS", "POLICIES", "SHARD_RUN",
            "SPIN_US", "STALL_NOTE_TRIES", "START_WINDOW", "WINDOW_STEP", "ChunkStream", "Datagrams", "Faults", "JobEnded",
            "JobStalled", "LeaseLost", "PSUnavailable", "PackedChunks", "PhaseEngine", "PhaseResults",
            "PhaseSession", "Queued", "RetransmitPolicy", "RetransmitTimer", "Session", "Transport",
