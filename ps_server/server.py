@@ -660,6 +660,7 @@ class PSServer:
             if msg["name"] in job.released:         # a rank that rejoined after it was released
                 return {"type": "ok"}
             job.barriers.setdefault(msg["name"], {})[m.rank] = ident
+            self._try_resume(job)           # a rank that never saw the old PS: at phase 0
             self._try_release(job, msg["name"], time.monotonic())
             return None
         if kind == "sync_put":
@@ -680,15 +681,25 @@ class PSServer:
         if kind == "resume":
             job.resume[m.rank] = msg["phase"]
             job.resume_waiters[m.rank] = ident
-            if len(job.resume) == job.config.num_workers:
-                reply = {"type": "resume", "phase": min(job.resume.values()),
-                         "max_phase": max(job.resume.values())}
-                for w in job.resume_waiters.values():
-                    self._reply(w, reply)
-                job.resume.clear()
-                job.resume_waiters.clear()
+            self._try_resume(job)
             return None
         raise control.ControlError(f"unhandled control message type {kind!r}")
+
+    def _try_resume(self, job: Job) -> None:
+        """Answer the ranks' `resume` {phase, max_phase} once every rank of the job asked, or
+        waits in barrier "start": a rank whose first registration reached this PS only (it
+        crossed the restart) knows of no restart and has completed no phase (phase 0)."""
+        if not job.resume:
+            return
+        starting = [r for r in job.barriers.get("start", {}) if r not in job.resume]
+        if len(job.resume) + len(starting) < job.config.num_workers:
+            return
+        phases = list(job.resume.values()) + [0] * len(starting)
+        reply = {"type": "resume", "phase": min(phases), "max_phase": max(phases)}
+        for w in job.resume_waiters.values():
+            self._reply(w, reply)
+        job.resume.clear()
+        job.resume_waiters.clear()
 
     def _handle_ps(self, kind: str, msg: dict, peer: str) -> dict:
         """The requests about the PS rather than a rank's job: status, stats, shutdown, drain."""

@@ -165,6 +165,44 @@ def test_a_barrier_goes_on_at_a_restarted_ps():
         server.stop()
 
 
+def test_a_rank_whose_first_registration_crossed_the_restart_starts_with_the_others():
+    """Reproduction (the fault soak, bench/soak.py): the PS was killed while a job assembled;
+    rank 1's first registration reached only the new PS, so it knew of no restart and waited
+    in barrier "start", while rank 0 asked the new PS to `resume`, which waited for every
+    rank: both hung until the launch's watchdog stopped them.  The PS counts a rank waiting
+    in barrier "start" as at phase 0, and the job starts."""
+    from worker.client import Worker
+    job = JobConfig(num_workers=2, codec="none")
+    server = PSServer(job, ("127.0.0.1", 0), control_port=0, lease_s=0.5).start()
+    ts = [Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port)]
+    errors, done = [], []
+
+    def start_and_round(t):
+        try:
+            t.barrier("start")
+            done.append(Worker(t).allreduce(np.full(5000, 1.0 + t.worker_id, np.float32)))
+        except Exception as exc:        # surfaced below
+            errors.append(exc)
+
+    try:
+        first = threading.Thread(target=start_and_round, args=(ts[0],))
+        first.start()
+        wait_until(lambda: server.status()["barriers"].get("start") == [0], [first])
+        server = restart_in_process(server, job)
+        ts.append(Transport("127.0.0.1", server.data_addr[1], 1, control_port=server.control_port))
+        second = threading.Thread(target=start_and_round, args=(ts[1],))
+        second.start()
+        for th in (first, second):
+            th.join(60)
+        assert not errors and not first.is_alive() and not second.is_alive(), errors
+        assert [t.resumes for t in ts] == [1, 0] and len(done) == 2
+        assert np.array_equal(done[0], done[1]) and (done[0] == 1.5).all()
+    finally:
+        for t in ts:
+            t.close()
+        server.stop()
+
+
 def test_a_ps_that_never_comes_back_is_given_up_after_ps_wait_s_saying_so():
     server = PSServer(JobConfig(num_workers=1), ("127.0.0.1", 0), control_port=0, lease_s=0.5).start()
     t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port, ps_wait_s=2)

@@ -20,8 +20,8 @@ _values = st.recursive(_scalars, lambda kids: st.one_of(st.lists(kids, max_size=
                                                         st.dictionaries(st.text(max_size=8), kids, max_size=4)),
                        max_leaves=12)
 _field_names = st.sampled_from(sorted({f for spec in control.SCHEMA.values() for f in spec} | {"x"}))
-# every request type but shutdown, which a loopback peer of a key-less PS may legitimately send
-_types = st.sampled_from([t for t in control.REQUEST_TYPES if t != "shutdown"] + ["bogus", ""])
+# every request type but shutdown and drain, which a loopback peer of a key-less PS may legitimately send
+_types = st.sampled_from([t for t in control.REQUEST_TYPES if t not in ("shutdown", "drain")] + ["bogus", ""])
 _messages = st.builds(lambda kind, fields: msgpack.packb({"type": kind, **fields}, use_bin_type=True),
                       _types, st.dictionaries(_field_names, _values, max_size=5))
 _frames = st.one_of(st.binary(max_size=200), _messages, _values.map(lambda v: msgpack.packb(v, use_bin_type=True)))
