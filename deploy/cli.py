@@ -514,6 +514,14 @@ def _fixed_timeout_arg(parser) -> None:
                              "measured on the path (the rule before the adaptive timer, for comparison)")
 
 
+def _error_feedback_arg(parser) -> None:
+    parser.add_argument("--error-feedback", action="store_true",
+                        help="codec thc: every rank keeps its error feedback (THC Alg. 3 line 22; with --rotation "
+                             "job in the rotated domain, docs/protocol.md §4 step 8), so a round's encoding adds "
+                             "the rank's residual of the round before; thc launch's exact check replays it "
+                             "(without it the test gradients are encoded alone, e = 0)")
+
+
 def _ps_wait_arg(parser) -> None:
     parser.add_argument("--ps-wait-s", type=_float_in(1, 86400, lo_open=False, hi_open=False, what="seconds"),
                         default=None, help="how long a worker waits for a PS that answers nothing (a "
@@ -590,7 +598,7 @@ def _add_cluster_commands(sub):
     _codec_arg(w, stated=True)
     _running_ps_args(w, "the PS data address HOST:PORT, or a comma list of S shards (a DATA phase's chunks go "
                         "in runs of up to 64, run j to shard j mod S; NORM phases and barriers to the first; "
-                        "docs/protocol.md \"Shards\")",
+                        "docs/protocol.md §9)",
                      "key directory with client.key_secret and server.key (`thc keys`)")
     w.add_argument("--rank", type=_int_in(0, 31, "a rank"), default=None,
                    help="worker id (default: $RANK from torchrun, else 0)")
@@ -608,6 +616,7 @@ def _add_cluster_commands(sub):
     _ps_wait_arg(w)
     w.add_argument("--report", type=_report_path, default=None,
                    help="write every round's report (digests, k, bitmaps) as JSON")
+    _error_feedback_arg(w)
     _job_arg(w, "default: \"default\", the name every thc worker without --job shares")
     w.set_defaults(func=commands.cmd_worker)
 
@@ -661,6 +670,7 @@ def _add_cluster_commands(sub):
                     help="start a killed rank again: it rejoins the running job")
     la.add_argument("--json", action="store_true", help="print one JSON summary line")
     la.add_argument("--verbose", action="store_true", help="per-round progress from every worker")
+    _error_feedback_arg(la)
     _job_arg(la, "with --ps; default: a fresh name per launch, or \"default\" when this host runs a "
                  "share of the ranks")
     la.set_defaults(func=commands.cmd_launch)

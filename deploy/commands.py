@@ -175,7 +175,8 @@ def cmd_worker(args) -> dict:
         shards, rank, args.rounds, args.dim, args.seed, args.loss_policy,
         Faults(drop_out=args.loss, drop_in=args.loss, seed=args.seed), args.straggler_delay_ms, 1.0,
         args.timeout_ms, 64, None, False, bind_port=args.bind_port, expect=expect, propose=propose,
-        keys=args.keys, job_name=args.job, fixed_timeout=args.fixed_timeout, ps_wait_s=args.ps_wait_s)
+        keys=args.keys, job_name=args.job, fixed_timeout=args.fixed_timeout, ps_wait_s=args.ps_wait_s,
+        error_feedback=args.error_feedback)
     lost = sum(r["lost"] for r in out)
     if args.report:
         import json
@@ -309,7 +310,7 @@ def cmd_launch(args):
                      restart=args.restart_killed, job_name=args.job, fixed_timeout=args.fixed_timeout,
                      block_log2=args.block_log2, rotation=args.rotation, result_group=job.result_group,
                      serve_shard=args.serve_shard,
-                     ps_wait_s=args.ps_wait_s)
+                     ps_wait_s=args.ps_wait_s, error_feedback=args.error_feedback)
     if args.json:
         return doc
     print(f"rounds {doc['rounds']}, exact {doc['exact_rounds']}, mismatched chunks "
