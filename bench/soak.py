@@ -306,7 +306,7 @@ def check_metrics(before: dict, after: dict, jobs: list, did: dict) -> list:
     return problems
 
 
-def run(jobs: int = 500, seed: int = 53, lease_s: float = 2.0, max_minutes: float = 120.0, out: Path | None = None,
+def run(jobs: int = 500, seed: int = 53, lease_s: float = 5.0, max_minutes: float = 120.0, out: Path | None = None,
         min_wave: int = 3, max_wave: int = 6, warm: int = 2, faults: tuple = FAULTS, log=print) -> dict:
     """The soak; returns its summary (`ok` when every job ended as its fault allows, the
     metrics agreed after every wave, and descriptors and threads did not grow)."""
@@ -386,7 +386,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=500)
     ap.add_argument("--seed", type=int, default=53)
-    ap.add_argument("--lease-s", type=float, default=2.0)
+    ap.add_argument("--lease-s", type=float, default=5.0, help="the PS's lease (a stop lasts it + 2 s)")
     ap.add_argument("--max-minutes", type=float, default=120.0, help="start no wave after this long")
     ap.add_argument("--out", type=Path, default=None, help="directory for soak.json and the PS's log")
     ap.add_argument("--faults", default=",".join(FAULTS), help="the waves' faults, in turn (rank, flood, stall, "

@@ -138,15 +138,17 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
     lapses, missed, ended, catching = 0, 0, False, False
     quorum_job = t.job.quorum_count < t.job.num_workers
 
-    def catch_up() -> int:
+    def catch_up(own: int = 0) -> int:
         """Fast-forward to the others' step: in a quorum-1 job that is the round they wait in
         for this rank.  A quorum job goes on meanwhile, and the heartbeats' step is up to a
         heartbeat old: there the rank reads the results fanned out to it since it registered
         again and skips the rounds they show finished, so its first round is the one the
         others are in (a round behind the front would be lost, and at the front's pace it
-        would never catch up; a round skipped while the others are in it is lost for them)."""
+        would never catch up; a round skipped while the others are in it is lost for them).
+        `own`: the round this rank was in when its lease lapsed (no other rank can be before
+        it in a quorum-1 job, nor past it while all of them lapsed: no live rank says a step)."""
         nonlocal catching
-        first = min(t.others_step(), rounds)
+        first = min(max(t.others_step(), own), rounds)
         w.skip_rounds(first, dim)
         if quorum_job:
             first = skip_to_front(w, dim, first, rounds)
@@ -198,7 +200,7 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
                 lapses += 1
                 print(f"worker {worker_id}: {exc}; rejoining", file=sys.stderr, flush=True)
                 w.rejoin()
-                r = catch_up()
+                r = catch_up(r if r is not None and not quorum_job else 0)
                 out = [o for o in out if o["round"] < r]     # rounds it runs again
         counters = dict(t.stats.counters)
     except JobEnded as exc:
@@ -608,7 +610,10 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
     if away and used.quorum >= 1:
         problems.append(f"the job ended while rank{'s' if len(away) > 1 else ''} "
                         f"{', '.join(map(str, away))} {'were' if len(away) > 1 else 'was'} away")
-    first = next(iter(per_worker.values()))
+    first = next(iter(per_worker.values()), None)
+    if first is None:               # every rank reported, none a round (each ran them again after a lapse)
+        problems.append(f"no rank reported a round of {rounds} (lease rejoins: "
+                        f"{total('lease_rejoins')}, resumes: {total('resumes')})")
     return {**result, "ok": not problems, "problems": problems, "workers": workers, "job_name": job_name,
             "ranks": sorted(per_worker), "dim": dim, "codec": used.codec, "quorum": used.quorum,
             "result_group": used.result_group,
