@@ -171,7 +171,7 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
                 if r >= rounds:
                     t.progress = rounds          # done: a rank that rejoins now skips every round
                     t.barrier("end")
-                    job_ps = job_stats(shards, t.sessions, keys) if job_counters else None
+                    job_ps = job_stats(shards, t.sessions, keys, 5.0) if job_counters else None
                     break
                 t.progress = r
                 if progress is not None:

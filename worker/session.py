@@ -511,11 +511,11 @@ class Session:
             sock.close(0)
 
     def leave(self) -> None:
-        """Tell every shard this rank is done (best effort; not a shard that has been silent to
-        heartbeats: the worker does not wait on it again): the job ends when all have left."""
+        """Tell every shard this rank is done (best effort; not a shard given up as silent past
+        ps_wait_s: the worker does not wait on it again): the job ends when all have left."""
         for shard, sess in enumerate(self.sessions):
-            if sess is None or self._ps_silent[shard] >= PS_SILENT_NAMED_S:
-                continue            # a silent PS would not answer either: its lease runs out
+            if sess is None or self._ps_silent[shard] > self.ps_wait_s:
+                continue            # given up as silent: it would not answer either; the lease runs out
             try:
                 self._control_timeout, saved = 2.0, self._control_timeout
                 try:
