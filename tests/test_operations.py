@@ -281,3 +281,25 @@ def test_the_systemd_unit_parses():
         assert bad.returncode != 0 or "thc-ps.service" in bad.stdout + bad.stderr
     finally:
         shutil.rmtree(tmp)
+
+
+def test_a_drain_with_keys_needs_keys_that_fit(tmp_path):
+    """`thc status --drain` is a control request like any other: with a PS run with --keys, keys
+    that do not fit are refused at the handshake (exit 2, naming it) and the PS goes on; the
+    PS's own client keys drain it."""
+    from proto.keys import create_keys
+    keys, other = create_keys(tmp_path / "keys"), create_keys(tmp_path / "other")
+    server = PSServer(None, ("127.0.0.1", 0), control_port=0, keys=keys).start()
+    drain = lambda d: subprocess.run([sys.executable, "-m", "deploy.cli", "status", "--ps",
+                                      f"127.0.0.1:{server.data_addr[1]}", "--control-port", str(server.control_port),
+                                      "--keys", str(d), "--drain"], cwd=ROOT, capture_output=True, text=True,
+                                     timeout=60)
+    try:
+        refused = drain(other)
+        assert refused.returncode == 2 and "refused the connection" in refused.stderr, refused.stderr
+        assert not server.draining and server.serving()
+        done = drain(keys)
+        assert done.returncode == 0, done.stderr
+        assert server.draining and server.wait(10)       # no job ran: it stopped at once
+    finally:
+        server.stop()
