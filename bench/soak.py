@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -119,6 +120,14 @@ class PS:
         return {"rss_kb": int(fields["VmRSS"].split()[0]), "threads": int(fields["Threads"]),
                 "fds": len(os.listdir(f"/proc/{pid}/fd"))}
 
+    def healthz(self) -> tuple:
+        """(status, body) of /healthz: 200 "ok" while both of the PS's planes serve."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.mport}/healthz", timeout=10) as r:
+                return r.status, r.read().decode().strip()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode().strip()
+
     def metrics(self) -> dict:
         """{(name, frozenset(labels)): value} of one scrape."""
         from prometheus_client.parser import text_string_to_metric_families
@@ -179,19 +188,27 @@ def flood(ps: PS, keys: Path, stop: threading.Event, counts: dict, seed: int) ->
     (with valid keys) at the control plane, malformed HTTP at the metrics port."""
     rng = np.random.default_rng(seed)
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    ctl = zmq.Context.instance().socket(zmq.REQ)
-    ctl.setsockopt(zmq.LINGER, 0)
-    ctl.curve_secretkey, ctl.curve_publickey, ctl.curve_serverkey = client_keys(keys)
-    ctl.connect(f"tcp://127.0.0.1:{ps.port + 1}")
+
+    def req():
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = client_keys(keys)
+        sock.connect(f"tcp://127.0.0.1:{ps.port + 1}")
+        return sock
+
+    ctl = req()
     try:
         while not stop.is_set() and counts["datagrams"] < 60_000:
             for _ in range(200):
                 udp.sendto(junk_datagram(rng), ("127.0.0.1", ps.port))
             counts["datagrams"] += 200
             ctl.send(random_frame(rng))
-            if ctl.poll(5000):
+            if ctl.poll(10_000):
                 ctl.recv()
                 counts["control_answered"] += 1
+            else:                       # a REQ socket waits for its reply: a new one asks next
+                ctl.close(0)
+                ctl = req()
             counts["control_sent"] += 1
             with socket.create_connection(("127.0.0.1", ps.mport), timeout=5) as c:
                 c.sendall(rng.bytes(int(rng.integers(1, 400))) + b"\r\n\r\n")
@@ -333,6 +350,9 @@ def run(jobs: int = 500, seed: int = 53, lease_s: float = 5.0, max_minutes: floa
             samples.append({"wave": wave, "jobs": len(all_jobs), "incarnation": ps.incarnation, **ps.resources()})
             after = ps.metrics()
             wrong = check_metrics(before, after, batch, did)
+            health = ps.healthz()
+            if health != (200, "ok"):
+                wrong.append(f"/healthz said {health}")
             unexpected = [j for j in batch if not j.expected]
             problems += [f"wave {wave}: {w}" for w in wrong]
             problems += [f"job {j.number} ({j.codec}, fault {j.fault}): {j.cause or 'not exact'}" for j in unexpected]

@@ -50,6 +50,7 @@ CONTROL = {
     "registrations_queued": ("registrations_queued", "registrations answered `queued` (no room yet)"),
     "registrations_refused": ("registrations_refused", "registrations refused"),
     "control_errors": ("control_errors", "control requests answered with an error"),
+    "engine_errors": ("engine_errors", "datagrams whose handling failed in a Python engine (logged; the data plane goes on)"),
 }
 GAUGES = {
     "jobs_running": ("jobs_running", "jobs running now"),

@@ -272,7 +272,7 @@ class PSServer:
         self._totals: dict = {"drops": dict.fromkeys(DROP_REASONS, 0)}
         self._control = {"jobs_started": 0, "jobs_ended": 0, "registrations": 0,
                          "registrations_refused": 0, "registrations_queued": 0, "control_errors": 0,
-                         "leases_expired": 0, "rejoins": 0, "stall_s_excused": 0.0}
+                         "leases_expired": 0, "rejoins": 0, "stall_s_excused": 0.0, "engine_errors": 0}
         self._io: dict = {}                        # the C engines' socket counters of ended jobs
         # draining (`drain`): no new job is admitted, the PS stops once the running ones end;
         # the jobs queued when it began are told so when their workers ask again
@@ -464,7 +464,14 @@ class PSServer:
     def _process_python(self, job_id: int, data: bytes, addr) -> None:
         with self._lock:
             job = next((j for j in self.jobs.values() if j.config.job_id == job_id), None)
-        out = job.engine.process(data, addr) if job is not None else []
+        try:
+            out = job.engine.process(data, addr) if job is not None else []
+        except Exception as exc:            # a bug must not end the data plane: counted and logged
+            self._control["engine_errors"] += 1
+            if self._control["engine_errors"] & (self._control["engine_errors"] - 1) == 0:   # 1, 2, 4, …
+                log.exception("job %s: a datagram's handling failed (%d so far): %s", job_id,
+                              self._control["engine_errors"], exc)
+            return
         for pkt, dest in out:
             try:
                 self.sock.sendto(pkt, dest)

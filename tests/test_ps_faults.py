@@ -448,3 +448,72 @@ def test_workers_name_the_ps_when_it_is_the_silent_one(tmp_path):
     out = "".join(log.read_text() for log in logs)
     assert f"waiting for the PS at tcp://127.0.0.1:{port + 1} (no reply to heartbeats for" in out, out[-3000:]
     assert "waiting for rank" not in out, out[-3000:]
+
+
+def _blob_packets(job, rank: int, token: int, nonce: int, dim: int = 64, flags: int = 0) -> list:
+    """One rank's BLOB round 1 of a topk job, as datagrams."""
+    from compression.codecs_builtin import TopKCodec
+    from proto import blob as B
+    payload = TopKCodec.pack(np.arange(0, dim, 8), np.full(dim // 8, 1.0 + rank, np.float32))
+    return [H.build(H.Header(type=H.DATA, job_id=job.job_id, worker_id=rank, num_workers=job.num_workers,
+                             elem_bits=8, slot=0, round=1, offset=off, count=len(f) - B.SUB_SIZE, op=H.OP_BLOB,
+                             nonce=nonce, token=token, flags=flags), f)
+            for off, f in B.fragments(payload, dim, job.elems_per_packet + B.SUB_SIZE)]
+
+
+def test_a_rank_leaving_while_its_resend_is_answered_does_not_end_the_data_plane():
+    """Reproduction (the fault soak, bench/soak.py): the PS's data thread answered a BLOB resend
+    of rank 1 while its control thread unregistered rank 1 (it left): a KeyError ended the
+    data thread, and every later job on that PS hung.  The Python engine takes one datagram or
+    one (un)registration at a time."""
+    from ps_server.reference import ReferencePS
+    job = JobConfig(num_workers=2, codec="topk")
+    ps = ReferencePS(job, nonce=9)
+    for r in (0, 1):
+        ps.register(r, "127.0.0.1", 5000 + r, token=100 + r)
+    for r in (0, 1):
+        for pkt in _blob_packets(job, r, 100 + r, 9):
+            ps.process(pkt, ("127.0.0.1", 5000 + r))
+    resend = _blob_packets(job, 1, 101, 9, flags=H.F_RETRANSMIT)[0]
+    validated, order = threading.Event(), []
+    original = ps._validate
+
+    def slow_validate(datagram, addr):         # the control thread acts between the check and the reply
+        checked = original(datagram, addr)
+        validated.set()
+        time.sleep(0.3)
+        return checked
+
+    ps._validate = slow_validate
+    leaver = threading.Thread(target=lambda: (validated.wait(5), ps.unregister(1), order.append("left")))
+    leaver.start()
+    out = ps.process(resend, ("127.0.0.1", 5001))
+    order.append("answered")
+    leaver.join(5)
+    assert out and out[0][1] == ("127.0.0.1", 5001) and order == ["answered", "left"]
+    assert ps.stats()["results_resent"] == 1 and 1 not in ps.workers
+
+
+def test_an_engine_error_is_counted_and_the_data_plane_goes_on():
+    """Whatever a Python engine raises on one datagram, the PS's data thread goes on: the next
+    datagrams are served, the failure counted (`engine_errors`) and logged."""
+    server = PSServer(JobConfig(num_workers=1, codec="topk"), ("127.0.0.1", 0), control_port=0).start()
+    t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port)
+    try:
+        engine = server.job.engine
+        real, calls = engine.process, []
+
+        def flaky(datagram, addr):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("a bug in an engine")
+            return real(datagram, addr)
+
+        engine.process = flaky
+        payload = b"\x00" * 4                       # topk: K = 0, nothing kept
+        got = t.run_blob(payload, 16, t.next_blob_round())       # the first datagram raised: resent
+        assert got is not None and calls and server.serving()
+        assert server.stats()["engine_errors"] == 1
+    finally:
+        t.close()
+        server.stop()
