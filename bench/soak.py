@@ -307,6 +307,8 @@ def check_metrics(before: dict, after: dict, jobs: list, did: dict) -> list:
         if delta("thc_ps_rounds_completed_total") != rounds:
             problems.append(f"rounds completed moved by {delta('thc_ps_rounds_completed_total'):g}, the jobs "
                             f"report {rounds}")
+    elif did.get("stopped_s"):          # a job that ended during the stop asked a stopped PS (5 s)
+        did["unreported"] = len(reached) - len(reported)
     else:
         problems.append(f"{len(reached) - len(reported)} jobs reported no PS counters")
     if did.get("stopped_s"):            # the stop, and any control step that kept the PS busy (a codec's import)
