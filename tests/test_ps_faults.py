@@ -419,7 +419,9 @@ def test_ps_wait_s_is_the_wait_from_the_ps_last_reply(tmp_path):
                 p.kill()
     out = log.read_text()
     print(f"exit {took:.2f} s after the kill")
-    assert 4.0 - 0.2 - 0.1 <= took <= 4.0 + 0.6, (took, out[-2000:])
+    # the give-up comes within 0.2 s of the wait (the message's 4.0–4.3 s below); the rest is the
+    # process's exit, slower on a loaded host
+    assert 4.0 - 0.2 - 0.1 <= took <= 4.0 + 1.0, (took, out[-2000:])
     import re
     said = re.search(r"answered nothing for (\d+\.\d) s \(no heartbeat reply\); a worker waits ps_wait_s = 4 s", out)
     assert said and 4.0 <= float(said.group(1)) <= 4.3, out[-2000:]
