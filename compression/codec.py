@@ -116,6 +116,16 @@ class ErrorFeedback:
                     and all(a is not b for b in pool) and len(pool) < 2:
                 pool.append(a)
 
+    def state_dict(self) -> dict:
+        """The residuals, copied (key -> array): what a checkpoint keeps of this memory."""
+        return {k: np.array(e, copy=True) for k, e in self.errors.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take the residuals of `state_dict()` (copied); spare buffers start afresh."""
+        self.errors.clear()
+        self.errors.update({k: np.array(e, copy=True) for k, e in state.items()})
+        self._spare.clear()
+
     def update(self, key, residual) -> None:
         """Keep `residual` as the error of `key` for the next round (the memory owns it from
         now on: once replaced, a round may `recycle` its buffer)."""

@@ -108,13 +108,16 @@ class _BitsCache:
     in turn, so a cache counted in entries misses on every block once a round has more
     blocks than entries (an LRU of 8 did, at 16 blocks of 2^20 for d = 2^24, drawing each
     diagonal three times a round).  Bounded by bytes, it keeps whole rounds: 32 MiB is one
-    round of 2^28 coordinates, and what a smaller job uses is what it holds.
+    round of 2^28 coordinates.  A round's diagonals are never drawn again once later rounds
+    began, so only the newest `rounds` rounds are kept: a long job of small rounds holds a
+    few rounds' bits, not 32 MiB of past ones (a job with one rotation uses round 0 only).
     """
 
-    def __init__(self, limit_bytes: int):
-        self.limit = limit_bytes
+    def __init__(self, limit_bytes: int, rounds: int = 4):
+        self.limit, self.rounds = limit_bytes, rounds
         self._items: collections.OrderedDict = collections.OrderedDict()
         self._bytes = 0
+        self._newest: dict = {}             # job seed -> the newest round it drew
         self._lock = threading.Lock()
 
     def get(self, key):
@@ -125,13 +128,20 @@ class _BitsCache:
             return value
 
     def put(self, key, value: bytes) -> None:
+        """Keep `value` under key (job seed, round, block, n); drop the least recently used
+        entries while over the byte limit or from rounds `rounds` behind their seed's newest."""
+        seed, rnd = key[0], key[1]
         with self._lock:
-            if key in self._items:
+            newest = self._newest[seed] = max(self._newest.get(seed, rnd), rnd)
+            if key in self._items or rnd <= newest - self.rounds:
                 return
             self._items[key] = value
             self._bytes += len(value)
-            while self._bytes > self.limit and len(self._items) > 1:
-                _, old = self._items.popitem(last=False)
+            while len(self._items) > 1:
+                (s, r, _, _), old = next(iter(self._items.items()))
+                if self._bytes <= self.limit and r > self._newest[s] - self.rounds:
+                    break
+                self._items.popitem(last=False)
                 self._bytes -= len(old)
 
     @property
@@ -141,6 +151,7 @@ class _BitsCache:
     def reset(self) -> None:
         """Empty, with a fresh lock (a forked child may have inherited the lock held)."""
         self._items, self._bytes, self._lock = collections.OrderedDict(), 0, threading.Lock()
+        self._newest = {}
 
 
 _signs_cache = _BitsCache(32 << 20)

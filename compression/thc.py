@@ -532,6 +532,22 @@ def rotate(x, cfg: ThcConfig, layout: Layout, carry=None, out=None) -> np.ndarra
     return out
 
 
+def unrotate(xr: np.ndarray, cfg: ThcConfig, layout: Layout) -> np.ndarray:
+    """x = D·H·R per RHT block, the inverse of `rotate` without a carry (the normalized RHT is
+    orthogonal, §5.1), cut to layout.dim: what a rotated residual is in the gradient's own
+    coordinates (its share in a block's padding is dropped).  float32."""
+    if cfg.rotation != "job":
+        raise ValueError("unrotate() inverts a job's one rotation")
+    xr = np.ascontiguousarray(xr, dtype=np.float32).reshape(-1)
+    if xr.size != layout.padded_dim:
+        raise ValueError(f"a rotated vector of this layout has {layout.padded_dim} values, got {xr.size}")
+    out = np.empty(layout.dim, dtype=np.float32)
+    for j, off in enumerate(layout.padded_offsets()):
+        p, s, n = layout.padded[j], layout.starts[j], layout.lengths[j]
+        out[s:s + n] = (fwht(xr[off:off + p]) * rademacher_signs(cfg.seed, cfg.sign_round(0), j, p))[:n]
+    return out
+
+
 def rotated_norms(xr: np.ndarray, layout: Layout) -> np.ndarray:
     """‖R_j‖ per RHT block of a rotated vector, over its P_j coordinates: ‖x_j‖ itself (the
     normalized RHT is orthogonal), computed as `block_norms` computes it."""

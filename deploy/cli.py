@@ -11,7 +11,7 @@ from deploy import commands
 from deploy import experiments
 from deploy import train as train_mod
 from p4.control import CONTROLS as SWITCH_CONTROLS
-from proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, MAX_BLOCK_LOG2, ROTATIONS
+from proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, LANE_AUTO, MAX_BLOCK_LOG2, ROTATIONS
 
 
 def _p_arg(value: str):
@@ -45,6 +45,15 @@ _any_port = _int_in(0, 65535, "a port number (0: any)")
 _seed = _int_in(0, (1 << 63) - 1, "a seed")
 _block_log2 = _int_in(0, MAX_BLOCK_LOG2, "log2 of the RHT block")
 _count = _int_in(0, 1 << 31, "a count")
+
+
+def _lane_bits(value: str) -> int:
+    """argparse type for JobConfig.lane_bits: 8, 16, 32, or auto (LANE_AUTO)."""
+    if value == "auto":
+        return LANE_AUTO
+    if value not in ("8", "16", "32"):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a lane width: choose 8, 16, 32 or auto")
+    return int(value)
 
 
 def _rotation(value: str) -> str:
@@ -142,7 +151,8 @@ JOB_OPTIONS = {
     "bits": dict(type=None, help="bits b per table index"),
     "granularity": dict(type=None, help="granularity g: the table's values lie on the grid 0..g"),
     "p": dict(type=None, help="support fraction p (the table covers all but p of the normal), e.g. 1/32"),
-    "lane-bits": dict(type=int, choices=(8, 16, 32), help="bits per aggregated value; n*g must fit"),
+    "lane-bits": dict(type=None, metavar="{8,16,32,auto}",
+                      help="bits per aggregated value; n*g must fit (auto: the narrowest lane that holds it)"),
     "quorum": dict(type=None, help="fraction of the workers after which a slot's result is sent "
                                    "(partial aggregation)"),
     "seed": dict(type=None, help="the job's seed (RHT signs; test gradients)"),
@@ -158,12 +168,12 @@ JOB_OPTIONS = {
 #: --result-group of the commands that may start their own PS (launch, train)
 LOCAL_GROUP = dict(result_group=AUTO_GROUP, helps={"result_group": JOB_OPTIONS["result-group"]["help"] + (
     "; auto: a fresh group on loopback when this command starts the PS, none with --ps")})
-JOB_DEFAULTS = {"workers": 4, "bits": 4, "granularity": 30, "p": "1/32", "lane-bits": 8, "quorum": 1.0,
+JOB_DEFAULTS = {"workers": 4, "bits": 4, "granularity": 30, "p": "1/32", "lane-bits": "auto", "quorum": 1.0,
                 "seed": 0, "block-log2": DEFAULT_BLOCK_LOG2, "rotation": "round", "result-group": ""}
 
 
 def _job_types() -> dict:
-    return {"workers": _workers, "bits": _bits, "granularity": _granularity, "p": _p_arg,
+    return {"workers": _workers, "bits": _bits, "granularity": _granularity, "p": _p_arg, "lane-bits": _lane_bits,
             "quorum": _quorum, "seed": _seed, "block-log2": _block_log2, "rotation": _rotation,
             "result-group": result_group_arg}
 
@@ -342,8 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       helps={"workers": "workers (default 4; 10 for stragglers)",
                                              "granularity": "granularity g (default 30; 20 for stragglers)",
                                              "p": "support fraction p (default 1/32; 1/512 for stragglers)"})])
-    ex.add_argument("name", choices=("loss", "stragglers", "scale", "bandwidth", "codecs", "peers"),
-                    help="which experiment")
+    ex.add_argument("name", choices=("loss", "stragglers", "scale", "bandwidth", "codecs", "peers", "lm"),
+                    help="which experiment (lm: the library example's transformer language model under "
+                         "link caps, docs/experiments/lm.md)")
     ex.add_argument("--epochs", type=_int_in(1, 10000, "epochs"), default=3, help="epochs per training run")
     _model_arg(ex)
     ex.add_argument("--train-limit", type=_count, default=30000, help="training images used")
@@ -355,16 +366,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="bandwidth: comma list of codecs")
     ex.add_argument("--rates", type=_rate_list, default="100,1000,0",
                     help="bandwidth: comma list of link rates in Mbit/s, 0 = unlimited")
-    ex.add_argument("--peer-rates", type=_rate_list, default="0",
-                    help="peers: comma list of link rates in Mbit/s, 0 = loopback; a capped rate puts every "
-                         "rank and the PS in a host namespace of its own behind a link of that rate (root)")
-    ex.add_argument("--layouts", type=_choice_list("layout", tuple(experiments.LAYOUTS)),
-                    default=",".join(experiments.DEFAULT_LAYOUTS),
-                    help="peers: where THC-PS aggregates under a capped rate, a comma list of "
-                         + ", ".join(experiments.LAYOUTS) + " (docs/experiments/peers.md)")
-    ex.add_argument("--methods", type=_choice_list("method", experiments.PEER_METHODS),
-                    default=",".join(experiments.PEER_METHODS),
-                    help="peers: a comma list of " + ", ".join(experiments.PEER_METHODS))
+    ex.add_argument("--peer-rates", type=_rate_list, default=None,
+                    help="peers, lm: comma list of link rates in Mbit/s, 0 = loopback (peers only); a capped "
+                         "rate puts every rank and the PS in a host namespace of its own behind a link of that "
+                         "rate (root) (default: peers 0, lm 100,1000)")
+    ex.add_argument("--layouts", type=_choice_list("layout", tuple(experiments.LAYOUTS)), default=None,
+                    help="peers, lm: where THC-PS aggregates under a capped rate, a comma list of "
+                         + ", ".join(experiments.LAYOUTS) + " (docs/experiments/peers.md; default: peers "
+                         + ",".join(experiments.DEFAULT_LAYOUTS) + "; lm colocated)")
+    ex.add_argument("--methods", type=_choice_list("method", experiments.PEER_METHODS), default=None,
+                    help="peers: a comma list of " + ", ".join(experiments.PEER_METHODS) + " (default: all); "
+                         "lm: of ddp-fp32, ddp-fp16, thc-hook, thc-ps (default: all four)")
+    ex.add_argument("--steps", type=_int_in(1, 1 << 20, "steps"), default=300, help="lm: training steps")
+    ex.add_argument("--target-loss", type=_float_in(0, 10, lo_open=True, hi_open=False, what="a loss"),
+                    default=2.2, help="lm: the validation loss whose time is compared")
     ex.add_argument("--target", type=_float_in(0, 1, lo_open=True, hi_open=False, what="an accuracy"),
                     default=0.8, help="peers, bandwidth: the test accuracy whose time is compared")
     ex.add_argument("--eval-every", type=_int_in(0, 1 << 20, "steps"), default=0,
@@ -534,23 +549,19 @@ _quorum = _float_in(0, 1, lo_open=True, hi_open=False, what="a quorum fraction o
 
 def _addr(value: str):
     """HOST:PORT → (host, port), with a message that says what is wrong."""
-    host, sep, port = value.strip().rpartition(":")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (no ':PORT')")
-    if not host:
-        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (no host before ':')")
-    if not port.isdigit():
-        raise argparse.ArgumentTypeError(f"{value!r} is not HOST:PORT (port {port!r} is not a number)")
-    if not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"port {port} is out of range 1..65535 in {value!r}")
-    return host, int(port)
+    from proto.addresses import parse_addr
+    try:
+        return parse_addr(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _addr_list(value: str):
-    addrs = [_addr(v) for v in value.split(",") if v.strip()]
-    if not addrs:
-        raise argparse.ArgumentTypeError(f"{value!r} names no HOST:PORT")
-    return addrs
+    from proto.addresses import parse_addrs
+    try:
+        return parse_addrs(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _addr_text(value: str) -> str:

@@ -263,7 +263,7 @@ def format_status(where: str, doc: dict) -> str:
 
 def cmd_launch(args):
     from deploy.launch import run_launch
-    from proto.job import AUTO_GROUP
+    from proto.job import AUTO_GROUP, LANE_AUTO
     job = _job(args, slots=args.slots)   # refuse a bad configuration before anything starts
     if args.straggler_rank is not None and not 0 <= args.straggler_rank < args.workers:
         raise ValueError(f"--straggler-rank must be in 0..{args.workers - 1}")
@@ -290,9 +290,9 @@ def cmd_launch(args):
     if args.ps is not None:
         # insist on the options given explicitly; the PS announces the rest
         # (and a result group only when one was named: "auto" takes the running PS's)
-        insist = ("num_workers", "codec", "bits", "granularity", "p", "lane_bits", "quorum", "block_log2",
-                  "rotation") \
-            + (("result_group",) if args.result_group != AUTO_GROUP else ())
+        insist = ("num_workers", "codec", "bits", "granularity", "p", "quorum", "block_log2", "rotation") \
+            + (("result_group",) if args.result_group != AUTO_GROUP else ()) \
+            + (("lane_bits",) if args.lane_bits != LANE_AUTO else ())
         expect = {k: v for k, v in job.to_msg().items() if k in insist}
     if not args.json:
         print(f"launching {'PS + ' if args.ps is None else ''}{local} of {args.workers} workers: "
@@ -328,7 +328,8 @@ def cmd_launch(args):
 def cmd_train(args):
     from deploy import train
     from proto.packing import check_lane_capacity
-    check_lane_capacity(args.workers, args.granularity, args.lane_bits)   # any codec (JobConfig: thc only)
+    if args.lane_bits:          # a width given; auto is the narrowest that fits (JobConfig)
+        check_lane_capacity(args.workers, args.granularity, args.lane_bits)   # any codec (JobConfig: thc only)
     cfg = train.TrainConfig(job=_job(args), epochs=args.epochs,
                             model=args.model, batch=args.batch, lr=args.lr, loss=args.loss,
                             loss_policy=args.loss_policy,
@@ -391,8 +392,15 @@ def cmd_experiment(args) -> None:
     elif args.name == "codecs":
         path = experiments.codecs(base, command, log, out=out)
     elif args.name == "peers":
-        path = experiments.peers(base, command, log, out=out, rates=args.peer_rates, target=args.target,
-                                 methods=args.methods, layouts=args.layouts)
+        path = experiments.peers(base, command, log, out=out, rates=args.peer_rates or (0,), target=args.target,
+                                 methods=args.methods or experiments.PEER_METHODS,
+                                 layouts=args.layouts or experiments.DEFAULT_LAYOUTS)
+    elif args.name == "lm":
+        from deploy import lm_experiment as lm
+        cfg = lm.LMConfig(ranks=workers, steps=args.steps, seed=args.seed, eval_every=args.eval_every or 25,
+                          rotation=args.rotation)
+        path = lm.lm(cfg, command, log, out=out, rates=args.peer_rates or (100, 1000),
+                     methods=args.methods or lm.METHODS, target=args.target_loss, layouts=args.layouts or ("colocated",))
     else:
         path = experiments.bandwidth(base, command, log, rates=args.rates, codecs=args.codecs, target=args.target, out=out)
     print(f"wrote {path} and its plot")

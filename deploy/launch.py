@@ -21,7 +21,8 @@ from deploy.procs import (die_with_parent, leave_on_sigterm, process_state, sing
                           start_shielded, stop_children)
 
 from compression import thc
-from proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, JobConfig
+from proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, LANE_AUTO, JobConfig
+from proto.addresses import parse_ps
 from proto.packing import LANE_DTYPES
 
 
@@ -371,16 +372,6 @@ def check_rounds(job: JobConfig, seed: int, dim: int, per_worker: dict, error_fe
             "lost_chunks": lost}
 
 
-def parse_ps(ps: str, control_port=None) -> list:
-    """'host:port[,host:port…]' → [(host, data port, control port)]."""
-    shard_list = []
-    for item in ps.split(","):
-        host, _, port = item.strip().rpartition(":")
-        shard_list.append((host, int(port), control_port if control_port and not shard_list
-                           else int(port) + 1))
-    return shard_list
-
-
 class _Supervisor:
     """The launcher's worker processes: spawns them, collects their reports, starts a killed
     rank again (`restart`), and stops the job when no worker has started a round for
@@ -485,7 +476,7 @@ class _Supervisor:
 def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granularity=30, p="1/32",
                quorum=1.0, loss=0.0, duplicate=0.0, reorder=0.0, straggler_delay_ms=0.0,
                straggler_rank=None, straggler_prob=1.0, policy="retransmit", seed=0, ps=None,
-               engine="c", timeout_ms=50.0, window=None, slots=512, lane_bits=8, verbose=False,
+               engine="c", timeout_ms=50.0, window=None, slots=512, lane_bits=LANE_AUTO, verbose=False,
                ps_control_port=None, check=True, shards=1, batched=True, rank_base=0,
                local_workers=None, expect=None, keys=None, kill=None, restart=False,
                lease_s=None, rejoin_grace_s=None, stall_s=180.0, job_name=None,

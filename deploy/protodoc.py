@@ -57,6 +57,10 @@ REQUEST_FIELDS = {
                 "queued job has starts a new job beside the running ones (or queues it while the slot "
                 "space is full); a registration naming a running (or queued) job joins it, and is "
                 "refused, naming every differing field, when its `expect` disagrees with that job",
+    "launch": "a token every rank of one launch shares (the library API draws it on rank 0 and "
+              "broadcasts it over the process group); the registration that starts a job records "
+              "it, and a registration under that job's name (running or queued) with another token "
+              "is refused: two launches given one name never share a job; absent: not checked",
     "expect": "JobConfig fields (names as in the job table) the worker insists on; a mismatch with "
               "the job it would join or start is refused naming each differing field; `job_id` and "
               "`slots` are the PS's to assign and never differ",
@@ -151,7 +155,8 @@ JOB_FIELDS = {
     "bits": "b, bits per THC table index",
     "granularity": "g: the table's values lie on 0..g",
     "p": "the table's support fraction, a fraction in text (`1/32`)",
-    "lane_bits": "width of one aggregated THC value in RESULT: 8, 16 or 32; n·g must fit",
+    "lane_bits": "width of one aggregated THC value in RESULT: 8, 16 or 32; n·g must fit (a job "
+                 "built with 0 gets the narrowest that does: the wire only ever carries the width)",
     "seed": "the job's seed: the RHT sign diagonals, and the test gradients of `thc launch`",
     "slots": "S, data slots: what the job asks for; the PS's config reply has what admission granted",
     "norm_slots": "S_norm, norm slots (numbered S..S+S_norm−1)",

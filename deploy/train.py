@@ -299,7 +299,7 @@ class _GradPath:
             # the gradients live in the buckets (no copy in and out of them each step)
             self.net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb,
                                                                  gradient_as_bucket_view=True)
-            self.hook = PSHookState(worker, world_size=cfg.job.num_workers)
+            self.hook = PSHookState(worker, world_size=cfg.job.num_workers, keep_reports=True)
             self.net.register_comm_hook(self.hook, ps_hook)
             self.sync = HookSync(self.hook)
 
@@ -371,10 +371,8 @@ def run(cfg: TrainConfig, log=print) -> dict:
         if not cfg.job_name:        # a fresh name: runs started together train side by side
             import secrets
             cfg = replace(cfg, job_name=f"train-{secrets.token_hex(4)}")
-        shards = []
-        for item in cfg.ps.split(","):
-            host, _, port = item.strip().rpartition(":")
-            shards.append((host, int(port), int(port) + 1))
+        from proto.addresses import parse_ps
+        shards = parse_ps(cfg.ps)
     else:
         server = PSServer(job, ("127.0.0.1", 0), control_port=0, lease_s=cfg.lease_s,
                           keys=cfg.keys or None).start()

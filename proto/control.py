@@ -4,7 +4,7 @@ Every message is a map with a "type" key; every request is checked against SCHEM
 (field types and ranges) before the PS acts on it, and the PS caps message size with
 ZMQ_MAXMSGSIZE.  Requests and their replies:
 
-  register   {worker_id, data_addr: [ip, port], job_name?, expect?, job?, rejoin?, session?}
+  register   {worker_id, data_addr: [ip, port], job_name?, launch?, expect?, job?, rejoin?, session?}
              -> config {job, nonce, token, session, job_number, job_name, lease_s, data_port,
              rejoin}
              `job_name` (default "default") names the job, one name, one job: a name no
@@ -13,6 +13,10 @@ ZMQ_MAXMSGSIZE.  Requests and their replies:
              `job`: its `slots` and `job_id`), or queues it while the space is full; the
              name of a running (or queued) job joins it, and a stated configuration that
              disagrees with it is refused, naming each differing field.
+             `launch` is a token every rank of one launch shares (the library API draws it
+             on rank 0 and broadcasts it over the process group): the registration that
+             starts a job records it, and one under the job's name with another token is
+             refused, so two torchrun jobs given one name never share a PS job.
              `expect` lists the job fields the worker insists on (`job_id` and `slots` are
              the PS's to assign); `job` proposes a whole job to a PS that has none
              configured, needed only by the registration that starts the job.  A rank held
@@ -215,7 +219,7 @@ _ROUND = _int(0, (1 << 31) - 1)
 #: type -> {field: (required, check)}
 SCHEMA = {
     "register": {"worker_id": (True, _RANK), "data_addr": (True, _addr), "job_name": (False, _name),
-                 "expect": (False, _map),
+                 "launch": (False, _name), "expect": (False, _map),
                  "job": (False, _map), "rejoin": (False, _bool), "session": (False, _SESSION)},
     "heartbeat": {"worker_id": (True, _RANK), "session": (True, _SESSION),
                   "progress": (False, _int(0, 1 << 62))},

@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from proto import headers
-from proto.packing import check_lane_capacity, packed_size
+from proto.packing import check_lane_capacity, lane_bits_for, packed_size
 from proto.tables import parse_p, solve_table
 
 #: Fields the PS assigns when it admits a job (its id among the running jobs, the data slots
@@ -36,6 +36,11 @@ DEFAULT_BLOCK_LOG2 = 20
 #: R(∇ + e) = R∇ + Re and the error feedback can stay in the rotated domain: a worker's step
 #: then runs two transforms instead of three (docs/design.md, "One rotation per job").
 ROTATIONS = ("round", "job")
+#: JobConfig.lane_bits asking for the narrowest lane (8, 16 or 32 bits) that holds the job's
+#: largest sum n·g: what a job gets unless it names a width (a torchrun job's size is whatever
+#: torchrun says, so the lane follows it).  Resolved when the job is built: the wire, the
+#: PS and every worker only ever see the width itself.
+LANE_AUTO = 0
 #: The largest block a job may ask for (2^26 float32 = 256 MiB of one transform's workspace).
 MAX_BLOCK_LOG2 = 26
 
@@ -84,7 +89,7 @@ class JobConfig:
     bits: int = 4
     granularity: int = 30
     p: str = "1/32"
-    lane_bits: int = 8
+    lane_bits: int = 0                 # 0: the narrowest lane that holds n·g (LANE_AUTO)
     seed: int = 0
     slots: int = 512
     norm_slots: int = 16
@@ -112,8 +117,11 @@ class JobConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ValueError(f"{name} must be an integer in {lo}..{hi}, got {v!r}")
-        if self.lane_bits not in (8, 16, 32):
-            raise ValueError(f"lane_bits must be 8, 16 or 32, got {self.lane_bits!r}")
+        if self.lane_bits not in (LANE_AUTO, 8, 16, 32):
+            raise ValueError(f"lane_bits must be 8, 16 or 32 (or {LANE_AUTO}: the narrowest that holds "
+                             f"n·g), got {self.lane_bits!r}")
+        if self.lane_bits == LANE_AUTO:
+            self.lane_bits = lane_bits_for(n, self.granularity) if self.codec == "thc" else 8
         if not 0 < self.quorum <= 1:
             raise ValueError(f"quorum must lie in (0, 1], got {self.quorum}")
         if not 0 <= self.job_id <= 0xFFFF:
@@ -181,7 +189,7 @@ class JobConfig:
         out = []
         mine = self.to_msg()
         for name, want in expect.items():
-            if name in ADMISSION_FIELDS:
+            if name in ADMISSION_FIELDS or (name == "lane_bits" and want == LANE_AUTO):
                 continue
             if name not in mine:
                 out.append(f"{name}: not a job field")

@@ -81,8 +81,10 @@ def check_lane_capacity(workers: int, granularity: int, lane_bits: int) -> None:
     if workers * granularity > limit:
         raise LaneOverflowError(
             f"n·g = {workers}·{granularity} = {workers * granularity} exceeds the {lane_bits}-bit "
-            f"lane maximum {limit}; lower the granularity to at most {limit // workers} or use a "
-            f"wider lane")
+            f"lane maximum {limit}; lower the granularity to at most {limit // workers} "
+            f"(--granularity, granularity=) or widen the lane to {lane_bits_for(workers, granularity)} "
+            f"bits (--lane-bits {lane_bits_for(workers, granularity)}, lane_bits=; left unset, the lane "
+            f"is the narrowest that fits)")
 
 
 def pack_lanes(y: np.ndarray, lane_bits: int) -> bytes:

@@ -147,6 +147,7 @@ class Job:
     resume: dict = field(default_factory=dict)           # rank -> phase (after a PS restart)
     resume_waiters: dict = field(default_factory=dict)   # rank -> ident
     started: float = field(default_factory=time.monotonic)
+    launch: str = ""                                     # the launch token of its ranks ("": none given)
     counters: dict = field(default_factory=lambda: dict.fromkeys(JOB_COUNTERS, 0))
 
     def live(self) -> list:
@@ -194,11 +195,11 @@ class Job:
 
 
 #: The refusal of a registration that neither finds a job nor can start one: what to send.
-NO_JOB_PROPOSED = ("this PS has no job configured and the worker proposed none: send the job in the "
-                   "register request's `job` field (a JobConfig map; `num_workers` is required, every "
-                   "other field has a default, e.g. {\"num_workers\": 2, \"codec\": \"thc\"}): `thc "
-                   "worker` does when given --workers N and the job options; or start the PS with "
-                   "--workers and the job options")
+NO_JOB_PROPOSED = ("this PS has no job configured and this worker proposed none: the worker that starts a "
+                   "job must propose it: thc_ps.connect() always does; `thc worker` does when given "
+                   "--workers N (and the job options); from Python, Transport(..., propose=JobConfig("
+                   "num_workers=N, ...)); or start the PS with --workers N and the job options "
+                   "(on the wire: the register request's `job` field)")
 
 
 @dataclass
@@ -212,6 +213,7 @@ class Queued:
     last_asked: float
     ranks: set = field(default_factory=set)
     config: JobConfig | None = None     # what it will start with (one name, one job)
+    launch: str = ""                    # the launch token of the registration that queued it
 
 
 class PSServer:
@@ -321,7 +323,7 @@ class PSServer:
             raise control.ControlError(f"result_group {config.result_group}: this PS cannot send to it "
                                        f"({problem}); bind the PS to an address of the workers' network")
 
-    def _admit(self, name: str, config: JobConfig, rank: int) -> Job:
+    def _admit(self, name: str, config: JobConfig, rank: int, launch: str = "") -> Job:
         """Start job `name`: a region of the slot space, a job id and an engine; or raise
         `queued` (CodedError) saying why it waits and what runs."""
         now = time.monotonic()
@@ -340,7 +342,8 @@ class PSServer:
         first = next((q for q in self.queue.values() if q.since < since and q.name != name and not full
                       and admission.grant(q.data, q.norm, list(held.values()), self.space_size)), None)
         if region is None or first is not None:
-            q = self.queue.setdefault(name, Queued(name, config.slots, config.norm_slots, now, now, config=config))
+            q = self.queue.setdefault(name, Queued(name, config.slots, config.norm_slots, now, now, config=config,
+                                                   launch=launch))
             q.last_asked = now
             q.ranks.add(rank)
             self._control["registrations_queued"] += 1
@@ -358,7 +361,7 @@ class PSServer:
             nonce = secrets.randbits(32)
         engine = make_engine(config, self.engine_kind if self._external is None else self._external,
                              nonce, self.space, region.base)
-        job = Job(self._jobs_started, config, nonce, engine, name, region)
+        job = Job(self._jobs_started, config, nonce, engine, name, region, launch=launch)
         if self._external is None:
             self.mux.add(config.job_id, engine)
         self._control["jobs_started"] += 1
@@ -517,6 +520,14 @@ class PSServer:
         # below, naming the fields); else a new job
         job, _ = self._find_session(rank, msg.get("session"))
         job = job or next((j for j in self.jobs.values() if j.name == name), None)
+        launch = msg.get("launch", "")
+        queued = self.queue.get(name) if job is None else None
+        held = job.launch if job is not None else (queued.launch if queued is not None else "")
+        if launch and held and launch != held:
+            raise control.ControlError(
+                f"job {name!r} on this PS belongs to another launch (its ranks registered with launch "
+                f"token {held!r}, this rank with {launch!r}): two torchrun jobs cannot share one job "
+                f"name; give this one another job_name")
         if msg.get("rejoin") and (job is None or rank not in job.members):
             raise control.ControlError(f"no running job to rejoin as rank {rank} (job {name!r} ended, "
                                        f"or the rank never joined it)")
@@ -528,7 +539,6 @@ class PSServer:
                     f"this PS is draining (it admits no new job and stops once its running jobs end), "
                     f"so job {name!r} cannot start{' (it was queued)' if name in self._drain_queued else ''}: "
                     f"use another PS, or this one once it is back", "draining")
-            queued = self.queue.get(name)
             if self.fixed_job is not None:
                 config = self.fixed_job
             elif queued is not None and queued.config is not None:
@@ -546,7 +556,7 @@ class PSServer:
             if not 0 <= rank < config.num_workers:
                 raise control.ControlError(f"rank {rank} out of range 0..{config.num_workers - 1}")
             self._check_group(config)
-            job = self._admit(name, config, rank)
+            job = self._admit(name, config, rank, launch)
         else:
             diffs = job.config.differences(expect)     # a proposal matters only to start a job
             if diffs:

@@ -132,7 +132,7 @@ def test_job_options_are_declared_once_and_shared():
     args = build_parser().parse_args(["nmse"])
     assert (args.workers, args.bits, args.granularity, args.seed) == (2, 4, 30, 0)
     args = build_parser().parse_args(["launch"])
-    assert (args.workers, args.lane_bits, args.quorum) == (4, 8, 1.0)
+    assert (args.workers, args.lane_bits, args.quorum) == (4, 0, 1.0)          # 0: the narrowest that fits
     args = build_parser().parse_args(["worker", "--ps", "127.0.0.1:9000", "--bits", "3"])
     assert (args.workers, args.bits, args.granularity, args.lane_bits, args.quorum) == (None, 3, None, None, None)
 
@@ -169,3 +169,22 @@ def test_log_level_reaches_the_loggers(capsys):
     finally:
         root.handlers[:], _ = saved
         root.setLevel(saved[1])
+
+
+def test_the_lane_follows_the_job_unless_given(capsys):
+    """A job's size is whatever torchrun says: left unset, the lane is the narrowest that holds
+    n·g (8 bits to 8 ranks at g = 30, 16 beyond); a width too narrow is refused naming the
+    options that fix it."""
+    from deploy.cli import build_parser
+    from proto.job import JobConfig
+    assert [JobConfig(num_workers=n).lane_bits for n in (1, 8, 9, 32)] == [8, 8, 16, 16]
+    assert JobConfig(num_workers=32, granularity=3000).lane_bits == 32
+    assert JobConfig(num_workers=9, lane_bits=32).lane_bits == 32
+    with pytest.raises(ValueError, match=r"lower the granularity to at most 7 \(--granularity, granularity=\) "
+                                         r"or widen the lane to 16 bits \(--lane-bits 16, lane_bits="):
+        JobConfig(num_workers=32, lane_bits=8)
+    assert build_parser().parse_args(["train", "--lane-bits", "auto"]).lane_bits == 0
+    assert build_parser().parse_args(["train", "--lane-bits", "16"]).lane_bits == 16
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["train", "--lane-bits", "12"])
+    assert exc.value.code == 2 and "'12' is not a lane width: choose 8, 16, 32 or auto" in capsys.readouterr().err

@@ -76,11 +76,31 @@ def test_a_rounds_sign_diagonals_are_drawn_once_for_all_its_blocks():
 def test_the_sign_cache_is_bounded_by_bytes_and_drops_the_oldest():
     from compression.hadamard import _BitsCache
     cache = _BitsCache(limit_bytes=1000)
+
+    def key(k, rnd=0):
+        return (7, rnd, k, 2400)            # (job seed, round, block, n): blocks of one round
     for k in range(5):
-        cache.put(k, bytes(300))
-    assert cache.nbytes == 900 and cache.get(0) is None and cache.get(1) is None
-    assert cache.get(2) is not None          # a hit makes 2 the newest: 3 goes next
-    cache.put(5, bytes(300))
-    assert cache.get(3) is None and cache.get(2) is not None and cache.nbytes == 900
-    cache.put(6, bytes(5000))                # larger than the bound: kept alone
-    assert cache.nbytes == 5000 and cache.get(6) is not None and cache.get(5) is None
+        cache.put(key(k), bytes(300))
+    assert cache.nbytes == 900 and cache.get(key(0)) is None and cache.get(key(1)) is None
+    assert cache.get(key(2)) is not None     # a hit makes 2 the newest: 3 goes next
+    cache.put(key(5), bytes(300))
+    assert cache.get(key(3)) is None and cache.get(key(2)) is not None and cache.nbytes == 900
+    cache.put(key(6), bytes(5000))           # larger than the bound: kept alone
+    assert cache.nbytes == 5000 and cache.get(key(6)) is not None and cache.get(key(5)) is None
+
+
+def test_the_sign_cache_keeps_only_the_newest_rounds():
+    """A round's diagonals are not drawn again once later rounds began: a long job of small
+    rounds keeps `rounds` rounds' bits, far below the byte bound, and a late draw of an old
+    round is not kept."""
+    from compression.hadamard import _BitsCache
+    cache = _BitsCache(limit_bytes=1 << 20, rounds=2)
+    for rnd in range(100):
+        for block in range(3):
+            cache.put((1, rnd, block, 800), bytes(100))
+    assert cache.nbytes == 2 * 3 * 100
+    assert cache.get((1, 99, 0, 800)) is not None and cache.get((1, 97, 2, 800)) is None
+    cache.put((1, 10, 0, 800), bytes(100))
+    assert cache.get((1, 10, 0, 800)) is None
+    cache.put((2, 0, 0, 800), bytes(100))    # another job's seed has rounds of its own
+    assert cache.get((2, 0, 0, 800)) is not None and cache.get((1, 98, 1, 800)) is not None

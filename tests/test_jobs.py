@@ -444,7 +444,7 @@ def test_one_name_one_job_a_conflicting_configuration_is_refused():
         with pytest.raises(ValueError, match=r"job \d+ \('alpha'\) is running with another configuration "
                                              r".*num_workers: PS has 2, worker expects 3"):
             mk(1, "alpha", 3, control_timeout_s=0.5, heartbeat=False)
-        with pytest.raises(ValueError, match=r"proposed none: send the job in the register request's `job`"):
+        with pytest.raises(ValueError, match=r"proposed none: .*thc_ps.connect\(\) always does.*propose=JobConfig\("):
             mk(0, "gamma", 2, propose=False, control_timeout_s=0.5, heartbeat=False)
         numbers = [t.sessions[0]["job_number"] for t in (t0, t1, u0)]
         assert numbers[0] == numbers[1] != numbers[2]

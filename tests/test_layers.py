@@ -1,15 +1,16 @@
 """The packages form layers, and every import points down them:
 
-    proto → compression → ps_server, worker → p4 → deploy
+    proto → compression → ps_server, worker → p4, thc_ps → deploy
 
 (proto owns the wire and job contract and imports no other package of the project; ps_server
-and worker do not import each other).  Imports inside functions count too: a lazy import that
+and worker do not import each other; thc_ps, the library a training script imports, sits on
+worker).  Imports inside functions count too: a lazy import that
 points up is still a back-arrow."""
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYER = {"proto": 0, "compression": 1, "ps_server": 2, "worker": 2, "p4": 3, "deploy": 4}
+LAYER = {"proto": 0, "compression": 1, "ps_server": 2, "worker": 2, "p4": 3, "thc_ps": 3, "deploy": 4}
 
 
 def absolute_imports():

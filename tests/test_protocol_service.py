@@ -45,7 +45,7 @@ def test_a_restarted_ps_needs_the_job_sent_again():
         server = restart_in_process(server, None)
         refused = _ask(ctl(), {"type": "register", "worker_id": 0, "data_addr": ["127.0.0.1", 5000],
                                "job_name": "again", "expect": {"num_workers": 2}})
-        assert refused["code"] == "refused" and "send the job in the register request's `job` field" in \
+        assert refused["code"] == "refused" and "the register request's `job` field" in \
             refused["message"], refused
         joiner.session.register(0)      # the rank that never proposed: it sends its job again
         assert server.status()["jobs"][0]["job_name"] == "again" and server.status()["jobs"][0]["live"] == [1]

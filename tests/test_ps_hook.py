@@ -23,17 +23,27 @@ def grads(rank: int, step: int, size: int, integer: bool = False) -> np.ndarray:
     return rng.normal(0, 1, size).astype(np.float32)
 
 
-class FakeBucket:
-    """What ps_hook reads of torch.distributed.GradBucket: its index and flat buffer."""
+_PARAMS: dict = {}
 
-    def __init__(self, index: int, buffer: torch.Tensor):
+
+class FakeBucket:
+    """What ps_hook reads of torch.distributed.GradBucket: its index, flat buffer and
+    parameters (by default one covering the whole bucket)."""
+
+    def __init__(self, index: int, buffer: torch.Tensor, params=None):
         self._index, self._buffer = index, buffer
+        # by default one parameter covering the bucket, the same tensor every step (as DDP's are)
+        self._params = [_PARAMS.setdefault((index, buffer.numel()), torch.zeros(buffer.numel()))] \
+            if params is None else params
 
     def index(self) -> int:
         return self._index
 
     def buffer(self) -> torch.Tensor:
         return self._buffer
+
+    def parameters(self) -> list:
+        return self._params
 
 
 def _job(codec="thc", n=N):
@@ -84,7 +94,7 @@ def test_one_bucket_through_the_hook_is_bit_for_bit_the_after_backward_round():
 
 def _in_flight(codec, integer):
     def body(r, w):
-        state = PSHookState(w, world_size=N)
+        state = PSHookState(w, world_size=N, keep_reports=True)
         try:
             outs = []
             for s in range(2):
@@ -168,8 +178,9 @@ def test_a_bucket_too_large_or_of_another_dtype_is_refused_before_any_traffic():
         huge = torch.zeros(1).expand(H.MAX_COORDS + 1)        # no memory behind it
         with pytest.raises(ValueError, match="does not fit a round"):
             state.submit(0, huge)
-        with pytest.raises(ValueError, match="float32"):
-            ps_hook(state, FakeBucket(0, torch.zeros(8, dtype=torch.float64)))
+        with pytest.raises(ValueError, match=r"bucket 0 has dtype torch.complex64: the PS hook takes "
+                                             r"floating-point gradients \(float32, float16, bfloat16, float64\)"):
+            ps_hook(state, FakeBucket(0, torch.zeros(8, dtype=torch.complex64)))
         assert t.stats.counters["packets_sent"] == sent and state.error is None
     finally:
         state.close()
@@ -250,3 +261,53 @@ def test_a_failed_round_voids_the_rest_of_its_step_and_the_next_step_runs():
         assert w.ran == ["bucket0", "bucket0", "bucket1", "bucket2"]
     finally:
         state.close()
+
+
+@pytest.mark.parametrize("rotation", ["round", "job"])
+def test_a_rebuilt_bucket_takes_its_residual_along(rotation):
+    """DDP rebuilds its buckets after the first step: the same parameters in another order.
+    The hook moves the bucket's residual with its coordinates (Worker.move_state, once), and
+    the move is exact: the residual permuted as it is (a rotation per round), or taken out of
+    the job's rotation, permuted and rotated again (a job rotation: its padding share goes)."""
+    from compression import thc
+    a, b = torch.zeros(700), torch.zeros(300)          # two "parameters" (their data_ptr names them)
+    job = JobConfig(num_workers=1, seed=SEED, rotation=rotation, block_log2=8)
+    server = ps(job)
+    t = transports(server, 1)[0]
+    try:
+        w = Worker(t, seed=SEED)
+        state = PSHookState(w, world_size=1)
+        calls, move = [], w.move_state
+        w.move_state = lambda key, moves, dim: (calls.append((key, moves, dim)), move(key, moves, dim))
+        g = grads(0, 0, 1000)
+        ps_hook(state, FakeBucket(0, torch.from_numpy(g.copy()), [a, b])).wait()
+        ps_hook(state, FakeBucket(0, torch.from_numpy(g.copy()), [a, b])).wait()
+        assert calls == []
+        ps_hook(state, FakeBucket(0, torch.from_numpy(np.concatenate([g[700:], g[:700]])), [b, a])).wait()
+        state.close()
+        assert calls == [("bucket0", [(700, 0, 300), (0, 300, 700)], 1000)]
+        assert state._layouts[0] == ((1, 0), (300, 700))
+        e = grads(0, 9, w.errors.errors["bucket0"].size)          # any residual: the move itself
+        w.errors.update("k", e.copy())
+        move("k", [(700, 0, 300), (0, 300, 700)], 1000)
+    finally:
+        t.close()
+        server.stop()
+    got = w.errors.errors["k"]
+    if rotation == "round":
+        np.testing.assert_array_equal(got, np.concatenate([e[700:], e[:700]]))
+    else:
+        cfg, layout = thc.ThcConfig.of_job(w.job), thc.make_layout(1000, 8)
+        flat = thc.unrotate(e, cfg, layout)
+        np.testing.assert_allclose(thc.unrotate(got, cfg, layout), np.concatenate([flat[700:], flat[:700]]),
+                                   atol=1e-5)
+
+
+def test_the_moves_between_two_layouts_carry_each_parameter():
+    from worker.ps_hook import _moves
+    assert _moves(((0, 1, 2), (5, 3, 2)), ((2, 0, 1), (2, 5, 3))) == [(8, 0, 2), (0, 2, 5), (5, 7, 3)]
+    x = np.arange(10)
+    y = np.empty_like(x)
+    for src, dst, n in _moves(((0, 1, 2), (5, 3, 2)), ((2, 0, 1), (2, 5, 3))):
+        y[dst:dst + n] = x[src:src + n]
+    assert y.tolist() == [8, 9, 0, 1, 2, 3, 4, 5, 6, 7]

@@ -163,6 +163,69 @@ class Worker:
         self._idle: float | None = None        # host CPU idle during the last DATA phase
         self._piped = False                     # whether that phase was pipelined
 
+    #: The job fields a checkpoint's codec state depends on: the residuals and the random
+    #: streams mean nothing under another codec, table, seed, rotation or block size.
+    STATE_FIELDS = ("num_workers", "codec", "bits", "granularity", "p", "seed", "rotation", "block_log2",
+                    "codec_params")
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs of this rank's codec to go on as if never stopped: the
+        round count (THC's per-round RHT signs, Alg. 3 line 9), the stochastic-rounding
+        stream, the error-feedback residuals per key and a BLOB codec's per-tensor state.
+        Copies: training on does not change a saved state."""
+        import copy
+        job = self.job.to_msg()
+        return {"rank": self.t.worker_id, "round_no": self.round_no,
+                "rng": copy.deepcopy(self.rng.bit_generator.state),
+                "errors": self.errors.state_dict(), "codec_states": copy.deepcopy(self.codec_states),
+                "job": {k: job[k] for k in self.STATE_FIELDS}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go on from `state_dict()`'s state; refused, naming the fields, when it was saved by
+        another rank or under a job whose codec differs (the residuals would not fit it)."""
+        import copy
+        job = self.job.to_msg()
+        saved = state.get("job", {})
+        diffs = [f"{k}: saved {saved.get(k)!r}, this job {job[k]!r}" for k in self.STATE_FIELDS
+                 if saved.get(k) != job[k]]
+        if diffs:
+            raise ValueError("the saved THC-PS state is of another job configuration: " + "; ".join(diffs))
+        if state.get("rank") != self.t.worker_id:
+            raise ValueError(f"the saved THC-PS state is rank {state.get('rank')}'s, this is rank "
+                             f"{self.t.worker_id}: each rank loads its own")
+        self.round_no = int(state["round_no"])
+        self.rng.bit_generator.state = copy.deepcopy(state["rng"])
+        self.errors.load_state_dict(state["errors"])
+        self.codec_states = copy.deepcopy(state["codec_states"])
+
+    def move_state(self, key: str, moves: list, dim: int) -> None:
+        """The tensor under `key` keeps its coordinates but in another order (DDP rebuilt its
+        buckets): its error-feedback residual follows them.  `moves` are (old offset, new
+        offset, count) runs covering all `dim` coordinates.  A job rotation's residual is
+        rotated (R − X): it is taken back to the gradient's coordinates, moved and rotated
+        again (its share in a block's padding is dropped).  A BLOB codec's per-tensor state
+        starts afresh."""
+        self.codec_states.pop(key, None)
+        e = self.errors.errors.get(key)
+        if e is None:
+            return
+        rotated = self.cfg is not None and self.cfg.rotation == "job"
+        layout = thc.make_layout(dim, self.cfg.block_log2) if rotated else None
+        flat = thc.unrotate(e, self.cfg, layout) if rotated else np.asarray(e).reshape(-1)
+        if flat.size != dim:            # not a residual of this tensor: it would not be applied anyway
+            return
+        moved = np.empty_like(flat)
+        for old, new, count in moves:
+            moved[new:new + count] = flat[old:old + count]
+        self.errors.update(key, thc.rotate(moved, self.cfg, layout) if rotated else moved.reshape(np.shape(e)))
+
+    def close(self) -> None:
+        """Stop this worker's helper threads (the transport is the caller's to close)."""
+        for pool in (self._background, self._decode_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._background = self._decode_pool = None
+
     def _in_background(self, fn):
         """Start fn() in this worker's helper thread; returns its Future.  For the
         error-feedback decode, whose kernels release the GIL: it runs beside the lanes decode

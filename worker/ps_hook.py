@@ -30,17 +30,27 @@ because every rank decodes the same aggregated indices.
 import queue
 import threading
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from worker.client import RoundReport, Worker
 
 
-class PSHookState:
-    """The hook's explicit state: the rank's Worker, the communication thread, what the
-    rounds did (for progress output), and the first error a round raised."""
+#: Bucket dtypes the hook takes: rounds run in float32 (THC's kernels, the float sums), so
+#: half-precision and float64 buckets are converted on the way in and back on the way out.
+BUCKET_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
-    def __init__(self, worker: Worker, world_size: int | None = None, *, key_prefix: str = "bucket"):
+
+class PSHookState:
+    """The hook's explicit state: the rank's Worker, the communication thread, running totals
+    of what the rounds did (for progress output) and the first error a round raised.
+
+    Memory stays flat over any number of steps: per-round reports are kept only with
+    `keep_reports` (and then until `take_reports()` drains them); `totals` always counts."""
+
+    def __init__(self, worker: Worker, world_size: int | None = None, *, key_prefix: str = "bucket",
+                 keep_reports: bool = False):
         """`world_size` (the process group's) must be the PS job's number of workers: the
         PS averages over the job's ranks, and a DDP group of another size would mix models
         that are not in the job.  Checked here, before any traffic."""
@@ -52,29 +62,67 @@ class PSHookState:
                              f"{job.num_workers} ranks)")
         self.worker = worker
         self.key_prefix = key_prefix
+        self.keep_reports = keep_reports
         self.reports: list[RoundReport] = []
+        self.totals = {"rounds": 0, "seconds": 0.0, "bytes_up": 0, "bytes_down": 0, "lost_chunks": 0}
         self.bucket_dims: list[int] = []          # sizes of the buckets of the latest step, in order
         self.error: BaseException | None = None
+        self._staging: dict = {}                  # bucket index -> float32 CPU tensor (other dtypes, CUDA)
+        # DDP rebuilds its buckets after the first step, in the order backward made the gradients:
+        # a bucket's coordinates can change order.  Parameters are numbered in the order they are
+        # first seen (DDP's first layout, the same in every run of a model) and a bucket's layout
+        # is the numbers and sizes of its parameters; the layout a bucket's rounds ran in is the
+        # one its residual is in (`_plan`).
+        self._number: dict = {}                   # parameter (its data_ptr) -> its number
+        self._layouts: dict = {}                  # bucket index -> (numbers, sizes) of its rounds
+        self._steps = 0                           # steps begun (bucket 0 handed over)
+        self._pinned = -1                         # the step whose buckets run in loaded layouts
         self._q: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"thc-ps-hook-{worker.t.worker_id}")
         self._thread.start()
 
-    def submit(self, index: int, buffer: torch.Tensor) -> torch.futures.Future:
-        """Queue bucket `index` (a flat float32 CPU tensor, averaged in place); the future
-        completes with it when its round is done."""
+    @staticmethod
+    def check_bucket(buffer: torch.Tensor, what: str = "a bucket") -> None:
+        """Refuse, before any traffic, a bucket the rounds cannot carry (ValueError, one line)."""
+        if buffer.dtype not in BUCKET_DTYPES:
+            raise ValueError(f"{what} has dtype {buffer.dtype}: the PS hook takes floating-point gradients "
+                             f"({', '.join(str(d).removeprefix('torch.') for d in BUCKET_DTYPES)})")
+        if buffer.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{what} lives on {buffer.device}: the PS hook takes CPU and CUDA gradients")
+
+    def submit(self, index: int, buffer: torch.Tensor, params=None) -> torch.futures.Future:
+        """Queue bucket `index` (a flat tensor, averaged in place; `params`, its parameters in
+        order, give its layout); the future completes with it when its round is done."""
         self.worker.check_dim(buffer.numel())
-        if buffer.dtype != torch.float32 or buffer.device.type != "cpu" or not buffer.is_contiguous():
-            raise ValueError(f"bucket {index}: the PS hook takes contiguous float32 CPU buckets, got "
-                             f"{'' if buffer.is_contiguous() else 'a non-contiguous '}{buffer.dtype} on "
-                             f"{buffer.device}")
+        self.check_bucket(buffer, f"bucket {index}")
         fut: torch.futures.Future = torch.futures.Future()
         if self.error is not None:          # a round failed: fail fast, the step is void
             fut.set_exception(self.error)
             return fut
-        self._q.put((index, buffer, fut))
+        if index == 0:
+            self._steps += 1
+        layout = None
+        if params is not None:
+            numbers = tuple(self._number.setdefault(p.data_ptr(), len(self._number)) for p in params)
+            layout = (numbers, tuple(p.numel() for p in params))
+        self._q.put((index, buffer, layout, self._steps, fut))
         return fut
+
+    def _host(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
+        """The float32 CPU tensor bucket `index`'s round runs on: the bucket itself when it is
+        one, else a staging tensor kept for the index (pinned for a CUDA bucket, so the copies
+        run at the link's speed) with the bucket copied in."""
+        if buffer.dtype == torch.float32 and buffer.device.type == "cpu" and buffer.is_contiguous():
+            return buffer
+        host = self._staging.get(index)
+        if host is None or host.numel() != buffer.numel():
+            host = torch.empty(buffer.numel(), dtype=torch.float32,
+                               pin_memory=buffer.device.type == "cuda")
+            self._staging[index] = host
+        host.copy_(buffer.reshape(-1))
+        return host
 
     def _loop(self) -> None:
         while True:
@@ -82,17 +130,25 @@ class PSHookState:
             if item is None:
                 self._q.task_done()
                 return
-            index, buffer, fut = item
+            index, buffer, layout, step, fut = item
             try:
                 if self.error is not None:
                     raise self.error
-                arr = buffer.numpy()
-                self.worker.allreduce(arr, key=f"{self.key_prefix}{index}", out=arr)
-                with self._lock:
-                    self.reports.append(self.worker.last)
-                    if index == 0:
-                        self.bucket_dims = []
-                    self.bucket_dims.append(int(arr.size))
+                host = self._host(index, buffer)
+                arr = host.numpy()
+                moves = self._plan(index, layout, step, arr.size)
+                if moves is None:
+                    self.worker.allreduce(arr, key=f"{self.key_prefix}{index}", out=arr)
+                else:                       # the round runs in the loaded layout, and back
+                    work = np.empty_like(arr)
+                    for src, dst, n in moves:
+                        work[dst:dst + n] = arr[src:src + n]
+                    self.worker.allreduce(work, key=f"{self.key_prefix}{index}", out=work)
+                    for src, dst, n in moves:
+                        arr[src:src + n] = work[dst:dst + n]
+                if host is not buffer:
+                    buffer.copy_(host.view_as(buffer))
+                self._count(index, int(arr.size), self.worker.last)
                 fut.set_result(buffer)
             except BaseException as exc:    # noqa: BLE001 - handed to DDP, which raises it in backward
                 self.error = self.error or exc
@@ -100,11 +156,66 @@ class PSHookState:
             finally:
                 self._q.task_done()
 
+    def _plan(self, index: int, layout, step: int, dim: int) -> list | None:
+        """How bucket `index`'s round runs when its layout is not the one its rounds ran in:
+        in the first step after `load_state_dict`, in the loaded layout (the bucket is moved
+        into it and back: the moves are returned), so a resumed job encodes what it would
+        have without the stop; otherwise DDP rebuilt its buckets, and the residual moves to
+        the new layout (`Worker.move_state`).  None: the round runs on the bucket as it is."""
+        if layout is None:
+            return None
+        have = self._layouts.get(index)
+        if have is None or have == layout:
+            self._layouts[index] = layout
+            return None
+        if sorted(zip(*have)) != sorted(zip(*layout)):      # other parameters: nothing carries over
+            self.worker.errors.errors.pop(f"{self.key_prefix}{index}", None)
+            self._layouts[index] = layout
+            return None
+        if step == self._pinned:
+            return _moves(layout, have)
+        self.worker.move_state(f"{self.key_prefix}{index}", _moves(have, layout), dim)
+        self._layouts[index] = layout
+        return None
+
+    def _count(self, index: int, dim: int, rep: RoundReport) -> None:
+        with self._lock:
+            if self.keep_reports:
+                self.reports.append(rep)
+            t = self.totals
+            t["rounds"] += 1
+            t["seconds"] += rep.seconds
+            t["bytes_up"] += rep.bytes_up
+            t["bytes_down"] += rep.bytes_down
+            t["lost_chunks"] += rep.lost
+            if index == 0:
+                self.bucket_dims = []
+            self.bucket_dims.append(dim)
+
     def take_reports(self) -> list[RoundReport]:
-        """The reports of the rounds completed since the last call (one per bucket)."""
+        """The reports of the rounds completed since the last call (one per bucket); empty
+        unless the state keeps them (`keep_reports`)."""
         with self._lock:
             out, self.reports = self.reports, []
         return out
+
+    def state_dict(self) -> dict:
+        """This rank's state a resumed job needs (`Worker.state_dict`: round count, random
+        stream, error-feedback residuals per bucket), taken between steps."""
+        self._q.join()
+        with self._lock:
+            return {"worker": self.worker.state_dict(), "bucket_dims": list(self.bucket_dims),
+                    "totals": dict(self.totals), "layouts": dict(self._layouts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go on from `state_dict()`'s state (before the first step, or between steps)."""
+        self._q.join()
+        self.worker.load_state_dict(state["worker"])
+        with self._lock:
+            self.bucket_dims = list(state.get("bucket_dims", []))
+            self.totals.update(state.get("totals", {}))
+            self._layouts = dict(state.get("layouts", {}))
+            self._pinned = self._steps + 1
 
     def raise_error(self) -> None:
         """Re-raise the first error a round raised (DDP wraps it in a RuntimeError; the
@@ -143,7 +254,20 @@ class HookSync:
 def ps_hook(state: PSHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: the bucket's average over the job's ranks, through the PS."""
     # (annotated without `from __future__ import annotations`: DDP checks the annotation)
-    return state.submit(bucket.index(), bucket.buffer())
+    return state.submit(bucket.index(), bucket.buffer(), bucket.parameters())
+
+
+def _moves(src: tuple, dst: tuple) -> list:
+    """(offset in src, offset in dst, count) for each parameter of two layouts of one bucket
+    ((numbers, sizes) each): what carries a vector from the one order to the other."""
+    at, off = {}, 0
+    for number, size in zip(*src):
+        at[number], off = off, off + size
+    out, off = [], 0
+    for number, size in zip(*dst):
+        out.append((at[number], off, size))
+        off += size
+    return out
 
 
 def merged_report(reports: list[RoundReport]) -> RoundReport | None:

@@ -98,8 +98,9 @@ class Session:
     def __init__(self, shards: list, worker_id: int, data_addr: tuple, *, control_timeout_s: float = 30.0,
                  keys=None, expect: dict | None = None, propose: JobConfig | None = None,
                  job_name: str | None = None, queue_s: float = 600.0, rejoin: bool = False,
-                 ps_wait_s: float = DEFAULT_PS_WAIT_S):
+                 ps_wait_s: float = DEFAULT_PS_WAIT_S, launch: str | None = None):
         self.worker_id = worker_id
+        self.launch = launch
         self.data_addr = tuple(data_addr)
         self.shard_addrs = [(sh[0], int(sh[1])) for sh in shards]
         self._ctx = zmq.Context.instance()
@@ -172,6 +173,8 @@ class Session:
         msg = {"type": "register", "worker_id": self.worker_id, "data_addr": list(self.data_addr)}
         if self.job_name is not None:
             msg["job_name"] = self.job_name
+        if self.launch:
+            msg["launch"] = self.launch
         if self._expect:
             msg["expect"] = self._expect
         if self._propose is not None or self.job is not None:

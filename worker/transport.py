@@ -56,12 +56,14 @@ class Transport:
                  batched: bool = True, expect: dict | None = None, propose: JobConfig | None = None,
                  keys=None, heartbeat: bool = True, rejoin: bool = False, phase_engine: str | None = None,
                  job_name: str | None = None, queue_s: float = 600.0, adaptive_timeout: bool = True,
-                 ps_wait_s: float = DEFAULT_PS_WAIT_S):
+                 ps_wait_s: float = DEFAULT_PS_WAIT_S, launch: str | None = None):
         """Connect to one PS, or to S shards given as [(host, data_port, control_port), ...].
 
         `job_name` names the job on the PS (None: the PS's "default"): workers of one name
-        form one job, other names run beside it.  A job the PS queues (its slot space is
-        full) waits up to `queue_s`, asking again twice a second.
+        form one job, other names run beside it; `launch`, a token every rank of one launch
+        shares, keeps two launches given one name apart (the PS refuses the second).  A job
+        the PS queues (its slot space is full) waits up to `queue_s`, asking again twice a
+        second.
 
         `expect` is the part of the job configuration this worker insists on (the PS refuses
         the registration naming every differing field); `propose` is a whole job for a PS
@@ -110,7 +112,7 @@ class Transport:
         try:
             self.session = Session(shards, worker_id, self.net.address, control_timeout_s=control_timeout_s,
                                    keys=keys, expect=expect, propose=propose, job_name=job_name,
-                                   queue_s=queue_s, rejoin=rejoin, ps_wait_s=ps_wait_s)
+                                   queue_s=queue_s, rejoin=rejoin, ps_wait_s=ps_wait_s, launch=launch)
         except BaseException:           # not registered: nothing to leave, the socket to close
             self.net.close()
             raise

@@ -36,6 +36,16 @@ def fake_tools(d: Path, *, ss_version=None, p4c_version=None, cli_ok=True, skip=
     return d
 
 
+def path_without_p4_tools(first: Path) -> str:
+    """`first`, then the directories of $PATH that hold none of the P4 tools: a test's fake
+    tools are then the only ones found, however the real ones were installed (on PATH, in
+    /opt/p4tools/bin or under $THC_P4_TOOLS)."""
+    names = [s.name for s in tools.SPECS] + ["simple_switch_grpc"]
+    keep = [p for p in os.environ["PATH"].split(os.pathsep)
+            if p and not any((Path(p) / n).exists() for n in names)]
+    return os.pathsep.join([str(first), *keep])
+
+
 def where(d: Path) -> dict:
     """Search only `d` (as PATH): no /opt/p4tools/bin, no $THC_P4_TOOLS."""
     return {"path": str(d), "system_dir": None, "env": {}}
@@ -163,7 +173,7 @@ def exit_code(argv) -> int:
 @pytest.mark.parametrize("complete", [True, False])
 def test_thc_p4_doctor_exit_status_and_json(tmp_path, monkeypatch, capsys, complete):
     d = fake_tools(tmp_path, skip=() if complete else ("simple_switch",))
-    monkeypatch.setenv("PATH", f"{d}{os.pathsep}{os.environ['PATH']}" if complete else str(d))
+    monkeypatch.setenv("PATH", path_without_p4_tools(d) if complete else str(d))
     monkeypatch.setattr(tools, "SYSTEM_DIR", str(tmp_path / "no-such-dir"))
     monkeypatch.delenv("THC_P4_TOOLS", raising=False)
     assert exit_code(["p4", "doctor"]) == (0 if complete else 1)
@@ -284,7 +294,7 @@ def test_the_switch_control_plane_is_chosen_and_explained(tmp_path, monkeypatch,
     from p4.control import choose_control
     from p4.p4runtime import client_problem
     d = fake_tools(tmp_path)
-    monkeypatch.setenv("PATH", f"{d}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PATH", path_without_p4_tools(d))    # no real simple_switch_grpc, wherever it is
     monkeypatch.setattr(tools, "SYSTEM_DIR", str(tmp_path / "no-such-dir"))
     monkeypatch.delenv("THC_P4_TOOLS", raising=False)
     kind, why = choose_control("auto")
@@ -298,3 +308,16 @@ def test_the_switch_control_plane_is_chosen_and_explained(tmp_path, monkeypatch,
     _tool(d, "simple_switch_grpc", "true")
     if not client_problem():
         assert choose_control("auto") == ("p4runtime", "simple_switch_grpc and the P4Runtime client are there")
+
+
+def test_fake_tools_shadow_real_ones_wherever_they_are(tmp_path, monkeypatch):
+    """The reproduction: with bmv2 + PI on PATH, a real simple_switch_grpc later on PATH made
+    choose_control("auto") pick P4Runtime in the test of the Thrift fallback."""
+    real = tmp_path / "real"
+    _tool(real, "simple_switch_grpc", "true")
+    _tool(real, "simple_switch", "true")
+    fakes = fake_tools(tmp_path / "fake")
+    monkeypatch.setenv("PATH", f"{fakes}{os.pathsep}{real}{os.pathsep}{os.environ['PATH']}")
+    path = path_without_p4_tools(fakes).split(os.pathsep)
+    assert path[0] == str(fakes) and str(real) not in path
+    assert tools.find_tool("simple_switch_grpc", path=os.pathsep.join(path), system_dir=None, env={}) is None
