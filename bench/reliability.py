@@ -45,11 +45,27 @@ def random_value(rng, depth=0):
     return {str(rng.integers(0, 9)): random_value(rng, depth + 1) for _ in range(int(rng.integers(0, 4)))}
 
 
+def junk_datagram(rng) -> bytes:
+    """Half the time a well-formed THC header with a guessed nonce and token, else random bytes,
+    most of them behind a valid magic, version and type: what a stranger can send the data plane."""
+    if rng.random() < 0.5:
+        r = lambda bits: int(rng.integers(0, 1 << bits))
+        h = H.Header(type=H.DATA, job_id=1, worker_id=r(2), num_workers=r(2) + 1, elem_bits=4,
+                     slot=r(9), round=r(32), count=64, op=H.OP_LOOKUP_SUM, nonce=r(32), token=r(32))
+        return H.build(h, rng.bytes(32))
+    b = bytearray(rng.bytes(int(rng.integers(0, 120))))
+    if len(b) >= H.HEADER_SIZE and rng.random() < 0.7:
+        b[0:3] = b"TH" + bytes([H.VERSION])
+        b[3] = H.DATA
+    return bytes(b)
+
+
 def random_frame(rng) -> bytes:
-    """Random bytes, or a random msgpack map with a known request type (never shutdown)."""
+    """Random bytes, or a random msgpack map with a known request type (never shutdown or
+    drain, which a loopback peer of a key-less PS may legitimately send)."""
     if rng.random() < 0.3:
         return rng.bytes(int(rng.integers(0, 300)))
-    types = [t for t in control.REQUEST_TYPES if t != "shutdown"] + ["bogus"]
+    types = [t for t in control.REQUEST_TYPES if t not in ("shutdown", "drain")] + ["bogus"]
     fields = sorted({f for spec in control.SCHEMA.values() for f in spec})
     msg = {"type": str(rng.choice(types))}
     for name in rng.choice(fields, int(rng.integers(0, 5)), replace=False):
@@ -76,17 +92,7 @@ def stranger(server: PSServer, stop: threading.Event, counts: dict, seed: int) -
             sock.connect(f"tcp://127.0.0.1:{server.control_port}")
         counts["control_sent"] += 1
         for _ in range(20):
-            if rng.random() < 0.5:     # well formed, with a guessed nonce and token
-                r = lambda bits: int(rng.integers(0, 1 << bits))
-                h = H.Header(type=H.DATA, job_id=1, worker_id=r(2), num_workers=r(2) + 1, elem_bits=4,
-                             slot=r(9), round=r(32), count=64, op=H.OP_LOOKUP_SUM, nonce=r(32), token=r(32))
-                b = H.build(h, rng.bytes(32))
-            else:
-                b = bytearray(rng.bytes(int(rng.integers(0, 120))))
-                if len(b) >= H.HEADER_SIZE and rng.random() < 0.7:
-                    b[0:3] = b"TH" + bytes([H.VERSION])
-                    b[3] = H.DATA
-            udp.sendto(bytes(b), server.data_addr)
+            udp.sendto(junk_datagram(rng), server.data_addr)
             counts["datagrams_sent"] += 1
         time.sleep(0.01)
     sock.close(0)

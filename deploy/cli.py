@@ -529,6 +529,14 @@ def _fixed_timeout_arg(parser) -> None:
                              "measured on the path (the rule before the adaptive timer, for comparison)")
 
 
+def _error_feedback_arg(parser) -> None:
+    parser.add_argument("--error-feedback", action="store_true",
+                        help="codec thc: every rank keeps its error feedback (THC Alg. 3 line 22; with --rotation "
+                             "job in the rotated domain, docs/protocol.md §4 step 8), so a round's encoding adds "
+                             "the rank's residual of the round before; thc launch's exact check replays it "
+                             "(without it the test gradients are encoded alone, e = 0)")
+
+
 def _ps_wait_arg(parser) -> None:
     parser.add_argument("--ps-wait-s", type=_float_in(1, 86400, lo_open=False, hi_open=False, what="seconds"),
                         default=None, help="how long a worker waits for a PS that answers nothing (a "
@@ -588,6 +596,9 @@ def _add_cluster_commands(sub):
                                        "a job that needs the rank fails naming it")
     ps.add_argument("--stats-every", type=_float_in(0, 86400, lo_open=False, hi_open=False, what="seconds"),
                     default=10.0, help="seconds between stats lines (0: off)")
+    ps.add_argument("--metrics", type=_addr, default=None, metavar="HOST:PORT",
+                    help="serve Prometheus metrics at http://HOST:PORT/metrics (totals and per running job) "
+                         "and /healthz (200 while the PS serves)")
     ps.set_defaults(func=commands.cmd_ps)
 
     w = _command(sub, "worker", help="run one worker process: R rounds of test gradients through a PS",
@@ -596,7 +607,9 @@ def _add_cluster_commands(sub):
                  parents=[job_parent("workers", "bits", "granularity", "p", "lane-bits", "quorum",
                                      "block-log2", "rotation", "result-group", stated=True)])
     _codec_arg(w, stated=True)
-    _running_ps_args(w, "the PS data address HOST:PORT, or a comma list of shards (chunk c -> shard c mod S)",
+    _running_ps_args(w, "the PS data address HOST:PORT, or a comma list of S shards (a DATA phase's chunks go "
+                        "in runs of up to 64, run j to shard j mod S; NORM phases and barriers to the first; "
+                        "docs/protocol.md §9)",
                      "key directory with client.key_secret and server.key (`thc keys`)")
     w.add_argument("--rank", type=_int_in(0, 31, "a rank"), default=None,
                    help="worker id (default: $RANK from torchrun, else 0)")
@@ -614,6 +627,7 @@ def _add_cluster_commands(sub):
     _ps_wait_arg(w)
     w.add_argument("--report", type=_report_path, default=None,
                    help="write every round's report (digests, k, bitmaps) as JSON")
+    _error_feedback_arg(w)
     _job_arg(w, "default: \"default\", the name every thc worker without --job shares")
     w.set_defaults(func=commands.cmd_worker)
 
@@ -667,6 +681,7 @@ def _add_cluster_commands(sub):
                     help="start a killed rank again: it rejoins the running job")
     la.add_argument("--json", action="store_true", help="print one JSON summary line")
     la.add_argument("--verbose", action="store_true", help="per-round progress from every worker")
+    _error_feedback_arg(la)
     _job_arg(la, "with --ps; default: a fresh name per launch, or \"default\" when this host runs a "
                  "share of the ranks")
     la.set_defaults(func=commands.cmd_launch)
@@ -680,6 +695,9 @@ def _add_cluster_commands(sub):
     st.add_argument("--timeout-s", type=_float_in(0.1, 600, lo_open=False, hi_open=False, what="seconds"),
                     default=3.0, help="how long to wait for the answer")
     st.add_argument("--json", action="store_true", help="the status reply as JSON (a list for several shards)")
+    st.add_argument("--drain", action="store_true",
+                    help="first tell the PS (every shard) to drain: admit no new job, refuse the queued "
+                         "ones (code draining), let the running jobs finish, then exit 0 (as SIGUSR1 does)")
     st.set_defaults(func=commands.cmd_status)
 
     k = _command(sub, "keys", help="make a CURVE key directory for the control plane",

@@ -65,7 +65,11 @@ def cmd_keys(args) -> None:
 
 
 def cmd_ps(args) -> None:
+    """The PS service: shards bound and served until SIGTERM/Ctrl-C (at once) or, after a
+    drain (SIGUSR1, or `thc status --drain`), until the running jobs have ended."""
     import json
+    import signal
+    import threading
     import time
 
     from ps_server.server import PSServer
@@ -76,6 +80,10 @@ def cmd_ps(args) -> None:
     if port + 2 * (args.shards - 1) > 65535:
         raise ValueError(f"port {port} leaves no room for {args.shards} shards (data ports PORT, PORT+2, ...)")
     servers = []
+    metrics = _bind_metrics(servers, args.metrics) if args.metrics else None    # refused before any PS binds
+    drain = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, lambda *_: drain.set())
     say = lambda m: print(m, flush=True)
     try:
         for s in range(args.shards):
@@ -87,8 +95,15 @@ def cmd_ps(args) -> None:
             say(f"PS shard {s}: data udp://{host}:{port + 2 * s}, control tcp://{host}:"
                 f"{servers[-1].control_port}{' (CURVE)' if args.keys else ''}, {what}; "
                 f"{args.slot_space} slots shared by the jobs running at once")
+        if metrics is not None:
+            metrics.start()
+            say(f"metrics: http://{metrics.address[0]}:{metrics.address[1]}/metrics, health /healthz")
         last, printed = time.monotonic(), [None] * len(servers)
         while not all(s.wait(0.5) for s in servers):
+            if drain.is_set():
+                drain.clear()
+                for s in servers:
+                    s.drain("SIGUSR1")
             if args.stats_every and time.monotonic() - last >= args.stats_every:
                 last = time.monotonic()
                 for i, s in enumerate(servers):
@@ -99,9 +114,22 @@ def cmd_ps(args) -> None:
     except KeyboardInterrupt:
         pass
     finally:
+        if metrics is not None:
+            metrics.stop()
         for i, s in enumerate(servers):
             say(f"final stats shard {i}: {json.dumps(s.stats())}")
             s.stop()
+
+
+def _bind_metrics(servers: list, addr: tuple):
+    """The metrics endpoint (ps_server/metrics.py) bound on addr, serving `servers` once they
+    start; an address in use or that does not resolve is refused (exit 2) before any PS binds."""
+    from ps_server.metrics import MetricsServer
+    try:
+        return MetricsServer(servers, *addr)
+    except OSError as exc:
+        raise ValueError(f"--metrics {addr[0]}:{addr[1]}: cannot serve metrics there: "
+                         f"{exc.strerror or exc}") from None
 
 
 def _bind_ps(PSServer, job, host: str, port: int, cport, say, args):
@@ -147,7 +175,8 @@ def cmd_worker(args) -> dict:
         shards, rank, args.rounds, args.dim, args.seed, args.loss_policy,
         Faults(drop_out=args.loss, drop_in=args.loss, seed=args.seed), args.straggler_delay_ms, 1.0,
         args.timeout_ms, 64, None, False, bind_port=args.bind_port, expect=expect, propose=propose,
-        keys=args.keys, job_name=args.job, fixed_timeout=args.fixed_timeout, ps_wait_s=args.ps_wait_s)
+        keys=args.keys, job_name=args.job, fixed_timeout=args.fixed_timeout, ps_wait_s=args.ps_wait_s,
+        error_feedback=args.error_feedback)
     lost = sum(r["lost"] for r in out)
     if args.report:
         import json
@@ -163,14 +192,26 @@ def cmd_worker(args) -> dict:
 
 
 def cmd_status(args):
-    """The jobs a running PS serves: running (workers, region, rounds, counters) and queued."""
+    """The jobs a running PS serves: running (workers, region, rounds, counters) and queued.
+    With --drain, first tells every shard to drain (`drain`, authenticated as any request)."""
     import json
 
-    from deploy.launch import fetch_status
+    from deploy.launch import ask_ps, fetch_status
+    for host, port in args.ps if args.drain else ():
+        endpoint = f"tcp://{host}:{args.control_port or port + 1}"
+        reply = ask_ps((host, port, args.control_port or port + 1), {"type": "drain"}, args.keys, args.timeout_s)
+        if reply is None:
+            raise RuntimeError(f"no reply to drain from the PS control plane at {endpoint} within "
+                               f"{args.timeout_s:g} s (is a PS running there, its control port reachable?)")
+        if reply.get("type") != "ok":
+            raise RuntimeError(f"the PS at {endpoint} refused drain: {reply.get('message')}")
     docs = []
     for host, port in args.ps:
         doc = fetch_status((host, port, args.control_port or port + 1), args.keys, args.timeout_s)
         if doc is None:
+            if args.drain:          # drained already: nothing ran, so it stopped at once
+                docs.append({"draining": True, "stopped": True})
+                continue
             why = (f"no status reply from the PS control plane at tcp://{host}:{args.control_port or port + 1} "
                    f"within {args.timeout_s:g} s (is a PS running there, its control port reachable?)")
             if args.json:
@@ -198,9 +239,12 @@ def format_status(where: str, doc: dict) -> str:
     workers and the PS's log name), its round (the step its ranks report: a training step or
     a `thc launch` round; the counters' rounds_completed counts slot rounds), and its
     counters."""
+    if doc.get("stopped"):
+        return f"PS {where}: drained and stopped (no job was running)"
     jobs, queued = doc.get("jobs", []), doc.get("queued", [])
     lines = [f"PS {where}: {len(jobs)} job{'s' if len(jobs) != 1 else ''} running, {len(queued)} queued, "
-             f"{doc['slots_free']} of {doc['slot_space']} slots free"]
+             f"{doc['slots_free']} of {doc['slot_space']} slots free"
+             + ("; DRAINING: it admits no new job and stops once the running ones end" if doc.get("draining") else "")]
     for j in jobs:
         r, st = j["region"], j["stats"]
         missing = ", ".join(str(m["rank"]) for m in j["missing"])
@@ -266,7 +310,7 @@ def cmd_launch(args):
                      restart=args.restart_killed, job_name=args.job, fixed_timeout=args.fixed_timeout,
                      block_log2=args.block_log2, rotation=args.rotation, result_group=job.result_group,
                      serve_shard=args.serve_shard,
-                     ps_wait_s=args.ps_wait_s)
+                     ps_wait_s=args.ps_wait_s, error_feedback=args.error_feedback)
     if args.json:
         return doc
     print(f"rounds {doc['rounds']}, exact {doc['exact_rounds']}, mismatched chunks "

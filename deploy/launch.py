@@ -93,7 +93,7 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
                 straggler_delay_ms, straggler_prob, timeout_ms, window, report=None, quiet=True,
                 bind_port=0, batched=True, expect=None, propose=None, keys=None, die_at=None,
                 rejoin=False, progress=None, job_name=None, fixed_timeout=False, ps_wait_s=None,
-                job_counters=False):
+                job_counters=False, error_feedback=False):
     """Run `rounds` allreduces of test gradients against the PS shards [(host, data, control)].
 
     `expect` is the job configuration this worker insists on (a dict of JobConfig fields),
@@ -111,7 +111,8 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
     `fixed_timeout` starts every chunk at `timeout_ms` instead of the measured RTO.
     `ps_wait_s`: how long to wait for a PS that answers nothing (None: the transport's default).
     `job_counters`: after the last round, read this job's counters from the PS (its status)
-    into the counters' `ps_job`.
+    into the counters' `ps_job`.  `error_feedback`: keep THC's error feedback (off: every
+    round encodes its test gradient alone, as the exact check assumes unless told).
     Returns (per-round reports, transport counters, the job as announced by the PS).
     """
     import os
@@ -132,21 +133,23 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
         if report is not None:
             report.put((worker_id, [], {"rejoin_refused": 1}, None))
         return [], {"rejoin_refused": 1}, None
-    w = Worker(t, error_feedback=False, seed=seed, straggler_delay_ms=straggler_delay_ms,
+    w = Worker(t, error_feedback=error_feedback, seed=seed, straggler_delay_ms=straggler_delay_ms,
                straggler_prob=straggler_prob, per_round_rng=True)
     out, job_ps = [], None
     lapses, missed, ended, catching = 0, 0, False, False
     quorum_job = t.job.quorum_count < t.job.num_workers
 
-    def catch_up() -> int:
+    def catch_up(own: int = 0) -> int:
         """Fast-forward to the others' step: in a quorum-1 job that is the round they wait in
         for this rank.  A quorum job goes on meanwhile, and the heartbeats' step is up to a
         heartbeat old: there the rank reads the results fanned out to it since it registered
         again and skips the rounds they show finished, so its first round is the one the
         others are in (a round behind the front would be lost, and at the front's pace it
-        would never catch up; a round skipped while the others are in it is lost for them)."""
+        would never catch up; a round skipped while the others are in it is lost for them).
+        `own`: the round this rank was in when its lease lapsed (no other rank can be before
+        it in a quorum-1 job, nor past it while all of them lapsed: no live rank says a step)."""
         nonlocal catching
-        first = min(t.others_step(), rounds)
+        first = min(max(t.others_step(), own), rounds)
         w.skip_rounds(first, dim)
         if quorum_job:
             first = skip_to_front(w, dim, first, rounds)
@@ -169,7 +172,7 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
                 if r >= rounds:
                     t.progress = rounds          # done: a rank that rejoins now skips every round
                     t.barrier("end")
-                    job_ps = job_stats(shards, t.sessions, keys) if job_counters else None
+                    job_ps = job_stats(shards, t.sessions, keys, 5.0) if job_counters else None
                     break
                 t.progress = r
                 if progress is not None:
@@ -198,7 +201,7 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
                 lapses += 1
                 print(f"worker {worker_id}: {exc}; rejoining", file=sys.stderr, flush=True)
                 w.rejoin()
-                r = catch_up()
+                r = catch_up(r if r is not None and not quorum_job else 0)
                 out = [o for o in out if o["round"] < r]     # rounds it runs again
         counters = dict(t.stats.counters)
     except JobEnded as exc:
@@ -242,12 +245,16 @@ def _by_round(per_worker: dict) -> dict:
     return {i: {rep["round"]: rep for rep in reps} for i, reps in per_worker.items()}
 
 
-def reference_digests(job: JobConfig, seed: int, round_no: int, dim: int, reports: dict) -> list:
+def reference_digests(job: JobConfig, seed: int, round_no: int, dim: int, reports: dict,
+                      memory: dict | None = None) -> list:
     """Per-chunk crc32 of the exact aggregate each reported bitmap should have produced.
 
     Every rank's contribution is recomputed from (seed, rank, round) — test gradients and
     per-round randomness — so ranks that did not report (another host's, or a crashed
-    incarnation's) are checked too, with the shared norms of any rank's report."""
+    incarnation's) are checked too, with the shared norms of any rank's report.  `memory`
+    ({rank: ErrorFeedback}, thc): the ranks keep error feedback, so each rank's encoding
+    adds its residual of the previous round (docs/protocol.md §4 step 8 under rotation
+    `job`) and leaves its new one there: the rounds must come in order."""
     n = job.num_workers
     grads = [gradient(seed, round_no, i, dim) for i in range(n)]
     per = job.elems_per_packet
@@ -260,8 +267,11 @@ def reference_digests(job: JobConfig, seed: int, round_no: int, dim: int, report
         shared = next(r["norms"] for r in reports.values() if r.get("norms") is not None)
         # a rank encodes with the norms it ended up with (its own, if it lost the NORM result)
         norms = [np.asarray(reports[i]["norms"] if i in reports else shared) for i in range(n)]
-        payloads = [tab[thc.WorkerRound(cfg, grads[i]).encode(norms[i], round_rng(seed, i, round_no), round_no)]
-                    for i in range(n)]
+        payloads = []
+        for i in range(n):
+            rnd = thc.WorkerRound(cfg, grads[i], None if memory is None else memory[i], "grad")
+            payloads.append(tab[rnd.encode(norms[i], round_rng(seed, i, round_no), round_no)])
+            rnd.feedback()          # nothing without a memory
     lane = LANE_DTYPES[job.lane_bits]
     results = []
     total_len = payloads[0].size if payloads is not None else dim
@@ -325,20 +335,28 @@ def check_blob_rounds(job: JobConfig, seed: int, dim: int, per_worker: dict) -> 
     return {"rounds": rounds, "exact_rounds": exact, "mismatched_chunks": mismatched, "lost_chunks": lost}
 
 
-def check_rounds(job: JobConfig, seed: int, dim: int, per_worker: dict) -> dict:
+def check_rounds(job: JobConfig, seed: int, dim: int, per_worker: dict, error_feedback: bool = False) -> dict:
     """Compare every reported chunk with the reference; returns exact/lost/mismatch counts.
 
-    A round is exact only if every chunk every rank reported for it arrived and matched."""
+    A round is exact only if every chunk every rank reported for it arrived and matched.
+    `error_feedback`: the ranks kept THC's error feedback (`thc launch --error-feedback`):
+    the reference replays every rank's residual from round 0 on."""
     if job.blob:
         return check_blob_rounds(job, seed, dim, per_worker)
     reports = _by_round(per_worker)
     rounds = max((max(r) + 1 for r in reports.values() if r), default=0)
     exact_rounds, mismatched, lost = 0, 0, 0
+    memory = None
+    if error_feedback and job.codec == "thc":
+        from compression.codec import ErrorFeedback
+        memory = {i: ErrorFeedback() for i in range(job.num_workers)}
     for r in range(rounds):
         have = {i: reps[r] for i, reps in reports.items() if r in reps}
         if not have:
+            if memory is not None:
+                raise ValueError(f"no rank reported round {r}: error feedback cannot be replayed past it")
             continue
-        ref = reference_digests(job, seed, r, dim, have)
+        ref = reference_digests(job, seed, r, dim, have, memory)
         ok = True
         for rep in have.values():
             for c, digest in enumerate(rep["digest"]):
@@ -463,7 +481,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
                local_workers=None, expect=None, keys=None, kill=None, restart=False,
                lease_s=None, rejoin_grace_s=None, stall_s=180.0, job_name=None,
                fixed_timeout=False, block_log2=DEFAULT_BLOCK_LOG2, rotation="round", result_group=AUTO_GROUP,
-               serve_shard=None, ps_wait_s=None) -> dict:
+               serve_shard=None, ps_wait_s=None, error_feedback=False) -> dict:
     """Start a PS with `shards` shards (unless `ps` = "host:port[,host:port…]") and worker
     processes for ranks rank_base … rank_base + local_workers − 1 of an n = `workers` job;
     returns the JSON summary, whose `ok` is False when any chunk was inexact or, under
@@ -486,12 +504,17 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
     shard stays up after this host's workers finish until every rank has left its job.
     `ps_wait_s`: how long the workers wait for a PS that answers nothing (a restarted or
     stalled one) before they give up (None: worker.transport.DEFAULT_PS_WAIT_S).
+    `error_feedback` (thc): the workers keep THC's error feedback and the check replays it
+    (docs/protocol.md §4 step 8): every rank must run every round (no `kill`, quorum 1).
 
     Every wait is bounded: the workers' own (they fail naming a missing rank or an
     unreachable PS), and this launcher's watchdog, which stops the job when no worker has
     started a new round for `stall_s` seconds and names the ranks that are behind.  The
     workers die with this process (PR_SET_PDEATHSIG); SIGTERM/Ctrl-C stop them at once."""
     from worker.transport import Faults
+    if error_feedback and (codec != "thc" or kill is not None or quorum < 1):
+        raise ValueError("--error-feedback is THC's (codec thc) and the check replays every rank's residual "
+                         "from round 0: every rank must run every round (no --kill-rank, quorum 1)")
     local_workers = workers - rank_base if local_workers is None else local_workers
     if not (0 <= rank_base and 1 <= local_workers and rank_base + local_workers <= workers):
         raise ValueError(f"ranks {rank_base}..{rank_base + local_workers - 1} do not fit a job of "
@@ -533,7 +556,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
                  window), {"batched": batched, "expect": expect, "propose": job, "quiet": not verbose,
                            "keys": None if keys is None else str(keys), "job_name": job_name,
                            "fixed_timeout": fixed_timeout, "ps_wait_s": ps_wait_s,
-                           "job_counters": i == rank_base})
+                           "job_counters": i == rank_base, "error_feedback": error_feedback})
 
     ranks = range(rank_base, rank_base + local_workers)
 
@@ -565,7 +588,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
             "ranks": [], "dim": dim, "codec": codec, "quorum": quorum, "policy": policy,
             "seconds": elapsed, "restarted_workers": restarted, "ps": ps_stats})
     used = JobConfig.from_msg(announced) if announced else job
-    result = check_rounds(used, seed, dim, per_worker) if check else \
+    result = check_rounds(used, seed, dim, per_worker, error_feedback) if check else \
         {"rounds": rounds, "exact_rounds": None, "mismatched_chunks": None, "lost_chunks": None}
     total = lambda key: int(sum(c.get(key, 0) for c in counters.values()))
     per_worker = {i: out for i, out in per_worker.items() if out}
@@ -578,7 +601,10 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
     if away and used.quorum >= 1:
         problems.append(f"the job ended while rank{'s' if len(away) > 1 else ''} "
                         f"{', '.join(map(str, away))} {'were' if len(away) > 1 else 'was'} away")
-    first = next(iter(per_worker.values()))
+    first = next(iter(per_worker.values()), None)
+    if first is None:               # every rank reported, none a round (each ran them again after a lapse)
+        problems.append(f"no rank reported a round of {rounds} (lease rejoins: "
+                        f"{total('lease_rejoins')}, resumes: {total('resumes')})")
     return {**result, "ok": not problems, "problems": problems, "workers": workers, "job_name": job_name,
             "ranks": sorted(per_worker), "dim": dim, "codec": used.codec, "quorum": used.quorum,
             "result_group": used.result_group,
@@ -622,7 +648,7 @@ def _stop_when_left(server, timeout_s: float = 120.0) -> None:
     server.stop()
 
 
-def _ask(shard: tuple, msg: dict, keys=None, timeout_s: float = 2.0) -> dict | None:
+def ask_ps(shard: tuple, msg: dict, keys=None, timeout_s: float = 2.0) -> dict | None:
     """One control request to a PS shard (host, data_port, control_port[, control_host]) from
     outside any job; None when it does not answer within `timeout_s`.  Keys that do not fit
     the PS's raise HandshakeFailed (a ValueError) naming the cause, at once."""
@@ -654,7 +680,7 @@ def _ask(shard: tuple, msg: dict, keys=None, timeout_s: float = 2.0) -> dict | N
 
 def fetch_status(shard: tuple, keys=None, timeout_s: float = 2.0) -> dict | None:
     """A running PS's status reply: every running and queued job (None: no answer)."""
-    reply = _ask(shard, {"type": "status"}, keys, timeout_s)
+    reply = ask_ps(shard, {"type": "status"}, keys, timeout_s)
     return reply if reply is not None and reply.get("type") == "status" else None
 
 
@@ -694,7 +720,7 @@ def fetch_ps_stats(shard_list: list, keys=None, timeout_s: float = 2.0) -> dict 
     None when a shard does not answer within `timeout_s`."""
     stats = []
     for shard in shard_list:
-        reply = _ask(shard, {"type": "stats"}, keys, timeout_s)
+        reply = ask_ps(shard, {"type": "stats"}, keys, timeout_s)
         if reply is None or reply.get("type") != "stats":
             return None
         stats.append(reply["stats"])

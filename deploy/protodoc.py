@@ -95,6 +95,8 @@ REPLIES = {
     "resume": "`resume` {phase, max_phase}, once all n ranks asked",
     "stats": "`stats` {stats}: the PS's counters",
     "shutdown": "`ok`, then the PS stops (without CURVE keys: only from 127.0.0.0/8)",
+    "drain": "`ok`, then the PS admits no new job and stops once its running jobs end (without CURVE "
+             "keys: only from 127.0.0.0/8)",
 }
 
 #: The config reply (the PS's answer to `register`).
@@ -135,14 +137,15 @@ STATUS_REPLY = {
     "age_s": ("float", "seconds since the job started"),
     "stalled": ("str, only when set", "why the job can no longer complete (names the missing ranks)"),
     "jobs": ("array of map", "every running job: the job fields above and `stats` (its counters); this "
-                             "and the next three only in the reply to a status without a session"),
+                             "and the next four only in the reply to a status without a session"),
     "queued": ("array of map", "{job_name, slots, waiting_s, ranks}: jobs waiting for slots, oldest first"),
     "slot_space": ("int", "the slots all running jobs share"),
     "slots_free": ("int", "slots no running job holds"),
+    "draining": ("bool", "the PS admits no new job and stops once the running ones end (`drain`)"),
 }
 
 #: The STATUS_REPLY fields only a status without a session gets (the PS-wide listing).
-STATUS_LISTING = ("jobs", "queued", "slot_space", "slots_free")
+STATUS_LISTING = ("jobs", "queued", "slot_space", "slots_free", "draining")
 
 #: JobConfig fields (the `job` map): meaning; types come from the dataclass.
 JOB_FIELDS = {

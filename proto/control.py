@@ -38,6 +38,8 @@ ZMQ_MAXMSGSIZE.  Requests and their replies:
              from the least, zero skips to the greatest)
   stats      {}                               -> stats {stats}
   shutdown   {}                               -> ok, then the PS stops
+  drain      {}                               -> ok; the PS admits no new job (queued and new
+             ones are refused with code `draining`) and stops once its running jobs end
 Anything else, a field of the wrong type or range, or undecodable bytes, gets
 {type: error, message, code} (ERROR_CODES below says what each code asks of a worker).
 `session` is the secret the registration handed out: every request made for a rank must
@@ -95,6 +97,9 @@ ERROR_CODES = {
     "queued": "the job waits for slots (the PS's slot space is full, or an older queued job goes first); "
               "the message says what holds the space and `position` the place in the queue: register "
               "again in a moment (a job whose workers stop asking for 5 s leaves the queue)",
+    "draining": "the PS is draining (an operator's `thc status --drain` or SIGUSR1): it admits no new job "
+                "and stops once its running jobs end; a registration that would start or queue a job is "
+                "refused (a rank of a running job is not): stop, or use another PS",
 }
 
 
@@ -227,6 +232,7 @@ SCHEMA = {
     "resume": {"worker_id": (True, _RANK), "session": (True, _SESSION), "phase": (True, _int(0, 1 << 62))},
     "stats": {},
     "shutdown": {},
+    "drain": {},
 }
 REQUEST_TYPES = tuple(SCHEMA)
 

@@ -75,13 +75,29 @@ def handshake_problem(event: int, value: int, *, server: bool, curve: bool = Tru
             "(keys from another `thc keys` directory?), or the PS runs without --keys")
 
 
+#: A client gives up on a handshake that failed without an explicit cause (the PS dropped the
+#: connection: keys that do not fit, or a PS that died in the middle of it) only when this many
+#: fail in a row: keys that do not fit fail every reconnection (ZeroMQ retries every 0.1 s),
+#: a PS killed and restarted fails one.
+AMBIGUOUS_FAILURES = 3
+
+
+def definite(event: int, value: int) -> bool:
+    """Whether a failed handshake says its cause (the PS refused the key, or one end runs
+    without CURVE) rather than a dropped connection, which a dying PS also causes."""
+    import zmq
+    return event == zmq.EVENT_HANDSHAKE_FAILED_AUTH or (
+        event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
+
+
 class HandshakeWatch:
     """A monitor of one ZeroMQ socket's handshakes, set before it connects or binds.
 
     A CURVE server drops a client whose keys do not fit without a word on the socket: a
     request then waits out its timeout.  The monitor's HANDSHAKE_FAILED_* events tell the
     cause at once.  A client's watch (`server=False`) ends at its first successful
-    handshake; `check()` raises HandshakeFailed once one failed.  The PS's (`server=True`)
+    handshake; `check()` raises HandshakeFailed once one failed with its cause said, or
+    AMBIGUOUS_FAILURES failed in a row without one.  The PS's (`server=True`)
     stays: `problems()` returns a line per cause seen, at most one per cause every
     `every_s` seconds, with the count since the last."""
 
@@ -93,9 +109,11 @@ class HandshakeWatch:
         self._sock, self.server, self.curve, self.every_s = sock, server, curve, every_s
         self._mon = sock.get_monitor_socket(events=sum(getattr(zmq, e) for e in self.EVENTS))
         self.failed: str | None = None
+        self._ambiguous = 0              # failures in a row that said no cause (a client's)
         self._seen: dict = {}            # cause -> [last said (monotonic), count since]
 
     def _events(self) -> list:
+        """[(problem, whether its cause is definite)] of the handshakes failed since the last call."""
         import zmq
         from zmq.utils.monitor import recv_monitor_message
         out = []
@@ -109,13 +127,16 @@ class HandshakeWatch:
                     self.close()                # the keys fit: nothing more to watch
                     break
                 continue
-            out.append(handshake_problem(m["event"], m["value"], server=self.server, curve=self.curve))
+            out.append((handshake_problem(m["event"], m["value"], server=self.server, curve=self.curve),
+                        definite(m["event"], m["value"])))
         return out
 
     def check(self, where: str) -> None:
         """Raise HandshakeFailed naming `where` and the cause once a handshake failed."""
-        for problem in self._events():
-            self.failed = self.failed or problem
+        for problem, sure in self._events():
+            self._ambiguous += not sure
+            if sure or self._ambiguous >= AMBIGUOUS_FAILURES:
+                self.failed = self.failed or problem
         if self.failed:
             raise HandshakeFailed(f"the control plane at {where} refused the connection: {self.failed}")
 
@@ -123,7 +144,7 @@ class HandshakeWatch:
         """The PS's lines about failed handshakes since the last call (rate-limited per cause)."""
         import time
         now = time.monotonic() if now is None else now
-        for problem in self._events():
+        for problem, _ in self._events():
             self._seen.setdefault(problem, [float("-inf"), 0])[1] += 1
         lines = []
         for problem, seen in self._seen.items():

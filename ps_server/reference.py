@@ -28,6 +28,7 @@ a packet is aggregated only when its job id and nonce are this job's and its
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -159,6 +160,8 @@ class ReferencePS:
         self.space.claim(self, self.base, total)
         self.slots = _Region(self.space, self.base, total)
         self.closed = False
+        # the PS's data thread processes while its control thread (un)registers ranks: one at a time
+        self._lock = threading.Lock()
         self.workers: dict[int, tuple] = {}
         self.tokens: dict[int, int] = {}
         self.stats = Stats()
@@ -174,13 +177,15 @@ class ReferencePS:
         """Bind a rank to its source address and registration token (replaces an old one)."""
         if not 0 <= rank < self.job.num_workers:
             raise ValueError(f"worker id {rank} out of range 0..{self.job.num_workers - 1}")
-        self.workers[rank] = (ip, int(port))
-        self.tokens[rank] = token
+        with self._lock:
+            self.workers[rank] = (ip, int(port))
+            self.tokens[rank] = token
 
     def unregister(self, rank: int) -> None:
         """Forget a rank (it left or its lease expired): its packets are `unregistered`."""
-        self.workers.pop(rank, None)
-        self.tokens.pop(rank, None)
+        with self._lock:
+            self.workers.pop(rank, None)
+            self.tokens.pop(rank, None)
 
     def region(self) -> tuple:
         """(base, size) of this job's slots in its SlotSpace."""
@@ -262,7 +267,13 @@ class ReferencePS:
 
     # ------------------------------------------------------------------ main entry
     def process(self, datagram: bytes, addr: tuple) -> list:
-        """Handle one datagram from `addr`; returns [(bytes, (ip, port)), ...] to send."""
+        """Handle one datagram from `addr`; returns [(bytes, (ip, port)), ...] to send.  Safe
+        beside `register`/`unregister` from another thread (a rank leaving while its resend is
+        answered: before the lock, a KeyError there ended the PS's data thread)."""
+        with self._lock:
+            return self._process(datagram, addr)
+
+    def _process(self, datagram: bytes, addr: tuple) -> list:
         c = self.stats.counters
         c["packets_in"] += 1
         c["bytes_in"] += len(datagram)

@@ -57,11 +57,15 @@ JOIN_ROUND = (1 << 31) - 1
 DEFAULT_JOB_NAME = "default"
 #: A queued job whose workers stopped asking for this long leaves the queue.
 QUEUE_FORGET_S = 5.0
+#: A job's own control counters (beside its engine's data-plane ones): what the status listing
+#: and the metrics (ps_server/metrics.py) show per job.
+JOB_COUNTERS = ("registrations", "rejoins", "leases_expired", "stall_s_excused")
 #: A control step (a request, a lease check) that kept the control plane busy at least this
 #: long — programming a switch takes seconds — does not count against any rank's lease.
 DEAF_EXCUSE_S = 0.5
 #: The control loop's longest sleep (ZeroMQ poll).  A loop that wakes later than this plus
 #: DEAF_EXCUSE_S was itself stopped (SIGSTOP, a VM pause, swap): the PS stalled, not its ranks.
+#: Any other step of the loop that took that long is excused the same way (`_account`).
 POLL_S = 0.1
 
 
@@ -144,6 +148,7 @@ class Job:
     resume_waiters: dict = field(default_factory=dict)   # rank -> ident
     started: float = field(default_factory=time.monotonic)
     launch: str = ""                                     # the launch token of its ranks ("": none given)
+    counters: dict = field(default_factory=lambda: dict.fromkeys(JOB_COUNTERS, 0))
 
     def live(self) -> list:
         return sorted(r for r, m in self.members.items() if m.state == "live")
@@ -260,6 +265,7 @@ class PSServer:
         self.ctl.bind(f"tcp://{bind[0]}:{cport}")
         self.control_port = int(self.ctl.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
         self._stop = threading.Event()
+        self._mark = time.monotonic()              # the control loop's last accounting point
         self._threads: list[threading.Thread] = []
         self._lock = threading.RLock()
         self.jobs: dict = {}                       # number -> Job, the running ones
@@ -268,7 +274,13 @@ class PSServer:
         self._totals: dict = {"drops": dict.fromkeys(DROP_REASONS, 0)}
         self._control = {"jobs_started": 0, "jobs_ended": 0, "registrations": 0,
                          "registrations_refused": 0, "registrations_queued": 0, "control_errors": 0,
-                         "leases_expired": 0, "rejoins": 0}
+                         "leases_expired": 0, "rejoins": 0, "stall_s_excused": 0.0, "engine_errors": 0}
+        self._io: dict = {}                        # the C engines' socket counters of ended jobs
+        # draining (`drain`): no new job is admitted, the PS stops once the running ones end;
+        # the jobs queued when it began are told so when their workers ask again
+        self.draining = False
+        self._drain_queued: dict = {}              # queued job name -> told yet
+        self._drain_since = 0.0
         self.incarnation = secrets.randbits(32)
         # event lines: to `log` when given (thc ps prints them), else this module's logger
         self.log = log or _log_event
@@ -365,6 +377,7 @@ class PSServer:
         if self._external is None:
             self.mux.remove(job.config.job_id)
         _add_stats(self._totals, job.engine.stats())
+        _add_stats(self._io, _io_stats(job.engine))
         for r in list(job.members):
             self._unregister(job, r)
         job.engine.close()                 # the region is free (and clear) for the next job
@@ -387,7 +400,9 @@ class PSServer:
         if busy < DEAF_EXCUSE_S:
             return
         now = time.monotonic()
+        self._control["stall_s_excused"] += busy
         for job in self.jobs.values():
+            job.counters["stall_s_excused"] += busy
             for m in job.members.values():
                 if m.state == "live":
                     m.last_seen = min(now, m.last_seen + busy)
@@ -396,20 +411,25 @@ class PSServer:
         for q in self.queue.values():
             q.last_asked = min(now, q.last_asked + busy)
 
-    def _woke(self, slept: float) -> None:
-        """The control loop slept `slept` seconds in a poll of POLL_S: longer means this
-        process stalled (nothing of it ran: no heartbeat was read, no lease checked), and
-        the stall is the PS's own, never a rank's: every lease is extended by it before
-        any is checked."""
-        stall = slept - POLL_S
+    def _account(self, stalled: bool = True) -> None:
+        """Excuse the time since the control loop's last accounting point beyond POLL_S (its
+        poll): a stretch of DEAF_EXCUSE_S or more in which nothing of the control loop ran
+        means this process stalled (SIGSTOP, a VM pause, swap: `stalled`, logged) or a
+        request kept it busy (programming a switch).  Either is the PS's own, never a rank's:
+        every lease is extended by it.  Accounting before every lease check, and after every
+        request, leaves no stretch of the loop unaccounted, wherever a stop lands."""
+        now = time.monotonic()
+        gap, self._mark = now - self._mark, now
+        stall = gap - POLL_S
         if stall >= DEAF_EXCUSE_S:
             self._excuse(stall)
-            if self.jobs:
-                self.log(f"the PS stalled for {stall:.1f} s (its control loop slept past its "
-                         f"{POLL_S:g} s poll); every lease is extended by that, no rank is blamed")
+            if stalled and self.jobs:
+                self.log(f"the PS stalled for {stall:.1f} s (its control loop ran nothing for that long); "
+                         f"every lease is extended by that, no rank is blamed")
 
     def _check_leases(self) -> None:
-        now = time.monotonic()
+        self._account()                     # a stall up to now is excused before any lease is judged
+        now = self._mark
         for name in [n for n, q in self.queue.items() if now - q.last_asked > QUEUE_FORGET_S]:
             del self.queue[name]
         for job in list(self.jobs.values()):
@@ -417,6 +437,7 @@ class PSServer:
                 if m.state == "live" and now - m.last_seen > self.lease_s:
                     m.state, m.died = "dead", now
                     self._control["leases_expired"] += 1
+                    job.counters["leases_expired"] += 1
                     self._unregister(job, m.rank)
                     self.log(f"job {job.number}: rank {m.rank} lost its lease (no heartbeat for "
                              f"{now - m.last_seen:.1f} s)")
@@ -446,7 +467,14 @@ class PSServer:
     def _process_python(self, job_id: int, data: bytes, addr) -> None:
         with self._lock:
             job = next((j for j in self.jobs.values() if j.config.job_id == job_id), None)
-        out = job.engine.process(data, addr) if job is not None else []
+        try:
+            out = job.engine.process(data, addr) if job is not None else []
+        except Exception as exc:            # a bug must not end the data plane: counted and logged
+            self._control["engine_errors"] += 1
+            if self._control["engine_errors"] & (self._control["engine_errors"] - 1) == 0:   # 1, 2, 4, …
+                log.exception("job %s: a datagram's handling failed (%d so far): %s", job_id,
+                              self._control["engine_errors"], exc)
+            return
         for pkt, dest in out:
             try:
                 self.sock.sendto(pkt, dest)
@@ -504,6 +532,13 @@ class PSServer:
             raise control.ControlError(f"no running job to rejoin as rank {rank} (job {name!r} ended, "
                                        f"or the rank never joined it)")
         if job is None:
+            if self.draining:
+                if name in self._drain_queued:
+                    self._drain_queued[name] = True
+                raise control.CodedError(
+                    f"this PS is draining (it admits no new job and stops once its running jobs end), "
+                    f"so job {name!r} cannot start{' (it was queued)' if name in self._drain_queued else ''}: "
+                    f"use another PS, or this one once it is back", "draining")
             if self.fixed_job is not None:
                 config = self.fixed_job
             elif queued is not None and queued.config is not None:
@@ -547,8 +582,10 @@ class PSServer:
         job.members[rank] = m
         job.engine.register(rank, ip, port, token)
         self._control["registrations"] += 1
+        job.counters["registrations"] += 1
         if rejoin:
             self._control["rejoins"] += 1
+            job.counters["rejoins"] += 1
         self.log(f"job {job.number}: {'re' if rejoin else ''}registered rank {rank} at {ip}:{port}"
                  f" (control peer {peer or '?'})")
         return {"type": "config", "job": job.config.to_msg(), "nonce": job.nonce, "token": token,
@@ -589,6 +626,7 @@ class PSServer:
             doc["jobs"] = [{**self.job_status(j, now), "stats": j.engine.stats()} for j in jobs]
             doc["queued"] = [{"job_name": q.name, "slots": q.data + q.norm, "waiting_s": now - q.since,
                               "ranks": sorted(q.ranks)} for q in self.queue.values()]
+            doc["draining"] = self.draining
             return doc
 
     def _try_release(self, job: Job, name: str, now: float) -> None:
@@ -619,20 +657,8 @@ class PSServer:
                 self._control["registrations_refused"] += 1
                 raise
             return reply
-        if kind == "status":
-            if "session" in msg:            # a worker asking about its own job
-                control.require(msg, "worker_id")
-                job, _ = self._member(msg)
-                return self.status(job)
-            return self.status()
-        if kind == "stats":
-            return {"type": "stats", "stats": self.stats()}
-        if kind == "shutdown":
-            if self._auth is None and not peer.startswith("127."):
-                raise control.ControlError("shutdown is accepted only from this host when the PS "
-                                           "runs without keys")
-            self._stop.set()
-            return {"type": "ok"}
+        if kind in ("status", "stats", "shutdown", "drain"):
+            return self._handle_ps(kind, msg, peer)
         job, m = self._member(msg)
         m.last_seen = time.monotonic()
         if kind == "heartbeat":
@@ -651,6 +677,7 @@ class PSServer:
             if msg["name"] in job.released:         # a rank that rejoined after it was released
                 return {"type": "ok"}
             job.barriers.setdefault(msg["name"], {})[m.rank] = ident
+            self._try_resume(job)           # a rank that never saw the old PS: at phase 0
             self._try_release(job, msg["name"], time.monotonic())
             return None
         if kind == "sync_put":
@@ -671,33 +698,59 @@ class PSServer:
         if kind == "resume":
             job.resume[m.rank] = msg["phase"]
             job.resume_waiters[m.rank] = ident
-            if len(job.resume) == job.config.num_workers:
-                reply = {"type": "resume", "phase": min(job.resume.values()),
-                         "max_phase": max(job.resume.values())}
-                for w in job.resume_waiters.values():
-                    self._reply(w, reply)
-                job.resume.clear()
-                job.resume_waiters.clear()
+            self._try_resume(job)
             return None
         raise control.ControlError(f"unhandled control message type {kind!r}")
+
+    def _try_resume(self, job: Job) -> None:
+        """Answer the ranks' `resume` {phase, max_phase} once every rank of the job asked, or
+        waits in barrier "start": a rank whose first registration reached this PS only (it
+        crossed the restart) knows of no restart and has completed no phase (phase 0)."""
+        if not job.resume:
+            return
+        starting = [r for r in job.barriers.get("start", {}) if r not in job.resume]
+        if len(job.resume) + len(starting) < job.config.num_workers:
+            return
+        phases = list(job.resume.values()) + [0] * len(starting)
+        reply = {"type": "resume", "phase": min(phases), "max_phase": max(phases)}
+        for w in job.resume_waiters.values():
+            self._reply(w, reply)
+        job.resume.clear()
+        job.resume_waiters.clear()
+
+    def _handle_ps(self, kind: str, msg: dict, peer: str) -> dict:
+        """The requests about the PS rather than a rank's job: status, stats, shutdown, drain."""
+        if kind == "status":
+            if "session" in msg:            # a worker asking about its own job
+                control.require(msg, "worker_id")
+                job, _ = self._member(msg)
+                return self.status(job)
+            return self.status()
+        if kind == "stats":
+            return {"type": "stats", "stats": self.stats()}
+        if self._auth is None and not peer.startswith("127."):
+            raise control.ControlError(f"{kind} is accepted only from this host when the PS runs without keys")
+        if kind == "drain":
+            self.drain(f"a drain request from {peer or 'a control peer'}")
+        else:
+            self._stop.set()
+        return {"type": "ok"}
 
     def _control_loop(self):
         poller = zmq.Poller()
         poller.register(self.ctl, zmq.POLLIN)
         last_check = 0.0
-        asleep = time.monotonic()
+        self._mark = time.monotonic()
         while not self._stop.is_set():
             events = dict(poller.poll(int(POLL_S * 1000)))
             for line in self._watch.problems() if self._watch is not None else ():
                 self.log(f"WARNING: {line}")
             with self._lock:
-                self._woke(time.monotonic() - asleep)      # before any lease is checked
-                asleep = time.monotonic()
+                self._account()                 # the poll, and the previous request's reply
                 if time.monotonic() - last_check > 0.1:
                     last_check = time.monotonic()
                     self._check_leases()
-                    self._excuse(time.monotonic() - last_check)
-                    asleep = time.monotonic()
+                    self._drained()                 # after the drain request's reply
                 if not events:
                     continue
                 try:
@@ -709,19 +762,17 @@ class PSServer:
                     peer = body.get("Peer-Address") or ""
                 except (zmq.ZMQError, AttributeError):
                     peer = ""
-                started = time.monotonic()
                 try:
                     reply = self._handle(ident, control.decode(body.bytes), peer)
                 except Exception as exc:        # every failure is answered; the loop goes on
                     self._control["control_errors"] += 1
                     reply = control.error_from(exc)
-                self._excuse(time.monotonic() - started)
+                self._account(stalled=False)    # a request that kept the loop busy (a switch)
                 if reply is not None:
                     try:
                         self._reply(ident, reply)
                     except zmq.ZMQError:
                         pass
-                asleep = time.monotonic()       # the request's own time is excused above
         time.sleep(0.05)
 
     # ---------------------------------------------------------------- lifecycle
@@ -748,6 +799,55 @@ class PSServer:
             total.update(self._control)
             return total
 
+    def drain(self, why: str = "drain") -> None:
+        """Stop admitting jobs: a registration that would start or queue one is refused with
+        code `draining` (the jobs queued now are told so when their workers ask again); the
+        running jobs go on, and once the last one ends (and the queued ones were told, or
+        stopped asking) the PS stops (`wait` returns)."""
+        with self._lock:
+            if self.draining:
+                return
+            self.draining, self._drain_since = True, time.monotonic()
+            self._drain_queued = dict.fromkeys(self.queue, False)
+            self.queue.clear()
+            self.log(f"draining ({why}): no new job is admitted; {len(self.jobs)} running job(s) go on"
+                     + (f", queued job(s) {', '.join(map(repr, self._drain_queued))} are told to stop"
+                        if self._drain_queued else "") + "; the PS stops when they end")
+        self._drained()
+
+    def _drained(self) -> None:
+        """While draining: stop once no job runs and every job queued at the drain was told so
+        (its workers ask every half second; one that stopped asking leaves after QUEUE_FORGET_S)."""
+        if not self.draining or self._stop.is_set():
+            return
+        with self._lock:
+            told = all(self._drain_queued.values()) or \
+                time.monotonic() - self._drain_since > QUEUE_FORGET_S
+            if not self.jobs and told:
+                self.log("drained: every job has ended; the PS stops")
+                self._stop.set()
+
+    def serving(self) -> bool:
+        """Whether both planes are up: started, not stopped, and their threads alive."""
+        return bool(self._threads) and not self._stop.is_set() and all(t.is_alive() for t in self._threads)
+
+    def snapshot(self) -> dict:
+        """Everything the metrics show, read at once: the lifetime `stats`, the C engines'
+        socket counters (`io`: ended jobs', the running ones' and what no job received), and
+        each running job's name, counters, socket counters and ranks."""
+        with self._lock:
+            io = dict(self._io)
+            _add_stats(io, _io_stats(self.mux))
+            jobs = []
+            for job in sorted(self.jobs.values(), key=lambda j: j.number):
+                jio = _io_stats(job.engine)
+                _add_stats(io, jio)
+                jobs.append({"name": job.name, "number": job.number, "stats": job.engine.stats(),
+                             "control": dict(job.counters), "io": jio, "live": len(job.live()),
+                             "num_workers": job.config.num_workers})
+            return {"stats": self.stats(), "io": io, "jobs": jobs, "draining": self.draining,
+                    "serving": self.serving()}
+
     def wait(self, timeout: float | None = None) -> bool:
         return self._stop.wait(timeout)
 
@@ -761,6 +861,12 @@ class PSServer:
         self.sock.close()
         if self._auth is not None:
             self._auth.stop()
+
+
+def _io_stats(engine) -> dict:
+    """The C engine's (or Mux's) socket batching counters; {} for engines without them."""
+    io_stats = getattr(engine, "io_stats", None)
+    return {k: v for k, v in io_stats().items() if not isinstance(v, bool)} if io_stats else {}
 
 
 def _log_event(message: str) -> None:

@@ -274,3 +274,31 @@ def test_the_loss_table_counts_the_chunks_every_rank_lost(tmp_path):
     assert row["lost_chunks"] == 15
     table = experiments._write("loss", "t", "thc experiment loss", "", [row], out=tmp_path).read_text()
     assert "| lost chunks (all ranks) |" in table and "| 2.0 | 15 |" in table
+
+
+def test_a_handshake_dropped_once_is_not_taken_for_keys_that_do_not_fit():
+    """Reproduction (the fault soak, bench/soak.py): a PS killed while a worker's socket was in
+    its CURVE handshake made the worker fail with "this client's server.key is not that PS's
+    public key" although its keys fit the PS that came back.  A failure that says no cause
+    counts only when it repeats (keys that do not fit fail every reconnection); a refusal
+    with its cause (an unauthorized key) still fails at once."""
+    import zmq
+
+    from proto.keys import AMBIGUOUS_FAILURES, HandshakeWatch
+    watch = HandshakeWatch.__new__(HandshakeWatch)
+    watch.failed, watch._ambiguous, queued = None, 0, []
+    watch._events = lambda: [queued.pop(0)] if queued else []
+    dropped = ("the PS ended the CURVE handshake: …", False)
+    queued.append(dropped)
+    watch.check("tcp://ps:9001")                        # one dropped handshake: a PS restarting
+    for _ in range(AMBIGUOUS_FAILURES - 2):
+        queued.append(dropped)
+        watch.check("tcp://ps:9001")
+    queued.append(dropped)
+    with pytest.raises(HandshakeFailed, match="the PS ended the CURVE handshake"):
+        watch.check("tcp://ps:9001")                    # every reconnection fails: the keys
+    watch.failed, watch._ambiguous = None, 0
+    queued.append(("the PS refused this client's key", True))
+    with pytest.raises(HandshakeFailed, match="refused this client's key"):
+        watch.check("tcp://ps:9001")
+    assert zmq.EVENT_HANDSHAKE_FAILED_AUTH      # the event a definite refusal arrives as

@@ -23,6 +23,15 @@ from proto.keys import HandshakeWatch
 #: before it gives up: a restarted PS, or one that stalled (a VM pause, swap, a long GC),
 #: comes back within it and the job goes on (`--ps-wait-s`; docs/protocol.md §7).
 DEFAULT_PS_WAIT_S = 60.0
+#: A PS whose latest heartbeat has gone unanswered this long is the one a worker names as
+#: what it waits for (heartbeats go every lease_s / 5 and are answered within milliseconds).
+PS_SILENT_NAMED_S = 1.0
+#: The heartbeat thread looks at an unanswered heartbeat this often: how long the PS has been
+#: silent is known to this precision, and so is when a worker gives up on it (ps_wait_s).
+HB_SLICE_S = 0.1
+#: Control requests a PS restart interrupts without loss: the worker resumes the data plane
+#: with the other ranks and asks the new PS again (a model sync runs again from its start).
+RESUMABLE = ("barrier", "sync_put", "sync_get", "status")
 log = logging.getLogger(__name__)
 
 
@@ -32,6 +41,11 @@ class PSUnavailable(RuntimeError):
 
 class Queued(ValueError):
     """The PS queued this rank's job: its slot space is full (the message says what holds it)."""
+
+
+class Draining(RuntimeError):
+    """The PS is draining (its operator is taking it out of service): it admits no new job,
+    so this rank's job, new or queued, will not start there."""
 
 
 def _common_job(jobs: list):
@@ -110,7 +124,8 @@ class Session:
         self._hb_ok = [time.monotonic()] * len(shards)
         self.ps_wait_s = ps_wait_s
         self._ps_heard = [time.monotonic()] * len(shards)   # the shard's latest reply of any kind
-        self._ps_silent = [0.0] * len(shards)   # how long it had been silent at its latest unanswered heartbeat
+        self._ps_silent = [0.0] * len(shards)   # how long it has been silent, while a heartbeat is unanswered
+        self._hb_pending = [False] * len(shards)    # a heartbeat to the shard awaits its reply
         self._restarted: set = set()
         self._lease_lost: set = set()       # shards that answered lease_expired
         self._job_gone: str | None = None   # why the PS no longer knows our job (it ended)
@@ -162,8 +177,10 @@ class Session:
             msg["launch"] = self.launch
         if self._expect:
             msg["expect"] = self._expect
-        if self._propose is not None:
-            msg["job"] = self._propose.to_msg()
+        if self._propose is not None or self.job is not None:
+            # the job again after a PS restart: a PS started without job options knows it from
+            # whichever rank registers first (docs/protocol.md §7)
+            msg["job"] = (self._propose or self.job).to_msg()
         if (self._rejoin and self.job is None) or rejoin:
             msg["rejoin"] = True
         if self.sessions[shard] is not None:        # lets a PS that still knows us replace it
@@ -194,6 +211,7 @@ class Session:
             self._restarted.discard(shard)
             self._lease_lost.discard(shard)
             self._ps_heard[shard], self._ps_silent[shard] = time.monotonic(), 0.0
+            self._hb_pending[shard] = False
         self._hb_ok[shard] = time.monotonic()
         if self.job is not None and job != self.job:
             self._adopt(job)
@@ -221,7 +239,8 @@ class Session:
     def _heartbeat_loop(self) -> None:
         """Renew the lease of every shard a few times per lease; keep the status replies."""
         socks: dict = {}
-        while not self._hb_stop.wait(max(0.05, min(s["lease_s"] for s in self.sessions) / 5)):
+        clock = [time.monotonic()]           # the latest silence tick (_tick)
+        while not self._pause(max(0.05, min(s["lease_s"] for s in self.sessions) / 5), clock):
             for shard, sess in enumerate(self.sessions):
                 msg = {"type": "heartbeat", "worker_id": self.worker_id, "session": sess["session"]}
                 if self.progress >= 0:
@@ -229,20 +248,18 @@ class Session:
                 sock = socks.get(shard)
                 if sock is None:
                     sock = socks[shard] = self._socket(shard)
-                sent = time.monotonic()
+                self._hb_pending[shard] = True
                 try:
                     sock.send(control.encode(msg))
-                    if not sock.poll(int(1000 * sess["lease_s"])):
-                        sock.close(0)
-                        del socks[shard]
-                        self._unanswered(shard, sent, sess["lease_s"])
-                        continue
-                    reply = control.decode(sock.recv())
+                    reply = control.decode(sock.recv()) if self._await_heartbeat(sock, sess["lease_s"], clock) \
+                        else None
                 except zmq.ZMQError:
+                    reply = None
+                if reply is None:               # unanswered: the next heartbeat asks on a new socket
                     sock.close(0)
-                    socks.pop(shard, None)
-                    self._unanswered(shard, sent, sess["lease_s"])
+                    del socks[shard]
                     continue
+                self._hb_pending[shard] = False
                 self._ps_heard[shard], self._ps_silent[shard] = time.monotonic(), 0.0
                 if reply.get("type") == "error":
                     with self._session_lock:
@@ -254,13 +271,41 @@ class Session:
         for sock in socks.values():
             sock.close(0)
 
-    def _unanswered(self, shard: int, sent: float, lease_s: float) -> None:
-        """A heartbeat sent at `sent` got no reply: the PS has been silent since its latest
-        reply.  A wait that lasted far past its timeout means this process was stopped, not
-        that the PS was silent: it is not counted (the next heartbeat asks again)."""
+    def _tick(self, clock: list) -> None:
+        """Bring `_ps_silent` up to date: how long each shard with an unanswered heartbeat has
+        been silent (since its latest reply of any kind), to HB_SLICE_S, so a worker gives up
+        on a silent PS after ps_wait_s to the slice.  A tick that comes far later than the
+        slice means this process was stopped (SIGSTOP, swap), not the PS silent: the time it
+        overran is not counted against any shard."""
         now = time.monotonic()
-        if now - sent < 2 * lease_s + 1.0:
-            self._ps_silent[shard] = now - self._ps_heard[shard]
+        if now - clock[0] > HB_SLICE_S + 1.0:
+            for shard in range(len(self._ps_heard)):
+                self._ps_heard[shard] += now - clock[0] - HB_SLICE_S
+        clock[0] = now
+        for shard, pending in enumerate(self._hb_pending):
+            if pending:
+                self._ps_silent[shard] = max(0.0, now - self._ps_heard[shard])
+
+    def _pause(self, seconds: float, clock: list) -> bool:
+        """Wait `seconds` between heartbeats, ticking the silence; True once the heartbeat stops."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            if self._hb_stop.wait(min(HB_SLICE_S, left)):
+                return True
+            self._tick(clock)
+        return self._hb_stop.is_set()
+
+    def _await_heartbeat(self, sock, lease_s: float, clock: list) -> bool:
+        """Whether the heartbeat just sent on `sock` is answered within lease_s; polled in slices
+        of HB_SLICE_S, ticking the silence (`_tick`) meanwhile."""
+        end = time.monotonic() + lease_s
+        while not self._hb_stop.is_set():
+            if sock.poll(int(HB_SLICE_S * 1000)):
+                return True
+            self._tick(clock)
+            if time.monotonic() >= end:
+                return False
+        return False
 
     def _watching(self) -> bool:
         """Whether heartbeats run, so that `_ps_silent` says how long the PS has been silent."""
@@ -273,7 +318,7 @@ class Session:
         if not self._watching() or silent <= self.ps_wait_s:
             return
         shard = self._ps_silent.index(silent)
-        raise PSUnavailable(f"the PS at {self._endpoints[shard]} answered nothing for {silent:.0f} s "
+        raise PSUnavailable(f"the PS at {self._endpoints[shard]} answered nothing for {silent:.1f} s "
                             f"(no heartbeat reply{', ' + during if during else ''}); a worker waits "
                             f"ps_wait_s = {self.ps_wait_s:g} s for a restarted or stalled PS to come "
                             f"back (--ps-wait-s)")
@@ -321,8 +366,23 @@ class Session:
         self.status = [None] * len(self.sessions)
         self.rejoined = True
 
+    def silent_ps(self) -> str:
+        """The PS (shard) that has left a heartbeat unanswered for PS_SILENT_NAMED_S or more,
+        as text naming it and how long; '' when every shard answers."""
+        silent = max(self._ps_silent)
+        if not self._watching() or silent < PS_SILENT_NAMED_S:
+            return ""
+        shard = self._ps_silent.index(silent)
+        return (f"the PS at {self._endpoints[shard]} (no reply to heartbeats for {silent:.1f} s: stopped, "
+                f"restarting or cut off; a worker waits ps_wait_s = {self.ps_wait_s:g} s for it)")
+
     def waiting_for(self) -> str:
-        """What the job waits for, from the latest heartbeat: '' if nothing is known missing."""
+        """What the job waits for: a silent PS, else the ranks the latest heartbeat reply shows
+        missing; '' if nothing is known missing.  A silent PS comes first: the status it sent
+        before it fell silent is stale, and its ranks wait for it as this one does."""
+        silent_ps = self.silent_ps()
+        if silent_ps:
+            return silent_ps
         st = self.status[0]
         silent = time.monotonic() - self._hb_ok[0]
         if self.sessions[0] and silent > 2 * self.sessions[0]["lease_s"]:
@@ -397,12 +457,14 @@ class Session:
                 self._membership_error(shard, self.sessions[shard], reply)
                 if self._job_gone:
                     raise JobEnded(self._job_gone)
-                if shard in self._restarted and msg["type"] == "barrier":
+                if shard in self._restarted and msg["type"] in RESUMABLE:
                     raise _PSRestarted(shard)
             if code == "job_stalled":
                 raise JobStalled(f"PS refused {msg['type']}: {reply.get('message')}")
             if code == "queued":
                 raise Queued(reply.get("message"))
+            if code == "draining":
+                raise Draining(f"PS refused {msg['type']}: {reply.get('message')}")
             raise ValueError(f"PS refused {msg['type']}: {reply.get('message')}")
         return reply
 
@@ -410,17 +472,18 @@ class Session:
         """The reply to the request just sent on `sock` (see `call` for the bounds); `call`
         drops the socket when this raises."""
         start = time.monotonic()
-        while not sock.poll(int(min(1.0, self._control_timeout) * 1000)):
+        while not sock.poll(int(min(HB_SLICE_S * 2, self._control_timeout) * 1000)):
             waited = time.monotonic() - start
             watching = self._watching()
             if watching:                # a PS silent to heartbeats too is waited for up to ps_wait_s
                 self._check_ps_silence(f"{msg['type']} unanswered for {waited:.0f} s")
-                if wait and self._restarted and msg["type"] == "barrier":
-                    raise _PSRestarted(min(self._restarted))       # Transport.barrier resumes
-                if wait and self._restarted:    # the request went to the PS process that died
-                    raise PSUnavailable(f"the PS at {self._endpoints[shard]} restarted during "
-                                        f"{msg['type']} {msg.get('name', '')}; a job resumes an "
-                                        f"interrupted data-plane phase only".replace("  ", " "))
+                if shard in self._restarted:        # the request went to the PS process that died
+                    if msg["type"] in RESUMABLE:
+                        raise _PSRestarted(shard)   # the caller resumes and asks the new PS
+                    if wait:
+                        raise PSUnavailable(f"the PS at {self._endpoints[shard]} restarted during "
+                                            f"{msg['type']}; a job resumes its data-plane phases, barriers "
+                                            f"and model syncs only")
             if not wait or not watching:
                 if shard in self._watch:        # keys that do not fit: said at once, not after the timeout
                     self._watch[shard].check(self._endpoints[shard])
@@ -451,10 +514,11 @@ class Session:
             sock.close(0)
 
     def leave(self) -> None:
-        """Tell every shard this rank is done (best effort): the job ends when all have left."""
+        """Tell every shard this rank is done (best effort; not a shard given up as silent past
+        ps_wait_s: the worker does not wait on it again): the job ends when all have left."""
         for shard, sess in enumerate(self.sessions):
-            if sess is None:
-                continue
+            if sess is None or self._ps_silent[shard] > self.ps_wait_s:
+                continue            # given up as silent: it would not answer either; the lease runs out
             try:
                 self._control_timeout, saved = 2.0, self._control_timeout
                 try:

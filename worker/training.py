@@ -190,10 +190,8 @@ def rejoin_training(sync: GradientSync, model: nn.Module, steps_per_epoch: int, 
 
 def sync_model(worker: Worker, model: nn.Module, epoch: int) -> None:
     """Make every rank's parameters identical to the sync source's (via the PS control plane)."""
-    t = worker.t
-    if t.is_sync_source():     # rank 0, or the lowest live rank when rank 0 is gone
-        t.call({"type": "sync_put", "round": epoch, "blob": flat_params(model).tobytes()})
-    else:
-        blob = t.call({"type": "sync_get", "round": epoch}, wait=True)["blob"]
+    # the source is rank 0, or the lowest live rank when rank 0 is gone; a PS restart during
+    # the sync runs it again at the new PS (Transport.sync_state)
+    blob, source = worker.t.sync_state(epoch, flat_params(model).tobytes())
+    if not source:
         load_flat_params(model, np.frombuffer(blob, dtype=np.float32).copy())
-    t.barrier(f"sync-{epoch}")

@@ -23,10 +23,11 @@ from worker.phases import (DEFAULT_WINDOW, MIN_WINDOW, PHASE_BUDGET_MS, PHASE_CO
                            START_WINDOW, WINDOW_STEP, PhaseEngine, PhaseSession)
 from worker.policies import POLICIES
 from worker.rto import STALL_NOTE_TRIES, RetransmitPolicy, RetransmitTimer, rto_scale
-from worker.session import (DEFAULT_PS_WAIT_S, JobEnded, JobStalled, LeaseLost, PSUnavailable, Queued, Session,
-                            _PSRestarted)
+from worker.session import (DEFAULT_PS_WAIT_S, Draining, JobEnded, JobStalled, LeaseLost, PSUnavailable, Queued,
+                            Session, _PSRestarted)
 
-__all__ = ["DEFAULT_PS_WAIT_S", "DEFAULT_WINDOW", "MIN_WINDOW", "PHASE_BUDGET_MS", "PHASE_COUNTERS", "POLICIES", "SHARD_RUN",
+__all__ = ["DEFAULT_PS_WAIT_S", "DEFAULT_WINDOW", "Draining",
+           "MIN_WINDOW", "PHASE_BUDGET_MS", "PHASE_COUNTERS", "POLICIES", "SHARD_RUN",
            "SPIN_US", "STALL_NOTE_TRIES", "START_WINDOW", "WINDOW_STEP", "ChunkStream", "Datagrams", "Faults", "JobEnded",
            "JobStalled", "LeaseLost", "PSUnavailable", "PackedChunks", "PhaseEngine", "PhaseResults",
            "PhaseSession", "Queued", "RetransmitPolicy", "RetransmitTimer", "Session", "Transport",
@@ -171,6 +172,25 @@ class Transport:
             try:
                 self.session.barrier(name)
                 return
+            except _PSRestarted as exc:
+                self.phases.resume(exc.shard)
+
+    def sync_state(self, round_no: int, state: bytes) -> tuple[bytes, bool]:
+        """Model sync round `round_no` (docs/protocol.md §7, "Model sync"): every rank gives its
+        own `state`; returns (the sync source's state, whether this rank is the source), once
+        every live rank passed barrier sync-<round>.  A PS restart at any step (the source's
+        `sync_put`, a rank's `sync_get`, the barrier) resumes the data plane with the other
+        ranks, which are all in this sync too, and runs the whole sync again at the new PS: a
+        restarted PS holds none of the old one's state, so the source puts it again."""
+        while True:
+            try:
+                if self.session.is_sync_source():
+                    self.call({"type": "sync_put", "round": round_no, "blob": state})
+                    got, source = state, True
+                else:
+                    got, source = self.call({"type": "sync_get", "round": round_no}, wait=True)["blob"], False
+                self.session.barrier(f"sync-{round_no}")
+                return got, source
             except _PSRestarted as exc:
                 self.phases.resume(exc.shard)
 
