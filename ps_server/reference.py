@@ -20,6 +20,13 @@ For a DATA/NORM packet of round r at slot s whose current round is R:
   r = R − 1        a retransmission from a worker that lost the previous
                    result: the shadow copy is unicast if there is one
   otherwise        stale: STRAGGLER notification carrying R
+A DATA packet it aggregates (the first two rows) from rank w at data slot s also looks at
+the slot before, p = s − 1 (S − 1 for s = 0): when p's round is open (result not sent) and
+w has not contributed to it, w's packet for p was lost — a worker sends a phase's chunks in
+order and consecutive chunks on a shard take consecutive slots — and the PS sends w a
+NOTICE for p (its round, offset, count, bitmap and contributors so far), so that w resends
+it at once instead of after a timeout (`notices`; docs/protocol.md §3, "Loss notices").
+A switch cannot send them (`notices=False` is its rules).
 A round more than ROUND_WINDOW ahead of R (or of 0 for a slot not used yet) is
 dropped as `ahead`, so no single packet can move a slot out of the workers' reach.
 Every malformed or unauthorized datagram is counted under its reason and dropped:
@@ -42,7 +49,7 @@ DROP_REASONS = ("malformed", "wrong_version", "unknown_job", "slot_out_of_range"
                 "worker_out_of_range", "unregistered", "stale", "duplicate", "late", "codec_error",
                 "ahead")
 COUNTERS = ("packets_in", "bytes_in", "packets_out", "bytes_out", "rounds_completed",
-            "partial_rounds", "results_resent", "stragglers_notified")
+            "partial_rounds", "results_resent", "stragglers_notified", "notices")
 
 
 @dataclass
@@ -147,10 +154,13 @@ class Stats:
 class ReferencePS:
     """Packet-in, packets-out PS for one job; no sockets (the server shell adds them)."""
 
-    def __init__(self, job: JobConfig, nonce: int = 0, space: SlotSpace | None = None, base: int = 0):
-        """`space`/`base`: the job's slots are slots base.. of a shared SlotSpace (else its own)."""
+    def __init__(self, job: JobConfig, nonce: int = 0, space: SlotSpace | None = None, base: int = 0,
+                 notices: bool = True):
+        """`space`/`base`: the job's slots are slots base.. of a shared SlotSpace (else its own).
+        `notices`: send loss notices (the software PS); False is a switch's rules."""
         self.job = job
         self.nonce = nonce
+        self.notices = notices
         self.group = parse_group(job.result_group)       # (ip, port) or None
         self.table = np.asarray(job.table or (0,), dtype=np.int64)
         total = job.slots + job.norm_slots
@@ -274,7 +284,9 @@ class ReferencePS:
             return self._blob(h, bytes(payload))
         st = self.slots[h.slot]
         out = self._round_step(st, h)
-        return self._aggregate(st, h, payload) if out is None else out
+        if out is not None:
+            return out
+        return self._notice(h) + self._aggregate(st, h, payload)
 
     def process_segments(self, buffer: bytes, seg_size: int, addr: tuple) -> list:
         """A UDP GRO batch: every segment is processed exactly as a lone datagram."""
@@ -315,6 +327,25 @@ class ReferencePS:
         note = H.build(H.Header(type=H.STRAGGLER, job_id=job.job_id, worker_id=h.worker_id,
                                 num_workers=job.num_workers, slot=h.slot, round=st.round,
                                 offset=h.offset, op=h.op, nonce=self.nonce))
+        out: list = []
+        self._emit(out, note, h.worker_id)
+        return out
+
+    def _notice(self, h: H.Header) -> list:
+        """A DATA contribution of rank w at slot s: a NOTICE to w for the slot before if its
+        open round lacks w (module docstring)."""
+        if not self.notices or h.type != H.DATA:
+            return []
+        p = h.slot - 1 if h.slot else self.job.slots - 1
+        prev = self.slots[p]
+        if not prev.active or prev.result is not None or prev.bitmap >> h.worker_id & 1:
+            return []
+        self.stats.counters["notices"] += 1
+        job = self.job
+        note = H.build(H.Header(type=H.NOTICE, job_id=job.job_id, worker_id=h.worker_id,
+                                num_workers=job.num_workers, slot=p, round=prev.round, offset=prev.offset,
+                                count=prev.elems, bitmap=prev.bitmap, contributors=prev.count, op=job.op,
+                                nonce=self.nonce))
         out: list = []
         self._emit(out, note, h.worker_id)
         return out
