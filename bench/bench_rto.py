@@ -81,7 +81,7 @@ def run_slow_link(args, loss: float, fixed: bool):
                 "--seed", str(args.seed), "--json"] + (["--fixed-timeout"] if fixed else [])
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
             drops = (netns.qdisc_drops(net.ps_ns) + netns.qdisc_drops(net.worker_ns)
-                     + netns.nft_drop_counters(net.worker_ns))
+                     + net.nft_drops())
         finally:
             ps.terminate()
             ps.wait(10)

@@ -121,6 +121,7 @@ def test_c_engine_matches_reference(codec, quorum, lane_bits, bits, g):
     assert ref.stats() == fast.stats(), f"sequence seed {seed}"
     s = fast.stats()
     assert s["rounds_completed"] > 20 and s["stragglers_notified"] > 0 and s["results_resent"] > 0
+    assert s["notices"] > 0
     assert all(s["drops"][k] > 0 for k in ("malformed", "wrong_version", "unknown_job",
                                            "slot_out_of_range", "worker_out_of_range",
                                            "unregistered", "stale", "ahead"))
@@ -155,6 +156,56 @@ def test_round_rules(kind):
     note = e.process(pkts[3], ADDRS[3])
     h, _ = H.parse(note[0][0])
     assert (h.type, h.round, h.worker_id) == (H.STRAGGLER, 8, 3)
+
+
+@pytest.mark.parametrize("kind", ["c", "python"])
+def test_a_rank_whose_packet_for_the_slot_before_is_missing_gets_a_notice(kind):
+    """Loss notices (docs/protocol.md §3): rank 1's packet for slot 1 was lost; its packet for
+    slot 2 arrives: the PS tells rank 1 (alone) at once, naming slot 1's round, offset, count,
+    bitmap and contributors; never for a slot rank 1 is in, a complete one, a NORM slot, or
+    from a switch's rules (notices=False)."""
+    job = job_for()
+    e = make_engine(job, kind, NONCE)
+    register_all(e)
+    rng = np.random.default_rng(3)
+    for w in (0, 2, 3):                                  # slot 1 round 7: rank 1's packet is lost
+        assert e.process(data_packet(job, rng, w, 1, 7, offset=16), ADDRS[w]) == []
+    out = e.process(data_packet(job, rng, 1, 2, 7, offset=32), ADDRS[1])
+    assert [a for _, a in out] == [ADDRS[1]]
+    h, payload = H.parse(out[0][0])
+    assert (h.type, h.worker_id, h.slot, h.round, h.offset, h.count) == (H.NOTICE, 1, 1, 7, 16, 16)
+    assert (h.bitmap, h.contributors, h.nonce, h.job_id, h.op, len(payload)) == (0b1101, 3, NONCE, 1, job.op, 0)
+    assert e.stats()["notices"] == 1
+    assert e.process(data_packet(job, rng, 1, 2, 7, offset=32), ADDRS[1]) == []     # a duplicate: no news
+    out = e.process(data_packet(job, rng, 1, 1, 7, offset=16), ADDRS[1])          # its resend completes slot 1
+    assert [H.parse(p)[0].type for p, _ in out] == [H.RESULT] * 4
+    for w in (0, 2, 3):                                  # slot 2 completes; nothing to notice
+        out = e.process(data_packet(job, rng, w, 2, 7, offset=32), ADDRS[w])
+    assert [H.parse(p)[0].type for p, _ in out] == [H.RESULT] * 4
+    # slot 0's slot before is the last data slot (3): open there without rank 0
+    e.process(data_packet(job, rng, 2, 3, 7, offset=48), ADDRS[2])
+    out = e.process(data_packet(job, rng, 0, 0, 8), ADDRS[0])
+    assert [(H.parse(p)[0].type, H.parse(p)[0].slot, a) for p, a in out] == [(H.NOTICE, 3, ADDRS[0])]
+    # NORM phases: one chunk each, no notices
+    e.process(data_packet(job, rng, 1, job.slots, 2, count=4, ptype=H.NORM), ADDRS[1])
+    assert e.process(data_packet(job, rng, 0, job.slots + 1, 2, count=4, ptype=H.NORM), ADDRS[0]) == []
+    assert e.stats()["notices"] == 2
+    # the PS takes no NOTICE (workers send DATA and NORM only): dropped as malformed
+    forged = H.build(H.Header(type=H.NOTICE, job_id=1, worker_id=0, num_workers=4, slot=1, round=7,
+                              nonce=NONCE, token=TOKENS[0]))
+    before = e.stats()["drops"]["malformed"]
+    assert e.process(forged, ADDRS[0]) == [] and e.stats()["drops"]["malformed"] == before + 1
+    # a switch's rules send none
+    if kind == "python":
+        quiet = ReferencePS(job, NONCE, notices=False)
+    else:
+        from ps_server._fastpath import Engine
+        quiet = Engine(job_id=1, num_workers=4, slots=4, norm_slots=2, elems_per_packet=16, bits=4, lane_bits=8,
+                       op=job.op, quorum_count=4, table=list(job.table), nonce=NONCE, notices=False)
+    register_all(quiet)
+    quiet.process(data_packet(job, rng, 0, 1, 1, offset=16), ADDRS[0])
+    assert quiet.process(data_packet(job, rng, 1, 2, 1, offset=32), ADDRS[1]) == []
+    assert quiet.stats()["notices"] == 0
 
 
 def test_norm_max_and_float_sum():

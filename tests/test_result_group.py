@@ -250,7 +250,7 @@ def test_a_group_between_two_hosts_with_kernel_loss_is_exact():
                 sys.executable, "-m", "deploy.cli", "launch", "--ps", f"{net.ps_ip}:9000", "--workers", "2",
                 "--rounds", "10", "--dim", str(1 << 14), "--result-group", GROUP, "--json"],
                 capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-            drops = netns.nft_drop_counters(net.worker_ns)
+            drops = net.nft_drops()
         finally:
             ps_out = stop_gracefully(ps_proc)
     assert run.returncode == 0, run.stderr[-2000:]
