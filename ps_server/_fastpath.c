@@ -348,21 +348,31 @@ static void straggler_notice(Engine *e, slot_t *st, const pkt_t *p) {
     queue_msg(e, (int)(o - e->out), p->worker);
 }
 
-/* A DATA contribution of rank w at slot s (ReferencePS._notice): a NOTICE to w for the slot
- * before, p = s - 1 (the last data slot for s = 0), when p's open round lacks w — its packet
- * for p was lost, since a worker sends a phase's chunks in order on consecutive slots. */
-static void notice(Engine *e, const pkt_t *p) {
-    if (!e->notices || p->type != T_DATA) return;
-    int prev = p->slot ? p->slot - 1 : e->slots - 1;
-    slot_t *st = &e->slot[prev];
-    if (!st->active || st->cur.valid || (st->bitmap >> p->worker & 1)) return;
+/* A NOTICE to rank w for data slot s (ReferencePS._notice) if s's open round is one short of
+ * its quorum without w and w contributed to the next slot (0 after the last) at the round
+ * after s's: a worker sends a phase's chunks in order on consecutive slots, so w's packet
+ * for s was lost (or overtaken). */
+static void notice(Engine *e, int s, int w) {
+    slot_t *st = &e->slot[s], *nxt = &e->slot[(s + 1) % e->slots];
+    if (!st->active || st->cur.valid || st->count != e->quorum - 1 || (st->bitmap >> w & 1) || !e->w_reg[w])
+        return;
+    if (!nxt->active || !(nxt->bitmap >> w & 1) || nxt->round != st->round + (uint32_t)(s == e->slots - 1))
+        return;
     e->counters[C_NOTICES]++;
     outpkt_t *o = new_out(e);
     if (!o) return;
-    fill_hdr(e, o->hdr, T_NOTICE, 0, p->worker, 0, prev, st->round, st->offset, st->elems, 0, st->bitmap,
-             st->count, e->op);
+    fill_hdr(e, o->hdr, T_NOTICE, 0, w, 0, s, st->round, st->offset, st->elems, 0, st->bitmap, st->count, e->op);
     o->payload = NULL; o->payload_len = 0;
-    queue_msg(e, (int)(o - e->out), p->worker);
+    queue_msg(e, (int)(o - e->out), w);
+}
+
+/* After rank w's DATA contribution to slot s (ReferencePS._notices): the slot before for w,
+ * and s for each rank it lacks once it is one short of its quorum. */
+static void notices(Engine *e, slot_t *st, const pkt_t *p) {
+    if (!e->notices || p->type != T_DATA) return;
+    notice(e, p->slot ? p->slot - 1 : e->slots - 1, p->worker);
+    if (!st->cur.valid && st->count == e->quorum - 1)
+        for (int w = 0; w < e->n; w++) notice(e, p->slot, w);
 }
 
 /* Round half of the rules (ReferencePS._round_step): one row of docs/design.md's table per
@@ -445,8 +455,8 @@ static void handle(Engine *e, const uint8_t *buf, uint32_t len, uint32_t ip, uin
     if (drop >= 0) { e->drops[drop]++; return; }
     slot_t *st = &e->slot[p.slot];
     if (round_step(e, st, &p)) {
-        notice(e, &p);
         aggregate(e, st, &p);
+        notices(e, st, &p);
     }
 }
 

@@ -224,18 +224,19 @@ def test_the_order_rule_and_a_notice_resend_once_without_a_timeout():
     pol.found_lost(a, 0.02)                                  # found once: the timer goes on
     pol.noticed(a, 0.02, 1e-3)
     assert a.fast == -1 and not pol.due(a, 0.05)
-    # a notice: due a reorder window after the last send (at once when that has passed)
+    # a notice: due a reorder window after it arrived, or sooner if found lost so
     b = pol.start(1, b"pkt", 1.0, shard=0)
-    pol.noticed(b, 1.0002, 1e-3)
-    assert b.fast == pytest.approx(1.001)
+    pol.noticed(b, 1.01, 1e-3)
+    assert b.fast == pytest.approx(1.011) and not pol.due(b, 1.0105)
     c = pol.start(2, b"pkt", 1.0, shard=0)
-    pol.noticed(c, 1.01, 1e-3)
-    assert c.fast == pytest.approx(1.01)
-    # a held chunk noticed is due at once; under the zero policy a chunk found lost is lost
+    pol.found_lost(c, 1.005)
+    pol.noticed(c, 1.0049, 1e-3)
+    assert c.fast == pytest.approx(1.005)
+    # a held chunk noticed is due too; under the zero policy a chunk found lost is lost
     d = pol.start(3, b"pkt", 0.0, shard=0)
     assert pol.hold(d, 0.06, oldest=False)
     pol.noticed(d, 0.07, 1e-3)
-    assert pol.due(d, 0.07)
+    assert not pol.due(d, 0.0705) and pol.due(d, 0.072)
     z = RetransmitPolicy(_Engine("zero"))
     e = z.start(0, b"pkt", 0.0, shard=0)
     z.found_lost(e, 0.001)

@@ -449,12 +449,8 @@ static int accept_one(phase_t *ph, const uint8_t *b, uint32_t len, uint32_t ip, 
     if (type == T_NOTICE) {      /* RetransmitPolicy.noticed: the PS lacks this chunk */
         if (c >= 0 && round == ph->round[c] && ph->state[c] == S_PENDING) {
             ph->counters[K_NOTICES]++;
-            double now = mono_s(), f = ph->fast[c];
-            if (f != -1) {
-                double at = f <= HELD ? now : ph->deadline[c] - ph->tmo[c] + ph->T[T_REORDER];
-                if (at < now) at = now;
-                ph->fast[c] = f > 0 && f < at ? f : at;
-            }
+            double at = mono_s() + ph->T[T_REORDER], f = ph->fast[c];
+            if (f != -1) ph->fast[c] = f > 0 && f < at ? f : at;
         }
         return 0;
     }

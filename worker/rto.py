@@ -17,8 +17,8 @@ A chunk is found lost without a timer in two ways:
 
 - **The PS's notice** (software PS only): a NOTICE for a pending chunk's slot and round says
   the PS lacks this rank's packet (its next packet arrived first).  The chunk is due a
-  reorder window after its last send (at once, usually: a packet overtaken on the way has
-  arrived by then).
+  reorder window after the notice arrived: a packet that was only overtaken on the way has
+  reached the PS by then, and its result this rank.
 - **The order of results**: the result of a later chunk of its phase, sent to the same shard,
   arrived first as a fan-out (a result the PS sent because the slot had just completed, flag
   RESENT clear).  Every rank sends a phase's chunks in chunk order and the PS completes slots
@@ -244,12 +244,12 @@ class RetransmitPolicy:
 
     @staticmethod
     def noticed(p: _Pending, now: float, reorder: float) -> None:
-        """The PS's NOTICE says it lacks p: p is due a reorder window after its last send (at
-        once for a held chunk), unless the order rule already resent it (its timer goes on)."""
+        """The PS's NOTICE (arrived `now`) says it lacks p: p is due a reorder window later,
+        unless it was found lost sooner, or the order rule already resent it (its timer goes
+        on)."""
         if p.fast == -1:
             return
-        at = now if p.fast in (HELD, RELEASED) else max(now, p.deadline - p.timeout + reorder)
-        p.fast = at if p.fast <= 0 else min(p.fast, at)
+        p.fast = now + reorder if p.fast <= 0 else min(p.fast, now + reorder)
 
     @staticmethod
     def due(p: _Pending, now: float) -> bool:
