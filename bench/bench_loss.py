@@ -42,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import write_results  # noqa: E402
 from deploy import netns  # noqa: E402
 
 PATHS = ("transport", "kernel")
@@ -186,14 +187,7 @@ def main(argv=None) -> int:
     doc = {"command": " ".join(["bench/bench_loss.py"] + (argv if argv is not None else sys.argv[1:])),
            "workers": args.workers, "rounds": args.rounds, "dim": args.dim, "trees": dict(zip(names, map(str, trees))),
            "rows": rows, "load": os.getloadavg()}
-    (args.out / "loss.json").write_text(json.dumps(doc, indent=1))
-    md = table(rows)
-    (args.out / "loss.md").write_text(md + "\n")
-    print(md)
-    if failed:
-        print("bench_loss: not every round exact: " + "; ".join(failed), file=sys.stderr)
-        return 1
-    return 0
+    return write_results(args.out, "loss", doc, table(rows), failed)
 
 
 if __name__ == "__main__":

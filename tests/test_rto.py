@@ -145,8 +145,9 @@ def test_both_phase_engines_measure_the_path(engine):
 @pytest.mark.skipif(netns.unavailable(need_tc=True) is not None, reason=netns.unavailable(need_tc=True) or "")
 def test_on_a_rate_limited_path_the_adaptive_timer_stops_spurious_resends():
     """4 workers behind a 100 Mbit/s token bucket: the queue makes a round trip longer than
-    the 50 ms first timeout.  The fixed timer resends a large share of the packets though
-    nothing was lost; the adaptive one resends about what the queue dropped."""
+    the 50 ms first timeout.  The fixed timer resends a share of the packets though nothing
+    was lost (a probe per shard at each expiry since the probe rule: 4% of the packets, 18%
+    before); the adaptive one resends about what the queue dropped."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "THC_UDP_OFFLOAD": "0"}
     py = [sys.executable, "-m", "deploy.cli"]
     runs = {}
@@ -167,10 +168,10 @@ def test_on_a_rate_limited_path_the_adaptive_timer_stops_spurious_resends():
         assert run.returncode == 0, run.stderr[-2000:]
         doc = json.loads(run.stdout.strip().splitlines()[-1])
         assert doc["exact_rounds"] == 6 and doc["lost_chunks"] == 0
-        runs[fixed] = (doc["timeouts"] - drops, doc["packets_sent"], doc["rto_ms"])
+        runs[fixed] = (doc["retransmissions"] - drops, doc["packets_sent"], doc["rto_ms"])
     (fixed_spurious, fixed_sent, _), (spurious, sent, rto_ms) = runs[True], runs[False]
-    assert fixed_spurious > 0.05 * fixed_sent, runs        # the path is slow enough to matter
-    assert spurious < 0.01 * sent, runs
+    assert fixed_spurious > 0.01 * fixed_sent, runs        # the path is slow enough to matter
+    assert spurious < 0.01 * sent and spurious < fixed_spurious / 2, runs
     assert rto_ms > 50, runs
 
 

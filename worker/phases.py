@@ -114,7 +114,7 @@ class PhaseEngine:
         self._last_note = time.monotonic()
         nshards = len(session.shard_addrs)
         self.rtt = RetransmitTimer(self.timeout, self.max_timeout, nshards,
-                                   adaptive_timeout)
+                                   adaptive_timeout and policy == "retransmit")
         job = session.job
         self.window = min(window, job.slots * nshards)
         self.cwnd = min(START_WINDOW, self.window)
