@@ -261,7 +261,8 @@ class PhaseEngine:
                                              rounds.tolist())
         self._gc_stash()
         c = self.stats.counters
-        self._adapt_window(len(chunks), c["timeouts"] + c["fast_losses"] - found)
+        # chunks found lost, at most each once (a late rank's chunk may be probed again and again)
+        self._adapt_window(len(chunks), min(len(chunks), c["timeouts"] + c["fast_losses"] - found))
         return results
 
     def _adapt_window(self, nchunks: int, lost: int) -> None:
