@@ -2,8 +2,10 @@
 
 For each repetition and checkout (`--trees`: this one by default; another checkout, e.g. the
 commit before, runs the same command from its own directory, for before/after pairs) the
-same job runs at every loss rate in turn, P = 0 first: the lossless round each ratio is
-taken against.  The checkouts alternate their order from one repetition to the next.
+same job runs without loss and at every loss rate in turn, lossless runs between them
+(0, P1, 0, P2, 0): each loss's ratio is taken against the mean of the lossless runs just
+before and after it, so that a host whose load drifts over minutes moves both.  The
+checkouts alternate their order from one repetition to the next.
 
     thc launch --workers 4 --rounds 30 --dim 1048576 --loss P
 
@@ -142,7 +144,7 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     ap.add_argument("--losses", type=float, nargs="+", default=[0.001, 0.01],
-                    help="loss rates each way (the lossless run comes first by itself)")
+                    help="loss rates each way (lossless runs come before, between and after them)")
     ap.add_argument("--trees", type=Path, nargs="+", default=[ROOT],
                     help="checkouts to run the command from (each with its C extensions built)")
     ap.add_argument("--reps", type=int, default=3)
@@ -170,20 +172,27 @@ def main(argv=None) -> int:
         order = list(zip(names, trees))
         for path in args.paths:
             for name, tree in (order if rep % 2 == 0 else order[::-1]):
-                lossless = None
-                for loss in [0.0, *args.losses]:
+                group = []
+                for loss in [0.0] + [x for p in args.losses for x in (p, 0.0)]:
                     t0 = time.monotonic()
                     r = row(path, name, rep, loss, *RUNNERS[path](tree, args, loss))
-                    lossless = r["mean_round_ms"] if loss == 0 else lossless
-                    r["ratio"] = r["mean_round_ms"] / lossless if lossless else None
-                    rows.append(r)
+                    group.append(r)
                     if r["exact"] != r["rounds"] or not r["ok"]:
                         failed.append(f"{path} {name} loss {loss} rep {rep}: {r['exact']}/{r['rounds']} exact")
-                    print(f"{path} {name} rep {rep} loss {loss:g}: round {r['mean_round_ms']:.1f} ms "
-                          f"(x{r['ratio']:.2f}), {r['exact']}/{r['rounds']} exact, lost {r['dropped']} + "
+                    print(f"{path} {name} rep {rep} loss {loss:g}: round {r['mean_round_ms']:.1f} ms, "
+                          f"{r['exact']}/{r['rounds']} exact, lost {r['dropped']} + "
                           f"{r['host_drops']} host, timeouts {r['timeouts']}, found without a timer "
                           f"{r['fast_losses']}, resends {r['retransmissions']}, PS notices {r['ps_notices']} "
                           f"duplicates {r['ps_duplicates']} ({time.monotonic() - t0:.0f} s)", flush=True)
+                lossless = [r["mean_round_ms"] for r in group if r["loss"] == 0]
+                for i, r in enumerate(group):       # against the lossless runs beside it (or all of them)
+                    ref = (group[i - 1]["mean_round_ms"] + group[i + 1]["mean_round_ms"]) / 2 if r["loss"] \
+                        else statistics.mean(lossless)
+                    r["ratio"] = r["mean_round_ms"] / ref
+                    if r["loss"]:
+                        print(f"{path} {name} rep {rep} loss {r['loss']:g}: x{r['ratio']:.2f} the lossless "
+                              f"rounds beside it", flush=True)
+                rows += group
     doc = {"command": " ".join(["bench/bench_loss.py"] + (argv if argv is not None else sys.argv[1:])),
            "workers": args.workers, "rounds": args.rounds, "dim": args.dim, "trees": dict(zip(names, map(str, trees))),
            "rows": rows, "load": os.getloadavg()}
