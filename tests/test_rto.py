@@ -17,8 +17,7 @@ from deploy import netns
 from deploy.procs import stop_gracefully
 from proto.job import JobConfig
 from ps_server.server import PSServer
-from worker.rto import (FLOOR_RTTS, HELD, MIN_TIMEOUT_S, ORDER_REORDERS, RELEASED, REORDER_MIN_S, T_SCALES,
-                        RetransmitPolicy)
+from worker.rto import FLOOR_RTTS, HELD, MIN_TIMEOUT_S, ORDER_REORDERS, REORDER_MIN_S, T_SCALES, RetransmitPolicy
 from worker.transport import RetransmitTimer, Transport, TransportStats, rto_scale
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,7 +188,7 @@ class _Engine:
         pass
 
 
-def test_a_timer_resends_only_the_oldest_chunk_and_the_shard_s_answer_releases_the_rest():
+def test_a_timer_resends_only_the_oldest_chunk_and_the_shard_s_answer_restarts_the_rest():
     eng = _Engine()
     pol = RetransmitPolicy(eng)
     p = [pol.start(c, b"pkt", 0.0, shard=0, in_flight=c + 1) for c in range(4)]    # all due at 0.05
@@ -199,13 +198,13 @@ def test_a_timer_resends_only_the_oldest_chunk_and_the_shard_s_answer_releases_t
     assert pol.expired(p[0], now, "chunk 0", None) and p[0].tries == 1 and p[0].timeout == 0.1
     assert all(x.fast == HELD and not pol.due(x, 100.0) for x in p[1:])
     assert eng.stats.counters["timeouts"] == 1 and eng.stats.counters["retransmissions"] == 1
-    # the shard answers chunk 0: the held chunks restart their timers, a first timeout for their
-    # place behind it; expiring again they are resent whatever is older
+    # the shard answers chunk 0: the held chunks are in flight again with fresh timers, a first
+    # timeout for their place behind it; expiring, the oldest is the next probe, the rest held
     for x in p[1:]:
         pol.release(x, 0, 0, 1.0)
-        assert x.fast == RELEASED and x.deadline == pytest.approx(1.0 + eng.rtt.first_timeout(0, x.chunk))
-        assert not pol.hold(x, 2.0, oldest=False) and pol.expired(x, 2.0, "held", None)
-    assert eng.stats.counters["retransmissions"] == 4
+        assert x.fast == 0 and x.deadline == pytest.approx(1.0 + eng.rtt.first_timeout(0, x.chunk))
+    assert [pol.due(x, 2.0) and pol.hold(x, 2.0, oldest=x.chunk == 1) for x in p[1:]] == [False, True, True]
+    assert pol.expired(p[1], 2.0, "chunk 1", None) and eng.stats.counters["retransmissions"] == 2
     # under the zero policy every expiry loses its chunk: nothing is held
     z = RetransmitPolicy(_Engine("zero"))
     q = z.start(1, b"pkt", 0.0, shard=0)

@@ -202,8 +202,7 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
  * sent, done (float64), inflight (int32): each chunk's first send and answer times and the
  *              chunks in flight when it was sent, itself included (RetransmitTimer's samples)
  * fast (float64): when the order rule makes a chunk due (0: not found lost; -1: used up; -2:
- *              held by the probe rule until its shard answers again, RetransmitPolicy.hold;
- *              -3: its timer restarted then, and resends it whatever is older)
+ *              held by the probe rule until its shard answers again, RetransmitPolicy.hold)
  * fanned (int64, per shard): the latest chunk a fan-out result answered (-1: none)
  * dests (int64, nshards x 4): IPv4 address (network order), port, nonce, token
  * state (int8): 0 not sent, 1 pending, 2 result, 3 lost, 4 settled by the caller (stash)
@@ -227,8 +226,7 @@ enum { S_NEW, S_PENDING, S_RESULT, S_LOST, S_SETTLED };
 #define OP_BLOB 4
 #define F_RETRANSMIT 0x01
 #define F_RESENT 0x02
-#define HELD (-2.0)              /* fast[c] of a chunk the probe rule holds ... */
-#define RELEASED (-3.0)          /* ... and of one whose timer restarted when its shard answered */
+#define HELD (-2.0)              /* fast[c] of a chunk the probe rule holds */
 
 static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return ntohl(v); }
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return ntohs(v); }
@@ -449,7 +447,7 @@ static int accept_one(phase_t *ph, const uint8_t *b, uint32_t len, uint32_t ip, 
     if (type == T_NOTICE) {      /* RetransmitPolicy.noticed: the PS lacks this chunk */
         if (c >= 0 && round == ph->round[c] && ph->state[c] == S_PENDING) {
             ph->counters[K_NOTICES]++;
-            double at = mono_s() + ph->T[T_REORDER], f = ph->fast[c];
+            double at = mono_s() + ph->T[T_REORDER], f = ph->fast[c];   /* a held chunk too */
             if (f != -1) ph->fast[c] = f > 0 && f < at ? f : at;
         }
         return 0;
@@ -660,13 +658,13 @@ static PyObject *phase_run(PyObject *self, PyObject *args) {
             if (ph.state[c] != S_PENDING) continue;
             if (ph.fast[c] == HELD && ph.answered[s] >= 0) {           /* RetransmitPolicy.release */
                 int after = c - ph.answered[s];
-                ph.fast[c] = RELEASED;
+                ph.fast[c] = 0;
                 ph.deadline[c] = now + rto_first(ph.T, s, after > 1 ? after : 1);
             }
-            if ((ph.fast[c] == 0 || ph.fast[c] <= HELD) && c < ph.fanned[s]) ph.fast[c] = now + ph.T[T_ORDER];
+            if ((ph.fast[c] == 0 || ph.fast[c] == HELD) && c < ph.fanned[s]) ph.fast[c] = now + ph.T[T_ORDER];
             int timer = ph.deadline[c] <= now, ordered = ph.fast[c] > 0 && ph.fast[c] <= now;
             if (!timer && !ordered) continue;
-            if (timer && !ordered && !P[P_ZERO] && c != ph.oldest[s] && ph.fast[c] != RELEASED) {   /* hold */
+            if (timer && !ordered && !P[P_ZERO] && c != ph.oldest[s]) {   /* RetransmitPolicy.hold */
                 ph.fast[c] = HELD;
                 ph.deadline[c] = 1e300;
                 continue;

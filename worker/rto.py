@@ -55,9 +55,8 @@ ORDER_REORDERS = 4
 #: Where the shards' scales start in RetransmitTimer.T (floor, cap, adaptive, reorder window,
 #: the order rule's wait).
 T_SCALES = 5
-#: _Pending.fast of a chunk held by the probe rule (RetransmitPolicy.hold), and of one whose
-#: timer restarted when its shard answered again (RetransmitPolicy.release)
-HELD, RELEASED = -2.0, -3.0
+#: _Pending.fast of a chunk held by the probe rule (RetransmitPolicy.hold)
+HELD = -2.0
 
 
 @dataclass
@@ -71,7 +70,7 @@ class _Pending:
     tries: int = 0
     datagrams: int = 1          # datagrams one resend puts on the wire
     sent: float = 0.0           # the first send
-    fast: float = 0.0           # the order rule's due time (0: not found lost; -1: used; HELD, RELEASED)
+    fast: float = 0.0           # the order rule's due time (0: not found lost; -1: used; HELD: held)
 
 
 def rto_scale(per_chunk: np.ndarray) -> float:
@@ -217,29 +216,29 @@ class RetransmitPolicy:
     def found_lost(p: _Pending, at: float) -> None:
         """The order of results says p is lost: it is due at `at` (a later chunk's fan-out's
         arrival plus the reorder window), unless it was found so before or resent since."""
-        if p.fast in (0, HELD, RELEASED):
+        if p.fast in (0, HELD):
             p.fast = at
 
     def hold(self, p: _Pending, now: float, oldest: bool) -> bool:
         """The probe rule: p's timer expired, but under `retransmit` only the oldest pending
         chunk of a shard is resent on a timer (TCP resends the first unacknowledged segment
         on its RTO).  A whole window times out together when a rank is late (its codec, a
-        busy core): then one probe per shard goes out, not a window of resends the PS drops
-        as duplicates.  True: p is held (no resend, no timer) until the shard answers again
-        (`release`).  A chunk whose timer restarted on a release is resent when it expires
-        again, whatever is older."""
-        if oldest or self.t.policy == "zero" or p.deadline > now or 0 < p.fast <= now or p.fast == RELEASED:
+        busy core, or paused halfway through sending its window): then one probe per shard
+        goes out, not a window of resends the PS drops as duplicates.  True: p is held (no
+        resend, no timer) until the shard answers again (`release`)."""
+        if oldest or self.t.policy == "zero" or p.deadline > now or 0 < p.fast <= now:
             return False
         p.fast, p.deadline = HELD, math.inf
         return True
 
     def release(self, p: _Pending, answered: int, shard: int, now: float) -> None:
-        """The shard answered chunk `answered`: a held p restarts its timer, a first timeout
-        for its place behind the answered chunk (so answers still coming in order, a late
-        rank's window, are not resent; a tail that was lost with the probe is, all of it at
-        once when that timer expires)."""
+        """The shard answered chunk `answered`: a held p is in flight again with a fresh
+        timer, a first timeout for its place behind the answered chunk, so that answers still
+        coming in order (a late rank's window) are not resent.  When it expires, the probe
+        rule applies again: a tail lost whole is resent a chunk per timeout (random loss
+        rarely loses two; the order rule takes every chunk a later result passed)."""
         if p.fast == HELD:
-            p.fast = RELEASED
+            p.fast = 0.0
             p.deadline = now + self.t.rtt.first_timeout(shard, max(1, p.chunk - answered))
 
     @staticmethod
