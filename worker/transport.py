@@ -76,10 +76,11 @@ class Transport:
         between round trips, a large one overflows a slow link's queue (docs/bench-history.md,
         "Packet rate against the GSO/GRO blaster").
         `timeout_ms` is the first retransmission timeout until the path is measured: with
-        `adaptive_timeout` (the default) each shard's timeout then follows the measured round
-        trips, at least 1 ms (worker/rto.py, RetransmitTimer); without it every chunk starts at
-        `timeout_ms`.  Under the `zero` policy a timer's expiry loses the chunk.  Most losses
-        are found without a timer: by the PS's notice, or by the order of results (worker/rto.py).
+        `adaptive_timeout` (the default) and the retransmit policy each shard's timeout then
+        follows the measured round trips, at least 1 ms (worker/rto.py, RetransmitTimer);
+        otherwise every chunk starts at `timeout_ms` (under the `zero` policy a timer's expiry
+        loses the chunk).  Most losses are found without a timer: by the PS's notice, or by
+        the order of results (worker/rto.py).
         `batched` sends a window's packets with one sendmmsg and takes every waiting result
         with one recvmmsg (worker/_batchio.c); False is the one-call-per-datagram loop,
         kept for comparison (bench/bench_e2e.py) and for platforms without the extension.
