@@ -3,8 +3,10 @@
 For each path and loss rate the same `thc launch` job runs twice, once with the workers'
 fixed first timeout (`--fixed-timeout`, the rule before the adaptive timer) and once with
 the timeout that follows the measured round trip (worker/rto.py, RetransmitTimer).
-Reported per run: rounds exact, mean round, timeouts, packets sent, timeouts per 100 packets
-sent, and the timeout the workers ended with.  On a clean path every timeout is spurious.
+Reported per run: rounds exact, mean round, timeouts, losses found without a timer (by the
+PS's notice or the order of results, docs/design.md "Loss recovery"), resends, packets sent,
+resends beyond the datagrams the path dropped per 100 packets sent, and the timeout the
+workers ended with.  On a clean path every resend is spurious.
 
 Paths:
   loopback   a PS and the workers on 127.0.0.1; loss injected in the workers' transport
@@ -35,18 +37,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import write_results  # noqa: E402
+
 PATHS = ("loopback", "slow-link", "bmv2")
-KEYS = ("exact_rounds", "rounds", "mean_round_ms", "timeouts", "packets_sent", "rto_ms")
+KEYS = ("exact_rounds", "rounds", "mean_round_ms", "timeouts", "retransmissions", "packets_sent", "rto_ms")
 
 
 def _row(path: str, loss: float, fixed: bool, doc: dict, path_drops: int) -> dict:
-    """One run's figures.  Every timeout beyond the packets the path dropped is spurious
-    (a drop costs one timeout of the rank that waits for it; a rank waiting for another's
-    loss recovery may time out as well, so this bounds the spurious ones from above)."""
+    """One run's figures.  Every resend beyond the packets the path dropped is spurious (a
+    drop costs one resend of the rank that lost it; a rank waiting for another's loss
+    recovery may resend as well, so this bounds the spurious ones from above).  A checkout
+    before the loss notices resent on timeouts only (its retransmissions are its timeouts)."""
     row = {"path": path, "loss": loss, "timer": "fixed" if fixed else "adaptive",
-           **{k: doc.get(k) for k in KEYS}, "path_drops": path_drops}
+           **{k: doc.get(k) for k in KEYS}, "fast_losses": doc.get("fast_losses", 0), "path_drops": path_drops}
     sent = row["packets_sent"] or 0
-    row["spurious"] = max(0, row["timeouts"] - path_drops)
+    row["spurious"] = max(0, row["retransmissions"] - path_drops)
     row["spurious_per_100"] = 100 * row["spurious"] / sent if sent else None
     sw = doc.get("switch")
     if sw:
@@ -81,7 +86,7 @@ def run_slow_link(args, loss: float, fixed: bool):
                 "--seed", str(args.seed), "--json"] + (["--fixed-timeout"] if fixed else [])
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
             drops = (netns.qdisc_drops(net.ps_ns) + netns.qdisc_drops(net.worker_ns)
-                     + netns.nft_drop_counters(net.worker_ns))
+                     + net.nft_drops())
         finally:
             ps.terminate()
             ps.wait(10)
@@ -116,12 +121,13 @@ def why_not(path: str) -> str | None:
 
 def table(rows: list) -> str:
     out = ["| path | loss | timer | exact | mean round | packets sent | dropped on the path | timeouts | "
-           "spurious / 100 sent | timeout at the window |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "found without a timer | resends | spurious / 100 sent | timeout at the window |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         per = "-" if r["spurious_per_100"] is None else f"{r['spurious_per_100']:.2f}"
         out.append(f"| {r['path']} | {r['loss']:.0%} | {r['timer']} | {r['exact_rounds']}/{r['rounds']} | "
                    f"{r['mean_round_ms']:.1f} ms | {r['packets_sent']} | {r['path_drops']} | {r['timeouts']} | "
-                   f"{per} | {r['rto_ms']:.0f} ms |")
+                   f"{r['fast_losses']} | {r['retransmissions']} | {per} | {r['rto_ms']:.0f} ms |")
     switch = [r for r in rows if "switch_duplicates" in r]
     if switch:
         out += ["", "| path | loss | timer | switch: duplicates (spurious resends) | switch: results resent |",
@@ -162,21 +168,16 @@ def main(argv=None) -> int:
                 if row["exact_rounds"] != row["rounds"]:
                     failed.append(f"{path} loss {loss} {row['timer']}: {row['exact_rounds']}/{row['rounds']} exact")
                 print(f"{path} loss {loss:.0%} {row['timer']:>8}: {row['exact_rounds']}/{row['rounds']} exact, "
-                      f"round {row['mean_round_ms']:.1f} ms, {row['timeouts']} timeouts / "
+                      f"round {row['mean_round_ms']:.1f} ms, {row['timeouts']} timeouts, {row['fast_losses']} "
+                      f"found without a timer, {row['retransmissions']} resends / "
                       f"{row['packets_sent']} packets, {row['path_drops']} dropped on the path, "
                       f"timeout at the window {row['rto_ms']:.0f} ms "
                       f"({time.monotonic() - t0:.0f} s)", flush=True)
     doc = {"command": " ".join(["bench/bench_rto.py"] + (argv if argv is not None else sys.argv[1:])),
            "workers": args.workers, "rounds": args.rounds, "dim": args.dim, "bmv2_dim": args.bmv2_dim,
            "rate_mbit": args.rate_mbit, "rows": rows, "skipped": skipped, "load": os.getloadavg()}
-    (args.out / "rto.json").write_text(json.dumps(doc, indent=1))
     md = table(rows) + "".join(f"\n\n{p}: skipped: {r}" for p, r in skipped.items())
-    (args.out / "rto.md").write_text(md + "\n")
-    print(md)
-    if failed:
-        print("bench_rto: not every round exact: " + "; ".join(failed), file=sys.stderr)
-        return 1
-    return 0
+    return write_results(args.out, "rto", doc, md, failed)
 
 
 if __name__ == "__main__":

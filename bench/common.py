@@ -1,4 +1,4 @@
-"""Timing helper shared by the benchmark scripts."""
+"""Timing helper and result writer shared by the benchmark scripts."""
 import time
 
 
@@ -96,3 +96,17 @@ def background_from_args(args):
     """background_load() as the --background* options ask."""
     return background_load(args.background, args.background_memory, compile=args.background_compile,
                            session=args.background_session)
+
+
+def write_results(out, name: str, doc: dict, md: str, failed: list) -> int:
+    """A benchmark's end: `doc` as OUT/NAME.json, the table `md` as OUT/NAME.md and on stdout,
+    and the exit status: 1 when a run was not exact (`failed` says which), else 0."""
+    import json
+    import sys
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    (out / f"{name}.md").write_text(md + "\n")
+    print(md)
+    if failed:
+        print(f"bench_{name}: not every round exact: " + "; ".join(failed), file=sys.stderr)
+        return 1
+    return 0

@@ -519,8 +519,8 @@ def _float_in(lo: float, hi: float, *, lo_open: bool, hi_open: bool, what: str):
 _probability = _float_in(0, 1, lo_open=False, hi_open=True, what="a probability")
 _delay_ms = _float_in(0, 60000, lo_open=False, hi_open=False, what="milliseconds")
 _timeout_ms = _float_in(1, 60000, lo_open=False, hi_open=False, what="milliseconds")
-TIMEOUT_HELP = ("first and least retransmission timeout; above it the timeout follows the "
-                "measured round trip (see --fixed-timeout)")
+TIMEOUT_HELP = ("the first retransmission timeout until the path is measured; then the timeout follows the "
+                "measured round trips, at least 1 ms (see --fixed-timeout); most losses are found without it")
 
 
 def _fixed_timeout_arg(parser) -> None:

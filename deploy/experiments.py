@@ -128,7 +128,7 @@ def _kernel_loss_rows(base: TrainConfig, log) -> list:
         with netns.two_hosts(loss=0.01) as net:
             # nftables sees a UDP GSO message as one packet: send single datagrams here
             doc = run_in_namespaces(net, cfg, log, env_extra={"THC_UDP_OFFLOAD": "0"})
-            drops = netns.nft_drop_counters(net.worker_ns)
+            drops = net.nft_drops()
         row = _summary(label, doc)
         row["label"] += f" ({drops} packets dropped by nft)"
         rows.append(row)

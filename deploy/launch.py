@@ -612,7 +612,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
             "mean_round_ms": 1e3 * float(np.mean([r["seconds"] for w in per_worker.values() for r in w]
                                                   or [0.0])),
             "retransmissions": total("retransmissions"), "timeouts": total("timeouts"),
-            "packets_sent": total("packets_sent"),
+            "fast_losses": total("fast_losses"), "notices": total("notices"), "packets_sent": total("packets_sent"),
             "rto_ms": max((c.get("rto_ms", 0.0) for c in counters.values()), default=0.0),
             "fixed_timeout": fixed_timeout,
             "lost_chunks_reported": total("lost_chunks"), "straggler_notices": total("straggler_notices"),

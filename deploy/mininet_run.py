@@ -246,7 +246,7 @@ def run(*, workers: int = 4, rounds: int = 20, dim: int = 4096, loss: float = 0.
             "packets_sent": total("packets_sent"),
             "packets_per_s": total("packets_sent") / busy if busy else None,
             "retransmissions": total("retransmissions"), "timeouts": total("timeouts"),
-            "fixed_timeout": fixed_timeout,
+            "fast_losses": total("fast_losses"), "fixed_timeout": fixed_timeout,
             "rto_ms": max(r["transport"].get("rto_ms", 0.0) for r in reports.values()),
             "straggler_notices": total("straggler_notices"), "lost_chunks_reported": total("lost_chunks"),
             "kernel_drops": sum(nft_dropped(t) for t in doc["nft"]),

@@ -1,5 +1,6 @@
 """Test hosts in network namespaces: two on either end of a veth pair (`two_hosts`: PS and
-workers), or n on one bridge (`star`: a host per rank, as a rack behind a switch).
+workers), n on one bridge (`star`: a host per rank, as a rack behind a switch), or one host
+with only loopback (`one_host`: a run whose kernel counters, `udp_errors`, are its own).
 
 Used by the experiments (kernel-level loss, rate limits) and tests; everything is created
 under unique names and removed on exit.  Needs root, `ip`, and for loss `nft` (this
@@ -55,25 +56,32 @@ class TwoHosts:
     def prefix(self, ns: str) -> list[str]:
         return ["ip", "netns", "exec", ns]
 
+    def nft_drops(self) -> int:
+        """Datagrams the loss rules of both namespaces dropped so far."""
+        return nft_drop_counters(self.ps_ns) + nft_drop_counters(self.worker_ns)
 
-def _drop_rule(ns: str, loss: float, port_lo: int, port_hi: int) -> None:
-    """Drop UDP to/from ports [lo, hi] with probability `loss`, in both hooks of `ns`."""
+
+def _drop_rule(ns: str, loss: float, match: str, port_lo: int, port_hi: int) -> None:
+    """Drop UDP datagrams arriving in `ns` whose `match` (sport or dport) is in [lo, hi], with
+    probability `loss`: on receipt (the input hook), not on the sender's output hook, where a
+    drop fails the sender's sendmmsg at that datagram, which the sender (sendmmsg reports no
+    error once a first message went out) sends again with its next call."""
     per_million = int(round(loss * 1_000_000))
     _run("ip", "netns", "exec", ns, "nft", "add", "table", "inet", "thcloss")
-    for hook, match in (("output", "dport"), ("input", "sport")):
-        _run("ip", "netns", "exec", ns, "nft", "add", "chain", "inet", "thcloss", hook,
-             f"{{ type filter hook {hook} priority 0; }}")
-        _run("ip", "netns", "exec", ns, "nft", "add", "rule", "inet", "thcloss", hook, "udp", match,
-             f"{port_lo}-{port_hi}", "numgen", "random", "mod", "1000000", "<", str(per_million),
-             "counter", "drop")
+    _run("ip", "netns", "exec", ns, "nft", "add", "chain", "inet", "thcloss", "input",
+         "{ type filter hook input priority 0; }")
+    _run("ip", "netns", "exec", ns, "nft", "add", "rule", "inet", "thcloss", "input", "udp", match,
+         f"{port_lo}-{port_hi}", "numgen", "random", "mod", "1000000", "<", str(per_million),
+         "counter", "drop")
 
 
 @contextlib.contextmanager
 def two_hosts(*, rate_mbit: float | None = None, loss: float = 0.0, ps_ports=(9000, 9010)):
     """Create PS and worker namespaces joined by a veth pair; optional rate limit and loss.
 
-    Loss applies in both directions: the worker namespace drops outgoing DATA and incoming
-    RESULT datagrams of the PS ports with probability `loss` each way.  nftables sees a
+    Loss applies in both directions: the PS namespace drops DATA datagrams arriving for the
+    PS ports and the worker namespace results arriving from them, with probability `loss`
+    each way (`TwoHosts.nft_drops` counts them).  nftables sees a
     UDP GSO batch as one packet, so for per-datagram loss run the workers and PS with
     THC_UDP_OFFLOAD=0 (the loss experiment and tests/test_netns.py do).
     """
@@ -99,10 +107,36 @@ def two_hosts(*, rate_mbit: float | None = None, loss: float = 0.0, ps_ports=(90
             if rate_mbit is not None:
                 _rate_limit(ns, dev, rate_mbit)
         if loss > 0:
-            _drop_rule(wk_ns, loss, *ps_ports)
+            _drop_rule(ps_ns, loss, "dport", *ps_ports)
+            _drop_rule(wk_ns, loss, "sport", *ps_ports)
         yield TwoHosts(ps_ns, wk_ns, ps_ip, wk_ip)
     finally:
         _remove(created)
+
+
+@contextlib.contextmanager
+def one_host():
+    """A namespace with only loopback, up, and a multicast route on it (a cluster there uses
+    a result group as it does on the host); yields its name.  What it runs is counted by its
+    own kernel counters (`udp_errors`), not the host's."""
+    check_available()
+    ns = f"thcone-{uuid.uuid4().hex[:6]}"
+    try:
+        _run("ip", "netns", "add", ns)
+        _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        _run("ip", "netns", "exec", ns, "ip", "route", "add", "224.0.0.0/4", "dev", "lo")
+        yield ns
+    finally:
+        _remove([ns])
+
+
+def udp_errors(ns: str) -> int:
+    """Datagrams the kernel of `ns` dropped on receipt so far (/proc/net/snmp Udp InErrors:
+    full socket buffers, bad checksums)."""
+    out = subprocess.run(["ip", "netns", "exec", ns, "cat", "/proc/net/snmp"], capture_output=True,
+                         text=True).stdout.splitlines()
+    rows = [line.split() for line in out if line.startswith("Udp:")]
+    return int(dict(zip(rows[0][1:], rows[1][1:]))["InErrors"]) if len(rows) >= 2 else 0
 
 
 def _rate_limit(ns: str, dev: str, rate_mbit: float) -> None:

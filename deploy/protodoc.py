@@ -34,15 +34,17 @@ HEADER_MEANINGS = {
     "worker_id": "DATA/NORM: the sender's rank; unicast replies: the addressee; fan-out RESULTs: 0",
     "num_workers": "n as the sender believes it; the PS drops a DATA/NORM whose n differs (`malformed`)",
     "elem_bits": "DATA: index bits b (32 for float32, 8 for BLOB); RESULT: lane bits (32 for float32 sums, "
-                 "8 for BLOB); NORM and NORM_RESULT: 32",
+                 "8 for BLOB); NORM and NORM_RESULT: 32; STRAGGLER and NOTICE: 0",
     "job_id": "the job's id (`job.job_id` of the config reply)",
     "slot": "aggregator index: data slots 0..S−1, norm slots S..S+S_norm−1",
     "round": "the slot's round number (slots and rounds, below)",
     "offset": "coordinate offset of the first element in the tensor (BLOB: byte offset in the codec payload)",
     "count": "elements in the payload (BLOB: payload bytes after the 8-byte sub-header)",
     "payload_len": "bytes after the header; must equal the datagram's length − 40",
-    "bitmap": "RESULT/NORM_RESULT: contributors, bit i = rank i; 0 in DATA/NORM",
-    "contributors": "RESULT/NORM_RESULT: k, the number of contributors (the worker divides by k); 0 in DATA/NORM",
+    "bitmap": "RESULT/NORM_RESULT: contributors, bit i = rank i; NOTICE: the slot's contributors so far; "
+              "0 in DATA/NORM",
+    "contributors": "RESULT/NORM_RESULT: k, the number of contributors (the worker divides by k); NOTICE: "
+                    "the slot's so far; 0 in DATA/NORM",
     "op": "element operation (table below); must be the job's",
     "reserved": "0",
     "nonce": "the job's random 32-bit identity (config reply `nonce`); every packet of either direction carries it",

@@ -58,7 +58,7 @@ def software(workers, rounds, dim, loss, delay, rank, quorum, policy) -> dict:
             run = subprocess.run(net.prefix(net.worker_ns) + py + cmd, capture_output=True, text=True, env=env,
                                  cwd=ROOT, timeout=900)
             seconds = time.monotonic() - t0
-            drops = netns.nft_drop_counters(net.worker_ns) if loss else 0
+            drops = net.nft_drops() if loss else 0
         finally:
             ps_out = stop_gracefully(ps)
     if run.returncode != 0:

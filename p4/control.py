@@ -642,4 +642,5 @@ def engine_stats(ev: dict) -> dict:
     """The switch's event counters in the shape of the software PS's stats."""
     return {"rounds_completed": ev["rounds_completed"], "partial_rounds": ev["partial_rounds"],
             "results_resent": ev["results_resent"], "stragglers_notified": ev["stale"],
+            "notices": 0,                       # a switch sends no loss notices (docs/protocol.md §3)
             "drops": {k: ev[k] for k in DROPS}, "engine": "bmv2"}

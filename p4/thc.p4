@@ -15,6 +15,7 @@ const bit<8> T_RESULT = 2;
 const bit<8> T_STRAGGLER = 3;
 const bit<8> T_NORM = 4;
 const bit<8> T_NORM_RESULT = 5;
+const bit<8> T_NOTICE = 6;
 const bit<8> F_RESENT = 2;
 const bit<8> OP_LOOKUP_SUM = 1;
 const bit<8> OP_MAX_U32 = 3;

@@ -5,7 +5,7 @@ One fixed 40-byte header, then the payload:
   off size field         meaning
     0   2  magic         0x5448 ("TH")
     2   1  version       2
-    3   1  type          DATA, RESULT, STRAGGLER, NORM, NORM_RESULT
+    3   1  type          DATA, RESULT, STRAGGLER, NORM, NORM_RESULT, NOTICE
     4   1  flags         RETRANSMIT (worker resend), RESENT (PS unicast of a kept result)
     5   1  worker_id     sender (DATA/NORM) or addressee (unicast replies)
     6   1  num_workers   n, as the worker believes it (checked against the job)
@@ -30,7 +30,10 @@ order-preserving u32 codes of float32 statistics (see float_to_ordered), so
 the PS (or a switch) takes the max as unsigned integers.  op = BLOB marks
 fragments of variable-size codec payloads (proto/blob.py).
 A STRAGGLER notification carries no payload; its `round` is the slot's current
-round, so the late worker can resynchronize.
+round, so the late worker can resynchronize.  A NOTICE (software PS only) carries no
+payload either: it tells a worker that the PS lacks its packet for `slot` at `round`
+(its next packet arrived first), so the worker resends that one at once; `bitmap` and
+`contributors` are the slot's so far (docs/protocol.md §3, "Loss notices").
 
 Job identity and sender binding (version 2): the PS draws a random 32-bit `nonce`
 for every job it starts and a random 32-bit `token` for every registration (both
@@ -67,8 +70,9 @@ assert HEADER_SIZE == 40
 MAX_COORDS = 1 << 32
 
 # packet types
-DATA, RESULT, STRAGGLER, NORM, NORM_RESULT = 1, 2, 3, 4, 5
-TYPE_NAMES = {DATA: "DATA", RESULT: "RESULT", STRAGGLER: "STRAGGLER", NORM: "NORM", NORM_RESULT: "NORM_RESULT"}
+DATA, RESULT, STRAGGLER, NORM, NORM_RESULT, NOTICE = 1, 2, 3, 4, 5, 6
+TYPE_NAMES = {DATA: "DATA", RESULT: "RESULT", STRAGGLER: "STRAGGLER", NORM: "NORM", NORM_RESULT: "NORM_RESULT",
+              NOTICE: "NOTICE"}
 
 # flags
 F_RETRANSMIT = 0x01

@@ -36,6 +36,7 @@
 #define T_STRAGGLER 3
 #define T_NORM 4
 #define T_NORM_RESULT 5
+#define T_NOTICE 6
 #define F_RESENT 0x02
 #define OP_LOOKUP_SUM 1
 #define OP_FLOAT_SUM 2
@@ -47,10 +48,10 @@
 #include "../proto/udpio.h"
 
 enum { C_PACKETS_IN, C_BYTES_IN, C_PACKETS_OUT, C_BYTES_OUT, C_ROUNDS, C_PARTIAL, C_RESENT,
-       C_STRAGGLERS, N_COUNTERS };
+       C_STRAGGLERS, C_NOTICES, N_COUNTERS };
 static const char *counter_names[N_COUNTERS] = {
     "packets_in", "bytes_in", "packets_out", "bytes_out", "rounds_completed", "partial_rounds",
-    "results_resent", "stragglers_notified"};
+    "results_resent", "stragglers_notified", "notices"};
 enum { D_MALFORMED, D_VERSION, D_JOB, D_SLOT, D_WORKER, D_UNREG, D_STALE, D_DUP, D_LATE, D_CODEC,
        D_AHEAD, N_DROPS };
 static const char *drop_names[N_DROPS] = {
@@ -114,6 +115,7 @@ typedef struct {
     uint32_t w_ip[MAX_WORKERS + 1];     /* [GROUP]: the result group, when `group` */
     uint16_t w_port[MAX_WORKERS + 1];
     int group;               /* fan results out as one datagram to the group (JobConfig.result_group) */
+    int notices;             /* send loss notices (ReferencePS(notices=...)) */
     uint32_t w_token[MAX_WORKERS];
     uint8_t w_reg[MAX_WORKERS];
     uint64_t counters[N_COUNTERS], drops[N_DROPS];
@@ -346,6 +348,33 @@ static void straggler_notice(Engine *e, slot_t *st, const pkt_t *p) {
     queue_msg(e, (int)(o - e->out), p->worker);
 }
 
+/* A NOTICE to rank w for data slot s (ReferencePS._notice) if s's open round is one short of
+ * its quorum without w and w contributed to the next slot (0 after the last) at the round
+ * after s's: a worker sends a phase's chunks in order on consecutive slots, so w's packet
+ * for s was lost (or overtaken). */
+static void notice(Engine *e, int s, int w) {
+    slot_t *st = &e->slot[s], *nxt = &e->slot[(s + 1) % e->slots];
+    if (!st->active || st->cur.valid || st->count != e->quorum - 1 || (st->bitmap >> w & 1) || !e->w_reg[w])
+        return;
+    if (!nxt->active || !(nxt->bitmap >> w & 1) || nxt->round != st->round + (uint32_t)(s == e->slots - 1))
+        return;
+    e->counters[C_NOTICES]++;
+    outpkt_t *o = new_out(e);
+    if (!o) return;
+    fill_hdr(e, o->hdr, T_NOTICE, 0, w, 0, s, st->round, st->offset, st->elems, 0, st->bitmap, st->count, e->op);
+    o->payload = NULL; o->payload_len = 0;
+    queue_msg(e, (int)(o - e->out), w);
+}
+
+/* After rank w's DATA contribution to slot s (ReferencePS._notices): the slot before for w,
+ * and s for each rank it lacks once it is one short of its quorum. */
+static void notices(Engine *e, slot_t *st, const pkt_t *p) {
+    if (!e->notices || p->type != T_DATA) return;
+    notice(e, p->slot ? p->slot - 1 : e->slots - 1, p->worker);
+    if (!st->cur.valid && st->count == e->quorum - 1)
+        for (int w = 0; w < e->n; w++) notice(e, p->slot, w);
+}
+
 /* Round half of the rules (ReferencePS._round_step): one row of docs/design.md's table per
  * branch.  Returns 1 when the packet is to be aggregated, 0 when it was answered or dropped. */
 static int round_step(Engine *e, slot_t *st, const pkt_t *p) {
@@ -425,7 +454,10 @@ static void handle(Engine *e, const uint8_t *buf, uint32_t len, uint32_t ip, uin
     int drop = validate(e, buf, len, ip, port, &p, checked);
     if (drop >= 0) { e->drops[drop]++; return; }
     slot_t *st = &e->slot[p.slot];
-    if (round_step(e, st, &p)) aggregate(e, st, &p);
+    if (round_step(e, st, &p)) {
+        aggregate(e, st, &p);
+        notices(e, st, &p);
+    }
 }
 
 /* A received message that may be a UDP GRO batch: `seg` > 0 is the kernel's segment size,
@@ -509,8 +541,9 @@ static int claim_region(Engine *e, SlotSpace *space, int base, int total) {
 static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"job_id", "num_workers", "slots", "norm_slots", "elems_per_packet",
                              "bits", "lane_bits", "op", "quorum_count", "table", "nonce", "space",
-                             "base", "group_ip", "group_port", NULL};
+                             "base", "group_ip", "group_port", "notices", NULL};
     int job_id, base = 0, group_port = 0;
+    e->notices = 1;
     unsigned int nonce = 0;
     const char *group_ip = "";
     PyObject *table, *space = Py_None;
@@ -518,9 +551,10 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_RuntimeError, "an Engine is initialized once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiiiiiiiO|IOisi", kwlist, &job_id, &e->n, &e->slots,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iiiiiiiiiO|IOisip", kwlist, &job_id, &e->n, &e->slots,
                                      &e->norm_slots, &e->elems, &e->bits, &e->lane_bits, &e->op,
-                                     &e->quorum, &table, &nonce, &space, &base, &group_ip, &group_port))
+                                     &e->quorum, &table, &nonce, &space, &base, &group_ip, &group_port,
+                                     &e->notices))
         return -1;
     if (group_port != 0) {
         struct in_addr g;
@@ -1422,6 +1456,7 @@ PyMODINIT_FUNC PyInit__fastpath(void) {
         || PyModule_AddIntConstant(m, "STRAGGLER", T_STRAGGLER) < 0
         || PyModule_AddIntConstant(m, "NORM", T_NORM) < 0
         || PyModule_AddIntConstant(m, "NORM_RESULT", T_NORM_RESULT) < 0
+        || PyModule_AddIntConstant(m, "NOTICE", T_NOTICE) < 0
         || PyModule_AddIntConstant(m, "F_RESENT", F_RESENT) < 0
         || PyModule_AddIntConstant(m, "OP_LOOKUP_SUM", OP_LOOKUP_SUM) < 0
         || PyModule_AddIntConstant(m, "OP_FLOAT_SUM", OP_FLOAT_SUM) < 0

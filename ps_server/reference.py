@@ -20,6 +20,14 @@ For a DATA/NORM packet of round r at slot s whose current round is R:
   r = R − 1        a retransmission from a worker that lost the previous
                    result: the shadow copy is unicast if there is one
   otherwise        stale: STRAGGLER notification carrying R
+Loss notices (docs/protocol.md §3): a worker sends a phase's chunks in order and consecutive
+chunks on a shard take consecutive slots, so when rank w has contributed to data slot s + 1
+(slot 0 after the last) at the round that follows s's but not to s, w's packet for s was
+lost (or overtaken).  When s's round is open and one contribution short of its quorum
+without w, the PS sends w a NOTICE for s (its round, offset, count, bitmap and contributors
+so far), so that w resends it at once instead of after a timeout (`notices`).  It checks
+after each DATA contribution it aggregates: the contributor's slot before, and the
+contributed slot's missing ranks.  A switch cannot send them (`notices=False` is its rules).
 A round more than ROUND_WINDOW ahead of R (or of 0 for a slot not used yet) is
 dropped as `ahead`, so no single packet can move a slot out of the workers' reach.
 Every malformed or unauthorized datagram is counted under its reason and dropped:
@@ -43,7 +51,7 @@ DROP_REASONS = ("malformed", "wrong_version", "unknown_job", "slot_out_of_range"
                 "worker_out_of_range", "unregistered", "stale", "duplicate", "late", "codec_error",
                 "ahead")
 COUNTERS = ("packets_in", "bytes_in", "packets_out", "bytes_out", "rounds_completed",
-            "partial_rounds", "results_resent", "stragglers_notified")
+            "partial_rounds", "results_resent", "stragglers_notified", "notices")
 
 
 @dataclass
@@ -148,10 +156,13 @@ class Stats:
 class ReferencePS:
     """Packet-in, packets-out PS for one job; no sockets (the server shell adds them)."""
 
-    def __init__(self, job: JobConfig, nonce: int = 0, space: SlotSpace | None = None, base: int = 0):
-        """`space`/`base`: the job's slots are slots base.. of a shared SlotSpace (else its own)."""
+    def __init__(self, job: JobConfig, nonce: int = 0, space: SlotSpace | None = None, base: int = 0,
+                 notices: bool = True):
+        """`space`/`base`: the job's slots are slots base.. of a shared SlotSpace (else its own).
+        `notices`: send loss notices (the software PS); False is a switch's rules."""
         self.job = job
         self.nonce = nonce
+        self.notices = notices
         self.group = parse_group(job.result_group)       # (ip, port) or None
         self.table = np.asarray(job.table or (0,), dtype=np.int64)
         total = job.slots + job.norm_slots
@@ -285,7 +296,9 @@ class ReferencePS:
             return self._blob(h, bytes(payload))
         st = self.slots[h.slot]
         out = self._round_step(st, h)
-        return self._aggregate(st, h, payload) if out is None else out
+        if out is not None:
+            return out
+        return self._aggregate(st, h, payload) + self._notices(h, st)
 
     def process_segments(self, buffer: bytes, seg_size: int, addr: tuple) -> list:
         """A UDP GRO batch: every segment is processed exactly as a lone datagram."""
@@ -329,6 +342,35 @@ class ReferencePS:
         out: list = []
         self._emit(out, note, h.worker_id)
         return out
+
+    def _notices(self, h: H.Header, st: _Slot) -> list:
+        """After rank w's DATA contribution to slot s: a NOTICE to w for the slot before, and
+        to each rank missing from s, when their packet for it was lost (module docstring)."""
+        out: list = []
+        if not self.notices or h.type != H.DATA:
+            return out
+        self._notice(h.slot - 1 if h.slot else self.job.slots - 1, h.worker_id, out)
+        if st.result is None and st.count == self.job.quorum_count - 1:
+            for w in sorted(self.workers):
+                self._notice(h.slot, w, out)
+        return out
+
+    def _notice(self, s: int, w: int, out: list) -> None:
+        """A NOTICE to rank w for data slot s if s's open round is one short of its quorum
+        without w and w contributed to the next slot at the round after s's."""
+        st, nxt = self.slots[s], self.slots[(s + 1) % self.job.slots]
+        if not st.active or st.result is not None or st.count != self.job.quorum_count - 1 \
+                or st.bitmap >> w & 1 or w not in self.workers:
+            return
+        if not (nxt.active and nxt.bitmap >> w & 1
+                and nxt.round == (st.round + (s == self.job.slots - 1)) & 0xFFFFFFFF):
+            return
+        self.stats.counters["notices"] += 1
+        job = self.job
+        self._emit(out, H.build(H.Header(type=H.NOTICE, job_id=job.job_id, worker_id=w,
+                                         num_workers=job.num_workers, slot=s, round=st.round,
+                                         offset=st.offset, count=st.elems, bitmap=st.bitmap,
+                                         contributors=st.count, op=job.op, nonce=self.nonce)), w)
 
     def _round_step(self, st: _Slot, h: H.Header) -> list | None:
         """The round half of the rules, one branch per row of docs/design.md's table: the

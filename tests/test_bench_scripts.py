@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("script", ["bench_p4.py", "bench_breakeven.py", "pauses.py", "bench_jobs.py", "bench_rto.py",
-                                    "round_cpu.py", "bench_rotation.py"])
+                                    "round_cpu.py", "bench_rotation.py", "bench_loss.py"])
 def test_script_help_runs_from_anywhere(script, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], cwd=tmp_path, env=env,
@@ -47,6 +47,29 @@ def test_bench_rto_runs_both_timers_and_writes_its_table(tmp_path):
     assert all(r["exact_rounds"] == 3 for r in doc["rows"])
     assert all(r["path_drops"] > 0 for r in doc["rows"] if r["loss"])     # injected drops counted
     assert "| loopback | 5% | adaptive | 3/3 |" in (tmp_path / "rto" / "rto.md").read_text()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="bench_loss runs each job in a network namespace (root)")
+def test_bench_loss_takes_each_ratio_against_the_lossless_run_of_its_checkout(tmp_path):
+    """A small bench_loss run (transport path): lossless runs before and after the lossy one,
+    whose ratio is to their mean; the injected drops and the namespace's own kernel drops are
+    counted; the table and the JSON go to --out."""
+    import json
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_loss.py"), "--paths", "transport", "--reps",
+                           "1", "--rounds", "3", "--dim", "20000", "--losses", "0.05", "--out", str(tmp_path / "l")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "l" / "loss.json").read_text())["rows"]
+    assert [r["loss"] for r in rows] == [0.0, 0.05, 0.0] and all(r["exact"] == 3 for r in rows)
+    ms = [r["mean_round_ms"] for r in rows]
+    assert rows[1]["ratio"] == pytest.approx(2 * ms[1] / (ms[0] + ms[2]))
+    assert rows[0]["ratio"] == pytest.approx(2 * ms[0] / (ms[0] + ms[2]))
+    assert rows[0]["dropped"] == 0 and rows[1]["dropped"] > 0 and rows[1]["resends_per_loss"] > 0
+    assert "| transport | this | 0.05 | 1/1 |" in (tmp_path / "l" / "loss.md").read_text()
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_loss.py"), "--losses", "0", "--out",
+                          str(tmp_path / "x")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--losses must be probabilities in (0, 1)" in bad.stderr
 
 
 def test_bench_rotation_times_both_rotations_and_writes_its_json(tmp_path):

@@ -35,7 +35,7 @@ def test_kernel_loss_between_namespaces_is_repaired_exactly():
                 "launch", "--ps", f"{net.ps_ip}:9000", "--workers", "2", "--rounds", "10",
                 "--dim", str(1 << 14), "--json"], capture_output=True, text=True, env=env, cwd=ROOT,
                 timeout=300)
-            drops = netns.nft_drop_counters(net.worker_ns)
+            drops = net.nft_drops()
         finally:
             stop_gracefully(ps)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -224,8 +224,9 @@ def test_error_feedback_in_its_helper_thread_and_lazy_digests(overlap, monkeypat
 @pytest.mark.parametrize("engine", ["c", "python"])
 def test_window_doubles_when_clean_and_halves_on_timeouts(engine):
     """The chunks in flight start at START_WINDOW, double per window-full of chunks a phase
-    carried without a timeout (up to `window`), halve after a phase with timeouts (down to
-    MIN_WINDOW), and then grow by WINDOW_STEP per clean phase; results stay exact."""
+    carried without congestion (up to `window`), halve after a phase that lost more than an
+    eighth of its chunks (down to MIN_WINDOW), and then grow by WINDOW_STEP per clean phase;
+    results stay exact."""
     from worker.transport import MIN_WINDOW, START_WINDOW, WINDOW_STEP
     server = PSServer(JobConfig(num_workers=1), ("127.0.0.1", 0), control_port=0).start()
     silent = ScriptedPS(0, gso=False, silent=True)
@@ -274,6 +275,21 @@ def _placer(shards: int, slots: int = 8):
     session = SimpleNamespace(worker_id=0, job=JobConfig(num_workers=2, slots=slots),
                               shard_addrs=[("127.0.0.1", 9000 + 2 * s) for s in range(shards)])
     return PhaseEngine(session, SimpleNamespace(stats=TransportStats()))
+
+
+def test_random_loss_is_not_congestion():
+    """The window halves only for a phase that found more than an eighth of its chunks lost
+    (at least two): 1% loss each way finds about 5% of a rank's chunks lost with 4 ranks."""
+    from worker.phases import CONGESTED
+    t = _placer(1, slots=512)
+    t.cwnd = t.ssthresh = 256
+    t._adapt_window(733, int(733 * 0.05))               # random loss: the window grows
+    assert t.cwnd == 256 + 16
+    t._adapt_window(733, int(733 * CONGESTED) + 1)      # a queue's overflow: halved
+    assert t.cwnd == t.ssthresh == 136
+    t._adapt_window(1, 1)                               # a NORM phase's lone timeout: left alone
+    t._adapt_window(3, 2)                               # two of three: halved
+    assert t.cwnd == 68
 
 
 @pytest.mark.parametrize("shards, nchunks", [(1, 200), (2, 300), (3, 10), (2, 1)])

@@ -121,6 +121,7 @@ def test_c_engine_matches_reference(codec, quorum, lane_bits, bits, g):
     assert ref.stats() == fast.stats(), f"sequence seed {seed}"
     s = fast.stats()
     assert s["rounds_completed"] > 20 and s["stragglers_notified"] > 0 and s["results_resent"] > 0
+    assert s["notices"] > 0
     assert all(s["drops"][k] > 0 for k in ("malformed", "wrong_version", "unknown_job",
                                            "slot_out_of_range", "worker_out_of_range",
                                            "unregistered", "stale", "ahead"))
@@ -155,6 +156,76 @@ def test_round_rules(kind):
     note = e.process(pkts[3], ADDRS[3])
     h, _ = H.parse(note[0][0])
     assert (h.type, h.round, h.worker_id) == (H.STRAGGLER, 8, 3)
+
+
+@pytest.mark.parametrize("kind", ["c", "python"])
+def test_a_rank_whose_packet_for_a_slot_is_missing_gets_a_notice(kind):
+    """Loss notices (docs/protocol.md §3): a slot one contribution short of its quorum without
+    rank w, and w's contribution to the next slot at the round that follows: the PS tells w
+    (alone) for that slot, naming its round, offset, count, bitmap and contributors — checked
+    when w's next packet arrives and when another rank's leaves the slot one short; never for
+    a slot w is in, one waiting for two ranks, one whose next slot holds w at another round,
+    a NORM slot, or from a switch's rules (notices=False)."""
+    job = job_for()
+    rng = np.random.default_rng(3)
+
+    def fresh(notices=True):
+        if notices:
+            e = make_engine(job, kind, NONCE)
+        elif kind == "python":
+            e = ReferencePS(job, NONCE, notices=False)
+        else:
+            from ps_server._fastpath import Engine
+            e = Engine(job_id=1, num_workers=4, slots=4, norm_slots=2, elems_per_packet=16, bits=4, lane_bits=8,
+                       op=job.op, quorum_count=4, table=list(job.table), nonce=NONCE, notices=False)
+        register_all(e)
+
+        def send(w, slot, rnd, **kw):
+            return [(H.parse(p)[0], a) for p, a in e.process(data_packet(job, rng, w, slot, rnd, **kw), ADDRS[w])]
+        return e, send
+
+    # rank 1 behind: its packet for slot 1 lost, the others' there; its packet for slot 2 arrives
+    e, send = fresh()
+    for w in (0, 2, 3):
+        assert send(w, 1, 7, offset=16) == []
+    out = send(1, 2, 7, offset=32)
+    assert [(h.type, a) for h, a in out] == [(H.NOTICE, ADDRS[1])]
+    h = out[0][0]
+    assert (h.worker_id, h.slot, h.round, h.offset, h.count, h.bitmap, h.contributors) == (1, 1, 7, 16, 16, 0b1101, 3)
+    assert (h.nonce, h.job_id, h.op, h.payload_len, h.token) == (NONCE, 1, job.op, 0, 0)
+    assert send(1, 2, 7, offset=32) == []                       # a duplicate: no news
+    assert [h.type for h, _ in send(1, 1, 7, offset=16)] == [H.RESULT] * 4     # the resend completes slot 1
+    assert e.stats()["notices"] == 1
+    # rank 1 ahead: its packet for slot 2 arrived, for slot 1 not; the others' arrive, and the
+    # one that leaves slot 1 one short carries the notice to rank 1 (not before: two missing)
+    e, send = fresh()
+    assert send(1, 2, 7, offset=32) == [] and send(2, 1, 7, offset=16) == [] and send(3, 1, 7, offset=16) == []
+    assert [(h.type, h.slot, a) for h, a in send(0, 1, 7, offset=16)] == [(H.NOTICE, 1, ADDRS[1])]
+    # the next slot holds the missing rank at another round (an older phase's): no notice
+    e, send = fresh()
+    for w in range(4):
+        send(w, 2, 6, offset=32)                                # slot 2 round 6, complete
+    for w in (0, 2, 3):
+        assert send(w, 1, 7, offset=16) == []
+    assert e.stats()["notices"] == 0
+    # the last data slot's next is slot 0, a round on
+    e, send = fresh()
+    for w in (0, 1, 2):
+        send(w, 3, 7, offset=48)
+    assert [(h.type, h.slot, h.round, a) for h, a in send(3, 0, 8)] == [(H.NOTICE, 3, 7, ADDRS[3])]
+    # NORM phases (one chunk each) and a switch's rules: none
+    e, send = fresh()
+    for w in (0, 2, 3):
+        send(w, job.slots, 2, count=4, ptype=H.NORM)
+    assert send(1, job.slots + 1, 2, count=4, ptype=H.NORM) == [] and e.stats()["notices"] == 0
+    e, send = fresh(notices=False)
+    for w in (0, 2, 3):
+        send(w, 1, 1, offset=16)
+    assert send(1, 2, 1, offset=32) == [] and e.stats()["notices"] == 0
+    # the PS takes no NOTICE (workers send DATA and NORM only): dropped as malformed
+    forged = H.build(H.Header(type=H.NOTICE, job_id=1, worker_id=0, num_workers=4, slot=1, round=7,
+                              nonce=NONCE, token=TOKENS[0]))
+    assert e.process(forged, ADDRS[0]) == [] and e.stats()["drops"]["malformed"] == 1
 
 
 def test_norm_max_and_float_sum():

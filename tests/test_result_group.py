@@ -65,7 +65,7 @@ def test_a_group_changes_only_where_fan_outs_go_and_both_engines_agree(codec, qu
     """The same random traffic (loss, duplicates, late and stale rounds, garbage) through the
     C engine and the reference with a group, and the reference without: the group engines
     agree byte for byte; each fan-out is one datagram to the group where the per-worker
-    engine sends n; resent results and straggler notices still go to their worker."""
+    engine sends n; resent results, straggler and loss notices still go to their worker."""
     plain = job_for(codec, quorum)
     grouped = JobConfig(**{**plain.to_msg(), "table": (), "result_group": GROUP})
     seq = sequence(plain, seed=stable_seed("group", codec, quorum))
@@ -100,7 +100,8 @@ def test_rounds_over_a_group_are_exact_with_one_datagram_per_result():
     assert doc["ok"] and doc["exact_rounds"] == 20 and doc["mismatched_chunks"] == 0, doc["problems"]
     ps_ = doc["ps"]
     # one datagram per completed slot, plus whatever a busy machine made the PS resend
-    assert ps_["packets_out"] == ps_["rounds_completed"] + ps_["results_resent"] + ps_["stragglers_notified"]
+    assert ps_["packets_out"] == (ps_["rounds_completed"] + ps_["results_resent"] + ps_["stragglers_notified"]
+                                  + ps_["notices"])
 
 
 def test_a_cluster_on_one_host_picks_its_own_group_unless_told_otherwise(monkeypatch):
@@ -123,7 +124,8 @@ def test_a_launch_sends_results_to_a_group_by_default_and_joins_a_running_ps_as_
     assert doc["ok"] and doc["exact_rounds"] == 6, doc["problems"]
     assert parse_group(doc["result_group"])[0].startswith("239.255.")
     ps_ = doc["ps"]
-    assert ps_["packets_out"] == ps_["rounds_completed"] + ps_["results_resent"] + ps_["stragglers_notified"]
+    assert ps_["packets_out"] == (ps_["rounds_completed"] + ps_["results_resent"] + ps_["stragglers_notified"]
+                                  + ps_["notices"])
     # a launch that joins a running PS takes that PS's fan-out, with or without a group
     for group in ("", GROUP):
         server = PSServer(JobConfig(num_workers=2, result_group=group), ("127.0.0.1", 0), control_port=0).start()
@@ -250,7 +252,7 @@ def test_a_group_between_two_hosts_with_kernel_loss_is_exact():
                 sys.executable, "-m", "deploy.cli", "launch", "--ps", f"{net.ps_ip}:9000", "--workers", "2",
                 "--rounds", "10", "--dim", str(1 << 14), "--result-group", GROUP, "--json"],
                 capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-            drops = netns.nft_drop_counters(net.worker_ns)
+            drops = net.nft_drops()
         finally:
             ps_out = stop_gracefully(ps_proc)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -259,9 +261,9 @@ def test_a_group_between_two_hosts_with_kernel_loss_is_exact():
     assert drops > 0 and doc["retransmissions"] > 0
     final = next(line for line in ps_out.splitlines() if line.startswith("final stats shard 0: "))
     ps_stats = json.loads(final.split(": ", 1)[1])
-    # each result crossed once (not once per worker), plus the resends the loss asked for
+    # each result crossed once (not once per worker), plus the resends and notices the loss asked for
     assert ps_stats["packets_out"] == (ps_stats["rounds_completed"] + ps_stats["results_resent"]
-                                       + ps_stats["stragglers_notified"])
+                                       + ps_stats["stragglers_notified"] + ps_stats["notices"])
     assert ps_stats["results_resent"] > 0
 
 

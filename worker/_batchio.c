@@ -169,14 +169,15 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
 /* ------------------------------------------------------------------ a whole phase in C
  *
  * phase_run(fd, budget_ms, P, T, dests, ch_sh, ch_slot, ch_round, ch_off, ch_count, poff,
- *           payload, hdr, state, deadline, tmo, sent, done, inflight, tries, pend, res_hdr, lanes, roff, res_len,
- *           slot_round, counters, extras) -> (status, chunk)
+ *           payload, hdr, state, deadline, tmo, sent, done, inflight, tries, fast, fanned, pend, res_hdr,
+ *           lanes, roff, res_len, slot_round, counters, extras) -> (status, chunk)
  *
  * The loop of PhaseEngine._run_phase_python (worker/phases.py) with the GIL released:
  * fill the window (each new chunk's header written into hdr[c] and sent with the payload
  * slice as a second iovec, runs to one shard as UDP GSO messages), receive every queued
- * result (GRO batches split into datagrams), match results to pending chunks, expire
- * deadlines under the retransmit/zero policy with exponential backoff.  Every array is
+ * result (GRO batches split into datagrams), match results to pending chunks, find lost
+ * chunks by the order of results (worker/rto.py) and by their timers, and resend them or
+ * lose them under the retransmit/zero policy, a timer backing off exponentially.  Every array is
  * owned by the Python caller, so the phase state survives a return: the call comes back
  * after `budget_ms` (status 1) for the caller to look at a restarted PS, heartbeats and
  * the stall warning, and is called again; status 0 = every chunk has a result or is lost,
@@ -192,20 +193,27 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
  *            producer raises it and writes the eventfd, which wakes the wait; then, for a
  *            reader of the results on another thread: the chunk count it waits for, the
  *            answered prefix (every chunk below it has a result or is lost), the count last
- *            signalled, and its eventfd (-1: none), written when the prefix reaches the count
- * T (float64): RetransmitTimer.T (worker/rto.py): floor, cap, adaptive, then each
- *              shard's scale (seconds per chunk in flight)
+ *            signalled, and its eventfd (-1: none), written when the prefix reaches the count;
+ *            then injected loss (worker/datagrams.py Faults, drawn here): the probabilities of
+ *            dropping an outgoing and an incoming datagram as thresholds in units of 2^-32, and
+ *            the SplitMix64 state the draws come from (kept by the caller between calls)
+ * T (float64): RetransmitTimer.T (worker/rto.py): floor, cap, adaptive, reorder window,
+ *              the order rule's wait, then each shard's scale (seconds per chunk in flight)
  * sent, done (float64), inflight (int32): each chunk's first send and answer times and the
  *              chunks in flight when it was sent, itself included (RetransmitTimer's samples)
+ * fast (float64): when the order rule makes a chunk due (0: not found lost; -1: used up; -2:
+ *              held by the probe rule until its shard answers again, RetransmitPolicy.hold)
+ * fanned (int64, per shard): the latest chunk a fan-out result answered (-1: none)
  * dests (int64, nshards x 4): IPv4 address (network order), port, nonce, token
  * state (int8): 0 not sent, 1 pending, 2 result, 3 lost, 4 settled by the caller (stash)
  * counters (int64): see PHASE_COUNTERS in worker/phases.py
  */
 enum { P_TYPE, P_WANT, P_JOB, P_WORKER, P_NW, P_EBITS, P_OP, P_N, P_WINDOW, P_NSLOTS, P_NSHARDS,
        P_ZERO, P_MAXRETRIES, P_GSO, P_NEXT, P_NPENDING, P_FINISHED, P_SPIN_US, P_GFD, P_READY, P_EVFD,
-       P_WATCH, P_ANSWERED, P_NOTIFIED, P_DONEFD, P_COUNT };
+       P_WATCH, P_ANSWERED, P_NOTIFIED, P_DONEFD, P_DROP_OUT, P_DROP_IN, P_RNG, P_COUNT };
 enum { K_SENT, K_RECV, K_BYTES_SENT, K_BYTES_RECV, K_RETRANS, K_TIMEOUTS, K_LOST, K_STRAGGLER,
-       K_BAD, K_GSO_MSGS, K_GRO_BATCHES, K_COUNT };
+       K_BAD, K_FAST, K_NOTICES, K_DROPPED_OUT, K_DROPPED_IN, K_GSO_MSGS, K_GRO_BATCHES, K_COUNT };
+enum { T_FLOOR, T_CAP, T_ADAPTIVE, T_REORDER, T_ORDER, T_SCALES };    /* RetransmitTimer.T */
 enum { S_NEW, S_PENDING, S_RESULT, S_LOST, S_SETTLED };
 
 #define HDR 40
@@ -214,8 +222,11 @@ enum { S_NEW, S_PENDING, S_RESULT, S_LOST, S_SETTLED };
 #define T_RESULT 2
 #define T_STRAGGLER 3
 #define T_NORM_RESULT 5
+#define T_NOTICE 6
 #define OP_BLOB 4
 #define F_RETRANSMIT 0x01
+#define F_RESENT 0x02
+#define HELD (-2.0)              /* fast[c] of a chunk the probe rule holds */
 
 static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return ntohl(v); }
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return ntohs(v); }
@@ -231,7 +242,9 @@ static double mono_s(void) {
 typedef struct {
     int fd;
     int64_t *P, *dests, *counters, *slot_round;
-    double *T, *deadline, *tmo, *sent, *done;
+    double *T, *deadline, *tmo, *sent, *done, *fast;
+    int64_t *fanned;
+    int *answered, *oldest;      /* per shard, this pass: the latest chunk answered, the oldest pending */
     int32_t *sh, *slot, *tries, *pend, *res_len, *inflight;
     uint32_t *round, *off;
     int32_t *count;
@@ -248,6 +261,18 @@ typedef struct {
     int cap;
 } phase_t;
 
+
+/* An injected loss: the next SplitMix64 draw (Steele, Lea & Flood, OOPSLA 2014) below the
+ * threshold P[which] (a probability in units of 2^-32; 0: never, no draw). */
+static int inject_drop(phase_t *ph, int which) {
+    if (ph->P[which] <= 0) return 0;
+    uint64_t z = (uint64_t)ph->P[P_RNG] + 0x9E3779B97F4A7C15ull;
+    ph->P[P_RNG] = (int64_t)z;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (int64_t)(z >> 32) < ph->P[which];
+}
 
 static void write_header(phase_t *ph, int c) {
     int64_t *P = ph->P;
@@ -268,13 +293,17 @@ static void write_header(phase_t *ph, int c) {
  * messages when P[P_GSO].  A full socket buffer is waited out (bounded), ECONNREFUSED and
  * EPERM lose the message (timeouts handle it), a refused GSO message turns GSO off and the
  * batch is sent again without it. */
-static void send_chunks(phase_t *ph, const int *cs, int n) {
+static void send_chunks(phase_t *ph, int *cs, int n) {
     int64_t *P = ph->P;
-    for (int i = 0; i < n; i++) {
+    int kept = 0;
+    for (int i = 0; i < n; i++) {       /* counted as sent, then the injected losses left out */
         int c = cs[i];
         ph->counters[K_SENT]++;
         ph->counters[K_BYTES_SENT] += HDR + (ph->poff[c + 1] - ph->poff[c]);
+        if (inject_drop(ph, P_DROP_OUT)) ph->counters[K_DROPPED_OUT]++;
+        else cs[kept++] = c;
     }
+    n = kept;
     int start = 0;
     while (start < n) {
         int nm = 0, iv = 0, first = start;
@@ -342,9 +371,9 @@ static void send_chunks(phase_t *ph, const int *cs, int n) {
 /* RetransmitTimer.first_timeout (worker/rto.py): a chunk sent to shard s with k chunks
  * in flight waits clamp(scale_s * k, floor, cap), or the floor (fixed rule). */
 static inline double rto_first(const double *T, int s, int64_t k) {
-    if (T[2] == 0) return T[0];
-    double t = T[3 + s] * (double)k;
-    return t < T[0] ? T[0] : t > T[1] ? T[1] : t;
+    if (T[T_ADAPTIVE] == 0) return T[T_FLOOR];
+    double t = T[T_SCALES + s] * (double)k;
+    return t < T[T_FLOOR] ? T[T_FLOOR] : t > T[T_CAP] ? T[T_CAP] : t;
 }
 
 static void settle(phase_t *ph, int c, int state) {
@@ -378,10 +407,11 @@ static int accept_one(phase_t *ph, const uint8_t *b, uint32_t len, uint32_t ip, 
     int64_t *P = ph->P;
     ph->counters[K_RECV]++;
     ph->counters[K_BYTES_RECV] += len;
+    if (inject_drop(ph, P_DROP_IN)) { ph->counters[K_DROPPED_IN]++; return 0; }
     int shard = -1;
     for (int s = 0; s < P[P_NSHARDS]; s++)
         if ((uint32_t)ph->dests[4 * s] == ip && (uint16_t)ph->dests[4 * s + 1] == port) { shard = s; break; }
-    if (len < HDR || rd16(b) != MAGIC || b[2] != VERSION || b[3] < 1 || b[3] > 5 ||
+    if (len < HDR || rd16(b) != MAGIC || b[2] != VERSION || b[3] < 1 || b[3] > T_NOTICE ||
         rd16(b + 22) != len - HDR) { ph->counters[K_BAD]++; return 0; }
     if (shard < 0 || rd16(b + 8) != (uint16_t)P[P_JOB] || rd32(b + 32) != (uint32_t)ph->dests[4 * shard + 2]) {
         ph->counters[K_BAD]++;
@@ -397,6 +427,8 @@ static int accept_one(phase_t *ph, const uint8_t *b, uint32_t len, uint32_t ip, 
         memcpy(ph->lanes + ph->roff[c], b + HDR, plen < room ? plen : (size_t)room);
         ph->res_len[c] = (int32_t)plen;
         ph->done[c] = mono_s();
+        if (!(b[4] & F_RESENT) && c > ph->fanned[shard]) ph->fanned[shard] = c;   /* the order rule's evidence */
+        if (c > ph->answered[shard]) ph->answered[shard] = c;                     /* releases held chunks */
         settle(ph, c, S_RESULT);
         return 0;
     }
@@ -410,6 +442,14 @@ static int accept_one(phase_t *ph, const uint8_t *b, uint32_t len, uint32_t ip, 
     if (type == T_STRAGGLER) {
         ph->counters[K_STRAGGLER]++;
         if (c >= 0 && round > ph->round[c]) settle(ph, c, S_LOST);
+        return 0;
+    }
+    if (type == T_NOTICE) {      /* RetransmitPolicy.noticed: the PS lacks this chunk */
+        if (c >= 0 && round == ph->round[c] && ph->state[c] == S_PENDING) {
+            ph->counters[K_NOTICES]++;
+            double at = mono_s() + ph->T[T_REORDER], f = ph->fast[c];   /* a held chunk too */
+            if (f != -1) ph->fast[c] = f > 0 && f < at ? f : at;
+        }
         return 0;
     }
     ph->counters[K_BAD]++;
@@ -466,8 +506,8 @@ static int drain(phase_t *ph, int fd, uint8_t *rx, PyThreadState **ts) {
 
 static PyObject *phase_run(PyObject *self, PyObject *args) {
     enum { A_FD, A_BUDGET, A_P, A_T, A_DESTS, A_SH, A_SLOT, A_ROUND, A_OFF, A_COUNT, A_POFF, A_PAYLOAD,
-           A_HDR, A_STATE, A_DEADLINE, A_TMO, A_SENT, A_DONE, A_INFLIGHT, A_TRIES, A_PEND, A_RES_HDR, A_LANES, A_ROFF, A_RES_LEN,
-           A_SLOT_ROUND, A_COUNTERS, A_EXTRAS, A_N };
+           A_HDR, A_STATE, A_DEADLINE, A_TMO, A_SENT, A_DONE, A_INFLIGHT, A_TRIES, A_FAST, A_FANNED, A_PEND,
+           A_RES_HDR, A_LANES, A_ROFF, A_RES_LEN, A_SLOT_ROUND, A_COUNTERS, A_EXTRAS, A_N };
     if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) != A_N) {
         PyErr_SetString(PyExc_TypeError, "phase_run: wrong number of arguments");
         return NULL;
@@ -495,12 +535,14 @@ static PyObject *phase_run(PyObject *self, PyObject *args) {
     ph.hdr = bufs[A_HDR].buf; ph.state = bufs[A_STATE].buf; ph.deadline = bufs[A_DEADLINE].buf;
     ph.tmo = bufs[A_TMO].buf; ph.sent = bufs[A_SENT].buf; ph.done = bufs[A_DONE].buf;
     ph.inflight = bufs[A_INFLIGHT].buf; ph.tries = bufs[A_TRIES].buf; ph.pend = bufs[A_PEND].buf;
+    ph.fast = bufs[A_FAST].buf; ph.fanned = bufs[A_FANNED].buf;
     ph.res_hdr = bufs[A_RES_HDR].buf; ph.lanes = bufs[A_LANES].buf; ph.roff = bufs[A_ROFF].buf;
     ph.res_len = bufs[A_RES_LEN].buf; ph.slot_round = bufs[A_SLOT_ROUND].buf; ph.counters = bufs[A_COUNTERS].buf;
     int64_t *P = ph.P;
     int n = (int)P[P_N];
     if (bufs[A_P].len < P_COUNT * 8 || bufs[A_COUNTERS].len < K_COUNT * 8 ||
-        bufs[A_T].len < (Py_ssize_t)(3 + P[P_NSHARDS]) * 8 ||
+        bufs[A_T].len < (Py_ssize_t)(T_SCALES + P[P_NSHARDS]) * 8 ||
+        bufs[A_FAST].len < (Py_ssize_t)n * 8 || bufs[A_FANNED].len < (Py_ssize_t)P[P_NSHARDS] * 8 ||
         bufs[A_SENT].len < (Py_ssize_t)n * 8 || bufs[A_DONE].len < (Py_ssize_t)n * 8 ||
         bufs[A_INFLIGHT].len < (Py_ssize_t)n * 4 || bufs[A_TMO].len < (Py_ssize_t)n * 8 ||
         bufs[A_DEADLINE].len < (Py_ssize_t)n * 8 || bufs[A_TRIES].len < (Py_ssize_t)n * 4 ||
@@ -521,8 +563,10 @@ static PyObject *phase_run(PyObject *self, PyObject *args) {
     int *batch = PyMem_RawCalloc(ph.cap, sizeof(int));
     uint8_t *rx = PyMem_RawMalloc((size_t)RX_CAP * 8);
     int32_t *pending_list = PyMem_RawCalloc(ph.cap, sizeof(int32_t));
-    if (!ph.mm || !ph.iov || !ph.sa || !ph.cmsg || !batch || !rx || !pending_list) {
-        PyMem_RawFree(batch); PyMem_RawFree(rx); PyMem_RawFree(pending_list);
+    ph.answered = PyMem_RawCalloc(2 * (size_t)P[P_NSHARDS], sizeof(int));
+    ph.oldest = ph.answered ? ph.answered + P[P_NSHARDS] : NULL;
+    if (!ph.mm || !ph.iov || !ph.sa || !ph.cmsg || !batch || !rx || !pending_list || !ph.answered) {
+        PyMem_RawFree(batch); PyMem_RawFree(rx); PyMem_RawFree(pending_list); PyMem_RawFree(ph.answered);
         PyErr_NoMemory();
         goto fail_free;
     }
@@ -550,6 +594,7 @@ static PyObject *phase_run(PyObject *self, PyObject *args) {
             ph.deadline[c] = now + ph.tmo[c];
             ph.sent[c] = now;
             ph.tries[c] = 0;
+            ph.fast[c] = 0;
             batch[nb++] = c;
         }
         if (nb) send_chunks(&ph, batch, nb);
@@ -557,15 +602,18 @@ static PyObject *phase_run(PyObject *self, PyObject *args) {
         /* wait for results until the earliest deadline (or the budget) */
         int np = 0;
         double first = 1e300;
+        for (int s = 0; s < P[P_NSHARDS]; s++) ph.answered[s] = -1;
         for (int k = 0; k < P[P_NSHARDS] * P[P_NSLOTS]; k++)
             if (ph.pend[k] >= 0) {
-                pending_list[np++] = ph.pend[k];
-                if (ph.deadline[ph.pend[k]] < first) first = ph.deadline[ph.pend[k]];
+                int c = ph.pend[k];
+                pending_list[np++] = c;
+                if (ph.deadline[c] < first) first = ph.deadline[c];
+                if (ph.fast[c] > 0 && ph.fast[c] < first) first = ph.fast[c];
                 if (np == ph.cap) break;
             }
         now = mono_s();
         if (now >= end) break;
-        double wait = (np ? first : now + ph.T[0]) - now;
+        double wait = (np ? first : now + ph.T[T_FLOOR]) - now;
         if (wait > end - now) wait = end - now;
         struct pollfd pfd[3] = {{.fd = ph.fd, .events = POLLIN}, {.fd = (int)P[P_GFD], .events = POLLIN},
                                 {.fd = (int)P[P_EVFD], .events = POLLIN}};
@@ -595,20 +643,43 @@ static PyObject *phase_run(PyObject *self, PyObject *args) {
             err = drain(&ph, pfd[f].fd, rx, &ts);
         }
         if (err) break;
-        /* deadlines: retransmit with backoff, or lose the chunk (zero policy) */
+        /* losses (RetransmitPolicy): found by the order of results (a later chunk's fan-out
+         * came first: due a reorder window later, once) or by the timer; resent (the timer
+         * backing off) or lost (zero policy) */
         now = mono_s();
         nb = 0;
+        for (int s = 0; s < P[P_NSHARDS]; s++) ph.oldest[s] = n;
         for (int i = 0; i < np; i++) {
             int c = pending_list[i];
-            if (ph.state[c] != S_PENDING || ph.deadline[c] > now) continue;
-            ph.counters[K_TIMEOUTS]++;
+            if (ph.state[c] == S_PENDING && c < ph.oldest[ph.sh[c]]) ph.oldest[ph.sh[c]] = c;
+        }
+        for (int i = 0; i < np; i++) {
+            int c = pending_list[i], s = ph.sh[c];
+            if (ph.state[c] != S_PENDING) continue;
+            if (ph.fast[c] == HELD && ph.answered[s] >= 0) {           /* RetransmitPolicy.release */
+                int after = c - ph.answered[s];
+                ph.fast[c] = 0;
+                ph.deadline[c] = now + rto_first(ph.T, s, after > 1 ? after : 1);
+            }
+            if ((ph.fast[c] == 0 || ph.fast[c] == HELD) && c < ph.fanned[s]) ph.fast[c] = now + ph.T[T_ORDER];
+            int timer = ph.deadline[c] <= now, ordered = ph.fast[c] > 0 && ph.fast[c] <= now;
+            if (!timer && !ordered) continue;
+            if (timer && !ordered && !P[P_ZERO] && c != ph.oldest[s]) {   /* RetransmitPolicy.hold */
+                ph.fast[c] = HELD;
+                ph.deadline[c] = 1e300;
+                continue;
+            }
+            ph.counters[timer ? K_TIMEOUTS : K_FAST]++;
+            ph.fast[c] = -1;
             if (P[P_ZERO]) { settle(&ph, c, S_LOST); continue; }
             if (ph.tries[c] >= P[P_MAXRETRIES]) { give_up = c; break; }
             ph.hdr[(size_t)c * HDR + 4] |= F_RETRANSMIT;
             batch[nb++] = c;
             ph.counters[K_RETRANS]++;
-            double t = ph.tmo[c] * 2;
-            ph.tmo[c] = t < ph.T[1] ? t : ph.T[1];
+            if (timer) {
+                double t = ph.tmo[c] * 2;
+                ph.tmo[c] = t < ph.T[T_CAP] ? t : ph.T[T_CAP];
+            }
             ph.deadline[c] = now + ph.tmo[c];
             ph.tries[c]++;
         }
@@ -619,7 +690,7 @@ static PyObject *phase_run(PyObject *self, PyObject *args) {
         if (mono_s() >= end) break;
     }
     PyEval_RestoreThread(ts);
-    PyMem_RawFree(batch); PyMem_RawFree(rx); PyMem_RawFree(pending_list);
+    PyMem_RawFree(batch); PyMem_RawFree(rx); PyMem_RawFree(pending_list); PyMem_RawFree(ph.answered);
     if (err == -1) goto fail_free;
     if (err) { errno = err; PyErr_SetFromErrno(PyExc_OSError); goto fail_free; }
     ret = Py_BuildValue("(ii)", status, give_up);

@@ -8,7 +8,10 @@ not decided here: `recv_many` hands back every well-formed packet with its sourc
 phase engine (worker/phases.py) keeps those of its job and session.
 
 Fault injection: seeded drops of outgoing and incoming packets, duplicates and reordering
-of outgoing packets (`Faults`), each drawn per packet from an RNG of (seed, rank).
+of outgoing packets (`Faults`), each drawn per packet from an RNG of (seed, rank), and drops
+of chosen packets by their (type, slot, round), once each (tests that need one loss exactly
+where they say).  The C phase loop draws the random drops itself (its own SplitMix64
+stream of (seed, rank), `Datagrams.drop_state`); the other faults run the Python loop.
 """
 from __future__ import annotations
 
@@ -31,31 +34,49 @@ except ImportError:                  # pragma: no cover - the per-datagram loop 
 
 @dataclass
 class Faults:
-    """Injected faults, each a probability per packet, from a seeded RNG."""
+    """Injected faults: each of the first four a probability per packet, from a seeded RNG;
+    `drop_out_once` / `drop_in_once` name packets, as (type, slot, round) triples, that are
+    dropped the first time one passes (outgoing / incoming; a resend then passes)."""
 
     drop_out: float = 0.0
     drop_in: float = 0.0
     duplicate: float = 0.0
     reorder: float = 0.0
     seed: int = 0
+    drop_out_once: tuple = ()
+    drop_in_once: tuple = ()
 
     def __post_init__(self):
         for name in ("drop_out", "drop_in", "duplicate", "reorder"):
             v = getattr(self, name)
             if not 0 <= v < 1:
                 raise ValueError(f"{name} must be a probability in [0, 1), got {v}")
+        for name in ("drop_out_once", "drop_in_once"):
+            if any(len(t) != 3 for t in getattr(self, name)):
+                raise ValueError(f"{name} holds (type, slot, round) triples")
 
     @property
     def active(self) -> bool:
         """Whether any fault is injected."""
-        return bool(self.drop_out or self.drop_in or self.duplicate or self.reorder)
+        return bool(self.drop_out or self.drop_in or self.python_only)
+
+    @property
+    def python_only(self) -> bool:
+        """Whether a fault is injected that only the Python phase loop draws (the C loop
+        draws the random drops itself)."""
+        return bool(self.duplicate or self.reorder or self.drop_out_once or self.drop_in_once)
+
+    def thresholds(self) -> tuple:
+        """The random drops' probabilities in units of 2^-32, as the C phase loop takes them."""
+        return int(self.drop_out * 2 ** 32), int(self.drop_in * 2 ** 32)
 
 
 @dataclass
 class TransportStats:
     counters: dict = field(default_factory=lambda: dict.fromkeys((
         "packets_sent", "packets_received", "bytes_sent", "bytes_received", "retransmissions",
-        "timeouts", "lost_chunks", "straggler_notices", "stashed_results", "resynced_chunks",
+        "timeouts", "fast_losses", "notices", "lost_chunks", "straggler_notices", "stashed_results",
+        "resynced_chunks",
         "injected_drops_out", "injected_drops_in", "injected_duplicates", "injected_reorders",
         "bad_packets"), 0))
 
@@ -86,6 +107,10 @@ class Datagrams:
         self.faults = faults or Faults()
         self.stats = stats if stats is not None else TransportStats()
         self._frng = np.random.default_rng(np.random.SeedSequence([self.faults.seed, worker_id, 7]))
+        # the C phase loop's drop stream: a SplitMix64 state of (seed, rank), as a signed int64
+        state = int(np.random.SeedSequence([self.faults.seed, worker_id, 8]).generate_state(1, np.uint64)[0])
+        self.drop_state = state - (1 << 64) if state >= 1 << 63 else state
+        self._once_out, self._once_in = set(self.faults.drop_out_once), set(self.faults.drop_in_once)
         self._held: list = []
         self.batched = batched and _batchio is not None
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -133,7 +158,7 @@ class Datagrams:
         for pkt, dest in out:
             self.stats.add("packets_sent")
             self.stats.add("bytes_sent", len(pkt))
-            if f.drop_out and rng.random() < f.drop_out:
+            if (f.drop_out and rng.random() < f.drop_out) or self._dropped_once(self._once_out, pkt):
                 self.stats.add("injected_drops_out")
                 continue
             copies = 2 if f.duplicate and rng.random() < f.duplicate else 1
@@ -210,7 +235,8 @@ class Datagrams:
         data, src = item
         self.stats.add("packets_received")
         self.stats.add("bytes_received", len(data))
-        if self.faults.drop_in and self._frng.random() < self.faults.drop_in:
+        if (self.faults.drop_in and self._frng.random() < self.faults.drop_in) \
+                or self._dropped_once(self._once_in, data):
             self.stats.add("injected_drops_in")
             return None
         try:
@@ -219,6 +245,18 @@ class Datagrams:
             self.stats.add("bad_packets")
             return None
         return src, h, bytes(payload)
+
+    @staticmethod
+    def _dropped_once(once: set, datagram) -> bool:
+        """Whether `datagram` is one of the (type, slot, round) packets still to drop once
+        (it is taken off the set)."""
+        if not once or len(datagram) < H.HEADER_SIZE:
+            return False
+        key = (datagram[3], int.from_bytes(datagram[10:12], "big"), int.from_bytes(datagram[12:16], "big"))
+        if key not in once:
+            return False
+        once.discard(key)
+        return True
 
     def close(self) -> None:
         self.sock.close()

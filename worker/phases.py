@@ -41,11 +41,11 @@ except ImportError:                  # pragma: no cover - the Python loop serves
 
 log = logging.getLogger(__name__)
 
-#: Counters of one C phase call, in _batchio.phase_run's order; the first nine are
+#: Counters of one C phase call, in _batchio.phase_run's order; the first thirteen are
 #: TransportStats counters, the rest socket batching (PhaseEngine.io).
 PHASE_COUNTERS = ("packets_sent", "packets_received", "bytes_sent", "bytes_received", "retransmissions",
-                  "timeouts", "lost_chunks", "straggler_notices", "bad_packets", "gso_messages",
-                  "gro_batches")
+                  "timeouts", "lost_chunks", "straggler_notices", "bad_packets", "fast_losses", "notices",
+                  "injected_drops_out", "injected_drops_in", "gso_messages", "gro_batches")
 #: Busy-poll before the C phase loop sleeps in poll(): microseconds ($THC_BUSY_POLL_US, 0 = off).
 SPIN_US = int(os.environ.get("THC_BUSY_POLL_US", "0") or 0)
 #: The C phase loop returns to Python this often (restarted PS, read-ahead results, warnings).
@@ -55,6 +55,7 @@ DEFAULT_WINDOW = 512        # most chunks in flight per worker: the default job'
 START_WINDOW = 64           # the window a transport starts with ...
 MIN_WINDOW = 16             # ... the least it shrinks to (see PhaseEngine._adapt_window) ...
 WINDOW_STEP = 16            # ... and its additive increase past the last halving
+CONGESTED = 1 / 8           # ... which a phase that found more than this share of its chunks lost does
 SHARD_RUN = 64              # consecutive chunks a shard takes in turn: a GSO message's worth
 
 
@@ -109,7 +110,7 @@ class PhaseEngine:
         self.max_timeout = max_timeout_ms / 1e3
         self.max_retries = max_retries
         self.phase_engine = phase_engine
-        self.io = dict.fromkeys(PHASE_COUNTERS[9:], 0)      # socket batching, beside the stats
+        self.io = dict.fromkeys(PHASE_COUNTERS[13:], 0)      # socket batching, beside the stats
         self._last_note = time.monotonic()
         nshards = len(session.shard_addrs)
         self.rtt = RetransmitTimer(self.timeout, self.max_timeout, nshards,
@@ -242,14 +243,15 @@ class PhaseEngine:
         return self._c_phase()
 
     def _c_phase(self) -> bool:
-        """Whether phases run in C (_batchio.phase_run): batched I/O, no injected faults (they
-        draw from the Python RNG per packet), and not forced off (phase_engine='python')."""
+        """Whether phases run in C (_batchio.phase_run): batched I/O, no injected fault the C
+        loop does not draw itself (it drops; duplicates, reordering and drops by sequence are
+        the Python loop's), and not forced off (phase_engine='python')."""
         return (self.net.batched and self.phase_engine == "c" and hasattr(_batchio, "phase_run")
-                and not self.net.faults.active)
+                and not self.net.faults.python_only)
 
     def _run_phase_once(self, kind: int, chunks, phase_index: int, stream: ChunkStream | None = None):
         shard, slot, rounds = self._place(kind, len(chunks), phase_index)
-        timeouts = self.stats.counters["timeouts"]
+        found = self.stats.counters["timeouts"] + self.stats.counters["fast_losses"]
         if self._c_phase():
             results = self._run_phase_c(kind, chunks, shard, slot, rounds, stream)
         else:
@@ -258,20 +260,26 @@ class PhaseEngine:
             results = self._run_phase_python(kind, chunks, list(zip(shard.tolist(), slot.tolist())),
                                              rounds.tolist())
         self._gc_stash()
-        self._adapt_window(len(chunks), self.stats.counters["timeouts"] - timeouts)
+        c = self.stats.counters
+        # chunks found lost, at most each once (a late rank's chunk may be probed again and again)
+        self._adapt_window(len(chunks), min(len(chunks), c["timeouts"] + c["fast_losses"] - found))
         return results
 
-    def _adapt_window(self, nchunks: int, timeouts: int) -> None:
+    def _adapt_window(self, nchunks: int, lost: int) -> None:
         """The chunks in flight, adapted once per phase as TCP adapts its congestion window:
-        a phase with a timeout halves `cwnd` (a queue overflowed or filled past the timeout
-        somewhere — a rate-limited link, a switch buffer under incast, a socket — or a rank
-        straggled) and remembers the half as `ssthresh`; a phase that filled the window
-        without one doubles it below `ssthresh` once per round trip it carried (a window-full
-        of chunks: TCP's slow start doubles per round trip, not per phase) and adds
-        WINDOW_STEP above, up to `window`.  On loopback the window reaches `window` after the
-        first large phase and keeps the cores busy; on a slow link it stays near what the
-        bottleneck queue holds, with a timeout only every (cwnd / 2) / WINDOW_STEP phases."""
-        if timeouts:
+        a phase that found more than a CONGESTED share of its chunks lost (by a timer or by the
+        order of results, at least two) halves `cwnd` (a queue overflowed somewhere — a
+        rate-limited link, a switch buffer under incast, a socket — and dropped a window's
+        tail) and remembers the half as `ssthresh`; a phase that filled the window without
+        that doubles it below `ssthresh` once per round trip it carried (a window-full of
+        chunks: TCP's slow start doubles per round trip, not per phase) and adds WINDOW_STEP
+        above, up to `window`.  On loopback the window reaches `window` after the first large
+        phase and keeps the cores busy; on a slow link it stays near what the bottleneck queue
+        holds.  Random loss is not congestion: at 1% loss each way a rank of 4 finds about 5%
+        of its chunks lost, of 8 about 9%, and halving for it (TCP Reno's rule) kept the
+        window at its least and made the phase window-bound (docs/bench.md, "Loss
+        recovery"); nor is a timer's probe while a rank is late."""
+        if lost > max(1, nchunks * CONGESTED):
             self.ssthresh = self.cwnd = max(min(MIN_WINDOW, self.window), self.cwnd // 2)
         elif nchunks > self.cwnd:
             if self.cwnd < self.ssthresh:
@@ -293,6 +301,8 @@ class PhaseEngine:
         policy = RetransmitPolicy(self)
         # first send, answer, chunks in flight at the send: RetransmitTimer's samples
         sent, done, inflight = np.zeros(nchunks), np.zeros(nchunks), np.zeros(nchunks, np.int32)
+        fanned = [-1] * len(self.shard_addrs)      # per shard: the latest chunk answered by a fan-out
+        reorder, order_wait = self.rtt.reorder, self.rtt.order_wait
 
         def complete(c, value):
             nonlocal finished
@@ -323,7 +333,9 @@ class PhaseEngine:
             self.net.flush_held()
             if finished >= nchunks:
                 break
-            wait = min((p.deadline for p in pending.values()), default=now + self.timeout) - time.monotonic()
+            wait = min(min((min(p.deadline, p.fast if p.fast > 0 else p.deadline) for p in pending.values()),
+                           default=now + self.timeout) - time.monotonic(), self.max_timeout)
+            answered: dict = {}                     # per shard: the latest chunk answered in this pass
             for shard, h, payload in self._recv(wait):
                 pkey = (shard, h.slot)
                 entry = pending.get(pkey)
@@ -331,6 +343,9 @@ class PhaseEngine:
                         and h.round == rounds[entry.chunk]):
                     del pending[pkey]
                     done[entry.chunk] = time.monotonic()
+                    answered[shard] = max(answered.get(shard, -1), entry.chunk)
+                    if not h.flags & H.F_RESENT:
+                        fanned[shard] = max(fanned[shard], entry.chunk)
                     complete(entry.chunk, (h, payload))
                 elif h.type in (H.RESULT, H.NORM_RESULT):
                     self._keep(shard, h, payload)      # a later round's or another phase's
@@ -340,13 +355,26 @@ class PhaseEngine:
                         del pending[pkey]
                         self.stats.add("lost_chunks")
                         complete(entry.chunk, None)
+                elif h.type == H.NOTICE:
+                    if entry is not None and h.round == rounds[entry.chunk]:
+                        self.stats.add("notices")
+                        policy.noticed(entry, time.monotonic(), reorder)
                 else:
                     self.stats.add("bad_packets")
-            # timeouts: resends of one pass go out as one batch
+            # losses, by the order of results (worker/rto.py) or by a timer: resends of one pass
+            # go out as one batch
             now = time.monotonic()
             resend = []
+            oldest: dict = {}
+            for (sh, _), entry in pending.items():
+                oldest[sh] = min(oldest.get(sh, entry.chunk), entry.chunk)
             for pkey, entry in list(pending.items()):
-                if entry.deadline > now:
+                sh = pkey[0]
+                if sh in answered:
+                    policy.release(entry, answered[sh], sh, now)
+                if entry.chunk < fanned[sh]:
+                    policy.found_lost(entry, now + order_wait)
+                if not policy.due(entry, now) or policy.hold(entry, now, entry.chunk == oldest[sh]):
                     continue
                 dest = self.shard_addrs[pkey[0]]
                 if policy.expired(entry, now, f"slot {pkey[1]} round {rounds[entry.chunk]}", dest):
@@ -380,7 +408,8 @@ class PhaseEngine:
                       self.policy == "zero", self.max_retries, self.net.gso, 0, 0,
                       int(np.count_nonzero(res.state == _SETTLED)), SPIN_US,
                       -1 if self.net.gsock is None else self.net.gsock.fileno(),
-                      *([n, -1, 0, 0, 0, -1] if stream is None else stream.p_fields())], dtype=np.int64)
+                      *([n, -1, 0, 0, 0, -1] if stream is None else stream.p_fields()),
+                      *self.net.faults.thresholds(), self.net.drop_state], dtype=np.int64)
         if stream is not None:
             stream.attach(P, res)
         dests = np.array([[int.from_bytes(socket.inet_aton(ip), sys.byteorder), port, *self.session.ids(s)]
@@ -389,6 +418,8 @@ class PhaseEngine:
         deadline, tmo, tries = np.zeros(n), np.zeros(n), np.zeros(n, np.int32)
         # first send, answer, chunks in flight at the send: RetransmitTimer's samples
         sent, done, inflight = np.zeros(n), np.zeros(n), np.zeros(n, np.int32)
+        # the order rule (worker/rto.py): when each chunk is due, each shard's latest fan-out
+        fast, fanned = np.zeros(n), np.full(len(self.shard_addrs), -1, np.int64)
         pend = np.full(self.slot_round.size, -1, np.int32)
         slot_round = np.ascontiguousarray(self.slot_round, dtype=np.int64).ravel()
         counters = np.zeros(len(PHASE_COUNTERS), np.int64)
@@ -400,14 +431,15 @@ class PhaseEngine:
             status, c = _batchio.phase_run(
                 self.net.sock.fileno(), PHASE_BUDGET_MS, P, self.rtt.T, dests, shard, slot, rounds,
                 packed.offsets32, packed.counts32, packed.poff, packed.buffer, hdr, res.state, deadline,
-                tmo, sent, done, inflight, tries, pend, res.headers, res.lanes, res.roff, res.lengths, slot_round,
-                counters, extras)
+                tmo, sent, done, inflight, tries, fast, fanned, pend, res.headers, res.lanes, res.roff, res.lengths,
+                slot_round, counters, extras)
             for name, v in zip(PHASE_COUNTERS, counters.tolist()):
                 if name in self.stats.counters:
                     self.stats.add(name, v)
                 else:
                     self.io[name] += v
             counters[:] = 0
+            self.net.drop_state = int(P[-1])
             for sh, data in extras:
                 h, payload = H.parse(data)
                 self._keep(sh, h, bytes(payload))

@@ -78,16 +78,19 @@ class Transport:
         adapts per phase (`PhaseEngine._adapt_window`): a small window leaves the cores idle
         between round trips, a large one overflows a slow link's queue (docs/bench-history.md,
         "Packet rate against the GSO/GRO blaster").
-        `timeout_ms` is the first retransmission timeout and, with `adaptive_timeout`
-        (the default, retransmit policy), the least one: each shard's timeout then follows
-        the measured round trip (RetransmitTimer); without it every chunk starts at
-        `timeout_ms`, and under the `zero` policy that is the deadline of a lost chunk.
+        `timeout_ms` is the first retransmission timeout until the path is measured: with
+        `adaptive_timeout` (the default) and the retransmit policy each shard's timeout then
+        follows the measured round trips, at least 1 ms (worker/rto.py, RetransmitTimer);
+        otherwise every chunk starts at `timeout_ms` (under the `zero` policy a timer's expiry
+        loses the chunk).  Most losses are found without a timer: by the PS's notice, or by
+        the order of results (worker/rto.py).
         `batched` sends a window's packets with one sendmmsg and takes every waiting result
         with one recvmmsg (worker/_batchio.c); False is the one-call-per-datagram loop,
         kept for comparison (bench/bench_e2e.py) and for platforms without the extension.
         `phase_engine` 'c' (default, or $THC_PHASE_ENGINE) runs a whole phase — window,
         retransmit timers, results — in C with the GIL released (_batchio.phase_run);
-        'python' is the Python loop, also used whenever faults are injected.  With
+        'python' is the Python loop, also used when faults other than random drops are
+        injected (duplicates, reordering, drops by sequence; the C loop draws drops).  With
         $THC_UDP_OFFLOAD unset or 1 the socket receives with UDP GRO and the C phase sends
         runs of packets as UDP GSO messages (proto/udpio.py).
 

@@ -50,7 +50,7 @@ def reset(sw, jobs, epochs):
 
 
 def reference(job):
-    ps = ReferencePS(job, NONCE)
+    ps = ReferencePS(job, NONCE, notices=False)       # a switch sends no loss notices
     for w in WORKERS:
         ps.register(w.worker_id, w.ip, w.udp_port, TOKENS[w.worker_id])
     return ps

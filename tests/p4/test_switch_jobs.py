@@ -56,7 +56,7 @@ class Job:
 def start(switch, table, space, job):
     """Program `job` on the switch (the SwitchEngine path) and in the software twin."""
     engine = switch.start_job(job.config, job.nonce, job.base)
-    ps = ReferencePS(job.config, job.nonce, space, job.base)
+    ps = ReferencePS(job.config, job.nonce, space, job.base, notices=False)    # a switch sends no notices
     table.add(job.config.job_id, ps)
     for rank in range(job.config.num_workers):
         w = job.host(rank)
