@@ -126,11 +126,12 @@ static inline uint8_t quant1(const qtab_t *q, float a, float u) {
 
 /* ------------------------------------------------------------------ sources and sinks */
 
-enum { IN_INPLACE, IN_SIGNS, IN_VALUES, IN_NIBBLES, IN_BYTES };
+enum { IN_FLOATS, IN_SIGNS, IN_VALUES, IN_NIBBLES, IN_BYTES };
 enum { EPI_SCALE, EPI_ENCODE, EPI_DECODE, EPI_ADD };
 
-/* What the first pass reads: the block in place, x·D (x zero-padded to the block), or the
- * decoder's table-domain values a = v·c − m with v a float (Y/k) or T[index]. */
+/* What the first pass reads: x (n floats; the work buffer itself for a transform in place),
+ * x·D (x zero-padded to the block), or the decoder's table-domain values a = v·c − m with v a
+ * float (Y/k) or T[index]. */
 typedef struct {
     int kind;
     const float *x;
@@ -141,8 +142,10 @@ typedef struct {
     float c, m;
 } in_t;
 
-/* What the last pass writes (after the 1/sqrt(p) scale): the block in place, table indices
- * (bytes or packed nibbles), or the decoded coordinates times D, first ndst only. */
+/* What the last pass writes (after the 1/sqrt(p) scale): the block into dst (EPI_SCALE),
+ * table indices (bytes or packed nibbles), the decoded coordinates times D into dst (first
+ * ndst only), or the block plus a carried vector into dst (EPI_ADD).  dst may be the work
+ * buffer the transform runs in (in place) or another vector. */
 typedef struct {
     int kind;
     float scale;
@@ -153,7 +156,7 @@ typedef struct {
     int packed;
     const uint8_t *signs;
     float *dst;
-    size_t ndst;
+    size_t ndst;             /* EPI_DECODE: the coordinates of dst written */
     const float *carry;      /* EPI_ADD: added after the scale (NULL: nothing) */
 } epi_t;
 
@@ -182,13 +185,13 @@ static inline float flip(float v, uint32_t bit) {
     return v;
 }
 
-static inline float in1(const in_t *in, const float *w, size_t i) {
+static inline float in1(const in_t *in, size_t i) {
     switch (in->kind) {
     case IN_SIGNS: return flip(i < in->nx ? in->x[i] : 0.f, sign_bit(in->signs, i));
     case IN_VALUES: return in->x[i] * in->c - in->m;
     case IN_NIBBLES: return in->tabf[(in->idx[i >> 1] >> ((i & 1) ? 0 : 4)) & 15] * in->c - in->m;
     case IN_BYTES: return in->tabf[in->idx[i]] * in->c - in->m;
-    default: return w[i];
+    default: return in->x[i];
     }
 }
 
@@ -218,8 +221,8 @@ static void fwht_scalar(float *v, size_t n) {
 
 /* source -> scalar FWHT -> sink, three plain loops (the fallback without AVX2). */
 static void rht_scalar(float *w, size_t n, const in_t *in, const epi_t *e) {
-    if (in->kind != IN_INPLACE)
-        for (size_t i = 0; i < n; i++) w[i] = in1(in, w, i);
+    if (in->kind != IN_FLOATS || in->x != w)
+        for (size_t i = 0; i < n; i++) w[i] = in1(in, i);
     fwht_scalar(w, n);
     switch (e->kind) {
     case EPI_ENCODE:
@@ -235,10 +238,10 @@ static void rht_scalar(float *w, size_t n, const in_t *in, const epi_t *e) {
         for (size_t i = 0; i < e->ndst; i++) e->dst[i] = flip(w[i], sign_bit(e->signs, i));
         break;
     case EPI_ADD:
-        if (e->carry)
-            for (size_t i = 0; i < n; i++) w[i] = w[i] + e->carry[i];
+        for (size_t i = 0; i < n; i++) e->dst[i] = e->carry ? w[i] + e->carry[i] : w[i];
         break;
     default:
+        if (e->dst != w) memcpy(e->dst, w, n * 4);
         break;
     }
 }
@@ -249,20 +252,25 @@ static void rht_scalar(float *w, size_t n, const in_t *in, const epi_t *e) {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
-/* Cache blocking, depth first: stages 1..32 in registers (64-float leaves); the rest of an
- * L1 chunk (L1_FLOATS); 3 more stages per level (one radix-8 pass) up to L2_FLOATS; above
- * that, levels of <= TOP_BITS stages.  A level's stages run strip by strip (rows x cols,
- * <= STRIP_FLOATS), all of them on one strip before the next, so data beyond a cache is read
- * and written once per level; the first pass of a strip prefetches the next strip.  Tuned
- * on the 2-core EPYC (48 KiB L1d, 1 MiB L2) against fht-cpu at 2^20 and 2^24. */
-static size_t L1_FLOATS = 1 << 12, L2_FLOATS = 1 << 15, STRIP_FLOATS = 1 << 14;
+/* Cache blocking (all in place in the block's buffer w):
+ *  - low chunks of LOW_FLOATS (in L2): each L1 piece of L1_FLOATS gets stages 1..32 in
+ *    registers (64-float leaves, which read the source), then radix-8 passes up to the piece;
+ *    then radix-8 passes over the chunk up to the chunk;
+ *  - above the low chunks, levels of <= TOP_BITS stages, depth first (a level's chunks are
+ *    finished before its own stages run, so a chunk of a middle level is still in L3): a
+ *    level's stages run strip by strip (rows x cols of <= STRIP_FLOATS, the rows a level's
+ *    chunk apart), all of them on one strip, staged through a contiguous buffer, before the
+ *    next strip, so data beyond a cache is read and written once per level; the first pass
+ *    of a strip prefetches the next strip.
+ * The last pass of the transform writes the sink (scale, then indices / decoded values /
+ * + carry), so no pass over the block follows the transform.  Tuned on the 2-core EPYC
+ * (Zen 3: 32 KiB L1d, 512 KiB L2, 32 MiB L3) against fht-cpu at 2^20 and 2^24
+ * (docs/bench.md, "FWHT against fht-cpu"). */
+static size_t L1_FLOATS = 1 << 12, LOW_FLOATS = 1 << 15, STRIP_FLOATS = 1 << 12;
 static int TOP_BITS = 5;
-#ifndef PREFETCH
-#define PREFETCH 1
-#endif
-#ifndef STAGE_BUFFER
-#define STAGE_BUFFER 1
-#endif
+#define STRIP_MAX (1 << 14)
+#define AI inline __attribute__((always_inline))
+#define SINK_NONE (-1)        /* a pass that is not the last: plain stores */
 
 static inline void bf(__m256 *a, __m256 *b) {
     __m256 t = *a;
@@ -303,9 +311,9 @@ static inline __m256 lookup16(const float *tabf, __m256i idx) {
     return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(sel));
 }
 
-static inline __m256 in8(const in_t *in, const float *w, size_t i) {
+static AI __m256 in8(const in_t *in, const int kind, size_t i) {
     const __m256 c = _mm256_set1_ps(in->c), m = _mm256_set1_ps(in->m);
-    switch (in->kind) {
+    switch (kind) {
     case IN_SIGNS: {
         __m256 v;
         if (i + 8 <= in->nx) v = _mm256_loadu_ps(in->x + i);
@@ -331,7 +339,7 @@ static inline __m256 in8(const in_t *in, const float *w, size_t i) {
         return _mm256_sub_ps(_mm256_mul_ps(_mm256_i32gather_ps(in->tabf, idx, 4), c), m);
     }
     default:
-        return _mm256_loadu_ps(w + i);
+        return _mm256_loadu_ps(in->x + i);
     }
 }
 
@@ -420,9 +428,14 @@ static inline void store_idx8(uint8_t *out, int packed, size_t i, __m256i z) {
     }
 }
 
-static inline void epi8(const epi_t *e, float *p, size_t i, __m256 v) {
+/* The sink of the last pass (kind a constant: SINK_NONE stores v at p). */
+static AI void epi8(const epi_t *e, const int kind, float *p, size_t i, __m256 v) {
+    if (kind == SINK_NONE) {
+        _mm256_storeu_ps(p, v);
+        return;
+    }
     v = _mm256_mul_ps(v, _mm256_set1_ps(e->scale));
-    switch (e->kind) {
+    switch (kind) {
     case EPI_ENCODE:
         store_idx8(e->out, e->packed, i, quant8(e->q, v, e->u ? _mm256_loadu_ps(e->u + i) : cu8(e->ukey, e->ubase + i)));
         break;
@@ -436,27 +449,98 @@ static inline void epi8(const epi_t *e, float *p, size_t i, __m256 v) {
         }
         break;
     case EPI_ADD:
-        _mm256_storeu_ps(p, e->carry ? _mm256_add_ps(v, _mm256_loadu_ps(e->carry + i)) : v);
+        _mm256_storeu_ps(e->dst + i, e->carry ? _mm256_add_ps(v, _mm256_loadu_ps(e->carry + i)) : v);
         break;
     default:
-        _mm256_storeu_ps(p, v);
+        _mm256_storeu_ps(e->dst + i, v);
     }
 }
 
-/* Stages 1..32 of 64 consecutive coordinates, reading them from the source. */
-static inline void leaf64(float *w, size_t i, const in_t *in) {
+/* Stages 1..32 of the 64 coordinates from i, read from the source (kind a constant), into dst. */
+static AI void leaf64(float *dst, size_t i, const in_t *in, const int kind) {
     __m256 r[8];
-    for (int k = 0; k < 8; k++) r[k] = inreg3(in8(in, w, i + 8 * k));
+    for (int k = 0; k < 8; k++) r[k] = inreg3(in8(in, kind, i + 8 * k));
     radix(r, 3);
-    for (int k = 0; k < 8; k++) _mm256_storeu_ps(w + i + 8 * k, r[k]);
+    for (int k = 0; k < 8; k++) _mm256_storeu_ps(dst + 8 * k, r[k]);
+}
+
+/* nst (1..3) stages of strides h, 2h, ... on the `size` floats at src, written to dst (which
+ * may be src) or to the sink (kind a constant), src[j] being coordinate ibase + j. */
+static AI void lpass_n(const float *src, float *dst, size_t ibase, size_t size, size_t h, const int nst,
+                       const epi_t *e, const int ek) {
+    const size_t span = h << nst;
+    for (size_t g = 0; g < size; g += span)
+        for (size_t j = g; j < g + h; j += 8) {
+            __m256 r[8];
+            for (int k = 0; k < (1 << nst); k++) r[k] = _mm256_loadu_ps(src + j + k * h);
+            radix(r, nst);
+            for (int k = 0; k < (1 << nst); k++) epi8(e, ek, dst + j + k * h, ibase + j + k * h, r[k]);
+        }
+}
+
+#define LPASS_EK(ek)                                                         \
+    do {                                                                     \
+        if (nst == 1) lpass_n(src, dst, ibase, size, h, 1, e, ek);           \
+        else if (nst == 2) lpass_n(src, dst, ibase, size, h, 2, e, ek);      \
+        else lpass_n(src, dst, ibase, size, h, 3, e, ek);                    \
+    } while (0)
+
+static void lpass(const float *src, float *dst, size_t ibase, size_t size, size_t h, int nst, const epi_t *e) {
+    switch (e ? e->kind : SINK_NONE) {
+    case EPI_ENCODE: LPASS_EK(EPI_ENCODE); break;
+    case EPI_DECODE: LPASS_EK(EPI_DECODE); break;
+    case EPI_ADD: LPASS_EK(EPI_ADD); break;
+    case EPI_SCALE: LPASS_EK(EPI_SCALE); break;
+    default: LPASS_EK(SINK_NONE); break;
+    }
+}
+
+static inline int log2_of(size_t v) {
+    int m = 0;
+    while (((size_t)1 << m) < v) m++;
+    return m;
+}
+
+/* Stages h .. size/2 of the `size` floats at buf (coordinates ibase on) in passes of <= 3
+ * stages, the short one first, in place; the last pass writes dst, or the sink `e`. */
+static void lstages(float *buf, float *dst, size_t ibase, size_t size, size_t h, const epi_t *e) {
+    for (int m = log2_of(size / h); m > 0;) {
+        const int nst = m % 3 ? m % 3 : 3;
+        lpass(buf, m == nst ? dst : buf, ibase, size, h, nst, m == nst ? e : NULL);
+        h <<= nst;
+        m -= nst;
+    }
+}
+
+/* Every stage of the low chunk w[base, base + size) (size >= 128), in place: L1 piece by
+ * L1 piece the leaves, which read the source, and the piece's stages; then the chunk's
+ * stages above the piece.  `e`: the sink of the last pass, given when the chunk is the whole
+ * block. */
+static AI void low_n(float *w, size_t base, size_t size, const in_t *in, const int ik, const epi_t *e) {
+    const size_t piece = size < L1_FLOATS ? size : L1_FLOATS;
+    for (size_t s = base; s < base + size; s += piece) {
+        for (size_t i = s; i < s + piece; i += 64) leaf64(w + i, i, in, ik);
+        lstages(w + s, w + s, s, piece, 64, piece == size ? e : NULL);
+    }
+    if (piece < size) lstages(w + base, w + base, base, size, piece, e);
+}
+
+static void low(float *w, size_t base, size_t size, const in_t *in, const epi_t *e) {
+    switch (in->kind) {
+    case IN_SIGNS: low_n(w, base, size, in, IN_SIGNS, e); break;
+    case IN_VALUES: low_n(w, base, size, in, IN_VALUES, e); break;
+    case IN_NIBBLES: low_n(w, base, size, in, IN_NIBBLES, e); break;
+    case IN_BYTES: low_n(w, base, size, in, IN_BYTES, e); break;
+    default: low_n(w, base, size, in, IN_FLOATS, e); break;
+    }
 }
 
 /* nst (1..3) stages of row strides 2^s, 2^(s+1), ... on a strip of `rows` rows x `cols`
  * columns, read from src (rows ss floats apart) and written to dst (ds apart) or to the sink;
- * row r column j is coordinate ibase + r·h0 + j of the block. */
-static inline __attribute__((always_inline)) void pass_n(const float *src, size_t ss, float *dst, size_t ds,
-                                                         size_t ibase, size_t h0, size_t rows, int s,
-                                                         const int nst, size_t cols, size_t pf, const epi_t *e) {
+ * row r column j is coordinate ibase + r·h0 + j of the block.  pf: prefetch the line pf
+ * floats on in each row read (the next strip's). */
+static AI void spass_n(const float *src, size_t ss, float *dst, size_t ds, size_t ibase, size_t h0, size_t rows,
+                       int s, const int nst, size_t cols, size_t pf, const epi_t *e, const int ek) {
     const size_t span = (size_t)1 << (s + nst), lo_n = (size_t)1 << s;
     const size_t sh = ss << s, dh = ds << s, ih = h0 << s;
     for (size_t ihi = 0; ihi < rows; ihi += span)
@@ -467,28 +551,32 @@ static inline __attribute__((always_inline)) void pass_n(const float *src, size_
             const size_t ip = ibase + row * h0;
             for (size_t j = 0; j < cols; j += 8) {
                 __m256 r[8];
-                if (PREFETCH && pf && !(j & 15))     /* the next strip's line of each row */
+                if (pf && !(j & 15))
                     for (int k = 0; k < (1 << nst); k++) _mm_prefetch((const char *)(sp + j + k * sh + pf), _MM_HINT_T0);
                 for (int k = 0; k < (1 << nst); k++) r[k] = _mm256_loadu_ps(sp + j + k * sh);
                 radix(r, nst);
-                if (e)
-                    for (int k = 0; k < (1 << nst); k++) epi8(e, dp + j + k * dh, ip + j + k * ih, r[k]);
-                else
-                    for (int k = 0; k < (1 << nst); k++) _mm256_storeu_ps(dp + j + k * dh, r[k]);
+                for (int k = 0; k < (1 << nst); k++) epi8(e, ek, dp + j + k * dh, ip + j + k * ih, r[k]);
             }
         }
 }
 
-static void pass(const float *src, size_t ss, float *dst, size_t ds, size_t ibase, size_t h0, size_t rows, int s,
-                 int nst, size_t cols, size_t pf, const epi_t *e) {
-    switch (nst) {
-    case 1: pass_n(src, ss, dst, ds, ibase, h0, rows, s, 1, cols, pf, e); break;
-    case 2: pass_n(src, ss, dst, ds, ibase, h0, rows, s, 2, cols, pf, e); break;
-    default: pass_n(src, ss, dst, ds, ibase, h0, rows, s, 3, cols, pf, e); break;
+#define SPASS_EK(ek)                                                                        \
+    do {                                                                                    \
+        if (nst == 1) spass_n(src, ss, dst, ds, ibase, h0, rows, s, 1, cols, pf, e, ek);    \
+        else if (nst == 2) spass_n(src, ss, dst, ds, ibase, h0, rows, s, 2, cols, pf, e, ek); \
+        else spass_n(src, ss, dst, ds, ibase, h0, rows, s, 3, cols, pf, e, ek);             \
+    } while (0)
+
+static void spass(const float *src, size_t ss, float *dst, size_t ds, size_t ibase, size_t h0, size_t rows, int s,
+                  int nst, size_t cols, size_t pf, const epi_t *e) {
+    switch (e ? e->kind : SINK_NONE) {
+    case EPI_ENCODE: SPASS_EK(EPI_ENCODE); break;
+    case EPI_DECODE: SPASS_EK(EPI_DECODE); break;
+    case EPI_ADD: SPASS_EK(EPI_ADD); break;
+    case EPI_SCALE: SPASS_EK(EPI_SCALE); break;
+    default: SPASS_EK(SINK_NONE); break;
     }
 }
-
-#define STRIP_MAX (1 << 14)
 
 /* Stages h0 <= h < h1 of x[0, n) (n a multiple of h1), strip by strip; the sink (if any)
  * takes the last stage's output.  A strip that needs several passes is staged through a
@@ -497,22 +585,21 @@ static void pass(const float *src, size_t ss, float *dst, size_t ds, size_t ibas
 static void run_stages(float *x, size_t ibase, size_t n, size_t h0, size_t h1, const epi_t *e) {
     static __thread float buf[STRIP_MAX] __attribute__((aligned(64)));
     const size_t rows = h1 / h0;
-    int m = 0;
-    while (((size_t)1 << m) < rows) m++;
+    const int m = log2_of(rows);
     size_t cols = (STRIP_FLOATS < STRIP_MAX ? STRIP_FLOATS : STRIP_MAX) / rows;
+    if (cols < 16) cols = 16;
     if (cols > h0) cols = h0;
-    if (cols < 8) cols = 8;
-    const int direct = m <= 3 || rows * cols > STRIP_MAX || !STAGE_BUFFER;
+    const int direct = m <= 3 || rows * cols > STRIP_MAX;
     for (size_t b = 0; b < n; b += h1)
         for (size_t c = 0; c < h0; c += cols) {
             float *xs = x + b + c;
-            const size_t ib = ibase + b + c;
+            const size_t ib = ibase + b + c, pf = c + cols < h0 ? cols : 0;
             for (int s = 0; s < m;) {
                 const int nst = s == 0 && m % 3 ? m % 3 : 3, last = s + nst == m;
                 const float *src = direct || s == 0 ? xs : buf;
                 float *dst = direct || last ? xs : buf;
-                pass(src, src == xs ? h0 : cols, dst, dst == xs ? h0 : cols, ib, h0, rows, s, nst, cols,
-                     s == 0 && c + cols < h0 ? cols : 0, last ? e : NULL);
+                spass(src, src == xs ? h0 : cols, dst, dst == xs ? h0 : cols, ib, h0, rows, s, nst, cols,
+                      s == 0 ? pf : 0, last ? e : NULL);
                 s += nst;
             }
         }
@@ -521,39 +608,30 @@ static void run_stages(float *x, size_t ibase, size_t n, size_t h0, size_t h1, c
 /* All stages below bounds[k] of the chunk w[base, base + bounds[k]): the chunks of the level
  * below first, then this level's stages strip by strip.  Only the top level has a sink. */
 static void rht_level(float *w, size_t base, const size_t *bounds, int k, const in_t *in, const epi_t *e) {
-    const size_t size = bounds[k], sub = k ? bounds[k - 1] : 64;
-    if (k == 0)
-        for (size_t i = base; i < base + size; i += 64) leaf64(w, i, in);
-    else
-        for (size_t b = base; b < base + size; b += sub) rht_level(w, b, bounds, k - 1, in, NULL);
-    run_stages(w + base, base, size, sub, size, e);
+    if (k == 0) {
+        low(w, base, bounds[0], in, e);
+        return;
+    }
+    for (size_t b = base; b < base + bounds[k]; b += bounds[k - 1]) rht_level(w, b, bounds, k - 1, in, NULL);
+    run_stages(w + base, base, bounds[k], bounds[k - 1], bounds[k], e);
 }
 
-/* source -> FWHT of n >= 128 coordinates in w -> sink.  Levels (chunk sizes): 64-float
- * leaves; then 3 stages per level (one radix-8 pass each) while the chunk fits L2; above
- * that as few levels as keep a strip at <= 2^TOP_BITS rows, so that the data beyond L2 is
- * read and written once per level. */
+/* source -> FWHT of n >= 128 coordinates in w -> sink: low chunks of LOW_FLOATS, then as
+ * few levels as keep a strip at <= 2^TOP_BITS rows. */
 static void rht_avx2(float *w, size_t n, const in_t *in, const epi_t *e) {
     size_t bounds[64];
     int k = 0;
-    bounds[0] = n < L1_FLOATS ? n : L1_FLOATS;
-    while (bounds[k] < n && bounds[k] < L2_FLOATS) {
-        size_t next = bounds[k] << 3;
-        bounds[k + 1] = next < n ? next : n;
-        k++;
-    }
-    int rest = 0;
-    while ((bounds[k] << rest) < n) rest++;
-    int levels = (rest + TOP_BITS - 1) / TOP_BITS;
+    bounds[0] = n < LOW_FLOATS ? n : LOW_FLOATS;
+    int rest = log2_of(n / bounds[0]);
+    const int levels = (rest + TOP_BITS - 1) / TOP_BITS;
     for (int i = 0; i < levels; i++) {
-        int step = rest / (levels - i);
+        const int step = rest / (levels - i);
         bounds[k + 1] = bounds[k] << step;
         rest -= step;
         k++;
     }
     rht_level(w, 0, bounds, k, in, e);
 }
-
 
 /* quantize_ef on 8 coordinates at a time (n a multiple of 8): quant8, the indices as
  * epi8 stores them, then x − (T[z]·c − m) in the scalar loop's operations. */
@@ -710,8 +788,8 @@ static PyObject *py_fwht(PyObject *self, PyObject *args) {
     size_t n = (size_t)x.len / 4;
     if (!is_pow2(n)) return fail(bufs, 1, "fwht: length must be a power of two");
     if ((simd = pick_simd(simd)) < 0) return fail(bufs, 1, NULL);
-    in_t in = {.kind = IN_INPLACE};
-    epi_t e = {.kind = EPI_SCALE};
+    in_t in = {.kind = IN_FLOATS, .x = x.buf};
+    epi_t e = {.kind = EPI_SCALE, .dst = x.buf};
     return run_released(simd, x.buf, n, &in, &e, bufs, 1);
 }
 
@@ -794,7 +872,7 @@ static PyObject *py_rht_rotate(PyObject *self, PyObject *args) {
         return fail(bufs, 4, "rht_rotate: inconsistent buffer sizes");
     if ((simd = pick_simd(simd)) < 0) return fail(bufs, 4, NULL);
     in_t in = {.kind = IN_SIGNS, .x = x.buf, .nx = (size_t)x.len / 4, .signs = sg.buf};
-    epi_t e = {.kind = EPI_ADD, .carry = cy.obj ? cy.buf : NULL};
+    epi_t e = {.kind = EPI_ADD, .dst = o.buf, .carry = cy.obj ? cy.buf : NULL};
     return run_released(simd, o.buf, n, &in, &e, bufs, 4);
 }
 
@@ -894,7 +972,11 @@ static PyObject *py_tune(PyObject *self, PyObject *args) {
     int tb;
     if (!PyArg_ParseTuple(args, "nnin", &l1, &l2, &tb, &strip)) return NULL;
 #if THC_HAVE_AVX2
-    L1_FLOATS = (size_t)l1; L2_FLOATS = (size_t)l2; TOP_BITS = tb; STRIP_FLOATS = (size_t)strip;
+    if (l1 < 128 || l2 < l1 || !is_pow2((size_t)l1) || !is_pow2((size_t)l2) || tb < 1 || strip < 16) {
+        PyErr_SetString(PyExc_ValueError, "_tune: bad sizes");
+        return NULL;
+    }
+    L1_FLOATS = (size_t)l1; LOW_FLOATS = (size_t)l2; TOP_BITS = tb; STRIP_FLOATS = (size_t)strip;
 #endif
     Py_RETURN_NONE;
 }
