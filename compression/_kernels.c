@@ -129,13 +129,22 @@ static inline uint8_t quant1(const qtab_t *q, float a, float u) {
 enum { IN_FLOATS, IN_SIGNS, IN_VALUES, IN_NIBBLES, IN_BYTES };
 enum { EPI_SCALE, EPI_ENCODE, EPI_DECODE, EPI_ADD };
 
+/* Coordinates [start, end) of a vector given in pieces (a model's gradients, tensor by tensor). */
+typedef struct {
+    const float *p;
+    size_t start, end;
+} piece_t;
+
 /* What the first pass reads: x (n floats; the work buffer itself for a transform in place),
- * x·D (x zero-padded to the block), or the decoder's table-domain values a = v·c − m with v a
- * float (Y/k) or T[index]. */
+ * x·D (x given in pieces, zero-padded to the block: the pieces are read where they lie, so a
+ * gradient needs no copy into one vector first), or the decoder's table-domain values
+ * a = v·c − m with v a float (Y/k) or T[index]. */
 typedef struct {
     int kind;
     const float *x;
-    size_t nx;
+    const piece_t *pc;       /* IN_SIGNS: the pieces, in order, the first from 0 */
+    size_t npc;
+    size_t *cur;             /* IN_SIGNS: the piece the last read found (reads go up the block) */
     const uint8_t *signs;
     const uint8_t *idx;
     float tabf[256];
@@ -185,9 +194,27 @@ static inline float flip(float v, uint32_t bit) {
     return v;
 }
 
+/* Coordinates [i, i + len) of the pieced x: a pointer into its piece when they lie in one,
+ * else copied into t (zeros past the last piece). */
+static inline const float *xspan(const in_t *in, size_t i, size_t len, float *t) {
+    size_t k = *in->cur;
+    if (k >= in->npc || in->pc[k].start > i) k = 0;
+    while (k < in->npc && in->pc[k].end <= i) k++;
+    *in->cur = k;
+    if (k < in->npc && i + len <= in->pc[k].end) return in->pc[k].p + (i - in->pc[k].start);
+    for (size_t j = 0; j < len; j++) {
+        while (k < in->npc && in->pc[k].end <= i + j) k++;
+        t[j] = k < in->npc ? in->pc[k].p[i + j - in->pc[k].start] : 0.f;
+    }
+    return t;
+}
+
 static inline float in1(const in_t *in, size_t i) {
     switch (in->kind) {
-    case IN_SIGNS: return flip(i < in->nx ? in->x[i] : 0.f, sign_bit(in->signs, i));
+    case IN_SIGNS: {
+        float t;
+        return flip(*xspan(in, i, 1, &t), sign_bit(in->signs, i));
+    }
     case IN_VALUES: return in->x[i] * in->c - in->m;
     case IN_NIBBLES: return in->tabf[(in->idx[i >> 1] >> ((i & 1) ? 0 : 4)) & 15] * in->c - in->m;
     case IN_BYTES: return in->tabf[in->idx[i]] * in->c - in->m;
@@ -314,16 +341,6 @@ static inline __m256 lookup16(const float *tabf, __m256i idx) {
 static AI __m256 in8(const in_t *in, const int kind, size_t i) {
     const __m256 c = _mm256_set1_ps(in->c), m = _mm256_set1_ps(in->m);
     switch (kind) {
-    case IN_SIGNS: {
-        __m256 v;
-        if (i + 8 <= in->nx) v = _mm256_loadu_ps(in->x + i);
-        else {
-            float t[8] = {0};
-            if (i < in->nx) memcpy(t, in->x + i, (in->nx - i) * 4);
-            v = _mm256_loadu_ps(t);
-        }
-        return _mm256_xor_ps(v, signmask8(in->signs[i >> 3]));
-    }
     case IN_VALUES:
         return _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(in->x + i), c), m);
     case IN_NIBBLES: {
@@ -459,7 +476,14 @@ static AI void epi8(const epi_t *e, const int kind, float *p, size_t i, __m256 v
 /* Stages 1..32 of the 64 coordinates from i, read from the source (kind a constant), into dst. */
 static AI void leaf64(float *dst, size_t i, const in_t *in, const int kind) {
     __m256 r[8];
-    for (int k = 0; k < 8; k++) r[k] = inreg3(in8(in, kind, i + 8 * k));
+    if (kind == IN_SIGNS) {
+        float t[64];
+        const float *x = xspan(in, i, 64, t);
+        for (int k = 0; k < 8; k++)
+            r[k] = inreg3(_mm256_xor_ps(_mm256_loadu_ps(x + 8 * k), signmask8(in->signs[(i >> 3) + k])));
+    } else {
+        for (int k = 0; k < 8; k++) r[k] = inreg3(in8(in, kind, i + 8 * k));
+    }
     radix(r, 3);
     for (int k = 0; k < 8; k++) _mm256_storeu_ps(dst + 8 * k, r[k]);
 }
@@ -578,10 +602,33 @@ static void spass(const float *src, size_t ss, float *dst, size_t ds, size_t iba
     }
 }
 
-/* Stages h0 <= h < h1 of x[0, n) (n a multiple of h1), strip by strip; the sink (if any)
- * takes the last stage's output.  A strip that needs several passes is staged through a
- * contiguous buffer (first pass in, last pass out): rows h0 apart share cache sets, which
- * more than a few rows would overflow. */
+/* The strip's rows of buf (cols floats each, aligned) out to xs (rows h0 apart) through the
+ * sink, row by row (kind a constant); row r column j is coordinate ibase + r·h0 + j. */
+static AI void strip_out_n(const float *buf, float *xs, size_t ibase, size_t h0, size_t rows, size_t cols,
+                           const epi_t *e, const int ek) {
+    for (size_t r = 0; r < rows; r++)
+        for (size_t j = 0; j < cols; j += 8)
+            epi8(e, ek, xs + r * h0 + j, ibase + r * h0 + j, _mm256_load_ps(buf + r * cols + j));
+}
+
+static void strip_out(const float *buf, float *xs, size_t ibase, size_t h0, size_t rows, size_t cols,
+                      const epi_t *e) {
+    switch (e ? e->kind : SINK_NONE) {
+    case EPI_ENCODE: strip_out_n(buf, xs, ibase, h0, rows, cols, e, EPI_ENCODE); break;
+    case EPI_DECODE: strip_out_n(buf, xs, ibase, h0, rows, cols, e, EPI_DECODE); break;
+    case EPI_ADD: strip_out_n(buf, xs, ibase, h0, rows, cols, e, EPI_ADD); break;
+    case EPI_SCALE: strip_out_n(buf, xs, ibase, h0, rows, cols, e, EPI_SCALE); break;
+    default: strip_out_n(buf, xs, ibase, h0, rows, cols, e, SINK_NONE); break;
+    }
+}
+
+/* Stages h0 <= h < h1 of x[0, n) (n a multiple of h1), strip by strip: a strip (rows h0
+ * apart x cols) is copied row by row into a contiguous buffer, all its stages run there in
+ * L1, and it goes back row by row through the sink (if any).  Rows h0 apart share cache sets
+ * (all of them in L1 and in L2 when h0 is a multiple of 64 KiB), so a pass that touched
+ * several rows at a time would evict its own lines; row by row, the lines of a row are
+ * consecutive.  Copying a row in prefetches the same row of the next strip (and of the
+ * carried vector the sink adds). */
 static void run_stages(float *x, size_t ibase, size_t n, size_t h0, size_t h1, const epi_t *e) {
     static __thread float buf[STRIP_MAX] __attribute__((aligned(64)));
     const size_t rows = h1 / h0;
@@ -589,19 +636,27 @@ static void run_stages(float *x, size_t ibase, size_t n, size_t h0, size_t h1, c
     size_t cols = (STRIP_FLOATS < STRIP_MAX ? STRIP_FLOATS : STRIP_MAX) / rows;
     if (cols < 16) cols = 16;
     if (cols > h0) cols = h0;
-    const int direct = m <= 3 || rows * cols > STRIP_MAX;
+    const float *carry = e && e->kind == EPI_ADD ? e->carry : NULL;
     for (size_t b = 0; b < n; b += h1)
         for (size_t c = 0; c < h0; c += cols) {
             float *xs = x + b + c;
             const size_t ib = ibase + b + c, pf = c + cols < h0 ? cols : 0;
+            for (size_t r = 0; r < rows; r++) {
+                const float *row = xs + r * h0;
+                for (size_t j = 0; j < cols; j += 8) {
+                    if (pf && !(j & 15)) {
+                        _mm_prefetch((const char *)(row + j + pf), _MM_HINT_T0);
+                        if (carry) _mm_prefetch((const char *)(carry + ib + r * h0 + j + pf), _MM_HINT_T0);
+                    }
+                    _mm256_store_ps(buf + r * cols + j, _mm256_loadu_ps(row + j));
+                }
+            }
             for (int s = 0; s < m;) {
-                const int nst = s == 0 && m % 3 ? m % 3 : 3, last = s + nst == m;
-                const float *src = direct || s == 0 ? xs : buf;
-                float *dst = direct || last ? xs : buf;
-                spass(src, src == xs ? h0 : cols, dst, dst == xs ? h0 : cols, ib, h0, rows, s, nst, cols,
-                      s == 0 ? pf : 0, last ? e : NULL);
+                const int nst = s == 0 && m % 3 ? m % 3 : 3;
+                spass(buf, cols, buf, cols, 0, h0, rows, s, nst, cols, 0, NULL);
                 s += nst;
             }
+            strip_out(buf, xs, ib, h0, rows, cols, e);
         }
 }
 
@@ -779,6 +834,53 @@ static int get_uniforms(PyObject *uobj, Py_buffer *u, unsigned long long *ukey, 
     return PyObject_GetBuffer(uobj, u, PyBUF_SIMPLE);
 }
 
+/* x as pieces: a float32 buffer, or a tuple or list of them (concatenated).  Fills px (one
+ * Py_buffer per piece, PyMem_Malloc'd) and pc; returns the total length in floats, or -1 with
+ * the Python error set.  drop_pieces releases them. */
+typedef struct {
+    Py_buffer *b;
+    piece_t *pc;
+    size_t n;
+} pieces_t;
+
+static void drop_pieces(pieces_t *ps) {
+    for (size_t k = 0; k < ps->n; k++)
+        if (ps->b[k].obj) PyBuffer_Release(&ps->b[k]);
+    PyMem_Free(ps->b);
+    PyMem_Free(ps->pc);
+    ps->b = NULL;
+    ps->pc = NULL;
+    ps->n = 0;
+}
+
+static Py_ssize_t get_pieces(PyObject *obj, pieces_t *ps) {
+    PyObject *seq = PyTuple_Check(obj) || PyList_Check(obj) ? PySequence_Fast(obj, "pieces") : NULL;
+    const size_t n = seq ? (size_t)PySequence_Fast_GET_SIZE(seq) : 1;
+    ps->b = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    ps->pc = PyMem_Calloc(n ? n : 1, sizeof(piece_t));
+    ps->n = n;
+    size_t total = 0;
+    if (!ps->b || !ps->pc) {
+        PyErr_NoMemory();
+        goto bad;
+    }
+    for (size_t k = 0; k < n; k++) {
+        if (PyObject_GetBuffer(seq ? PySequence_Fast_GET_ITEM(seq, k) : obj, &ps->b[k], PyBUF_C_CONTIGUOUS) < 0) goto bad;
+        if (ps->b[k].itemsize != 4 || ps->b[k].len % 4) {
+            PyErr_SetString(PyExc_ValueError, "x: every piece must be float32");
+            goto bad;
+        }
+        ps->pc[k] = (piece_t){.p = ps->b[k].buf, .start = total, .end = total + (size_t)ps->b[k].len / 4};
+        total = ps->pc[k].end;
+    }
+    Py_XDECREF(seq);
+    return (Py_ssize_t)total;
+bad:
+    Py_XDECREF(seq);
+    drop_pieces(ps);
+    return -1;
+}
+
 /* fwht(x: float32 writable buf, simd=-1): normalized FWHT in place (length a power of two). */
 static PyObject *py_fwht(PyObject *self, PyObject *args) {
     Py_buffer x = {0};
@@ -816,7 +918,9 @@ static PyObject *py_rht_encode(PyObject *self, PyObject *args) {
     qtab_t q;
     if (qtab_init(&q, big_m, g, t.buf, t.len) < 0) return fail(bufs, 6, "rht_encode: bad table");
     if ((simd = pick_simd(simd)) < 0) return fail(bufs, 6, NULL);
-    in_t in = {.kind = IN_SIGNS, .x = x.buf, .nx = (size_t)x.len / 4, .signs = sg.buf};
+    piece_t one = {.p = x.buf, .start = 0, .end = (size_t)x.len / 4};
+    size_t cur = 0;
+    in_t in = {.kind = IN_SIGNS, .pc = &one, .npc = 1, .cur = &cur, .signs = sg.buf};
     epi_t e = {.kind = EPI_ENCODE, .q = &q, .u = u.obj ? u.buf : NULL, .ukey = ukey, .ubase = ubase,
                .out = o.buf, .packed = packed};
     return run_released(simd, w.buf, n, &in, &e, bufs, 6);
@@ -855,25 +959,44 @@ static PyObject *py_rht_decode(PyObject *self, PyObject *args) {
     return run_released(simd, work, n, &in, &e, bufs, 5);
 }
 
-/* rht_rotate(x: float32 buf (n <= p values, zero-padded to p), p, signs: bytes,
- *            carry: float32 buf (>= p values) or None, out: float32 writable buf (>= p), simd=-1)
+/* rht_rotate(x, p, signs: bytes, carry: float32 buf (>= p values) or None,
+ *            out: float32 writable buf (>= p), simd=-1)
+ * x: n <= p float32 values, zero-padded to p: one buffer, or a tuple or list of buffers read
+ * as their concatenation (a gradient tensor by tensor; none may overlap out).
  * out = (1/sqrt(p))·H·(D x) + carry (the product first, then the sum), in out's first p floats. */
 static PyObject *py_rht_rotate(PyObject *self, PyObject *args) {
-    Py_buffer x = {0}, sg = {0}, cy = {0}, o = {0};
+    Py_buffer sg = {0}, cy = {0}, o = {0};
     Py_ssize_t p;
-    PyObject *cobj;
+    PyObject *xobj, *cobj;
     int simd = -1;
-    if (!PyArg_ParseTuple(args, "y*ny*Ow*|i", &x, &p, &sg, &cobj, &o, &simd)) return NULL;
-    Py_buffer *bufs[] = {&x, &sg, &cy, &o};
-    if (cobj != Py_None && PyObject_GetBuffer(cobj, &cy, PyBUF_SIMPLE) < 0) return fail(bufs, 4, NULL);
+    if (!PyArg_ParseTuple(args, "Ony*Ow*|i", &xobj, &p, &sg, &cobj, &o, &simd)) return NULL;
+    Py_buffer *bufs[] = {&sg, &cy, &o};
+    pieces_t xs = {0};
+    const Py_ssize_t nx = get_pieces(xobj, &xs);
+    if (nx < 0) return fail(bufs, 3, NULL);
+    if (cobj != Py_None && PyObject_GetBuffer(cobj, &cy, PyBUF_SIMPLE) < 0) {
+        drop_pieces(&xs);
+        return fail(bufs, 3, NULL);
+    }
     size_t n = (size_t)p;
-    if (!is_pow2(n) || (size_t)x.len / 4 > n || (size_t)sg.len * 8 < n || (cy.obj && (size_t)cy.len / 4 < n) ||
-        (size_t)o.len / 4 < n)
-        return fail(bufs, 4, "rht_rotate: inconsistent buffer sizes");
-    if ((simd = pick_simd(simd)) < 0) return fail(bufs, 4, NULL);
-    in_t in = {.kind = IN_SIGNS, .x = x.buf, .nx = (size_t)x.len / 4, .signs = sg.buf};
+    if (!is_pow2(n) || (size_t)nx > n || (size_t)sg.len * 8 < n || (cy.obj && (size_t)cy.len / 4 < n) ||
+        (size_t)o.len / 4 < n) {
+        drop_pieces(&xs);
+        return fail(bufs, 3, "rht_rotate: inconsistent buffer sizes");
+    }
+    if ((simd = pick_simd(simd)) < 0) {
+        drop_pieces(&xs);
+        return fail(bufs, 3, NULL);
+    }
+    size_t cur = 0;
+    in_t in = {.kind = IN_SIGNS, .pc = xs.pc, .npc = xs.n, .cur = &cur, .signs = sg.buf};
     epi_t e = {.kind = EPI_ADD, .dst = o.buf, .carry = cy.obj ? cy.buf : NULL};
-    return run_released(simd, o.buf, n, &in, &e, bufs, 4);
+    Py_BEGIN_ALLOW_THREADS
+    rht_run(simd, o.buf, n, &in, &e);
+    Py_END_ALLOW_THREADS
+    drop_pieces(&xs);
+    release(bufs, 3);
+    Py_RETURN_NONE;
 }
 
 /* quantize_ef(x: float32 buf (n values, already rotated), M, g, table: bytes, uniforms,

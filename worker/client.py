@@ -255,14 +255,26 @@ class Worker:
 
         `out`: a float32 numpy array of x's size the average is written into and returned
         (it may be x itself, as torch.distributed's all_reduce works in place); THC decodes
-        straight into it, so a round makes no new vector of x's size."""
-        torch_in = not isinstance(x, np.ndarray)
+        straight into it, so a round makes no new vector of x's size.
+
+        x may be `thc.Pieces` (a model's gradients tensor by tensor; `out` needed): a THC job
+        with one rotation reads them where they lie, any other round first copies them into
+        `out`."""
+        pieces = isinstance(x, thc.Pieces)
+        torch_in = not pieces and not isinstance(x, np.ndarray)
         if out is not None and torch_in:
             raise ValueError("out must be a contiguous float32 numpy array of x's size (numpy x)")
-        arr = x.detach().cpu().numpy().astype(np.float32, copy=False).ravel() if torch_in else \
-            np.ascontiguousarray(x, dtype=np.float32).ravel()
+        if pieces and out is None:
+            raise ValueError("an allreduce of thc.Pieces needs out= (the vector the average goes into)")
+        if pieces:
+            arr = x
+        else:
+            arr = x.detach().cpu().numpy().astype(np.float32, copy=False).ravel() if torch_in else \
+                np.ascontiguousarray(x, dtype=np.float32).ravel()
         self.check_dim(arr.size)
         flat = None if out is None else thc.result_vector(out, arr.size)
+        if pieces and not (self.job.codec == "thc" and self.cfg.rotation == "job"):
+            arr = x.concatenate(out=flat)
         start = time.perf_counter()
         rn = self.round_no if round_no is None else round_no
         report = RoundReport(rn, 0, 0)
