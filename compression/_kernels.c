@@ -148,6 +148,7 @@ typedef struct {
     const uint8_t *signs;
     const uint8_t *idx;
     float tabf[256];
+    float divk;              /* IN_BYTES: tabf[b] is float32(b) / divk for every b (0: not so) */
     float c, m;
 } in_t;
 
@@ -353,7 +354,9 @@ static AI __m256 in8(const in_t *in, const int kind, size_t i) {
     }
     case IN_BYTES: {
         __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(in->idx + i)));
-        return _mm256_sub_ps(_mm256_mul_ps(_mm256_i32gather_ps(in->tabf, idx, 4), c), m);
+        __m256 v = in->divk > 0.f ? _mm256_div_ps(_mm256_cvtepi32_ps(idx), _mm256_set1_ps(in->divk))
+                                  : _mm256_i32gather_ps(in->tabf, idx, 4);
+        return _mm256_sub_ps(_mm256_mul_ps(v, c), m);
     }
     default:
         return _mm256_loadu_ps(in->x + i);
@@ -926,6 +929,19 @@ static PyObject *py_rht_encode(PyObject *self, PyObject *args) {
     return run_released(simd, w.buf, n, &in, &e, bufs, 6);
 }
 
+/* k when tab[b] == float32(b) / float32(k) for every byte b (the 8-bit lanes' Y/k of
+ * thc.decode_lanes: numpy's float64 b/k rounded to float32, which is the correctly rounded
+ * float32 quotient, tests/test_kernels.py checks every b and k), else 0.  The AVX2 source then
+ * divides instead of gathering from the table, with the same values. */
+static float lanes_divisor(const float *tab) {
+    if (!(tab[1] > 0.f)) return 0.f;
+    const float k = (float)lrint(1.0 / tab[1]);
+    if (!(k >= 1.f && k <= 65536.f)) return 0.f;
+    for (int b = 0; b < 256; b++)
+        if (tab[b] != (float)b / k) return 0.f;
+    return k;
+}
+
 /* rht_decode(src, kind, c, m, p, signs: bytes, table: bytes, out: float32 writable buf (<= p),
  *            work: float32 writable buf (>= p) or None when out holds p values, simd=-1)
  * kind 0: src float32 values v; 1: packed 4-bit indices (v = T[z]); 2: byte indices;
@@ -955,6 +971,7 @@ static PyObject *py_rht_decode(PyObject *self, PyObject *args) {
     memset(in.tabf, 0, sizeof in.tabf);
     if (ftab) memcpy(in.tabf, t.buf, 1024);
     else for (Py_ssize_t i = 0; i < t.len; i++) in.tabf[i] = ((const uint8_t *)t.buf)[i];
+    in.divk = ftab ? lanes_divisor(in.tabf) : 0.f;
     epi_t e = {.kind = EPI_DECODE, .signs = sg.buf, .dst = o.buf, .ndst = nout};
     return run_released(simd, work, n, &in, &e, bufs, 5);
 }
@@ -1090,18 +1107,25 @@ static PyObject *py_sumsq(PyObject *self, PyObject *args) {
     return PyFloat_FromDouble(s);
 }
 
+/* _tune(l1, low, top_bits, strip) -> the previous (l1, low, top_bits, strip): the AVX2 FWHT's
+ * blocking, for benchmarks and for the tests that run every level layout at small sizes. */
 static PyObject *py_tune(PyObject *self, PyObject *args) {
     Py_ssize_t l1, l2, strip;
     int tb;
     if (!PyArg_ParseTuple(args, "nnin", &l1, &l2, &tb, &strip)) return NULL;
 #if THC_HAVE_AVX2
-    if (l1 < 128 || l2 < l1 || !is_pow2((size_t)l1) || !is_pow2((size_t)l2) || tb < 1 || strip < 16) {
+    if (l1 < 128 || l2 < l1 || !is_pow2((size_t)l1) || !is_pow2((size_t)l2) || tb < 1 || (1 << tb) * 16 > STRIP_MAX ||
+        strip < 16 || strip > STRIP_MAX || !is_pow2((size_t)strip)) {
         PyErr_SetString(PyExc_ValueError, "_tune: bad sizes");
         return NULL;
     }
+    PyObject *old = Py_BuildValue("nnin", (Py_ssize_t)L1_FLOATS, (Py_ssize_t)LOW_FLOATS, TOP_BITS,
+                                  (Py_ssize_t)STRIP_FLOATS);
     L1_FLOATS = (size_t)l1; LOW_FLOATS = (size_t)l2; TOP_BITS = tb; STRIP_FLOATS = (size_t)strip;
+    return old;
+#else
+    return Py_BuildValue("nnin", l1, l2, tb, strip);
 #endif
-    Py_RETURN_NONE;
 }
 
 static PyObject *py_simd(PyObject *self, PyObject *args) { return PyUnicode_FromString(auto_simd ? "avx2" : "scalar"); }
@@ -1116,7 +1140,7 @@ static PyMethodDef methods[] = {
     {"quantize", py_quantize, METH_VARARGS, "clamp + grid map + stochastic rounding to table indices (separate pass)"},
     {"sumsq", py_sumsq, METH_VARARGS, "sumsq(x, simd=-1): sum of squares of float32 values in 16 float64 lanes (the block norm)"},
     {"apply_signs", py_apply_signs, METH_VARARGS, "multiply by the Rademacher diagonal given as packed bits"},
-    {"_tune", py_tune, METH_VARARGS, "benchmarking only: (L1 chunk, L2 chunk, top level bits, strip floats)"},
+    {"_tune", py_tune, METH_VARARGS, "benchmarks and tests: (L1 piece, low chunk, top level bits, strip floats) -> the previous"},
     {"simd", py_simd, METH_NOARGS, "the path simd=-1 takes: 'avx2' or 'scalar'"},
     {"has_avx2", py_has_avx2, METH_NOARGS, "whether simd=1 is available"},
     {NULL, NULL, 0, NULL}};
