@@ -61,7 +61,7 @@ def test_bench_rotation_times_both_rotations_and_writes_its_json(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads((tmp_path / "rot.json").read_text())
     assert set(doc["cpu_ms"]) == {"round", "job, bucket", "job, pieces"} and all(v > 0 for v in doc["cpu_ms"].values())
-    p = 6144                                # 5000 in blocks of 2^11: 2048 + 2048 + 2048 (padded)
+    p = 5120                                # 5000 in blocks of 2^11: 2048 + 2048 + 904 padded to 1024
     assert sum(s["bytes"] for s in doc["job_sweeps"]) == 4 * 5000 + 4 * p + 12 * p + 4 * p + 8 * p + p // 2 + 5 * p + 8 * p
     assert doc["job_floor_ms"] > 0 and "round / job, pieces CPU:" in proc.stdout and "floor" in proc.stdout
 
