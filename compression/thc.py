@@ -43,7 +43,7 @@ try:   # fused C kernels for the numpy path; the numpy code below stays the refe
     from compression import _kernels
 except ImportError:  # pragma: no cover - source checkout without a build
     _kernels = None
-from proto.job import DEFAULT_BLOCK_LOG2, ROTATIONS   # the job's defaults, one definition
+from proto.job import DEFAULT_BLOCK_LOG2, DEFAULT_ROTATION, ROTATIONS   # the job's defaults, one definition
 from proto.packing import check_lane_capacity, pack_indices, packed_size, unpack_indices
 from proto.tables import Table, identity_table, lower_interval_index, parse_p, solve_table
 
@@ -58,7 +58,7 @@ class ThcConfig:
     lane_bits: int = 8
     block_log2: int = DEFAULT_BLOCK_LOG2
     seed: int = 0
-    rotation: str = "round"
+    rotation: str = DEFAULT_ROTATION
 
     def __post_init__(self):
         object.__setattr__(self, "p", parse_p(self.p))

@@ -162,10 +162,25 @@ def test_a_rotation_the_job_does_not_know_is_refused():
     from proto.job import JobConfig
     with pytest.raises(ValueError, match="rotation must be one of round, job"):
         JobConfig(num_workers=2, rotation="epoch")
-    assert JobConfig(num_workers=2).differences({"rotation": "job"}) == ["rotation: PS has 'round', worker expects 'job'"]
-    assert thc.ThcConfig.of_job(JobConfig(num_workers=2, rotation="job")).rotation == "job"
+    assert JobConfig(num_workers=2, rotation="round").differences({"rotation": "job"}) == \
+        ["rotation: PS has 'round', worker expects 'job'"]
+    assert thc.ThcConfig.of_job(JobConfig(num_workers=2, rotation="round")).rotation == "round"
     with pytest.raises(ValueError, match="one rotation"):      # rotate() under a per-round job
-        thc.rotate(np.ones(8, np.float32), thc.ThcConfig(), thc.make_layout(8))
+        thc.rotate(np.ones(8, np.float32), thc.ThcConfig(rotation="round"), thc.make_layout(8))
+
+
+def test_every_default_rotation_is_the_one_in_proto_job():
+    """The job's rotation unless told is proto.job.DEFAULT_ROTATION for the job, the codec's
+    config, `thc` commands, `thc launch`'s clusters and `thc train`'s run alike."""
+    import inspect
+
+    from deploy import cli, launch
+    from deploy.train import TrainConfig
+    from proto.job import DEFAULT_ROTATION, ROTATIONS, JobConfig
+    assert DEFAULT_ROTATION in ROTATIONS
+    assert JobConfig(num_workers=2).rotation == thc.ThcConfig().rotation == TrainConfig().job.rotation == DEFAULT_ROTATION
+    assert cli.build_parser().parse_args(["train"]).rotation == DEFAULT_ROTATION
+    assert inspect.signature(launch.run_launch).parameters["rotation"].default == DEFAULT_ROTATION
 
 
 def test_pooled_rounds_equal_fresh_ones_and_reuse_their_buffers():
