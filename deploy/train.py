@@ -231,7 +231,7 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
                 for epoch in range(first, cfg.epochs):
                     idx = data.shard(len(xtr), rank, cfg.job.num_workers, cfg.job.seed, epoch)
                     t0 = time.perf_counter()
-                    comm, up, down, losses, lost, curve = 0.0, 0, 0, [], 0, []
+                    comm, phases, up, down, losses, lost, curve = 0.0, 0.0, 0, 0, [], 0, []
                     if clock is None:
                         clock = AccuracyClock(cfg.eval_every, lambda: _evaluate(model, xte, yte))
                     prev = clock.train_s
@@ -255,6 +255,7 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
                         opt.step()
                         rep = w.last
                         comm += rep.seconds
+                        phases += rep.phase_seconds
                         up += rep.bytes_up
                         down += rep.bytes_down
                         lost += rep.lost
@@ -272,6 +273,7 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
                                            "test_accuracy": acc, "test_loss": test_loss,
                                            "epoch_seconds": time.perf_counter() - t0,
                                            "mean_round_ms": 1e3 * comm / max(steps, 1), "steps": steps,
+                                           "mean_phase_ms": 1e3 * phases / max(steps, 1),
                                            "bytes_up": up, "bytes_down": down, "lost_chunks": lost,
                                            "param_digest": digest, "step": step, "loss_curve": curve,
                                            "train_seconds": clock.train_s, "accuracy_curve": list(clock.points),

@@ -148,6 +148,7 @@ class GradientSync:
         if acc is None:
             return rep
         acc.seconds += rep.seconds
+        acc.phase_seconds += rep.phase_seconds
         acc.bytes_up += rep.bytes_up
         acc.bytes_down += rep.bytes_down
         acc.lost += rep.lost
