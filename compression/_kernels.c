@@ -297,6 +297,9 @@ static void rht_scalar(float *w, size_t n, const in_t *in, const epi_t *e) {
 static size_t L1_FLOATS = 1 << 12, LOW_FLOATS = 1 << 15, STRIP_FLOATS = 1 << 12;
 static int TOP_BITS = 5;
 #define STRIP_MAX (1 << 14)
+#ifndef LOW_PREFETCH
+#define LOW_PREFETCH 1        /* a low chunk's leaves prefetch the next chunk's source */
+#endif
 #define AI inline __attribute__((always_inline))
 #define SINK_NONE (-1)        /* a pass that is not the last: plain stores */
 
@@ -543,65 +546,32 @@ static void lstages(float *buf, float *dst, size_t ibase, size_t size, size_t h,
  * L1 piece the leaves, which read the source, and the piece's stages; then the chunk's
  * stages above the piece.  `e`: the sink of the last pass, given when the chunk is the whole
  * block. */
-static AI void low_n(float *w, size_t base, size_t size, const in_t *in, const int ik, const epi_t *e) {
+static AI void low_n(float *w, size_t base, size_t size, const in_t *in, const int ik, const epi_t *e, size_t n) {
     const size_t piece = size < L1_FLOATS ? size : L1_FLOATS;
+    const int pf = LOW_PREFETCH && base + 2 * size <= n && ik != IN_SIGNS;
     for (size_t s = base; s < base + size; s += piece) {
-        for (size_t i = s; i < s + piece; i += 64) leaf64(w + i, i, in, ik);
+        for (size_t i = s; i < s + piece; i += 64) {
+            if (pf) {       /* the next chunk's source, one chunk ahead, into L2 */
+                const char *q = ik == IN_BYTES ? (const char *)(in->idx + i + size)
+                                : ik == IN_NIBBLES ? (const char *)(in->idx + ((i + size) >> 1))
+                                                   : (const char *)(in->x + i + size);
+                const int lines = ik == IN_BYTES ? 1 : ik == IN_NIBBLES ? (i & 64) == 0 : 4;
+                for (int l = 0; l < lines; l++) _mm_prefetch(q + 64 * l, _MM_HINT_T1);
+            }
+            leaf64(w + i, i, in, ik);
+        }
         lstages(w + s, w + s, s, piece, 64, piece == size ? e : NULL);
     }
     if (piece < size) lstages(w + base, w + base, base, size, piece, e);
 }
 
-static void low(float *w, size_t base, size_t size, const in_t *in, const epi_t *e) {
+static void low(float *w, size_t base, size_t size, const in_t *in, const epi_t *e, size_t n) {
     switch (in->kind) {
-    case IN_SIGNS: low_n(w, base, size, in, IN_SIGNS, e); break;
-    case IN_VALUES: low_n(w, base, size, in, IN_VALUES, e); break;
-    case IN_NIBBLES: low_n(w, base, size, in, IN_NIBBLES, e); break;
-    case IN_BYTES: low_n(w, base, size, in, IN_BYTES, e); break;
-    default: low_n(w, base, size, in, IN_FLOATS, e); break;
-    }
-}
-
-/* nst (1..3) stages of row strides 2^s, 2^(s+1), ... on a strip of `rows` rows x `cols`
- * columns, read from src (rows ss floats apart) and written to dst (ds apart) or to the sink;
- * row r column j is coordinate ibase + r·h0 + j of the block.  pf: prefetch the line pf
- * floats on in each row read (the next strip's). */
-static AI void spass_n(const float *src, size_t ss, float *dst, size_t ds, size_t ibase, size_t h0, size_t rows,
-                       int s, const int nst, size_t cols, size_t pf, const epi_t *e, const int ek) {
-    const size_t span = (size_t)1 << (s + nst), lo_n = (size_t)1 << s;
-    const size_t sh = ss << s, dh = ds << s, ih = h0 << s;
-    for (size_t ihi = 0; ihi < rows; ihi += span)
-        for (size_t ilo = 0; ilo < lo_n; ilo++) {
-            const size_t row = ihi + ilo;
-            const float *sp = src + row * ss;
-            float *dp = dst + row * ds;
-            const size_t ip = ibase + row * h0;
-            for (size_t j = 0; j < cols; j += 8) {
-                __m256 r[8];
-                if (pf && !(j & 15))
-                    for (int k = 0; k < (1 << nst); k++) _mm_prefetch((const char *)(sp + j + k * sh + pf), _MM_HINT_T0);
-                for (int k = 0; k < (1 << nst); k++) r[k] = _mm256_loadu_ps(sp + j + k * sh);
-                radix(r, nst);
-                for (int k = 0; k < (1 << nst); k++) epi8(e, ek, dp + j + k * dh, ip + j + k * ih, r[k]);
-            }
-        }
-}
-
-#define SPASS_EK(ek)                                                                        \
-    do {                                                                                    \
-        if (nst == 1) spass_n(src, ss, dst, ds, ibase, h0, rows, s, 1, cols, pf, e, ek);    \
-        else if (nst == 2) spass_n(src, ss, dst, ds, ibase, h0, rows, s, 2, cols, pf, e, ek); \
-        else spass_n(src, ss, dst, ds, ibase, h0, rows, s, 3, cols, pf, e, ek);             \
-    } while (0)
-
-static void spass(const float *src, size_t ss, float *dst, size_t ds, size_t ibase, size_t h0, size_t rows, int s,
-                  int nst, size_t cols, size_t pf, const epi_t *e) {
-    switch (e ? e->kind : SINK_NONE) {
-    case EPI_ENCODE: SPASS_EK(EPI_ENCODE); break;
-    case EPI_DECODE: SPASS_EK(EPI_DECODE); break;
-    case EPI_ADD: SPASS_EK(EPI_ADD); break;
-    case EPI_SCALE: SPASS_EK(EPI_SCALE); break;
-    default: SPASS_EK(SINK_NONE); break;
+    case IN_SIGNS: low_n(w, base, size, in, IN_SIGNS, e, n); break;
+    case IN_VALUES: low_n(w, base, size, in, IN_VALUES, e, n); break;
+    case IN_NIBBLES: low_n(w, base, size, in, IN_NIBBLES, e, n); break;
+    case IN_BYTES: low_n(w, base, size, in, IN_BYTES, e, n); break;
+    default: low_n(w, base, size, in, IN_FLOATS, e, n); break;
     }
 }
 
@@ -635,7 +605,6 @@ static void strip_out(const float *buf, float *xs, size_t ibase, size_t h0, size
 static void run_stages(float *x, size_t ibase, size_t n, size_t h0, size_t h1, const epi_t *e) {
     static __thread float buf[STRIP_MAX] __attribute__((aligned(64)));
     const size_t rows = h1 / h0;
-    const int m = log2_of(rows);
     size_t cols = (STRIP_FLOATS < STRIP_MAX ? STRIP_FLOATS : STRIP_MAX) / rows;
     if (cols < 16) cols = 16;
     if (cols > h0) cols = h0;
@@ -654,23 +623,19 @@ static void run_stages(float *x, size_t ibase, size_t n, size_t h0, size_t h1, c
                     _mm256_store_ps(buf + r * cols + j, _mm256_loadu_ps(row + j));
                 }
             }
-            for (int s = 0; s < m;) {
-                const int nst = s == 0 && m % 3 ? m % 3 : 3;
-                spass(buf, cols, buf, cols, 0, h0, rows, s, nst, cols, 0, NULL);
-                s += nst;
-            }
+            lstages(buf, buf, 0, rows * cols, cols, NULL);      /* rows cols apart: strides cols·2^s */
             strip_out(buf, xs, ib, h0, rows, cols, e);
         }
 }
 
 /* All stages below bounds[k] of the chunk w[base, base + bounds[k]): the chunks of the level
  * below first, then this level's stages strip by strip.  Only the top level has a sink. */
-static void rht_level(float *w, size_t base, const size_t *bounds, int k, const in_t *in, const epi_t *e) {
+static void rht_level(float *w, size_t base, const size_t *bounds, int k, int top, const in_t *in, const epi_t *e) {
     if (k == 0) {
-        low(w, base, bounds[0], in, e);
+        low(w, base, bounds[0], in, e, bounds[top]);
         return;
     }
-    for (size_t b = base; b < base + bounds[k]; b += bounds[k - 1]) rht_level(w, b, bounds, k - 1, in, NULL);
+    for (size_t b = base; b < base + bounds[k]; b += bounds[k - 1]) rht_level(w, b, bounds, k - 1, top, in, NULL);
     run_stages(w + base, base, bounds[k], bounds[k - 1], bounds[k], e);
 }
 
@@ -688,7 +653,7 @@ static void rht_avx2(float *w, size_t n, const in_t *in, const epi_t *e) {
         rest -= step;
         k++;
     }
-    rht_level(w, 0, bounds, k, in, e);
+    rht_level(w, 0, bounds, k, k, in, e);
 }
 
 /* quantize_ef on 8 coordinates at a time (n a multiple of 8): quant8, the indices as

@@ -99,7 +99,7 @@ class TrainConfig:
         return replace(self, job=replace(self.job, **{"table": (), "elems_per_packet": 0, **changes}))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model_params(name: str) -> int:
     """The parameters of worker.training.MODELS[name]."""
     from worker.training import MODELS

@@ -164,8 +164,10 @@ def test_rotate_reads_pieces_as_their_concatenation():
     signs = rademacher_bits(2, 0, 0, p)
     for n in (p, p - 1, 3000):
         x = ugly(n, n)
-        cuts = sorted({0, n, *rng.integers(0, n, 40).tolist(), 5, 6, 6, 64, 65})
+        cuts = sorted({0, n, *rng.integers(0, n, 40).tolist(), 5, 6, 64, 65})
         pieces = [x[a:b] for a, b in zip(cuts, cuts[1:])]
+        pieces[3:3] = [x[:0], x[:0]]                    # empty pieces anywhere
+        pieces.append(x[:0])
         for simd in SIMD:
             want, got = np.empty(p, np.float32), np.empty(p, np.float32)
             K.rht_rotate(x, p, signs, None, want, simd)
