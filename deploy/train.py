@@ -82,7 +82,8 @@ class TrainConfig:
         overlap a round with backward: when the gradients fill more than one bucket
         (bucket_cap_mb).  A model in one bucket gets its round when backward ends either way,
         and after backward its round reads the gradients where backward left them, without
-        the hook's bucket copies and hand-offs (docs/bench.md, "Defaults that win");
+        DDP's reducer and the hand-off to the hook's thread (docs/bench.md, "Defaults that
+        win");
         per-tensor rounds and a restarted rank need after-backward."""
         if self.grad_sync == "auto":
             return not (self.per_tensor or self.restart) and 4 * params > self.bucket_cap_mb * (1 << 20)
