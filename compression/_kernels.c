@@ -595,16 +595,35 @@ static void strip_out(const float *buf, float *xs, size_t ibase, size_t h0, size
     }
 }
 
-/* Stages h0 <= h < h1 of x[0, n) (n a multiple of h1), strip by strip: a strip (rows h0
- * apart x cols) is copied row by row into a contiguous buffer, all its stages run there in
- * L1, and it goes back row by row through the sink (if any).  Rows h0 apart share cache sets
- * (all of them in L1 and in L2 when h0 is a multiple of 64 KiB), so a pass that touched
- * several rows at a time would evict its own lines; row by row, the lines of a row are
- * consecutive.  Copying a row in prefetches the same row of the next strip (and of the
- * carried vector the sink adds). */
+/* The first nst (1..3) stages of a strip (row strides 1, 2, 4 of `rows` rows h0 floats
+ * apart in x, cols floats each) into the contiguous buf (rows cols apart), prefetching the
+ * next strip's line of each row read (pf floats on) and of the carried vector pc, if any. */
+static AI void strip_in_n(const float *xs, size_t h0, float *buf, size_t rows, const int nst, size_t cols, size_t pf,
+                          const float *pc) {
+    for (size_t ihi = 0; ihi < rows; ihi += (size_t)1 << nst)
+        for (size_t j = 0; j < cols; j += 8) {
+            __m256 r[8];
+            if (pf && !(j & 15))
+                for (int k = 0; k < (1 << nst); k++) {
+                    _mm_prefetch((const char *)(xs + (ihi + k) * h0 + j + pf), _MM_HINT_T0);
+                    if (pc) _mm_prefetch((const char *)(pc + (ihi + k) * h0 + j + pf), _MM_HINT_T0);
+                }
+            for (int k = 0; k < (1 << nst); k++) r[k] = _mm256_loadu_ps(xs + (ihi + k) * h0 + j);
+            radix(r, nst);
+            for (int k = 0; k < (1 << nst); k++) _mm256_store_ps(buf + (ihi + k) * cols + j, r[k]);
+        }
+}
+
+/* Stages h0 <= h < h1 of x[0, n) (n a multiple of h1), strip by strip: the first pass of a
+ * strip (rows h0 apart x cols) reads its rows, at most 8 at once, into a contiguous buffer,
+ * the strip's other stages run there in L1, and it goes back row by row through the sink
+ * (if any).  Rows h0 apart share cache sets (all of them in L1 and in L2 when h0 is a
+ * multiple of 64 KiB): a last pass writing 8 rows at once, beside 8 rows of the carried
+ * vector, would evict its own lines; row by row, the lines of a row are consecutive. */
 static void run_stages(float *x, size_t ibase, size_t n, size_t h0, size_t h1, const epi_t *e) {
     static __thread float buf[STRIP_MAX] __attribute__((aligned(64)));
     const size_t rows = h1 / h0;
+    const int m = log2_of(rows), nst = m % 3 ? m % 3 : 3;
     size_t cols = (STRIP_FLOATS < STRIP_MAX ? STRIP_FLOATS : STRIP_MAX) / rows;
     if (cols < 16) cols = 16;
     if (cols > h0) cols = h0;
@@ -613,17 +632,11 @@ static void run_stages(float *x, size_t ibase, size_t n, size_t h0, size_t h1, c
         for (size_t c = 0; c < h0; c += cols) {
             float *xs = x + b + c;
             const size_t ib = ibase + b + c, pf = c + cols < h0 ? cols : 0;
-            for (size_t r = 0; r < rows; r++) {
-                const float *row = xs + r * h0;
-                for (size_t j = 0; j < cols; j += 8) {
-                    if (pf && !(j & 15)) {
-                        _mm_prefetch((const char *)(row + j + pf), _MM_HINT_T0);
-                        if (carry) _mm_prefetch((const char *)(carry + ib + r * h0 + j + pf), _MM_HINT_T0);
-                    }
-                    _mm256_store_ps(buf + r * cols + j, _mm256_loadu_ps(row + j));
-                }
-            }
-            lstages(buf, buf, 0, rows * cols, cols, NULL);      /* rows cols apart: strides cols·2^s */
+            const float *pc = carry ? carry + ib : NULL;
+            if (nst == 1) strip_in_n(xs, h0, buf, rows, 1, cols, pf, pc);
+            else if (nst == 2) strip_in_n(xs, h0, buf, rows, 2, cols, pf, pc);
+            else strip_in_n(xs, h0, buf, rows, 3, cols, pf, pc);
+            if (m > nst) lstages(buf, buf, 0, rows * cols, cols << nst, NULL);   /* strides cols·2^s */
             strip_out(buf, xs, ib, h0, rows, cols, e);
         }
 }
