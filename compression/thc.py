@@ -36,6 +36,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from compression.cores import idle_cores
 from compression.hadamard import fwht, next_pow2, rademacher_bits, rademacher_signs
 from compression.stochastic import CounterUniforms, key_from
 
@@ -288,15 +289,19 @@ _pool_size = 0
 
 
 def codec_threads() -> int:
-    """Threads one encode or decode may use, one RHT block each: $THC_CODEC_THREADS, else the
-    cores.  Blocks are independent (own signs, own scale, own slice of the uniforms), so the
+    """Threads one encode or decode may use, one RHT block each: $THC_CODEC_THREADS, else this
+    thread and one per core that sat idle lately (`compression.cores.idle_cores`): a worker
+    with cores to spare uses them, one on a host whose cores are busy (ranks sharing them,
+    other work) adds no hand-offs to it (docs/bench.md, "Codec threads where cores are
+    idle").  Blocks are independent (own signs, own scale, own slice of the uniforms), so the
     result is the same bit for bit whatever the count."""
     env = os.environ.get("THC_CODEC_THREADS")
     if env:
         if not env.isdigit() or int(env) < 1:
             raise ValueError(f"THC_CODEC_THREADS must be a positive integer, got {env!r}")
         return int(env)
-    return os.cpu_count() or 1
+    cores = os.cpu_count() or 1
+    return min(cores, 1 + idle_cores(cores))
 
 
 def _forget_pool() -> None:

@@ -410,6 +410,32 @@ def test_codec_threads_setting(monkeypatch):
         monkeypatch.setenv("THC_CODEC_THREADS", bad)
         with pytest.raises(ValueError, match="THC_CODEC_THREADS"):
             thc.codec_threads()
+    # unset: this thread and one per idle core, at most the cores
+    monkeypatch.delenv("THC_CODEC_THREADS")
+    monkeypatch.setattr(thc.os, "cpu_count", lambda: 4)
+    for idle, want in ((0, 1), (1, 2), (3, 4), (4, 4)):
+        monkeypatch.setattr(thc, "idle_cores", lambda cores, idle=idle: idle)
+        assert thc.codec_threads() == want
+
+
+def test_idle_cores_follow_the_host_s_idle_share(monkeypatch):
+    """idle_cores: every core before two samples exist, then the idle share of the last two
+    samples at least SAMPLE_S apart times the cores, rounded; no /proc/stat: every core."""
+    from compression import cores as C
+    C._forget()
+    stat = iter([(0, 0), (150, 400), (150, 800), (400, 1200)])
+    monkeypatch.setattr(C, "cpu_times", lambda: next(stat))
+    clock = iter([0.0, 0.1, 0.3, 0.6, 1.0])
+    now = lambda: next(clock)       # noqa: E731
+    assert C.idle_cores(4, now) == 4            # t=0: first sample, nothing to compare
+    assert C.idle_cores(4, now) == 4            # t=0.1: too soon, no new sample
+    assert C.idle_cores(4, now) == 2            # t=0.3: 150 of 400 jiffies idle: 1.5 cores
+    assert C.idle_cores(4, now) == 0            # t=0.6: none idle
+    assert C.idle_cores(4, now) == 2            # t=1.0: 250 of 400
+    C._forget()
+    monkeypatch.setattr(C, "cpu_times", lambda: None)
+    assert C.idle_cores(2, lambda: 5.0) == 2 and C.idle_cores(2, lambda: 6.0) == 2
+    C._forget()
 
 
 def test_blocks_are_shared_evenly_among_codec_threads(monkeypatch):

@@ -25,6 +25,7 @@ import numpy as np
 
 from compression import thc
 from compression.codec import ErrorFeedback
+from compression.cores import cpu_times, idle_share
 from proto import headers as H
 from proto.packing import unpack_lanes
 from worker.transport import ChunkStream, PackedChunks, PhaseResults, Transport
@@ -75,23 +76,6 @@ PIPELINE = os.environ.get("THC_PIPELINE", "auto")
 #: Under "auto": pipeline when at least this share of the host's CPU was idle during the last
 #: plain DATA phase, and keep it while at least STAY_IDLE was idle during a pipelined one.
 START_IDLE, STAY_IDLE = 0.25, 0.10
-
-
-def cpu_times() -> tuple[int, int] | None:
-    """(idle, total) jiffies of the host's CPUs from /proc/stat (None where there is none)."""
-    try:
-        with open("/proc/stat", "rb") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return fields[3] + fields[4], sum(fields[:8])
-
-
-def idle_share(before, after) -> float | None:
-    """The share of the host's CPU time that was idle between two `cpu_times()`."""
-    if before is None or after is None or after[1] <= before[1]:
-        return None
-    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 @dataclass
