@@ -23,9 +23,12 @@ floats is 4 MiB), with the bytes each moves, against a copy of a vector of the s
 timed in the same steps (np.copyto, its bytes read plus written): floor = bytes / that
 copy's bandwidth (docs/bench.md, "One rotation per job").
 
-    .venv/bin/python bench/bench_rotation.py [--dim 2067010] [--steps 30] [--json OUT]
+    .venv/bin/python bench/bench_rotation.py [--dim 2067010] [--steps 30] [--codec-threads 1|N|auto] [--json OUT]
 
-The default d is the peers experiment's mlp-wide (2,067,010 parameters, two RHT blocks).
+The default d is the peers experiment's mlp-wide (2,067,010 parameters, two RHT blocks).  One
+codec thread by default (CPU per step compares builds); `--codec-threads auto` leaves
+THC_CODEC_THREADS unset, as a worker runs (compression/cores.py): with more than one thread
+the CPU column counts the calling thread only, and the wall column is the one to compare.
 """
 from __future__ import annotations
 
@@ -39,7 +42,6 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `bench` is not installed: run from a checkout
-os.environ.setdefault("THC_CODEC_THREADS", "1")                 # one codec thread, as a rank on a busy host
 from bench.bench_floor import _codec_round  # noqa: E402
 from compression import thc  # noqa: E402
 from compression.codec import ErrorFeedback  # noqa: E402
@@ -76,10 +78,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--dim", type=int, default=2_067_010, help="coordinates per step")
     ap.add_argument("--steps", type=int, default=30, help="timed steps per way")
     ap.add_argument("--block-log2", type=int, default=thc.DEFAULT_BLOCK_LOG2)
+    ap.add_argument("--codec-threads", default="1", metavar="N|auto",
+                    help="THC_CODEC_THREADS for the run (auto: unset, the worker's default)")
     ap.add_argument("--json", metavar="OUT", default=None, help="also write the results as JSON to OUT")
     args = ap.parse_args(argv)
     if args.dim < 1 or args.steps < 1:
         ap.error("--dim and --steps must be positive")
+    if args.codec_threads == "auto":
+        os.environ.pop("THC_CODEC_THREADS", None)
+    elif not args.codec_threads.isdigit() or int(args.codec_threads) < 1:
+        ap.error(f"--codec-threads must be a positive integer or auto, got {args.codec_threads!r}")
+    else:
+        os.environ["THC_CODEC_THREADS"] = args.codec_threads
     rng = np.random.default_rng(0)
     grads = [(rng.standard_normal(args.dim) * rng.lognormal(0, 1, args.dim)).astype(np.float32) for _ in range(2)]
     layout = thc.make_layout(args.dim, args.block_log2)
@@ -119,14 +129,14 @@ def main(argv=None) -> dict:
     bandwidth = 8 * layout.padded_dim / (copy_ms / 1e3)
     sweeps = job_sweeps(args.dim, layout.padded_dim)
     floor_ms = 1e3 * sum(b for _, b in sweeps) / bandwidth
-    res = {"dim": args.dim, "block_log2": args.block_log2, "steps": args.steps,
+    res = {"dim": args.dim, "block_log2": args.block_log2, "steps": args.steps, "codec_threads": args.codec_threads,
            "cpu_ms": {w: med[w][0] for w in WAYS}, "wall_ms": {w: med[w][1] for w in WAYS},
            "copy_ms": {w: med[w][2] for w in WAYS},
            "vector_copy_ms": copy_ms, "copy_gb_s": bandwidth / 1e9,
            "job_sweeps": [{"sweep": n, "bytes": b} for n, b in sweeps], "job_floor_ms": floor_ms,
            "job_step_over_floor": med["job, pieces"][0] / floor_ms}
     res["cpu_ratio"] = res["cpu_ms"]["round"] / res["cpu_ms"]["job, pieces"]
-    print(f"d = {args.dim:,}, blocks of 2^{args.block_log2}, {args.steps} steps each, one codec thread")
+    print(f"d = {args.dim:,}, blocks of 2^{args.block_log2}, {args.steps} steps each, codec threads: {args.codec_threads}")
     print(f"{'way':<14}{'CPU ms/step':>13}{'of it copy':>12}{'wall ms/step':>14}")
     for w in WAYS:
         print(f"{w:<14}{med[w][0]:>13.2f}{med[w][2]:>12.2f}{med[w][1]:>14.2f}")
