@@ -7,9 +7,11 @@
  *                y = (R + M) g / 2M + unbiased stochastic rounding to table indices (App. B),
  *                written as bytes or packed 4-bit (high nibble first).  Lines 9-16.
  *   rht_decode:  table-domain values (float Y/k, or own indices looked up in T) -> affine map
- *                m + v (M - m)/g -> FWHT + 1/sqrt(p) -> signs D.  Lines 19-22.
+ *                m + v (M - m)/g -> FWHT + 1/sqrt(p) -> signs D.  Lines 19-22.  The 8-bit
+ *                lanes' Y/k: a table of float32(b/k), divided on the AVX2 path (same values).
  *   rht_rotate:  signs D + FWHT + 1/sqrt(p), plus a carried vector: R = H·D·x + e, the rotation of
  *                a job whose D is fixed (error feedback kept in the rotated domain).  Line 9.
+ *                x may come in pieces (a gradient tensor by tensor), read where they lie.
  *   quantize_ef: clamp + grid map + stochastic rounding of an already rotated block (lines 11-16),
  *                and in the same pass the block's own quantization error R − X in the rotated
  *                domain (line 22 without its RHT⁻¹).
@@ -24,8 +26,8 @@
  * Exactness.  Every path performs the same IEEE float32 operations on every coordinate in
  * the same order: the FWHT applies its radix-2 stages h = 1, 2, 4, ... in increasing order
  * (a + b to the lower index, a - b to the upper), whatever the blocking; the scale is one
- * multiply after the last stage; no FMA contraction (-ffp-contract=off, and the AVX2 code is
- * compiled without the fma target).  So the AVX2 path is bit-identical to the scalar one and
+ * multiply after the last stage; no FMA contraction (-ffp-contract=off), and the AVX2 code's
+ * one explicit FMA multiplies by ±1, which is exact.  So the AVX2 path is bit-identical to the scalar one and
  * both are single-threaded: a worker's encode is the same bytes in every process, which the
  * exact end-to-end checks (every chunk of every round against an in-process reference) need.
  *
@@ -283,17 +285,19 @@ static void rht_scalar(float *w, size_t n, const in_t *in, const epi_t *e) {
 /* Cache blocking (all in place in the block's buffer w):
  *  - low chunks of LOW_FLOATS (in L2): each L1 piece of L1_FLOATS gets stages 1..32 in
  *    registers (64-float leaves, which read the source), then radix-8 passes up to the piece;
- *    then radix-8 passes over the chunk up to the chunk;
+ *    then radix-8 passes over the chunk up to the chunk; the leaves prefetch the next chunk's
+ *    source;
  *  - above the low chunks, levels of <= TOP_BITS stages, depth first (a level's chunks are
  *    finished before its own stages run, so a chunk of a middle level is still in L3): a
  *    level's stages run strip by strip (rows x cols of <= STRIP_FLOATS, the rows a level's
- *    chunk apart), all of them on one strip, staged through a contiguous buffer, before the
- *    next strip, so data beyond a cache is read and written once per level; the first pass
- *    of a strip prefetches the next strip.
+ *    chunk apart), all of them on one strip before the next, so data beyond a cache is read
+ *    and written once per level: the first pass reads the strip's rows into a contiguous
+ *    buffer (prefetching the next strip), the others run there, and the strip goes back row
+ *    by row (run_stages).
  * The last pass of the transform writes the sink (scale, then indices / decoded values /
  * + carry), so no pass over the block follows the transform.  Tuned on the 2-core EPYC
  * (Zen 3: 32 KiB L1d, 512 KiB L2, 32 MiB L3) against fht-cpu at 2^20 and 2^24
- * (docs/bench.md, "FWHT against fht-cpu"). */
+ * (docs/bench.md, "Walsh–Hadamard transform"). */
 static size_t L1_FLOATS = 1 << 12, LOW_FLOATS = 1 << 15, STRIP_FLOATS = 1 << 12;
 static int TOP_BITS = 5;
 #define STRIP_MAX (1 << 14)
