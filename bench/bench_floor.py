@@ -67,14 +67,15 @@ from proto import headers as H  # noqa: E402
 from proto.job import DEFAULT_BLOCK_LOG2, JobConfig  # noqa: E402
 
 
-def _codec_round(cfg, job, grad, memory, lanes, rng, r, meet=lambda: None) -> float:
+def _codec_round(cfg, job, grad, memory, lanes, rng, r, meet=lambda: None, out=None) -> float:
     """One worker's codec work in a round, the steps of thc.WorkerRound that Worker._thc_round
     runs besides the transport, in its order: x = ∇ + e and block norms, (the norm phase),
     uniforms + fused encode, (the data phase: results need every rank's data), the
     error-feedback decode e = x − RHT⁻¹(X) and the fused lanes decode into the gradient (with
     THC_OVERLAP_RESIDUAL the error-feedback decode comes before the data phase, as the worker
-    then runs it).  `meet` stands for the two phases.  Returns this thread's CPU seconds in
-    the steps (not in `meet`)."""
+    then runs it).  `meet` stands for the two phases; `out`: where the average goes (the
+    gradient's own vector unless given: `thc.Pieces` need one).  Returns this thread's CPU
+    seconds in the steps (not in `meet`)."""
     from worker.client import OVERLAP_RESIDUAL
     c = time.thread_time()
     rnd = thc.WorkerRound(cfg, grad, memory, "grad")
@@ -89,7 +90,7 @@ def _codec_round(cfg, job, grad, memory, lanes, rng, r, meet=lambda: None) -> fl
     c = time.thread_time()
     if e is None:
         e = rnd.residual()
-    rnd.decode_lanes(lanes, job.num_workers, out=grad)
+    rnd.decode_lanes(lanes, job.num_workers, out=grad if out is None else out)
     rnd.feedback(e)
     return cpu + time.thread_time() - c
 

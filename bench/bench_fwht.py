@@ -1,6 +1,7 @@
 """FWHT speed: the project's kernel (AVX2 and its scalar fallback) vs the `fht-cpu` library vs a copy.
 
-All rows transform the same float32 array in place, best of --repeat, one process:
+All rows transform the same float32 array in place, one process, each row once per repetition in
+turn (so the host's drift hits every row alike), best of --repeat:
 
     .venv/bin/python bench/bench_fwht.py [--dims 16 20 24] [--repeat 5]
 
@@ -48,12 +49,14 @@ def main():
         if _kernels.has_avx2():
             rows.append(("project AVX2", lambda: _kernels.fwht(x, 1)))
         rows.append(("project scalar (before)", lambda: _kernels.fwht(x, 0)))
-        times = {}
-        for name, fn in rows:
-            fn()                                   # warm: pages touched, code loaded
-            times[name] = best(fn, args.repeat)
-            if name == "fht-cpu":                  # keep the values O(1) for the next rows
-                x *= np.float32(1 / np.sqrt(n)) ** (args.repeat + 1)
+        times = {name: float("inf") for name, _ in rows}
+        for r in range(args.repeat + 1):           # repetition 0 warms: pages touched, code loaded
+            for name, fn in rows:
+                t = best(fn, 1)
+                if r:
+                    times[name] = min(times[name], t)
+                if name == "fht-cpu":              # keep the values O(1) for the next rows
+                    x *= np.float32(1 / np.sqrt(n))
         ref = times.get("fht-cpu")
         for name, t in times.items():
             vs = f"{ref / t:10.2f}" if ref else f"{'n/a':>10}"

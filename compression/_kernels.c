@@ -7,9 +7,11 @@
  *                y = (R + M) g / 2M + unbiased stochastic rounding to table indices (App. B),
  *                written as bytes or packed 4-bit (high nibble first).  Lines 9-16.
  *   rht_decode:  table-domain values (float Y/k, or own indices looked up in T) -> affine map
- *                m + v (M - m)/g -> FWHT + 1/sqrt(p) -> signs D.  Lines 19-22.
+ *                m + v (M - m)/g -> FWHT + 1/sqrt(p) -> signs D.  Lines 19-22.  The 8-bit
+ *                lanes' Y/k: a table of float32(b/k), divided on the AVX2 path (same values).
  *   rht_rotate:  signs D + FWHT + 1/sqrt(p), plus a carried vector: R = H·D·x + e, the rotation of
  *                a job whose D is fixed (error feedback kept in the rotated domain).  Line 9.
+ *                x may come in pieces (a gradient tensor by tensor), read where they lie.
  *   quantize_ef: clamp + grid map + stochastic rounding of an already rotated block (lines 11-16),
  *                and in the same pass the block's own quantization error R − X in the rotated
  *                domain (line 22 without its RHT⁻¹).
@@ -24,8 +26,8 @@
  * Exactness.  Every path performs the same IEEE float32 operations on every coordinate in
  * the same order: the FWHT applies its radix-2 stages h = 1, 2, 4, ... in increasing order
  * (a + b to the lower index, a - b to the upper), whatever the blocking; the scale is one
- * multiply after the last stage; no FMA contraction (-ffp-contract=off, and the AVX2 code is
- * compiled without the fma target).  So the AVX2 path is bit-identical to the scalar one and
+ * multiply after the last stage; no FMA contraction (-ffp-contract=off), and the AVX2 code's
+ * one explicit FMA multiplies by ±1, which is exact.  So the AVX2 path is bit-identical to the scalar one and
  * both are single-threaded: a worker's encode is the same bytes in every process, which the
  * exact end-to-end checks (every chunk of every round against an in-process reference) need.
  *
@@ -126,23 +128,36 @@ static inline uint8_t quant1(const qtab_t *q, float a, float u) {
 
 /* ------------------------------------------------------------------ sources and sinks */
 
-enum { IN_INPLACE, IN_SIGNS, IN_VALUES, IN_NIBBLES, IN_BYTES };
+enum { IN_FLOATS, IN_SIGNS, IN_VALUES, IN_NIBBLES, IN_BYTES };
 enum { EPI_SCALE, EPI_ENCODE, EPI_DECODE, EPI_ADD };
 
-/* What the first pass reads: the block in place, x·D (x zero-padded to the block), or the
- * decoder's table-domain values a = v·c − m with v a float (Y/k) or T[index]. */
+/* Coordinates [start, end) of a vector given in pieces (a model's gradients, tensor by tensor). */
+typedef struct {
+    const float *p;
+    size_t start, end;
+} piece_t;
+
+/* What the first pass reads: x (n floats; the work buffer itself for a transform in place),
+ * x·D (x given in pieces, zero-padded to the block: the pieces are read where they lie, so a
+ * gradient needs no copy into one vector first), or the decoder's table-domain values
+ * a = v·c − m with v a float (Y/k) or T[index]. */
 typedef struct {
     int kind;
     const float *x;
-    size_t nx;
+    const piece_t *pc;       /* IN_SIGNS: the pieces, in order, the first from 0 */
+    size_t npc;
+    size_t *cur;             /* IN_SIGNS: the piece the last read found (reads go up the block) */
     const uint8_t *signs;
     const uint8_t *idx;
     float tabf[256];
+    float divk;              /* IN_BYTES: tabf[b] is float32(b) / divk for every b (0: not so) */
     float c, m;
 } in_t;
 
-/* What the last pass writes (after the 1/sqrt(p) scale): the block in place, table indices
- * (bytes or packed nibbles), or the decoded coordinates times D, first ndst only. */
+/* What the last pass writes (after the 1/sqrt(p) scale): the block into dst (EPI_SCALE),
+ * table indices (bytes or packed nibbles), the decoded coordinates times D into dst (first
+ * ndst only), or the block plus a carried vector into dst (EPI_ADD).  dst may be the work
+ * buffer the transform runs in (in place) or another vector. */
 typedef struct {
     int kind;
     float scale;
@@ -153,7 +168,7 @@ typedef struct {
     int packed;
     const uint8_t *signs;
     float *dst;
-    size_t ndst;
+    size_t ndst;             /* EPI_DECODE: the coordinates of dst written */
     const float *carry;      /* EPI_ADD: added after the scale (NULL: nothing) */
 } epi_t;
 
@@ -182,13 +197,31 @@ static inline float flip(float v, uint32_t bit) {
     return v;
 }
 
-static inline float in1(const in_t *in, const float *w, size_t i) {
+/* Coordinates [i, i + len) of the pieced x: a pointer into its piece when they lie in one,
+ * else copied into t (zeros past the last piece). */
+static inline const float *xspan(const in_t *in, size_t i, size_t len, float *t) {
+    size_t k = *in->cur;
+    if (k >= in->npc || in->pc[k].start > i) k = 0;
+    while (k < in->npc && in->pc[k].end <= i) k++;
+    *in->cur = k;
+    if (k < in->npc && i + len <= in->pc[k].end) return in->pc[k].p + (i - in->pc[k].start);
+    for (size_t j = 0; j < len; j++) {
+        while (k < in->npc && in->pc[k].end <= i + j) k++;
+        t[j] = k < in->npc ? in->pc[k].p[i + j - in->pc[k].start] : 0.f;
+    }
+    return t;
+}
+
+static inline float in1(const in_t *in, size_t i) {
     switch (in->kind) {
-    case IN_SIGNS: return flip(i < in->nx ? in->x[i] : 0.f, sign_bit(in->signs, i));
+    case IN_SIGNS: {
+        float t;
+        return flip(*xspan(in, i, 1, &t), sign_bit(in->signs, i));
+    }
     case IN_VALUES: return in->x[i] * in->c - in->m;
     case IN_NIBBLES: return in->tabf[(in->idx[i >> 1] >> ((i & 1) ? 0 : 4)) & 15] * in->c - in->m;
     case IN_BYTES: return in->tabf[in->idx[i]] * in->c - in->m;
-    default: return w[i];
+    default: return in->x[i];
     }
 }
 
@@ -218,8 +251,8 @@ static void fwht_scalar(float *v, size_t n) {
 
 /* source -> scalar FWHT -> sink, three plain loops (the fallback without AVX2). */
 static void rht_scalar(float *w, size_t n, const in_t *in, const epi_t *e) {
-    if (in->kind != IN_INPLACE)
-        for (size_t i = 0; i < n; i++) w[i] = in1(in, w, i);
+    if (in->kind != IN_FLOATS || in->x != w)
+        for (size_t i = 0; i < n; i++) w[i] = in1(in, i);
     fwht_scalar(w, n);
     switch (e->kind) {
     case EPI_ENCODE:
@@ -235,10 +268,10 @@ static void rht_scalar(float *w, size_t n, const in_t *in, const epi_t *e) {
         for (size_t i = 0; i < e->ndst; i++) e->dst[i] = flip(w[i], sign_bit(e->signs, i));
         break;
     case EPI_ADD:
-        if (e->carry)
-            for (size_t i = 0; i < n; i++) w[i] = w[i] + e->carry[i];
+        for (size_t i = 0; i < n; i++) e->dst[i] = e->carry ? w[i] + e->carry[i] : w[i];
         break;
     default:
+        if (e->dst != w) memcpy(e->dst, w, n * 4);
         break;
     }
 }
@@ -249,20 +282,30 @@ static void rht_scalar(float *w, size_t n, const in_t *in, const epi_t *e) {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
-/* Cache blocking, depth first: stages 1..32 in registers (64-float leaves); the rest of an
- * L1 chunk (L1_FLOATS); 3 more stages per level (one radix-8 pass) up to L2_FLOATS; above
- * that, levels of <= TOP_BITS stages.  A level's stages run strip by strip (rows x cols,
- * <= STRIP_FLOATS), all of them on one strip before the next, so data beyond a cache is read
- * and written once per level; the first pass of a strip prefetches the next strip.  Tuned
- * on the 2-core EPYC (48 KiB L1d, 1 MiB L2) against fht-cpu at 2^20 and 2^24. */
-static size_t L1_FLOATS = 1 << 12, L2_FLOATS = 1 << 15, STRIP_FLOATS = 1 << 14;
+/* Cache blocking (all in place in the block's buffer w):
+ *  - low chunks of LOW_FLOATS (in L2): each L1 piece of L1_FLOATS gets stages 1..32 in
+ *    registers (64-float leaves, which read the source), then radix-8 passes up to the piece;
+ *    then radix-8 passes over the chunk up to the chunk; the leaves prefetch the next chunk's
+ *    source;
+ *  - above the low chunks, levels of <= TOP_BITS stages, depth first (a level's chunks are
+ *    finished before its own stages run, so a chunk of a middle level is still in L3): a
+ *    level's stages run strip by strip (rows x cols of <= STRIP_FLOATS, the rows a level's
+ *    chunk apart), all of them on one strip before the next, so data beyond a cache is read
+ *    and written once per level: the first pass reads the strip's rows into a contiguous
+ *    buffer (prefetching the next strip), the others run there, and the strip goes back row
+ *    by row (run_stages).
+ * The last pass of the transform writes the sink (scale, then indices / decoded values /
+ * + carry), so no pass over the block follows the transform.  Tuned on the 2-core EPYC
+ * (Zen 3: 32 KiB L1d, 512 KiB L2, 32 MiB L3) against fht-cpu at 2^20 and 2^24
+ * (docs/bench.md, "Walsh–Hadamard transform"). */
+static size_t L1_FLOATS = 1 << 12, LOW_FLOATS = 1 << 15, STRIP_FLOATS = 1 << 12;
 static int TOP_BITS = 5;
-#ifndef PREFETCH
-#define PREFETCH 1
+#define STRIP_MAX (1 << 14)
+#ifndef LOW_PREFETCH
+#define LOW_PREFETCH 1        /* a low chunk's leaves prefetch the next chunk's source */
 #endif
-#ifndef STAGE_BUFFER
-#define STAGE_BUFFER 1
-#endif
+#define AI inline __attribute__((always_inline))
+#define SINK_NONE (-1)        /* a pass that is not the last: plain stores */
 
 static inline void bf(__m256 *a, __m256 *b) {
     __m256 t = *a;
@@ -303,19 +346,9 @@ static inline __m256 lookup16(const float *tabf, __m256i idx) {
     return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(sel));
 }
 
-static inline __m256 in8(const in_t *in, const float *w, size_t i) {
+static AI __m256 in8(const in_t *in, const int kind, size_t i) {
     const __m256 c = _mm256_set1_ps(in->c), m = _mm256_set1_ps(in->m);
-    switch (in->kind) {
-    case IN_SIGNS: {
-        __m256 v;
-        if (i + 8 <= in->nx) v = _mm256_loadu_ps(in->x + i);
-        else {
-            float t[8] = {0};
-            if (i < in->nx) memcpy(t, in->x + i, (in->nx - i) * 4);
-            v = _mm256_loadu_ps(t);
-        }
-        return _mm256_xor_ps(v, signmask8(in->signs[i >> 3]));
-    }
+    switch (kind) {
     case IN_VALUES:
         return _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(in->x + i), c), m);
     case IN_NIBBLES: {
@@ -328,10 +361,12 @@ static inline __m256 in8(const in_t *in, const float *w, size_t i) {
     }
     case IN_BYTES: {
         __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(in->idx + i)));
-        return _mm256_sub_ps(_mm256_mul_ps(_mm256_i32gather_ps(in->tabf, idx, 4), c), m);
+        __m256 v = in->divk > 0.f ? _mm256_div_ps(_mm256_cvtepi32_ps(idx), _mm256_set1_ps(in->divk))
+                                  : _mm256_i32gather_ps(in->tabf, idx, 4);
+        return _mm256_sub_ps(_mm256_mul_ps(v, c), m);
     }
     default:
-        return _mm256_loadu_ps(w + i);
+        return _mm256_loadu_ps(in->x + i);
     }
 }
 
@@ -420,9 +455,14 @@ static inline void store_idx8(uint8_t *out, int packed, size_t i, __m256i z) {
     }
 }
 
-static inline void epi8(const epi_t *e, float *p, size_t i, __m256 v) {
+/* The sink of the last pass (kind a constant: SINK_NONE stores v at p). */
+static AI void epi8(const epi_t *e, const int kind, float *p, size_t i, __m256 v) {
+    if (kind == SINK_NONE) {
+        _mm256_storeu_ps(p, v);
+        return;
+    }
     v = _mm256_mul_ps(v, _mm256_set1_ps(e->scale));
-    switch (e->kind) {
+    switch (kind) {
     case EPI_ENCODE:
         store_idx8(e->out, e->packed, i, quant8(e->q, v, e->u ? _mm256_loadu_ps(e->u + i) : cu8(e->ukey, e->ubase + i)));
         break;
@@ -436,124 +476,202 @@ static inline void epi8(const epi_t *e, float *p, size_t i, __m256 v) {
         }
         break;
     case EPI_ADD:
-        _mm256_storeu_ps(p, e->carry ? _mm256_add_ps(v, _mm256_loadu_ps(e->carry + i)) : v);
+        _mm256_storeu_ps(e->dst + i, e->carry ? _mm256_add_ps(v, _mm256_loadu_ps(e->carry + i)) : v);
         break;
     default:
-        _mm256_storeu_ps(p, v);
+        _mm256_storeu_ps(e->dst + i, v);
     }
 }
 
-/* Stages 1..32 of 64 consecutive coordinates, reading them from the source. */
-static inline void leaf64(float *w, size_t i, const in_t *in) {
+/* Stages 1..32 of the 64 coordinates from i, read from the source (kind a constant), into dst. */
+static AI void leaf64(float *dst, size_t i, const in_t *in, const int kind) {
     __m256 r[8];
-    for (int k = 0; k < 8; k++) r[k] = inreg3(in8(in, w, i + 8 * k));
+    if (kind == IN_SIGNS) {
+        float t[64];
+        const float *x = xspan(in, i, 64, t);
+        for (int k = 0; k < 8; k++)
+            r[k] = inreg3(_mm256_xor_ps(_mm256_loadu_ps(x + 8 * k), signmask8(in->signs[(i >> 3) + k])));
+    } else {
+        for (int k = 0; k < 8; k++) r[k] = inreg3(in8(in, kind, i + 8 * k));
+    }
     radix(r, 3);
-    for (int k = 0; k < 8; k++) _mm256_storeu_ps(w + i + 8 * k, r[k]);
+    for (int k = 0; k < 8; k++) _mm256_storeu_ps(dst + 8 * k, r[k]);
 }
 
-/* nst (1..3) stages of row strides 2^s, 2^(s+1), ... on a strip of `rows` rows x `cols`
- * columns, read from src (rows ss floats apart) and written to dst (ds apart) or to the sink;
- * row r column j is coordinate ibase + r·h0 + j of the block. */
-static inline __attribute__((always_inline)) void pass_n(const float *src, size_t ss, float *dst, size_t ds,
-                                                         size_t ibase, size_t h0, size_t rows, int s,
-                                                         const int nst, size_t cols, size_t pf, const epi_t *e) {
-    const size_t span = (size_t)1 << (s + nst), lo_n = (size_t)1 << s;
-    const size_t sh = ss << s, dh = ds << s, ih = h0 << s;
-    for (size_t ihi = 0; ihi < rows; ihi += span)
-        for (size_t ilo = 0; ilo < lo_n; ilo++) {
-            const size_t row = ihi + ilo;
-            const float *sp = src + row * ss;
-            float *dp = dst + row * ds;
-            const size_t ip = ibase + row * h0;
-            for (size_t j = 0; j < cols; j += 8) {
-                __m256 r[8];
-                if (PREFETCH && pf && !(j & 15))     /* the next strip's line of each row */
-                    for (int k = 0; k < (1 << nst); k++) _mm_prefetch((const char *)(sp + j + k * sh + pf), _MM_HINT_T0);
-                for (int k = 0; k < (1 << nst); k++) r[k] = _mm256_loadu_ps(sp + j + k * sh);
-                radix(r, nst);
-                if (e)
-                    for (int k = 0; k < (1 << nst); k++) epi8(e, dp + j + k * dh, ip + j + k * ih, r[k]);
-                else
-                    for (int k = 0; k < (1 << nst); k++) _mm256_storeu_ps(dp + j + k * dh, r[k]);
-            }
+/* nst (1..3) stages of strides h, 2h, ... on the `size` floats at src, written to dst (which
+ * may be src) or to the sink (kind a constant), src[j] being coordinate ibase + j. */
+static AI void lpass_n(const float *src, float *dst, size_t ibase, size_t size, size_t h, const int nst,
+                       const epi_t *e, const int ek) {
+    const size_t span = h << nst;
+    for (size_t g = 0; g < size; g += span)
+        for (size_t j = g; j < g + h; j += 8) {
+            __m256 r[8];
+            for (int k = 0; k < (1 << nst); k++) r[k] = _mm256_loadu_ps(src + j + k * h);
+            radix(r, nst);
+            for (int k = 0; k < (1 << nst); k++) epi8(e, ek, dst + j + k * h, ibase + j + k * h, r[k]);
         }
 }
 
-static void pass(const float *src, size_t ss, float *dst, size_t ds, size_t ibase, size_t h0, size_t rows, int s,
-                 int nst, size_t cols, size_t pf, const epi_t *e) {
-    switch (nst) {
-    case 1: pass_n(src, ss, dst, ds, ibase, h0, rows, s, 1, cols, pf, e); break;
-    case 2: pass_n(src, ss, dst, ds, ibase, h0, rows, s, 2, cols, pf, e); break;
-    default: pass_n(src, ss, dst, ds, ibase, h0, rows, s, 3, cols, pf, e); break;
+#define LPASS_EK(ek)                                                         \
+    do {                                                                     \
+        if (nst == 1) lpass_n(src, dst, ibase, size, h, 1, e, ek);           \
+        else if (nst == 2) lpass_n(src, dst, ibase, size, h, 2, e, ek);      \
+        else lpass_n(src, dst, ibase, size, h, 3, e, ek);                    \
+    } while (0)
+
+static void lpass(const float *src, float *dst, size_t ibase, size_t size, size_t h, int nst, const epi_t *e) {
+    switch (e ? e->kind : SINK_NONE) {
+    case EPI_ENCODE: LPASS_EK(EPI_ENCODE); break;
+    case EPI_DECODE: LPASS_EK(EPI_DECODE); break;
+    case EPI_ADD: LPASS_EK(EPI_ADD); break;
+    case EPI_SCALE: LPASS_EK(EPI_SCALE); break;
+    default: LPASS_EK(SINK_NONE); break;
     }
 }
 
-#define STRIP_MAX (1 << 14)
+static inline int log2_of(size_t v) {
+    int m = 0;
+    while (((size_t)1 << m) < v) m++;
+    return m;
+}
 
-/* Stages h0 <= h < h1 of x[0, n) (n a multiple of h1), strip by strip; the sink (if any)
- * takes the last stage's output.  A strip that needs several passes is staged through a
- * contiguous buffer (first pass in, last pass out): rows h0 apart share cache sets, which
- * more than a few rows would overflow. */
+/* Stages h .. size/2 of the `size` floats at buf (coordinates ibase on) in passes of <= 3
+ * stages, the short one first, in place; the last pass writes dst, or the sink `e`. */
+static void lstages(float *buf, float *dst, size_t ibase, size_t size, size_t h, const epi_t *e) {
+    for (int m = log2_of(size / h); m > 0;) {
+        const int nst = m % 3 ? m % 3 : 3;
+        lpass(buf, m == nst ? dst : buf, ibase, size, h, nst, m == nst ? e : NULL);
+        h <<= nst;
+        m -= nst;
+    }
+}
+
+/* Every stage of the low chunk w[base, base + size) (size >= 128), in place: L1 piece by
+ * L1 piece the leaves, which read the source, and the piece's stages; then the chunk's
+ * stages above the piece.  `e`: the sink of the last pass, given when the chunk is the whole
+ * block. */
+static AI void low_n(float *w, size_t base, size_t size, const in_t *in, const int ik, const epi_t *e, size_t n) {
+    const size_t piece = size < L1_FLOATS ? size : L1_FLOATS;
+    const int pf = LOW_PREFETCH && base + 2 * size <= n && ik != IN_SIGNS;
+    for (size_t s = base; s < base + size; s += piece) {
+        for (size_t i = s; i < s + piece; i += 64) {
+            if (pf) {       /* the next chunk's source, one chunk ahead, into L2 */
+                const char *q = ik == IN_BYTES ? (const char *)(in->idx + i + size)
+                                : ik == IN_NIBBLES ? (const char *)(in->idx + ((i + size) >> 1))
+                                                   : (const char *)(in->x + i + size);
+                const int lines = ik == IN_BYTES ? 1 : ik == IN_NIBBLES ? (i & 64) == 0 : 4;
+                for (int l = 0; l < lines; l++) _mm_prefetch(q + 64 * l, _MM_HINT_T1);
+            }
+            leaf64(w + i, i, in, ik);
+        }
+        lstages(w + s, w + s, s, piece, 64, piece == size ? e : NULL);
+    }
+    if (piece < size) lstages(w + base, w + base, base, size, piece, e);
+}
+
+static void low(float *w, size_t base, size_t size, const in_t *in, const epi_t *e, size_t n) {
+    switch (in->kind) {
+    case IN_SIGNS: low_n(w, base, size, in, IN_SIGNS, e, n); break;
+    case IN_VALUES: low_n(w, base, size, in, IN_VALUES, e, n); break;
+    case IN_NIBBLES: low_n(w, base, size, in, IN_NIBBLES, e, n); break;
+    case IN_BYTES: low_n(w, base, size, in, IN_BYTES, e, n); break;
+    default: low_n(w, base, size, in, IN_FLOATS, e, n); break;
+    }
+}
+
+/* The strip's rows of buf (cols floats each, aligned) out to xs (rows h0 apart) through the
+ * sink, row by row (kind a constant); row r column j is coordinate ibase + r·h0 + j. */
+static AI void strip_out_n(const float *buf, float *xs, size_t ibase, size_t h0, size_t rows, size_t cols,
+                           const epi_t *e, const int ek) {
+    for (size_t r = 0; r < rows; r++)
+        for (size_t j = 0; j < cols; j += 8)
+            epi8(e, ek, xs + r * h0 + j, ibase + r * h0 + j, _mm256_load_ps(buf + r * cols + j));
+}
+
+static void strip_out(const float *buf, float *xs, size_t ibase, size_t h0, size_t rows, size_t cols,
+                      const epi_t *e) {
+    switch (e ? e->kind : SINK_NONE) {
+    case EPI_ENCODE: strip_out_n(buf, xs, ibase, h0, rows, cols, e, EPI_ENCODE); break;
+    case EPI_DECODE: strip_out_n(buf, xs, ibase, h0, rows, cols, e, EPI_DECODE); break;
+    case EPI_ADD: strip_out_n(buf, xs, ibase, h0, rows, cols, e, EPI_ADD); break;
+    case EPI_SCALE: strip_out_n(buf, xs, ibase, h0, rows, cols, e, EPI_SCALE); break;
+    default: strip_out_n(buf, xs, ibase, h0, rows, cols, e, SINK_NONE); break;
+    }
+}
+
+/* The first nst (1..3) stages of a strip (row strides 1, 2, 4 of `rows` rows h0 floats
+ * apart in x, cols floats each) into the contiguous buf (rows cols apart), prefetching the
+ * next strip's line of each row read (pf floats on) and of the carried vector pc, if any. */
+static AI void strip_in_n(const float *xs, size_t h0, float *buf, size_t rows, const int nst, size_t cols, size_t pf,
+                          const float *pc) {
+    for (size_t ihi = 0; ihi < rows; ihi += (size_t)1 << nst)
+        for (size_t j = 0; j < cols; j += 8) {
+            __m256 r[8];
+            if (pf && !(j & 15))
+                for (int k = 0; k < (1 << nst); k++) {
+                    _mm_prefetch((const char *)(xs + (ihi + k) * h0 + j + pf), _MM_HINT_T0);
+                    if (pc) _mm_prefetch((const char *)(pc + (ihi + k) * h0 + j + pf), _MM_HINT_T0);
+                }
+            for (int k = 0; k < (1 << nst); k++) r[k] = _mm256_loadu_ps(xs + (ihi + k) * h0 + j);
+            radix(r, nst);
+            for (int k = 0; k < (1 << nst); k++) _mm256_store_ps(buf + (ihi + k) * cols + j, r[k]);
+        }
+}
+
+/* Stages h0 <= h < h1 of x[0, n) (n a multiple of h1), strip by strip: the first pass of a
+ * strip (rows h0 apart x cols) reads its rows, at most 8 at once, into a contiguous buffer,
+ * the strip's other stages run there in L1, and it goes back row by row through the sink
+ * (if any).  Rows h0 apart share cache sets (all of them in L1 and in L2 when h0 is a
+ * multiple of 64 KiB): a last pass writing 8 rows at once, beside 8 rows of the carried
+ * vector, would evict its own lines; row by row, the lines of a row are consecutive. */
 static void run_stages(float *x, size_t ibase, size_t n, size_t h0, size_t h1, const epi_t *e) {
     static __thread float buf[STRIP_MAX] __attribute__((aligned(64)));
     const size_t rows = h1 / h0;
-    int m = 0;
-    while (((size_t)1 << m) < rows) m++;
+    const int m = log2_of(rows), nst = m % 3 ? m % 3 : 3;
     size_t cols = (STRIP_FLOATS < STRIP_MAX ? STRIP_FLOATS : STRIP_MAX) / rows;
+    if (cols < 16) cols = 16;
     if (cols > h0) cols = h0;
-    if (cols < 8) cols = 8;
-    const int direct = m <= 3 || rows * cols > STRIP_MAX || !STAGE_BUFFER;
+    const float *carry = e && e->kind == EPI_ADD ? e->carry : NULL;
     for (size_t b = 0; b < n; b += h1)
         for (size_t c = 0; c < h0; c += cols) {
             float *xs = x + b + c;
-            const size_t ib = ibase + b + c;
-            for (int s = 0; s < m;) {
-                const int nst = s == 0 && m % 3 ? m % 3 : 3, last = s + nst == m;
-                const float *src = direct || s == 0 ? xs : buf;
-                float *dst = direct || last ? xs : buf;
-                pass(src, src == xs ? h0 : cols, dst, dst == xs ? h0 : cols, ib, h0, rows, s, nst, cols,
-                     s == 0 && c + cols < h0 ? cols : 0, last ? e : NULL);
-                s += nst;
-            }
+            const size_t ib = ibase + b + c, pf = c + cols < h0 ? cols : 0;
+            const float *pc = carry ? carry + ib : NULL;
+            if (nst == 1) strip_in_n(xs, h0, buf, rows, 1, cols, pf, pc);
+            else if (nst == 2) strip_in_n(xs, h0, buf, rows, 2, cols, pf, pc);
+            else strip_in_n(xs, h0, buf, rows, 3, cols, pf, pc);
+            if (m > nst) lstages(buf, buf, 0, rows * cols, cols << nst, NULL);   /* strides cols·2^s */
+            strip_out(buf, xs, ib, h0, rows, cols, e);
         }
 }
 
 /* All stages below bounds[k] of the chunk w[base, base + bounds[k]): the chunks of the level
  * below first, then this level's stages strip by strip.  Only the top level has a sink. */
-static void rht_level(float *w, size_t base, const size_t *bounds, int k, const in_t *in, const epi_t *e) {
-    const size_t size = bounds[k], sub = k ? bounds[k - 1] : 64;
-    if (k == 0)
-        for (size_t i = base; i < base + size; i += 64) leaf64(w, i, in);
-    else
-        for (size_t b = base; b < base + size; b += sub) rht_level(w, b, bounds, k - 1, in, NULL);
-    run_stages(w + base, base, size, sub, size, e);
+static void rht_level(float *w, size_t base, const size_t *bounds, int k, int top, const in_t *in, const epi_t *e) {
+    if (k == 0) {
+        low(w, base, bounds[0], in, e, bounds[top]);
+        return;
+    }
+    for (size_t b = base; b < base + bounds[k]; b += bounds[k - 1]) rht_level(w, b, bounds, k - 1, top, in, NULL);
+    run_stages(w + base, base, bounds[k], bounds[k - 1], bounds[k], e);
 }
 
-/* source -> FWHT of n >= 128 coordinates in w -> sink.  Levels (chunk sizes): 64-float
- * leaves; then 3 stages per level (one radix-8 pass each) while the chunk fits L2; above
- * that as few levels as keep a strip at <= 2^TOP_BITS rows, so that the data beyond L2 is
- * read and written once per level. */
+/* source -> FWHT of n >= 128 coordinates in w -> sink: low chunks of LOW_FLOATS, then as
+ * few levels as keep a strip at <= 2^TOP_BITS rows. */
 static void rht_avx2(float *w, size_t n, const in_t *in, const epi_t *e) {
     size_t bounds[64];
     int k = 0;
-    bounds[0] = n < L1_FLOATS ? n : L1_FLOATS;
-    while (bounds[k] < n && bounds[k] < L2_FLOATS) {
-        size_t next = bounds[k] << 3;
-        bounds[k + 1] = next < n ? next : n;
-        k++;
-    }
-    int rest = 0;
-    while ((bounds[k] << rest) < n) rest++;
-    int levels = (rest + TOP_BITS - 1) / TOP_BITS;
+    bounds[0] = n < LOW_FLOATS ? n : LOW_FLOATS;
+    int rest = log2_of(n / bounds[0]);
+    const int levels = (rest + TOP_BITS - 1) / TOP_BITS;
     for (int i = 0; i < levels; i++) {
-        int step = rest / (levels - i);
+        const int step = rest / (levels - i);
         bounds[k + 1] = bounds[k] << step;
         rest -= step;
         k++;
     }
-    rht_level(w, 0, bounds, k, in, e);
+    rht_level(w, 0, bounds, k, k, in, e);
 }
-
 
 /* quantize_ef on 8 coordinates at a time (n a multiple of 8): quant8, the indices as
  * epi8 stores them, then x − (T[z]·c − m) in the scalar loop's operations. */
@@ -701,6 +819,53 @@ static int get_uniforms(PyObject *uobj, Py_buffer *u, unsigned long long *ukey, 
     return PyObject_GetBuffer(uobj, u, PyBUF_SIMPLE);
 }
 
+/* x as pieces: a float32 buffer, or a tuple or list of them (concatenated).  Fills px (one
+ * Py_buffer per piece, PyMem_Malloc'd) and pc; returns the total length in floats, or -1 with
+ * the Python error set.  drop_pieces releases them. */
+typedef struct {
+    Py_buffer *b;
+    piece_t *pc;
+    size_t n;
+} pieces_t;
+
+static void drop_pieces(pieces_t *ps) {
+    for (size_t k = 0; k < ps->n; k++)
+        if (ps->b[k].obj) PyBuffer_Release(&ps->b[k]);
+    PyMem_Free(ps->b);
+    PyMem_Free(ps->pc);
+    ps->b = NULL;
+    ps->pc = NULL;
+    ps->n = 0;
+}
+
+static Py_ssize_t get_pieces(PyObject *obj, pieces_t *ps) {
+    PyObject *seq = PyTuple_Check(obj) || PyList_Check(obj) ? PySequence_Fast(obj, "pieces") : NULL;
+    const size_t n = seq ? (size_t)PySequence_Fast_GET_SIZE(seq) : 1;
+    ps->b = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    ps->pc = PyMem_Calloc(n ? n : 1, sizeof(piece_t));
+    ps->n = n;
+    size_t total = 0;
+    if (!ps->b || !ps->pc) {
+        PyErr_NoMemory();
+        goto bad;
+    }
+    for (size_t k = 0; k < n; k++) {
+        if (PyObject_GetBuffer(seq ? PySequence_Fast_GET_ITEM(seq, k) : obj, &ps->b[k], PyBUF_C_CONTIGUOUS) < 0) goto bad;
+        if (ps->b[k].itemsize != 4 || ps->b[k].len % 4) {
+            PyErr_SetString(PyExc_ValueError, "x: every piece must be float32");
+            goto bad;
+        }
+        ps->pc[k] = (piece_t){.p = ps->b[k].buf, .start = total, .end = total + (size_t)ps->b[k].len / 4};
+        total = ps->pc[k].end;
+    }
+    Py_XDECREF(seq);
+    return (Py_ssize_t)total;
+bad:
+    Py_XDECREF(seq);
+    drop_pieces(ps);
+    return -1;
+}
+
 /* fwht(x: float32 writable buf, simd=-1): normalized FWHT in place (length a power of two). */
 static PyObject *py_fwht(PyObject *self, PyObject *args) {
     Py_buffer x = {0};
@@ -710,8 +875,8 @@ static PyObject *py_fwht(PyObject *self, PyObject *args) {
     size_t n = (size_t)x.len / 4;
     if (!is_pow2(n)) return fail(bufs, 1, "fwht: length must be a power of two");
     if ((simd = pick_simd(simd)) < 0) return fail(bufs, 1, NULL);
-    in_t in = {.kind = IN_INPLACE};
-    epi_t e = {.kind = EPI_SCALE};
+    in_t in = {.kind = IN_FLOATS, .x = x.buf};
+    epi_t e = {.kind = EPI_SCALE, .dst = x.buf};
     return run_released(simd, x.buf, n, &in, &e, bufs, 1);
 }
 
@@ -738,10 +903,25 @@ static PyObject *py_rht_encode(PyObject *self, PyObject *args) {
     qtab_t q;
     if (qtab_init(&q, big_m, g, t.buf, t.len) < 0) return fail(bufs, 6, "rht_encode: bad table");
     if ((simd = pick_simd(simd)) < 0) return fail(bufs, 6, NULL);
-    in_t in = {.kind = IN_SIGNS, .x = x.buf, .nx = (size_t)x.len / 4, .signs = sg.buf};
+    piece_t one = {.p = x.buf, .start = 0, .end = (size_t)x.len / 4};
+    size_t cur = 0;
+    in_t in = {.kind = IN_SIGNS, .pc = &one, .npc = 1, .cur = &cur, .signs = sg.buf};
     epi_t e = {.kind = EPI_ENCODE, .q = &q, .u = u.obj ? u.buf : NULL, .ukey = ukey, .ubase = ubase,
                .out = o.buf, .packed = packed};
     return run_released(simd, w.buf, n, &in, &e, bufs, 6);
+}
+
+/* k when tab[b] == float32(b) / float32(k) for every byte b (the 8-bit lanes' Y/k of
+ * thc.decode_lanes: numpy's float64 b/k rounded to float32, which is the correctly rounded
+ * float32 quotient, tests/test_kernels.py checks every b and k), else 0.  The AVX2 source then
+ * divides instead of gathering from the table, with the same values. */
+static float lanes_divisor(const float *tab) {
+    if (!(tab[1] > 0.f)) return 0.f;
+    const float k = (float)lrint(1.0 / tab[1]);
+    if (!(k >= 1.f && k <= 65536.f)) return 0.f;
+    for (int b = 0; b < 256; b++)
+        if (tab[b] != (float)b / k) return 0.f;
+    return k;
 }
 
 /* rht_decode(src, kind, c, m, p, signs: bytes, table: bytes, out: float32 writable buf (<= p),
@@ -773,29 +953,49 @@ static PyObject *py_rht_decode(PyObject *self, PyObject *args) {
     memset(in.tabf, 0, sizeof in.tabf);
     if (ftab) memcpy(in.tabf, t.buf, 1024);
     else for (Py_ssize_t i = 0; i < t.len; i++) in.tabf[i] = ((const uint8_t *)t.buf)[i];
+    in.divk = ftab ? lanes_divisor(in.tabf) : 0.f;
     epi_t e = {.kind = EPI_DECODE, .signs = sg.buf, .dst = o.buf, .ndst = nout};
     return run_released(simd, work, n, &in, &e, bufs, 5);
 }
 
-/* rht_rotate(x: float32 buf (n <= p values, zero-padded to p), p, signs: bytes,
- *            carry: float32 buf (>= p values) or None, out: float32 writable buf (>= p), simd=-1)
+/* rht_rotate(x, p, signs: bytes, carry: float32 buf (>= p values) or None,
+ *            out: float32 writable buf (>= p), simd=-1)
+ * x: n <= p float32 values, zero-padded to p: one buffer, or a tuple or list of buffers read
+ * as their concatenation (a gradient tensor by tensor; none may overlap out).
  * out = (1/sqrt(p))·H·(D x) + carry (the product first, then the sum), in out's first p floats. */
 static PyObject *py_rht_rotate(PyObject *self, PyObject *args) {
-    Py_buffer x = {0}, sg = {0}, cy = {0}, o = {0};
+    Py_buffer sg = {0}, cy = {0}, o = {0};
     Py_ssize_t p;
-    PyObject *cobj;
+    PyObject *xobj, *cobj;
     int simd = -1;
-    if (!PyArg_ParseTuple(args, "y*ny*Ow*|i", &x, &p, &sg, &cobj, &o, &simd)) return NULL;
-    Py_buffer *bufs[] = {&x, &sg, &cy, &o};
-    if (cobj != Py_None && PyObject_GetBuffer(cobj, &cy, PyBUF_SIMPLE) < 0) return fail(bufs, 4, NULL);
+    if (!PyArg_ParseTuple(args, "Ony*Ow*|i", &xobj, &p, &sg, &cobj, &o, &simd)) return NULL;
+    Py_buffer *bufs[] = {&sg, &cy, &o};
+    pieces_t xs = {0};
+    const Py_ssize_t nx = get_pieces(xobj, &xs);
+    if (nx < 0) return fail(bufs, 3, NULL);
+    if (cobj != Py_None && PyObject_GetBuffer(cobj, &cy, PyBUF_SIMPLE) < 0) {
+        drop_pieces(&xs);
+        return fail(bufs, 3, NULL);
+    }
     size_t n = (size_t)p;
-    if (!is_pow2(n) || (size_t)x.len / 4 > n || (size_t)sg.len * 8 < n || (cy.obj && (size_t)cy.len / 4 < n) ||
-        (size_t)o.len / 4 < n)
-        return fail(bufs, 4, "rht_rotate: inconsistent buffer sizes");
-    if ((simd = pick_simd(simd)) < 0) return fail(bufs, 4, NULL);
-    in_t in = {.kind = IN_SIGNS, .x = x.buf, .nx = (size_t)x.len / 4, .signs = sg.buf};
-    epi_t e = {.kind = EPI_ADD, .carry = cy.obj ? cy.buf : NULL};
-    return run_released(simd, o.buf, n, &in, &e, bufs, 4);
+    if (!is_pow2(n) || (size_t)nx > n || (size_t)sg.len * 8 < n || (cy.obj && (size_t)cy.len / 4 < n) ||
+        (size_t)o.len / 4 < n) {
+        drop_pieces(&xs);
+        return fail(bufs, 3, "rht_rotate: inconsistent buffer sizes");
+    }
+    if ((simd = pick_simd(simd)) < 0) {
+        drop_pieces(&xs);
+        return fail(bufs, 3, NULL);
+    }
+    size_t cur = 0;
+    in_t in = {.kind = IN_SIGNS, .pc = xs.pc, .npc = xs.n, .cur = &cur, .signs = sg.buf};
+    epi_t e = {.kind = EPI_ADD, .dst = o.buf, .carry = cy.obj ? cy.buf : NULL};
+    Py_BEGIN_ALLOW_THREADS
+    rht_run(simd, o.buf, n, &in, &e);
+    Py_END_ALLOW_THREADS
+    drop_pieces(&xs);
+    release(bufs, 3);
+    Py_RETURN_NONE;
 }
 
 /* quantize_ef(x: float32 buf (n values, already rotated), M, g, table: bytes, uniforms,
@@ -889,14 +1089,25 @@ static PyObject *py_sumsq(PyObject *self, PyObject *args) {
     return PyFloat_FromDouble(s);
 }
 
+/* _tune(l1, low, top_bits, strip) -> the previous (l1, low, top_bits, strip): the AVX2 FWHT's
+ * blocking, for benchmarks and for the tests that run every level layout at small sizes. */
 static PyObject *py_tune(PyObject *self, PyObject *args) {
     Py_ssize_t l1, l2, strip;
     int tb;
     if (!PyArg_ParseTuple(args, "nnin", &l1, &l2, &tb, &strip)) return NULL;
 #if THC_HAVE_AVX2
-    L1_FLOATS = (size_t)l1; L2_FLOATS = (size_t)l2; TOP_BITS = tb; STRIP_FLOATS = (size_t)strip;
+    if (l1 < 128 || l2 < l1 || !is_pow2((size_t)l1) || !is_pow2((size_t)l2) || tb < 1 || (1 << tb) * 16 > STRIP_MAX ||
+        strip < 16 || strip > STRIP_MAX || !is_pow2((size_t)strip)) {
+        PyErr_SetString(PyExc_ValueError, "_tune: bad sizes");
+        return NULL;
+    }
+    PyObject *old = Py_BuildValue("nnin", (Py_ssize_t)L1_FLOATS, (Py_ssize_t)LOW_FLOATS, TOP_BITS,
+                                  (Py_ssize_t)STRIP_FLOATS);
+    L1_FLOATS = (size_t)l1; LOW_FLOATS = (size_t)l2; TOP_BITS = tb; STRIP_FLOATS = (size_t)strip;
+    return old;
+#else
+    return Py_BuildValue("nnin", l1, l2, tb, strip);
 #endif
-    Py_RETURN_NONE;
 }
 
 static PyObject *py_simd(PyObject *self, PyObject *args) { return PyUnicode_FromString(auto_simd ? "avx2" : "scalar"); }
@@ -911,7 +1122,7 @@ static PyMethodDef methods[] = {
     {"quantize", py_quantize, METH_VARARGS, "clamp + grid map + stochastic rounding to table indices (separate pass)"},
     {"sumsq", py_sumsq, METH_VARARGS, "sumsq(x, simd=-1): sum of squares of float32 values in 16 float64 lanes (the block norm)"},
     {"apply_signs", py_apply_signs, METH_VARARGS, "multiply by the Rademacher diagonal given as packed bits"},
-    {"_tune", py_tune, METH_VARARGS, "benchmarking only: (L1 chunk, L2 chunk, top level bits, strip floats)"},
+    {"_tune", py_tune, METH_VARARGS, "benchmarks and tests: (L1 piece, low chunk, top level bits, strip floats) -> the previous"},
     {"simd", py_simd, METH_NOARGS, "the path simd=-1 takes: 'avx2' or 'scalar'"},
     {"has_avx2", py_has_avx2, METH_NOARGS, "whether simd=1 is available"},
     {NULL, NULL, 0, NULL}};

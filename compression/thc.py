@@ -36,6 +36,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from compression.cores import idle_cores
 from compression.hadamard import fwht, next_pow2, rademacher_bits, rademacher_signs
 from compression.stochastic import CounterUniforms, key_from
 
@@ -43,7 +44,7 @@ try:   # fused C kernels for the numpy path; the numpy code below stays the refe
     from compression import _kernels
 except ImportError:  # pragma: no cover - source checkout without a build
     _kernels = None
-from proto.job import DEFAULT_BLOCK_LOG2, ROTATIONS   # the job's defaults, one definition
+from proto.job import DEFAULT_BLOCK_LOG2, DEFAULT_ROTATION, ROTATIONS   # the job's defaults, one definition
 from proto.packing import check_lane_capacity, pack_indices, packed_size, unpack_indices
 from proto.tables import Table, identity_table, lower_interval_index, parse_p, solve_table
 
@@ -58,7 +59,7 @@ class ThcConfig:
     lane_bits: int = 8
     block_log2: int = DEFAULT_BLOCK_LOG2
     seed: int = 0
-    rotation: str = "round"
+    rotation: str = DEFAULT_ROTATION
 
     def __post_init__(self):
         object.__setattr__(self, "p", parse_p(self.p))
@@ -124,6 +125,37 @@ def make_layout(dim: int, block_log2: int = DEFAULT_BLOCK_LOG2) -> Layout:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+class Pieces:
+    """A flat float32 vector given as consecutive pieces (a model's gradients, tensor by
+    tensor), so that a job rotation's transform reads each piece where it lies instead of a
+    copy of all of them in one vector first (`rotate`; docs/design.md, "One rotation per
+    job").  `concatenate` makes the one vector for every other path."""
+
+    def __init__(self, arrays):
+        self.arrays = tuple(np.asarray(a).reshape(-1) for a in arrays)
+        for a in self.arrays:
+            if a.dtype != np.float32 or not a.flags.c_contiguous:
+                raise ValueError(f"every piece must be a contiguous float32 array, got {a.dtype}")
+        self.size = sum(a.size for a in self.arrays)
+        self._ends = np.cumsum([a.size for a in self.arrays])
+
+    def span(self, start: int, stop: int) -> tuple:
+        """The pieces' parts holding coordinates [start, stop), in order."""
+        parts, lo = [], 0
+        for a, hi in zip(self.arrays, self._ends.tolist()):
+            if hi > start and lo < stop:
+                parts.append(a[max(start - lo, 0):min(stop, hi) - lo])
+            lo = hi
+        return tuple(parts)
+
+    def concatenate(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The vector itself, into `out` if given (float32, `size` values)."""
+        out = np.empty(self.size, dtype=np.float32) if out is None else out
+        if self.arrays:
+            np.concatenate(self.arrays, out=out)
+        return out
+
 
 def _is_torch(x) -> bool:
     return not isinstance(x, np.ndarray)
@@ -214,13 +246,15 @@ def sum_of_squares(seg: np.ndarray) -> float:
     return total
 
 
+def _norm(seg: np.ndarray) -> np.float32:
+    """The float64 square root of a segment's :func:`sum_of_squares`, rounded to float32 (the
+    value the NORM packet carries)."""
+    return np.float32(math.sqrt(sum_of_squares(seg)))
+
+
 def _norms(x: np.ndarray, segments) -> np.ndarray:
-    """The float64 square root of each (start, length) segment's :func:`sum_of_squares`,
-    rounded to float32 (the values the NORM packet carries), returned as float64."""
-    out = np.empty(len(segments), dtype=np.float32)
-    for j, (s, n) in enumerate(segments):
-        out[j] = math.sqrt(sum_of_squares(x[s:s + n]))
-    return out.astype(np.float64)
+    """`_norm` of each (start, length) segment of x, as float64."""
+    return np.array([_norm(x[s:s + n]) for s, n in segments], dtype=np.float32).astype(np.float64)
 
 
 def block_norms(x, layout: Layout) -> np.ndarray:
@@ -255,15 +289,19 @@ _pool_size = 0
 
 
 def codec_threads() -> int:
-    """Threads one encode or decode may use, one RHT block each: $THC_CODEC_THREADS, else the
-    cores.  Blocks are independent (own signs, own scale, own slice of the uniforms), so the
+    """Threads one encode or decode may use, one RHT block each: $THC_CODEC_THREADS, else this
+    thread and one per core that sat idle lately (`compression.cores.idle_cores`): a worker
+    with cores to spare uses them, one on a host whose cores are busy (ranks sharing them,
+    other work) adds no hand-offs to it (docs/bench.md, "Codec threads where cores are
+    idle").  Blocks are independent (own signs, own scale, own slice of the uniforms), so the
     result is the same bit for bit whatever the count."""
     env = os.environ.get("THC_CODEC_THREADS")
     if env:
         if not env.isdigit() or int(env) < 1:
             raise ValueError(f"THC_CODEC_THREADS must be a positive integer, got {env!r}")
         return int(env)
-    return os.cpu_count() or 1
+    cores = os.cpu_count() or 1
+    return min(cores, 1 + idle_cores(cores))
 
 
 def _forget_pool() -> None:
@@ -502,19 +540,25 @@ def decode_lanes(lanes, contributors: int, max_norms, cfg: ThcConfig, layout: La
 
 # ----------------------------------------------------------------------------- one rotation per job
 
-def rotate(x, cfg: ThcConfig, layout: Layout, carry=None, out=None) -> np.ndarray:
+def rotate(x, cfg: ThcConfig, layout: Layout, carry=None, out=None, norms=None) -> np.ndarray:
     """R = H·D·x per RHT block (§5.1) with the job's one diagonal D (cfg.rotation "job"), plus
     `carry` if given: the rotated residual of the last round, so that R(∇ + e) = R∇ + R·e is
     formed without leaving the rotated domain.  float32, one value per padded coordinate
-    (blocks in order), into `out` if given."""
+    (blocks in order), into `out` if given.  x may be :class:`Pieces` (read where they lie).
+    `norms` (a float64 array, one per block): ‖R_j‖ as `rotated_norms` computes it, each
+    taken right after its block's transform, while the block is still in cache."""
     if cfg.rotation != "job":
         raise ValueError("rotate() holds for a job with one rotation; a rotation per round encodes with encode()")
     n = layout.padded_dim
     if out is None:
         out = np.empty(n, dtype=np.float32)
-    if _is_torch(x):
-        x = x.detach().cpu().numpy()
-    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    if isinstance(x, Pieces):
+        if _kernels is None:
+            x = x.concatenate()
+    else:
+        if _is_torch(x):
+            x = x.detach().cpu().numpy()
+        x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
     if carry is not None and (carry.shape != (n,) or carry.dtype != np.float32):
         raise ValueError(f"carry must be {n} float32 values, got {carry.dtype} {carry.shape}")
     offsets = layout.padded_offsets()
@@ -524,10 +568,13 @@ def rotate(x, cfg: ThcConfig, layout: Layout, carry=None, out=None) -> np.ndarra
         bits = rademacher_bits(cfg.seed, cfg.sign_round(0), j, p)
         c = None if carry is None else carry[off:off + p]
         if _kernels is not None:
-            _kernels.rht_rotate(x[s:s + m], p, bits, c, out[off:off + p])
-            return
-        r = fwht(_block_padded(x, layout, j) * rademacher_signs(cfg.seed, cfg.sign_round(0), j, p))
-        out[off:off + p] = r if c is None else r + c
+            _kernels.rht_rotate(x.span(s, s + m) if isinstance(x, Pieces) else x[s:s + m], p, bits, c,
+                                out[off:off + p])
+        else:
+            r = fwht(_block_padded(x, layout, j) * rademacher_signs(cfg.seed, cfg.sign_round(0), j, p))
+            out[off:off + p] = r if c is None else r + c
+        if norms is not None:
+            norms[j] = _norm(out[off:off + p])
     _each_block(block, len(offsets))
     return out
 
@@ -620,26 +667,32 @@ class WorkerRound:
     "Rounds without new vectors").
 
     With cfg.rotation "job" the same calls run in the rotated domain: x is R = H·D·∇ + e_R
-    (padded_dim values), `norms` are ‖R_j‖, `encode` makes Z and R − X in one pass, and the
-    memory keeps e_R: no inverse transform for the residual.
+    (padded_dim values, its block norms ‖R_j‖ taken right after each block's transform), `encode`
+    makes Z and writes R − X over R in the same pass, and the memory keeps that vector as e_R:
+    no inverse transform for the residual, and two vectors of d per key instead of three.  The
+    gradient may then be :class:`Pieces`, read where they lie (no copy into one vector).
     """
 
     def __init__(self, cfg: ThcConfig, grad, memory=None, key=None, *, compensate: bool = True):
         self.cfg, self.memory, self.key = cfg, memory, key
-        self.layout = make_layout(grad.numel() if _is_torch(grad) else grad.size, cfg.block_log2)
+        self.layout = make_layout(grad.size if isinstance(grad, (np.ndarray, Pieces)) else grad.numel(), cfg.block_log2)
         self.max_norms = self.z = self.round_no = None
         self.packed = False
         self._uniforms = self._residual = None
         self.rotated = cfg.rotation == "job"
+        self._norms = None
         if self.rotated:
             # x is R = H·D·∇ + e_R from the start (the memory keeps e_R, padded_dim values)
             n = self.layout.padded_dim
             shape = np.broadcast_to(np.float32(0), (n,))
             self.pooled = self._own_x = memory is not None
             carry = memory.get(key, shape) if memory is not None and compensate else None
+            self._norms = np.empty(len(self.layout.starts), dtype=np.float64)
             self.x = rotate(grad, cfg, self.layout, carry=carry,
-                            out=memory.buffer(key, shape) if self.pooled else None)
+                            out=memory.buffer(key, shape) if self.pooled else None, norms=self._norms)
             return
+        if isinstance(grad, Pieces):
+            grad = grad.concatenate()
         self.pooled = memory is not None and isinstance(grad, np.ndarray) and grad.dtype == np.float32 \
             and grad.ndim == 1 and grad.flags.c_contiguous
         self._own_x = self.pooled and compensate          # x is the memory's buffer, not grad
@@ -651,15 +704,15 @@ class WorkerRound:
     def norms(self) -> np.ndarray:
         """‖x_j‖ per RHT block (the preliminary stage's message, float64)."""
         if self.rotated:
-            return rotated_norms(self.x, self.layout)
+            return self._norms.copy()
         return block_norms(self.x, self.layout)
 
     def _residual_vector(self) -> np.ndarray | None:
-        """Where a rotated round's quantize writes R − X (None without a memory)."""
+        """Where a rotated round's quantize writes R − X: over R itself, which nothing reads
+        afterwards (None without a memory)."""
         if self.memory is None:
             return None
-        if self._residual is None:
-            self._residual = self.memory.buffer(self.key, self.x)
+        self._residual = self.x
         return self._residual
 
     def encode(self, max_norms, rng, round_no: int, *, packed: bool = False, uniforms=None):

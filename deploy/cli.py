@@ -11,7 +11,7 @@ from deploy import commands
 from deploy import experiments
 from deploy import train as train_mod
 from p4.control import CONTROLS as SWITCH_CONTROLS
-from proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, LANE_AUTO, MAX_BLOCK_LOG2, ROTATIONS
+from proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, DEFAULT_ROTATION, LANE_AUTO, MAX_BLOCK_LOG2, ROTATIONS
 
 
 def _p_arg(value: str):
@@ -169,7 +169,7 @@ JOB_OPTIONS = {
 LOCAL_GROUP = dict(result_group=AUTO_GROUP, helps={"result_group": JOB_OPTIONS["result-group"]["help"] + (
     "; auto: a fresh group on loopback when this command starts the PS, none with --ps")})
 JOB_DEFAULTS = {"workers": 4, "bits": 4, "granularity": 30, "p": "1/32", "lane-bits": "auto", "quorum": 1.0,
-                "seed": 0, "block-log2": DEFAULT_BLOCK_LOG2, "rotation": "round", "result-group": ""}
+                "seed": 0, "block-log2": DEFAULT_BLOCK_LOG2, "rotation": DEFAULT_ROTATION, "result-group": ""}
 
 
 def _job_types() -> dict:
@@ -334,12 +334,14 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--test-limit", type=_count, default=0, help="use only the first N test images (0: all)")
     tr.add_argument("--per-tensor", action="store_true",
                     help="one PS round per parameter tensor (per-layer scales, as 3LC and CASQ expect)")
-    tr.add_argument("--grad-sync", choices=train_mod.GRAD_SYNC, default="auto",
+    tr.add_argument("--grad-sync", choices=train_mod.GRAD_SYNC, default=train_mod.TrainConfig.grad_sync,
                     help="hook: each DDP bucket goes to the PS while backward goes on (overlapped); "
-                         "after-backward: one round per model once backward ends; auto: the hook unless "
-                         "--per-tensor or --restart-killed need after-backward")
+                         "after-backward: one round per model once backward ends; auto: the hook only for a "
+                         "model whose gradients fill more than one bucket (--bucket-cap-mb), and never with "
+                         "--per-tensor or --restart-killed")
     tr.add_argument("--bucket-cap-mb", type=_float_in(0, 16384, lo_open=True, hi_open=False, what="a size in MB"),
-                    default=25.0, help="DDP's bucket size with the hook, as DDP's own bucket_cap_mb")
+                    default=train_mod.TrainConfig.bucket_cap_mb,
+                    help="DDP's bucket size with the hook, as DDP's own bucket_cap_mb")
     tr.add_argument("--no-baseline", action="store_true", help="skip the uncompressed comparison run")
     tr.add_argument("--json", action="store_true", help="print one JSON summary line at the end")
     tr.set_defaults(func=commands.cmd_train)

@@ -432,7 +432,7 @@ def _peer_row(base: TrainConfig, m: str, log, target: float, net=None, layout: s
                "train_seconds": e["train_seconds"], "accuracy_curve": e["accuracy_curve"],
                "up_per_step": e["bytes_up"] / max(e["steps"], 1),
                "down_per_step": e["bytes_down"] / max(e["steps"], 1),
-               "round_ms": e["mean_round_ms"]} for e in doc["epochs"]]
+               "round_ms": e["mean_round_ms"], "phase_ms": e["mean_phase_ms"]} for e in doc["epochs"]]
         identical = doc["final_params_identical"]
     else:
         layout = "ring"
@@ -463,8 +463,10 @@ def _peer_row(base: TrainConfig, m: str, log, target: float, net=None, layout: s
             # the least time a step's bytes need on the busiest link at the cap
             row["wire_ms"] = row["max_link_bytes_per_step"] * 8 / (net.rate_mbit * 1e3)
     if m in PS_METHODS:
-        # time in the step's rounds (codec, phases, waiting; with the hook, overlapping backward)
+        # time in the step's rounds (codec, phases, waiting; with the hook, overlapping backward),
+        # and of it in the transport's phases (the wire and waiting for the other ranks)
         row["round_ms"] = float(np.mean([e["round_ms"] for e in ep]))
+        row["phase_ms"] = float(np.mean([e["phase_ms"] for e in ep]))
     return row
 
 
@@ -535,18 +537,21 @@ def peers(base: TrainConfig, command: str, log=print, target: float = 0.8, *, ou
                 if base.job.rotation == "job" else ".\n"),
              "\"wire ms\" is the least time the busiest link needs for a step's bytes at the cap; \"in rounds "
              "ms\" THC-PS's time per step inside its rounds (codec, phases and waiting for the other ranks; "
-             "with the hook, overlapping backward).\n",
+             "with the hook, overlapping backward), \"in phases ms\" the part of it in the transport's phases "
+             "(the wire and waiting for the other ranks): a step is the model's compute (step − in rounds), "
+             "the codec and its Python (in rounds − in phases), the wire and the waiting (in phases − wire).\n",
              "| link | method | layout | final test acc | up bytes/step | down bytes/step | busiest link/step | "
-             f"wire ms | step ms | in rounds ms | time to {target:.0%} (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"wire ms | step ms | in rounds ms | in phases ms | time to {target:.0%} (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ttt = f"{r['time_to_target']:.1f}" if r["time_to_target"] is not None else "-"
         busiest = f"{r['max_link_bytes_per_step']:,}" if "max_link_bytes_per_step" in r else "-"
         wire = f"{r['wire_ms']:.1f}" if "wire_ms" in r else "-"
         rounds = f"{r['round_ms']:.1f}" if "round_ms" in r else "-"
+        phases = f"{r['phase_ms']:.1f}" if "phase_ms" in r else "-"
         lines.append(f"| {_link(r['rate_mbit'])} | {r['method']} | {r['layout']} | {r['final_test_accuracy']:.4f} | "
                      f"{r['up_per_step']:,.0f} | {r['down_per_step']:,.0f} | {busiest} | {wire} | "
-                     f"{r['step_ms']:.1f} | {rounds} | {ttt} |")
+                     f"{r['step_ms']:.1f} | {rounds} | {phases} | {ttt} |")
     lines += _speedups(rows, target)
     lines.append(plot_peers(rows, rates, target, out / "peers.png"))
     path = out / "peers.md"

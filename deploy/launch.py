@@ -21,8 +21,8 @@ from deploy.procs import (die_with_parent, leave_on_sigterm, process_state, sing
                           start_shielded, stop_children)
 
 from compression import thc
-from proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, LANE_AUTO, JobConfig
 from proto.addresses import parse_ps
+from proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, DEFAULT_ROTATION, LANE_AUTO, JobConfig
 from proto.packing import LANE_DTYPES
 
 
@@ -480,7 +480,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
                ps_control_port=None, check=True, shards=1, batched=True, rank_base=0,
                local_workers=None, expect=None, keys=None, kill=None, restart=False,
                lease_s=None, rejoin_grace_s=None, stall_s=180.0, job_name=None,
-               fixed_timeout=False, block_log2=DEFAULT_BLOCK_LOG2, rotation="round", result_group=AUTO_GROUP,
+               fixed_timeout=False, block_log2=DEFAULT_BLOCK_LOG2, rotation=DEFAULT_ROTATION, result_group=AUTO_GROUP,
                serve_shard=None, ps_wait_s=None, error_feedback=False) -> dict:
     """Start a PS with `shards` shards (unless `ps` = "host:port[,host:port…]") and worker
     processes for ranks rank_base … rank_base + local_workers − 1 of an n = `workers` job;

@@ -7,6 +7,7 @@ end.  The same run is then repeated uncompressed for the comparison.
 """
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import sys
@@ -56,8 +57,8 @@ class TrainConfig:
     rank_netns: tuple = ()    # with ps: rank i runs in network namespace rank_netns[i] (a host each)
     # how gradients reach the PS: "hook", DDP's communication hook (each bucket's round while
     # backward goes on, worker/ps_hook.py); "after-backward", one round per model (or per tensor)
-    # once backward has ended (worker/training.py GradientSync); "auto": the hook, unless
-    # per-tensor rounds or a killed-and-restarted rank ask for after-backward
+    # once backward has ended (worker/training.py GradientSync); "auto": the hook only for a
+    # model whose gradients fill more than one bucket (uses_hook_for)
     grad_sync: str = "auto"
     rendezvous: str = ""      # the hook's gloo rendezvous HOST:PORT (rank 0 serves it); "": loopback
     bucket_cap_mb: float = 25.0   # DDP's bucket size with the hook (its default)
@@ -75,17 +76,35 @@ class TrainConfig:
         if not 0 < self.bucket_cap_mb <= 1 << 14:
             raise ValueError(f"bucket_cap_mb must be in (0, 16384], got {self.bucket_cap_mb}")
 
+    def uses_hook_for(self, params: int) -> bool:
+        """Whether a model of `params` float32 parameters sends its gradients through DDP's
+        communication hook (grad_sync resolved).  "auto" takes the hook only where it can
+        overlap a round with backward: when the gradients fill more than one bucket
+        (bucket_cap_mb).  A model in one bucket gets its round when backward ends either way,
+        and after backward its round reads the gradients where backward left them, without
+        DDP's reducer and the hand-off to the hook's thread (docs/bench.md, "Defaults that
+        win");
+        per-tensor rounds and a restarted rank need after-backward."""
+        if self.grad_sync == "auto":
+            return not (self.per_tensor or self.restart) and 4 * params > self.bucket_cap_mb * (1 << 20)
+        return self.grad_sync == "hook"
+
     @property
     def uses_hook(self) -> bool:
-        """Whether gradients go through DDP's communication hook (grad_sync resolved)."""
-        if self.grad_sync == "auto":
-            return not (self.per_tensor or self.restart)
-        return self.grad_sync == "hook"
+        """`uses_hook_for` the run's model (`model`)."""
+        return self.uses_hook_for(model_params(self.model))
 
     def with_job(self, **changes) -> TrainConfig:
         """A copy whose job has `changes` (JobConfig's field names); its derived fields (table,
         elems_per_packet) are derived again unless given."""
         return replace(self, job=replace(self.job, **{"table": (), "elems_per_packet": 0, **changes}))
+
+
+@functools.cache
+def model_params(name: str) -> int:
+    """The parameters of worker.training.MODELS[name]."""
+    from worker.training import MODELS
+    return sum(p.numel() for p in MODELS[name]().parameters())
 
 
 def training_data(cfg: TrainConfig) -> tuple:
@@ -213,7 +232,7 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
                 for epoch in range(first, cfg.epochs):
                     idx = data.shard(len(xtr), rank, cfg.job.num_workers, cfg.job.seed, epoch)
                     t0 = time.perf_counter()
-                    comm, up, down, losses, lost, curve = 0.0, 0, 0, [], 0, []
+                    comm, phases, up, down, losses, lost, curve = 0.0, 0.0, 0, 0, [], 0, []
                     if clock is None:
                         clock = AccuracyClock(cfg.eval_every, lambda: _evaluate(model, xte, yte))
                     prev = clock.train_s
@@ -237,6 +256,7 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
                         opt.step()
                         rep = w.last
                         comm += rep.seconds
+                        phases += rep.phase_seconds
                         up += rep.bytes_up
                         down += rep.bytes_down
                         lost += rep.lost
@@ -254,6 +274,7 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
                                            "test_accuracy": acc, "test_loss": test_loss,
                                            "epoch_seconds": time.perf_counter() - t0,
                                            "mean_round_ms": 1e3 * comm / max(steps, 1), "steps": steps,
+                                           "mean_phase_ms": 1e3 * phases / max(steps, 1),
                                            "bytes_up": up, "bytes_down": down, "lost_chunks": lost,
                                            "param_digest": digest, "step": step, "loss_curve": curve,
                                            "train_seconds": clock.train_s, "accuracy_curve": list(clock.points),

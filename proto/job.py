@@ -41,6 +41,12 @@ ROTATIONS = ("round", "job")
 #: torchrun says, so the lane follows it).  Resolved when the job is built: the wire, the
 #: PS and every worker only ever see the width itself.
 LANE_AUTO = 0
+#: A job's rotation unless told (JobConfig, ThcConfig, the `thc` commands and the library take
+#: it from here): one per job, which took less codec CPU a step and reached the same accuracy
+#: with error feedback in the measured runs (docs/bench.md, "Defaults that win"); a worker
+#: without error feedback keeps the clamping error a fixed D puts in one direction, so such a
+#: job should ask for "round".
+DEFAULT_ROTATION = "job"
 #: The largest block a job may ask for (2^26 float32 = 256 MiB of one transform's workspace).
 MAX_BLOCK_LOG2 = 26
 
@@ -100,7 +106,7 @@ class JobConfig:
     table: tuple = field(default=())   # filled in from (bits, granularity, p)
     codec_params: dict = field(default_factory=dict)   # keyword parameters of a BLOB codec
     result_group: str = ""             # "A.B.C.D:PORT": results multicast there (parse_group)
-    rotation: str = "round"            # ROTATIONS: a sign diagonal per round, or one per job
+    rotation: str = DEFAULT_ROTATION   # ROTATIONS: a sign diagonal per round, or one per job
 
     def __post_init__(self):
         self.validate()

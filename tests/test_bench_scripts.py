@@ -73,8 +73,9 @@ def test_bench_loss_takes_each_ratio_against_the_lossless_run_of_its_checkout(tm
 
 
 def test_bench_rotation_times_both_rotations_and_writes_its_json(tmp_path):
-    """A small bench_rotation run: both rotations timed on the same steps, the ratio printed
-    and the JSON written where --json says."""
+    """A small bench_rotation run: both rotations (the job's from the bucket and from the
+    tensors) timed on the same steps, the ratio and the job step's floor printed and the JSON
+    written where --json says; the sweeps' bytes are the model's for this d."""
     import json
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_rotation.py"), "--dim", "5000",
@@ -82,8 +83,10 @@ def test_bench_rotation_times_both_rotations_and_writes_its_json(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads((tmp_path / "rot.json").read_text())
-    assert set(doc["cpu_ms"]) == {"round", "job"} and all(v > 0 for v in doc["cpu_ms"].values())
-    assert "round / job CPU:" in proc.stdout
+    assert set(doc["cpu_ms"]) == {"round", "job, bucket", "job, pieces"} and all(v > 0 for v in doc["cpu_ms"].values())
+    p = 5120                                # 5000 in blocks of 2^11: 2048 + 2048 + 904 padded to 1024
+    assert sum(s["bytes"] for s in doc["job_sweeps"]) == 4 * 5000 + 4 * p + 12 * p + 4 * p + 8 * p + p // 2 + 5 * p + 8 * p
+    assert doc["job_floor_ms"] > 0 and "round / job, pieces CPU:" in proc.stdout and "floor" in proc.stdout
 
 
 def test_background_load_runs_niced_hogs_and_stops_them():

@@ -53,6 +53,141 @@ def test_fwht_each_path_is_orthogonal_and_involutive(simd, n):
     assert np.allclose(y, x, atol=1e-5)                         # H·H = I
 
 
+#: AVX2 blockings (L1 piece, low chunk, top level bits, strip floats) that put every level
+#: layout of the transform (leaves only, low chunks, one level above, several, strips of a few
+#: columns) within reach of small blocks; None: the shipped one.
+LAYOUTS = [None, (128, 128, 1, 16), (128, 256, 2, 32), (128, 512, 3, 64), (256, 1024, 2, 256),
+           (128, 128, 10, 16384)]
+
+
+def _every_kernel(p, n, simd, seed, scale=1.0, zero=False):
+    """Every fused kernel of a block of p (x of n <= p values) on one path, as {name: bytes}:
+    fwht, rht_rotate with and without a carry and from pieces, rht_encode (bytes, packed,
+    counter stream), rht_decode from values, nibbles, bytes and 8-bit lanes / k, quantize_ef
+    with its residual apart and over its input."""
+    rng = np.random.default_rng(seed)
+    x = np.zeros(n, np.float32) if zero else ugly(n, seed) * np.float32(scale)
+    carry = ugly(p, seed + 1) * np.float32(scale)
+    signs = rademacher_bits(seed, 1, 2, p)
+    tab = bytes(solve_table(4, 30, "1/32").values)
+    big_m = 0.0 if zero else 2.5 * float(np.linalg.norm(x.astype(np.float64))) / np.sqrt(p)
+    out = {}
+    w = np.zeros(p, np.float32)
+    w[:n] = x
+    K.fwht(w, simd)
+    out["fwht"] = w
+    cuts = np.sort(rng.integers(0, n + 1, 5))
+    pieces = [x[a:b] for a, b in zip([0, *cuts], [*cuts, n])] + [x[n:]]      # some empty
+    for name, src, c in (("rotate", x, None), ("rotate+carry", x, carry), ("rotate pieces", tuple(pieces), carry)):
+        r = np.full(p, np.nan, np.float32)
+        K.rht_rotate(src, p, signs, c, r, simd)
+        out[name] = r
+    u = rng.random(p, dtype=np.float32)
+    for name, uu, packed in (("encode", u, False), ("encode packed", u, True), ("encode stream", (99, 64), True)):
+        z = np.empty(p // 2 if packed else p, np.uint8)
+        K.rht_encode(x, p, signs, big_m, 30, tab, uu, z, packed, np.empty(p, np.float32), simd)
+        out[name] = z
+    zi = rng.integers(0, 16, p).astype(np.uint8)
+    lanes = rng.integers(0, 121, p).astype(np.uint8)
+    for name, src, kind, t in (("decode values", carry, 0, b""), ("decode nibbles", pack_indices(zi, 4), 1, tab),
+                               ("decode bytes", zi, 2, tab),
+                               ("decode lanes/3", lanes, 3, (np.arange(256) / 3).astype(np.float32).tobytes())):
+        d = np.full(n, np.nan, np.float32)
+        K.rht_decode(src, kind, 2.0 * big_m / 90, big_m, p, signs, t, d, None if n == p else np.empty(p, np.float32),
+                     simd)
+        out[name] = d
+    for packed in (False, True):
+        z, r = np.empty(p // 2 if packed else p, np.uint8), np.full(p, np.nan, np.float32)
+        K.quantize_ef(out["rotate+carry"], big_m, 30, tab, (5, 0), z, packed, r, simd)
+        inplace = out["rotate+carry"].copy()
+        K.quantize_ef(inplace, big_m, 30, tab, (5, 0), z, packed, inplace, simd)
+        out[f"quantize_ef {packed}"], out[f"quantize_ef residual {packed}"] = z, r
+        out[f"quantize_ef over its input {packed}"] = inplace
+        assert np.array_equal(bits_of(inplace), bits_of(r))
+    return {k: bits_of(v).tobytes() for k, v in out.items()}
+
+
+@needs_avx2
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("p,n", [(128, 128), (128, 77), (256, 255), (1024, 1000), (4096, 4096), (8192, 8191),
+                                 (1 << 14, 12289), (1 << 15, 1 << 15)])
+def test_every_kernel_equals_the_scalar_path_in_every_level_layout(layout, p, n):
+    """Each fused kernel's AVX2 path (every blocking of the transform) and its scalar path give
+    the same bits, for blocks of odd and even lengths, with and without the carried residual,
+    an all-zero block (M = 0) and a huge-norm one (values ~1e28, finite throughout)."""
+    old = K._tune(*layout) if layout else None
+    try:
+        for seed, scale, zero in ((p + n, 1.0, False), (3, 1e28, False), (4, 1.0, True)):
+            a, b = _every_kernel(p, n, 1, seed, scale, zero), _every_kernel(p, n, 0, seed, scale, zero)
+            assert [k for k in a if a[k] != b[k]] == []
+    finally:
+        if old:
+            K._tune(*old)
+
+
+@needs_avx2
+@pytest.mark.parametrize("p,n", [(1 << 20, 1 << 20), (1 << 20, 1_018_434), (1 << 21, (1 << 21) - 3)])
+def test_every_kernel_equals_the_scalar_path_at_full_size(p, n):
+    """The shipped blocking at a codec block of 2^20 (one level above the low chunks) and 2^21
+    (two levels), the WideMLP's last block (1,018,434 of 2^20) among them."""
+    a, b = _every_kernel(p, n, 1, 11), _every_kernel(p, n, 0, 11)
+    assert [k for k in a if a[k] != b[k]] == []
+
+
+def test_lanes_over_k_take_the_table_values():
+    """The 8-bit lanes' Y/k (decode_lanes' table of numpy's b/k in float32): the AVX2 decode
+    divides instead of looking the table up, which is the same float32 for every byte and
+    every k a job can have; a table that is not b/k is looked up."""
+    from proto.headers import MAX_WORKERS
+    b = np.arange(256)
+    for k in range(1, MAX_WORKERS + 1):
+        assert np.array_equal(bits_of((b / k).astype(np.float32)), bits_of(b.astype(np.float32) / np.float32(k)))
+    p = 256
+    signs = rademacher_bits(0, 0, 0, p)
+    for k in (1, 2, 3, 7, 32):
+        for tab in ((b / k).astype(np.float32), ((b / k) + (b == 200)).astype(np.float32)):
+            got = {simd: np.empty(p, np.float32) for simd in SIMD}
+            for simd in SIMD:
+                K.rht_decode(b.astype(np.uint8), 3, 0.25, 1.5, p, signs, tab.tobytes(), got[simd], None, simd)
+            a = tab * np.float32(0.25) - np.float32(1.5)
+            K.fwht(a, 0)
+            K.apply_signs(a, signs)
+            assert all(np.array_equal(bits_of(g), bits_of(a)) for g in got.values())
+
+
+def test_rotate_reads_pieces_as_their_concatenation():
+    """rht_rotate of a gradient in pieces (empty ones, pieces shorter than a leaf, a last piece
+    ending inside the block) equals the rotation of the pieces concatenated, on both paths;
+    pieces that are not float32, or longer than the block, are refused."""
+    rng = np.random.default_rng(8)
+    p = 1 << 13
+    signs = rademacher_bits(2, 0, 0, p)
+    for n in (p, p - 1, 3000):
+        x = ugly(n, n)
+        cuts = sorted({0, n, *rng.integers(0, n, 40).tolist(), 5, 6, 64, 65})
+        pieces = [x[a:b] for a, b in zip(cuts, cuts[1:])]
+        pieces[3:3] = [x[:0], x[:0]]                    # empty pieces anywhere
+        pieces.append(x[:0])
+        for simd in SIMD:
+            want, got = np.empty(p, np.float32), np.empty(p, np.float32)
+            K.rht_rotate(x, p, signs, None, want, simd)
+            K.rht_rotate(pieces, p, signs, None, got, simd)
+            assert np.array_equal(bits_of(got), bits_of(want))
+    with pytest.raises(ValueError, match="float32"):
+        K.rht_rotate([x[:10], np.zeros(4, np.float64)], p, signs, None, np.empty(p, np.float32))
+    with pytest.raises(ValueError, match="inconsistent"):
+        K.rht_rotate([np.zeros(p, np.float32), np.zeros(1, np.float32)], p, signs, None, np.empty(p, np.float32))
+
+
+def test_tune_refuses_blockings_it_cannot_run():
+    if not K.has_avx2():
+        pytest.skip("the AVX2 blocking only")
+    for bad in ((64, 128, 5, 4096), (4096, 2048, 5, 4096), (4096, 1 << 15, 11, 4096), (4096, 1 << 15, 5, 100),
+                (4096, 1 << 15, 5, 1 << 15)):
+        with pytest.raises(ValueError, match="_tune"):
+            K._tune(*bad)
+
+
 def _encode_both(x, p, signs, big_m, g, tab, u, packed, simd):
     out = np.empty(p // 2 if packed else p, np.uint8)
     K.rht_encode(x, p, signs, big_m, g, tab, u, out, packed, np.empty(p, np.float32), simd)
@@ -275,6 +410,32 @@ def test_codec_threads_setting(monkeypatch):
         monkeypatch.setenv("THC_CODEC_THREADS", bad)
         with pytest.raises(ValueError, match="THC_CODEC_THREADS"):
             thc.codec_threads()
+    # unset: this thread and one per idle core, at most the cores
+    monkeypatch.delenv("THC_CODEC_THREADS")
+    monkeypatch.setattr(thc.os, "cpu_count", lambda: 4)
+    for idle, want in ((0, 1), (1, 2), (3, 4), (4, 4)):
+        monkeypatch.setattr(thc, "idle_cores", lambda cores, idle=idle: idle)
+        assert thc.codec_threads() == want
+
+
+def test_idle_cores_follow_the_host_s_idle_share(monkeypatch):
+    """idle_cores: every core before two samples exist, then the idle share of the last two
+    samples at least SAMPLE_S apart times the cores, rounded; no /proc/stat: every core."""
+    from compression import cores as C
+    C._forget()
+    stat = iter([(0, 0), (150, 400), (150, 800), (400, 1200)])
+    monkeypatch.setattr(C, "cpu_times", lambda: next(stat))
+    clock = iter([0.0, 0.1, 0.3, 0.6, 1.0])
+    now = lambda: next(clock)       # noqa: E731
+    assert C.idle_cores(4, now) == 4            # t=0: first sample, nothing to compare
+    assert C.idle_cores(4, now) == 4            # t=0.1: too soon, no new sample
+    assert C.idle_cores(4, now) == 2            # t=0.3: 150 of 400 jiffies idle: 1.5 cores
+    assert C.idle_cores(4, now) == 0            # t=0.6: none idle
+    assert C.idle_cores(4, now) == 2            # t=1.0: 250 of 400
+    C._forget()
+    monkeypatch.setattr(C, "cpu_times", lambda: None)
+    assert C.idle_cores(2, lambda: 5.0) == 2 and C.idle_cores(2, lambda: 6.0) == 2
+    C._forget()
 
 
 def test_blocks_are_shared_evenly_among_codec_threads(monkeypatch):

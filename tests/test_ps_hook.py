@@ -219,7 +219,10 @@ def test_train_config_refuses_the_hook_where_it_cannot_serve():
         TrainConfig(per_tensor=True, grad_sync="hook")
     with pytest.raises(ValueError, match="grad_sync must be one of"):
         TrainConfig(grad_sync="sometimes")
-    assert TrainConfig().uses_hook and not TrainConfig(per_tensor=True).uses_hook
+    # auto: the hook only for gradients beyond one bucket (the cnn's 0.2 MB fit 25 MB, not 0.1)
+    assert not TrainConfig().uses_hook and TrainConfig(bucket_cap_mb=0.1).uses_hook
+    assert TrainConfig(grad_sync="hook").uses_hook and not TrainConfig(bucket_cap_mb=0.1, per_tensor=True).uses_hook
+    assert not TrainConfig(model="mlp-wide").uses_hook and TrainConfig().uses_hook_for(7 << 20)
 
 
 class _FlakyWorker:

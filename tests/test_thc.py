@@ -147,13 +147,50 @@ def test_a_job_rotation_numpy_reference_equals_the_kernels(monkeypatch):
         memory = ErrorFeedback()
         memory.update("r", carry.copy())
         rnd = thc.WorkerRound(cfg, g, memory, "r")
+        x = rnd.x.copy()
         z = rnd.encode(rnd.norms(), np.random.default_rng(2), 1, packed=True)
-        return rnd.x.copy(), z, rnd.residual().copy()
+        return x, z, rnd.residual().copy()
     fast = run()
     monkeypatch.setattr(thc, "_kernels", None)
     slow = run()
     for a, b in zip(fast, slow):
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@pytest.mark.parametrize("rotation", ["job", "round"])
+def test_a_gradient_in_pieces_is_the_gradient_concatenated(rotation):
+    """WorkerRound of thc.Pieces (empty ones among them, one across the blocks' border) and of
+    their concatenation: the same x, norms, indices, residual and next round, bit for bit.  A
+    job rotation reads the pieces in place: its norms are those of R taken right after the
+    transform, and R − X is written over R (the memory keeps that vector)."""
+    cfg = thc.ThcConfig(seed=4, block_log2=10, rotation=rotation)
+    rng = np.random.default_rng(21)
+    dim = 2500
+    grads = [(rng.standard_normal(dim) * rng.lognormal(0, 1, dim)).astype(np.float32) for _ in range(2)]
+    cuts = [0, 7, 7, 1000, 1030, 2500]
+
+    def rounds(as_pieces):
+        memory, out = ErrorFeedback(), []
+        for r, g in enumerate(grads):
+            rnd = thc.WorkerRound(cfg, thc.Pieces([g[a:b] for a, b in zip(cuts, cuts[1:])]) if as_pieces else g,
+                                  memory, "p")
+            x, norms = rnd.x.copy(), rnd.norms()
+            if rotation == "job":
+                assert np.array_equal(norms, thc.rotated_norms(rnd.x, rnd.layout))
+            z = rnd.encode(norms, np.random.default_rng(r), r, packed=True)
+            e = rnd.residual()
+            if rotation == "job":
+                assert np.shares_memory(e, rnd.x)           # over R, no third vector
+            out += [x, norms, z, e.copy()]
+            rnd.feedback()
+        return out
+    for a, b in zip(rounds(True), rounds(False)):
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    with pytest.raises(ValueError, match="float32"):
+        thc.Pieces([np.zeros(3, np.float64)])
+    p = thc.Pieces([grads[0][:10], grads[0][10:12]])
+    assert p.size == 12 and [len(a) for a in p.span(9, 11)] == [1, 1]
+    assert np.array_equal(p.concatenate(), grads[0][:12])
 
 
 def test_a_rotation_the_job_does_not_know_is_refused():
@@ -162,10 +199,25 @@ def test_a_rotation_the_job_does_not_know_is_refused():
     from proto.job import JobConfig
     with pytest.raises(ValueError, match="rotation must be one of round, job"):
         JobConfig(num_workers=2, rotation="epoch")
-    assert JobConfig(num_workers=2).differences({"rotation": "job"}) == ["rotation: PS has 'round', worker expects 'job'"]
-    assert thc.ThcConfig.of_job(JobConfig(num_workers=2, rotation="job")).rotation == "job"
+    assert JobConfig(num_workers=2, rotation="round").differences({"rotation": "job"}) == \
+        ["rotation: PS has 'round', worker expects 'job'"]
+    assert thc.ThcConfig.of_job(JobConfig(num_workers=2, rotation="round")).rotation == "round"
     with pytest.raises(ValueError, match="one rotation"):      # rotate() under a per-round job
-        thc.rotate(np.ones(8, np.float32), thc.ThcConfig(), thc.make_layout(8))
+        thc.rotate(np.ones(8, np.float32), thc.ThcConfig(rotation="round"), thc.make_layout(8))
+
+
+def test_every_default_rotation_is_the_one_in_proto_job():
+    """The job's rotation unless told is proto.job.DEFAULT_ROTATION for the job, the codec's
+    config, `thc` commands, `thc launch`'s clusters and `thc train`'s run alike."""
+    import inspect
+
+    from deploy import cli, launch
+    from deploy.train import TrainConfig
+    from proto.job import DEFAULT_ROTATION, ROTATIONS, JobConfig
+    assert DEFAULT_ROTATION in ROTATIONS
+    assert JobConfig(num_workers=2).rotation == thc.ThcConfig().rotation == TrainConfig().job.rotation == DEFAULT_ROTATION
+    assert cli.build_parser().parse_args(["train"]).rotation == DEFAULT_ROTATION
+    assert inspect.signature(launch.run_launch).parameters["rotation"].default == DEFAULT_ROTATION
 
 
 def test_pooled_rounds_equal_fresh_ones_and_reuse_their_buffers():

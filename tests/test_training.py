@@ -51,6 +51,8 @@ def train_through_ps(rotation="round", set_to_none=True):
             assert all(np.shares_memory(p.grad.numpy(), sync.bucket) for p in model.parameters())
             opt.step()
         finals[rank] = flat_params(model)
+        with pytest.raises(ValueError, match="needs out="):     # refused before any traffic
+            sync.worker.allreduce(thc.Pieces([sync.bucket]))
         t.close()
 
     errors += run_threads(run, N)

@@ -25,6 +25,7 @@ import numpy as np
 
 from compression import thc
 from compression.codec import ErrorFeedback
+from compression.cores import cpu_times, idle_share
 from proto import headers as H
 from proto.packing import unpack_lanes
 from worker.transport import ChunkStream, PackedChunks, PhaseResults, Transport
@@ -77,23 +78,6 @@ PIPELINE = os.environ.get("THC_PIPELINE", "auto")
 START_IDLE, STAY_IDLE = 0.25, 0.10
 
 
-def cpu_times() -> tuple[int, int] | None:
-    """(idle, total) jiffies of the host's CPUs from /proc/stat (None where there is none)."""
-    try:
-        with open("/proc/stat", "rb") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return fields[3] + fields[4], sum(fields[:8])
-
-
-def idle_share(before, after) -> float | None:
-    """The share of the host's CPU time that was idle between two `cpu_times()`."""
-    if before is None or after is None or after[1] <= before[1]:
-        return None
-    return (after[0] - before[0]) / (after[1] - before[1])
-
-
 @dataclass
 class RoundReport:
     """What one allreduce did, for checks and progress output."""
@@ -105,6 +89,7 @@ class RoundReport:
     bitmaps: list = field(default_factory=list)
     digests: list = field(default_factory=list)        # crc32 of each chunk's result payload
     seconds: float = 0.0
+    phase_seconds: float = 0.0                         # of `seconds`, in the transport's phases
     bytes_up: int = 0
     bytes_down: int = 0
     norms: list | None = None                          # the preliminary stage's result (THC)
@@ -155,6 +140,7 @@ class Worker:
         self.per_round_rng = per_round_rng
         self._delay_rng = np.random.default_rng(np.random.SeedSequence([seed, transport.worker_id, 99]))
         self.last: RoundReport | None = None
+        self._report: RoundReport | None = None     # the allreduce running now
         self._background: ThreadPoolExecutor | None = None
         self._decode_pool: ThreadPoolExecutor | None = None
         if PIPELINE not in ("auto", "0", "1"):
@@ -308,7 +294,7 @@ class Worker:
     def _exchange_norms(self, norms: np.ndarray) -> np.ndarray:
         """Preliminary stage: elementwise max over workers of float statistics (NORM phase)."""
         payload = H.float_to_ordered(norms).astype(">u4").tobytes()
-        res = self.t.run_phase(H.NORM, [(0, norms.size, payload)])[0]
+        res = self._run_phase(H.NORM, [(0, norms.size, payload)])[0]
         if res is None:
             return np.asarray(norms, dtype=np.float32).astype(np.float64)
         return H.ordered_to_float(np.frombuffer(res[1], dtype=">u4")).astype(np.float64)
@@ -318,17 +304,29 @@ class Worker:
 
         `out`: a float32 numpy array of x's size the average is written into and returned
         (it may be x itself, as torch.distributed's all_reduce works in place); THC decodes
-        straight into it, so a round makes no new vector of x's size."""
-        torch_in = not isinstance(x, np.ndarray)
+        straight into it, so a round makes no new vector of x's size.
+
+        x may be `thc.Pieces` (a model's gradients tensor by tensor; `out` needed): a THC job
+        with one rotation reads them where they lie, any other round first copies them into
+        `out`."""
+        pieces = isinstance(x, thc.Pieces)
+        torch_in = not pieces and not isinstance(x, np.ndarray)
         if out is not None and torch_in:
             raise ValueError("out must be a contiguous float32 numpy array of x's size (numpy x)")
-        arr = x.detach().cpu().numpy().astype(np.float32, copy=False).ravel() if torch_in else \
-            np.ascontiguousarray(x, dtype=np.float32).ravel()
+        if pieces and out is None:
+            raise ValueError("an allreduce of thc.Pieces needs out= (the vector the average goes into)")
+        if pieces:
+            arr = x
+        else:
+            arr = x.detach().cpu().numpy().astype(np.float32, copy=False).ravel() if torch_in else \
+                np.ascontiguousarray(x, dtype=np.float32).ravel()
         self.check_dim(arr.size)
         flat = None if out is None else thc.result_vector(out, arr.size)
+        if pieces and not (self.job.codec == "thc" and self.cfg.rotation == "job"):
+            arr = x.concatenate(out=flat)
         start = time.perf_counter()
         rn = self.round_no if round_no is None else round_no
-        report = RoundReport(rn, 0, 0)
+        report = self._report = RoundReport(rn, 0, 0)
         if self.job.codec == "thc":
             est = self._thc_round(arr, key, rn, report, flat)
         elif self.job.blob:
@@ -504,11 +502,21 @@ class Worker:
         """The DATA phase, noting how idle the host's CPU was meanwhile (`_pipelines`;
         not for a round that could not be pipelined: /proc/stat is read only when it counts)."""
         before = cpu_times() if measure and self.pipeline == "auto" else None
-        results = self.t.run_phase(H.DATA, chunks, stream) if stream is not None else \
-            self.t.run_phase(H.DATA, chunks)
+        results = self._run_phase(H.DATA, chunks, stream)
         if before is not None:
             self._idle, self._piped = idle_share(before, cpu_times()), piped
         return results
+
+    def _run_phase(self, kind, chunks, stream=None):
+        """Transport.run_phase, its time added to the round's report (`phase_seconds`: the
+        part of a round spent on the wire and waiting for the other ranks, the rest being the
+        codec and the Python around it)."""
+        t0 = time.perf_counter()
+        try:
+            return self.t.run_phase(kind, chunks, stream) if stream is not None else self.t.run_phase(kind, chunks)
+        finally:
+            if self._report is not None:
+                self._report.phase_seconds += time.perf_counter() - t0
 
     def _decoder(self) -> ThreadPoolExecutor:
         """The pipeline's decode thread (one per worker, made on first use)."""
@@ -542,7 +550,7 @@ class Worker:
         chunks = self._chunks(arr.astype(">f4"), arr.size, 32)
         report.bytes_up = chunks.wire_bytes
         self._maybe_straggle()
-        results = self.t.run_phase(H.DATA, chunks)
+        results = self._run_phase(H.DATA, chunks)
         self._collect(results, report)
         if isinstance(results, PhaseResults) and results.ok().all() \
                 and (results.lengths == np.diff(results.roff)).all():

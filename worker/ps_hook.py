@@ -271,7 +271,7 @@ def _moves(src: tuple, dst: tuple) -> list:
 
 
 def merged_report(reports: list[RoundReport]) -> RoundReport | None:
-    """One report for a step's buckets: seconds, bytes and lost chunks summed."""
+    """One report for a step's buckets: seconds (and those in phases), bytes and lost chunks summed."""
     if not reports:
         return None
     out = RoundReport(reports[0].round_no, 0, 0)
@@ -279,6 +279,7 @@ def merged_report(reports: list[RoundReport]) -> RoundReport | None:
         out.chunks += r.chunks
         out.lost += r.lost
         out.seconds += r.seconds
+        out.phase_seconds += r.phase_seconds
         out.bytes_up += r.bytes_up
         out.bytes_down += r.bytes_down
     return out

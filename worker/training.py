@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from compression.thc import Pieces
 from worker.client import Worker
 
 
@@ -97,8 +98,9 @@ class GradientSync:
         self.key = key
         self.per_tensor = per_tensor
         # one float32 bucket kept across steps; after a step each .grad is a view of it (as
-        # DDP's gradient_as_bucket_view), so a step copies the gradients in once and the
-        # average is decoded in place: no new vector of d and no copy back
+        # DDP's gradient_as_bucket_view), and the average is decoded into it: no new vector of d
+        # and no copy back.  The gradients go to the round as pieces (thc.Pieces): a job with
+        # one rotation reads them where backward left them, any other round copies them in once
         self.bucket = None
         if not per_tensor and self.params and all(p.dtype == torch.float32 and p.device.type == "cpu"
                                                   for p in self.params):
@@ -110,12 +112,14 @@ class GradientSync:
 
     def __call__(self) -> None:
         if self.bucket is not None:
+            pieces = []
             for p, v in zip(self.params, self.views):
                 if p.grad is None:
                     v.zero_()
-                elif p.grad.data_ptr() != v.data_ptr():     # a new gradient (zero_grad set it to None)
-                    v.copy_(p.grad)
-            self.worker.allreduce(self.bucket, key=self.key, out=self.bucket)
+                    pieces.append(v.numpy().reshape(-1))
+                else:       # a new gradient (zero_grad set it to None) or the bucket's view
+                    pieces.append(p.grad.detach().reshape(-1).numpy())
+            self.worker.allreduce(Pieces(pieces), key=self.key, out=self.bucket)
             for p, v in zip(self.params, self.views):
                 p.grad = v
             return
@@ -144,6 +148,7 @@ class GradientSync:
         if acc is None:
             return rep
         acc.seconds += rep.seconds
+        acc.phase_seconds += rep.phase_seconds
         acc.bytes_up += rep.bytes_up
         acc.bytes_down += rep.bytes_down
         acc.lost += rep.lost
