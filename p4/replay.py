@@ -141,8 +141,10 @@ def fix_checksum(frame: bytes) -> bytes:
 
 
 def is_thc(frame: bytes) -> bool:
-    """Whether the switch's parser finds a THC header (UDP to the PS's port)."""
-    return (len(frame) >= PAYLOAD_AT and int.from_bytes(frame[12:14], "big") == ETH_IPV4
+    """Whether the frame is the PS's traffic: UDP to its port (whatever the IPv4 destination:
+    the switch claims the port).  A datagram too short for the THC header is the PS's too,
+    which counts it malformed."""
+    return (len(frame) >= THC_AT and int.from_bytes(frame[12:14], "big") == ETH_IPV4
             and frame[23] == IP_UDP and int.from_bytes(frame[36:38], "big") == H_PORT)
 
 
@@ -174,6 +176,19 @@ def bounce(frame: bytes, reply: bytes) -> bytes:
     udp_len = (int.from_bytes(udp[4:6], "big") + grow) & 0xFFFF
     return (eth[6:12] + eth[0:6] + eth[12:14] + bytes(ip) + udp[2:4] + udp[0:2] + udp_len.to_bytes(2, "big")
             + b"\0\0" + reply + frame[taken:])
+
+
+def fan_out(frame: bytes, reply: bytes, ps_mac: int, dest: tuple) -> bytes:
+    """One multicast replica of the round's result as the switch sends it to a worker
+    (`dest` = its MAC, IPv4 address and UDP port, the egress's replica_dest rewrite): the
+    PS's MAC, address and port as the source, lengths and the IPv4 checksum as for a reply."""
+    mac, ip, port = dest
+    out = bytearray(bounce(frame, reply))
+    out[0:6], out[6:12] = mac.to_bytes(6, "big"), ps_mac.to_bytes(6, "big")
+    out[IP_AT + 12:IP_AT + 16] = frame[IP_AT + 16:IP_AT + 20]
+    out[IP_AT + 16:IP_AT + 20] = bytes(int(x) for x in ip.split("."))
+    out[UDP_AT:UDP_AT + 2], out[UDP_AT + 2:UDP_AT + 4] = frame[UDP_AT + 2:UDP_AT + 4], port.to_bytes(2, "big")
+    return bytes(fix_checksum(bytes(out)))
 
 
 def bridge_bytes(values: dict) -> bytes:
@@ -317,10 +332,22 @@ def _src(frame: bytes) -> tuple:
     return _ip(int.from_bytes(frame[26:30], "big")), int.from_bytes(frame[34:36], "big")
 
 
+def multicasts(test: GenTest) -> bool:
+    """Whether the path p4testgen took sets a multicast group (its trace records every
+    assignment): the packet p4testgen then drops or sends by its unicast port only."""
+    return any(line.startswith("[AssignmentStatement]") and "mcast_grp" in line for line in test.trace)
+
+
 def _judge(test: GenTest, what: str, want: tuple | None, multicast: bool, bridge: bool = False) -> Outcome:
-    """Compare p4testgen's expectation with the twin's (port, frame, care) or None."""
+    """Compare p4testgen's expectation with the twin's (port, frame, care) or None;
+    `multicast`: the twin sends the round's result to every worker.  That is `unmodeled` only
+    when the trace shows the program setting the multicast group too."""
     got = (test.out_port, test.expected) if test.expected is not None else None
-    if got is None and want is None:
+    if multicasts(test) != multicast:
+        return Outcome(test.name, DIVERGED, what, diffs=(
+            "switch multicasts, twin does not" if multicast is False else
+            "twin sends the round's result to every worker, switch sets no multicast group",))
+    if got is None and want is None and not multicast:
         return Outcome(test.name, MATCH, what)
     if got is None and multicast:
         return Outcome(test.name, UNMODELED, what, "the program multicasts the completed round's result; "
@@ -392,14 +419,39 @@ def bmv2_jobs(test: GenTest) -> dict:
     return jobs
 
 
+def bmv2_round(test: GenTest, twin=ReferencePS) -> tuple | None:
+    """For a test whose packet completes its job's round on the twin: (job cell, PS MAC,
+    [(worker id, ip, port)] registered, {(ip, port): the twin's RESULT to it}); else None."""
+    frame = test.packet
+    try:
+        jobs = bmv2_jobs(test)
+        if not is_thc(frame) or len(frame) < PAYLOAD_AT + IDX_BYTES:
+            return None
+        job = jobs.get(int.from_bytes(frame[THC_AT + 8:THC_AT + 10], "big"))
+        if job is None:
+            return None
+        job.table = check_misses(test, frame, job.table, indices)
+        ps = make_twin(job, twin)
+    except SetAside:
+        return None
+    out, _ = twin_step(ps, datagram(frame), _src(frame))
+    if not out or H.parse(out[0][0])[0].flags & H.F_RESENT or H.parse(out[0][0])[0].type == H.STRAGGLER:
+        return None
+    config = test.table("thc_config")[0] if len(jobs) == 1 else next(
+        e for e in test.table("thc_config") if e.key("thc.job_id").value == job.job_id)
+    workers = [(wid, ip, port) for wid, (ip, port, _) in sorted(job.workers.items())]
+    return config.param("group"), job.ps_mac, workers, {addr: dg for dg, addr in out}
+
+
 def replay_bmv2(test: GenTest, twin=ReferencePS) -> Outcome:
     frame = test.packet
     try:
         jobs = bmv2_jobs(test)
         if not is_thc(frame):
             return _judge(test, "not THC: L2", _l2(test, frame, "l2"), False)
-        h_job = int.from_bytes(frame[THC_AT + 8:THC_AT + 10], "big")
-        job = jobs.get(h_job)
+        if len(frame) < PAYLOAD_AT:
+            return _judge(test, "dropped: malformed (shorter than the THC header)", None, False)
+        job = jobs.get(int.from_bytes(frame[THC_AT + 8:THC_AT + 10], "big"))
         if job is None:
             return _judge(test, "THC, no such job: dropped", None, False)
         if frame[THC_AT + 3] == H.DATA and len(frame) >= PAYLOAD_AT + IDX_BYTES:
@@ -549,6 +601,10 @@ def replay_tna(test: GenTest, twin=ReferencePS) -> Outcome:
             if pass2:
                 raise SetAside("pass 2 of a frame pass 1 never recirculates (not THC)")
             return _judge(test, "not THC: L2", _l2(test, frame, "l2"), False)
+        if len(frame) < PAYLOAD_AT:
+            if pass2:
+                raise SetAside("pass 2 of a frame pass 1 never recirculates (no THC header)")
+            return _judge(test, "dropped: malformed (shorter than the THC header)", None, False)
         job = tna_job(test, frame, pass2)
         if job is None:
             if pass2:

@@ -7,14 +7,22 @@ lists them by name), its packet sent on its port, and every frame the switch emi
 compared with the test's expectation under its care mask: exactly one frame on the
 expected port, or none.  Ports are the veth pairs VethSwitch makes with the tests' port
 numbers (511 is bmv2's drop port and gets none).
+
+p4testgen drops a packet whose multicast group is set (it does not model bmv2's
+replication), so a test whose packet completes a round expects nothing.  `run` then runs
+it a second time with what the control plane writes for the job's registered workers — its
+multicast group (a replica per worker, each on a port of its own) and their `replica_dest`
+rewrites — and compares every replica with the software PS's RESULT to that worker
+(p4.replay.fan_out).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
+from p4 import replay
 from p4.control import reset_commands
-from p4.entries import SCHEMA
+from p4.entries import EGR, SCHEMA, McGroup, ip_int, rid
 from p4.harness.veth_switch import VethSwitch
 from p4.testgen import Entry, GenTest
 
@@ -70,15 +78,46 @@ def same(frame: bytes, expected: bytes, care: bytes | None) -> bool:
     return len(frame) == len(expected) and all((a ^ b) & m == 0 for a, b, m in zip(frame, expected, care))
 
 
+#: Replica ports of the multicast runs (worker w on port REPLICA_PORTS[w]) and their MACs.
+REPLICA_PORTS = tuple(range(100, 100 + 32))
+
+
+def replica_mac(wid: int) -> int:
+    return 0x02_00_00_00_01_00 | wid
+
+
+def _replicas(sw, t: GenTest, rnd: tuple, quiet: float) -> SwitchRun:
+    """The test again with the job's group and replica rewrites: each replica the twin's."""
+    cell, ps_mac, workers, want = rnd
+    group = McGroup(cell, tuple((REPLICA_PORTS[w], rid(cell, w)) for w, _, _ in workers))
+    sw.cli.run(commands(t) + [f"table_add {EGR}.replica_dest {EGR}.set_dest {rid(cell, w)} => "
+                              f"{replica_mac(w)} {ip_int(ip)} {port}" for w, ip, port in workers])
+    sw.control.write([("insert", group)])
+    try:
+        sw.drain(0.05)
+        sw.send(t.in_port, t.packet)
+        got = sorted(sw.drain(quiet))
+    finally:
+        sw.control.write([("delete", group)])
+    expected = sorted((REPLICA_PORTS[w], replay.fan_out(t.packet, want[(ip, port)], ps_mac, (replica_mac(w), ip, port)))
+                      for w, ip, port in workers)
+    bad = sorted({p for p, f in got if (p, f) not in expected} | {p for p, f in expected if (p, f) not in got})
+    return SwitchRun(f"{t.name} (multicast to {len(workers)})", not bad,
+                     f"replicas differ from the software PS's RESULT on ports {bad}" if bad else "")
+
+
 def run(tests: list[GenTest], json_path: Path, quiet: float = 0.3) -> list[SwitchRun]:
-    """Every test on one simple_switch (root: veth pairs)."""
-    sw = VethSwitch(json_path, ports(tests), control="thrift")
+    """Every test on one simple_switch (root: veth pairs), and each that completes a round
+    again with its job's multicast group."""
+    rounds = {t.name: replay.bmv2_round(t) for t in tests}
+    replicas = {REPLICA_PORTS[w] for r in rounds.values() if r for w, _, _ in r[2]}
+    sw = VethSwitch(json_path, sorted(set(ports(tests)) | replicas), control="thrift")
     results = []
     try:
         tables = sorted(SCHEMA)
+        clear = [f"table_clear {name}" for name in tables] + [f"table_reset_default {name}" for name in tables]
         for t in tests:
-            sw.cli.run([f"table_clear {name}" for name in tables] +
-                       [f"table_reset_default {name}" for name in tables] + reset_commands())
+            sw.cli.run(clear + reset_commands())
             sw.cli.run(commands(t))
             sw.drain(0.05)
             sw.send(t.in_port, t.packet)
@@ -91,6 +130,9 @@ def run(tests: list[GenTest], json_path: Path, quiet: float = 0.3) -> list[Switc
                 detail = "" if ok else (f"expected one frame on port {t.out_port}, got "
                                         + (", ".join(f"{len(f)} bytes on port {p}" for p, f in got) or "none"))
             results.append(SwitchRun(t.name, ok, detail))
+            if rounds[t.name] is not None and rounds[t.name][2]:
+                sw.cli.run(clear + reset_commands())
+                results.append(_replicas(sw, t, rounds[t.name], quiet))
     finally:
         sw.close()
     return results

@@ -259,7 +259,9 @@ def test_the_bmv2_programs_generated_tests_pass_on_simple_switch(generated, tmp_
         pytest.skip("simple_switch runs the v1model program")
     runs = testgen_switch.run(tests, compile_program(tmp_path))
     failed = [r.line() for r in runs if not r.passed]
-    assert len(runs) == len(tests) and not failed, failed
+    multicast = [r for r in runs if "(multicast to" in r.test]
+    print(f"{len(runs) - len(multicast)} tests and {len(multicast)} multicast reruns on simple_switch")
+    assert len(runs) - len(multicast) == len(tests) and not failed, failed
 
 
 def test_the_cli_writes_tests_where_told_and_nowhere_else(tmp_path):
