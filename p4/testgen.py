@@ -63,8 +63,9 @@ class Target:
 TNA_DEFINES = (f"THC_TESTGEN_RECIRC_PORT={TESTGEN_RECIRC_PORT}",)
 TARGETS = {t.name: t for t in (
     Target("bmv2", HERE / "thc.p4", "bmv2", "v1model", "STF"),
-    Target("tofino", HERE / "tofino" / "thc_tna.p4", "tofino", "tna", "PTF", TNA_DEFINES),
-    Target("tofino2", HERE / "tofino" / "thc_tna.p4", "tofino2", "t2na", "PTF", TNA_DEFINES),
+    Target("tofino", HERE / "tofino" / "thc_tna.p4", "tofino", "tna", "PTF", ("__TARGET_TOFINO__=1", *TNA_DEFINES)),
+    Target("tofino2", HERE / "tofino" / "thc_tna.p4", "tofino2", "t2na", "PTF",
+           ("__TARGET_TOFINO__=2", *TNA_DEFINES)),
 )}
 
 #: Per run: the path selection, the coverage tracked, when to stop, and input frames of 60 to
