@@ -28,6 +28,7 @@ does not model (p4/testgen.py); `diverged`, with the fields that differ.
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -562,7 +563,7 @@ def _slot_ranges(test: GenTest, h) -> tuple[int, int]:
 
 
 def _thc_fields(frame: bytes, at: int = THC_AT) -> dict:
-    vals = H._HEADER.unpack(bytes(frame[at:at + H.HEADER_SIZE]))
+    vals = struct.unpack(H.HEADER_FMT, bytes(frame[at:at + H.HEADER_SIZE]))
     return {name: v for (name, _), v in zip(H.FIELDS, vals) if name != "reserved"}
 
 

@@ -275,3 +275,82 @@ def test_the_cli_writes_tests_where_told_and_nowhere_else(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["replay.json", "testgen.json", "thc_1.stf", "thc_2.stf",
                                                       "thc_3.stf"]
     shutil.rmtree(out)
+
+
+def model_answer(test, outcome):
+    """The Tofino model of tests/p4/test_tna_model.py (TnaSlots, which the scripted sequence
+    runs through) on one generated test the replay compared: its registers from the test's,
+    then pass 1 or pass 2 of the test's packet.  Returns (model's answer, p4testgen's), each
+    in the model's terms; None when the test is not one of the model's (validation, L2)."""
+    from tests.p4.test_tna_model import TnaSlots
+    pass2 = outcome.what.startswith("pass 2")
+    if not (pass2 or outcome.what.startswith("pass 1") or outcome.what in ("STRAGGLER", "dropped in pass 1: ahead")):
+        return None
+    frame = test.packet[replay.BRIDGE_BYTES:] if pass2 else test.packet
+    h = H.parse(replay.datagram(frame))[0]
+    (job_entry,) = test.table("thc_job")
+    n, quorum = job_entry.param("n"), job_entry.param("quorum")
+    from p4.control import switch_job
+    model = TnaSlots(switch_job(n, quorum=quorum / n, slots=max(h.slot + 1, 1), norm_slots=1))
+    s = h.slot
+    for name in ("round_reg", "offset_reg", "arrived_reg", "contrib_reg"):
+        if s in test.register(name):
+            getattr(model, name)[s] = test.register(name)[s]
+    got = None
+    if test.expected is not None:
+        if test.out_port == job_entry.param("recirc_port") and not pass2:
+            b = replay.bridge_fields(test.expected)
+            got = {k: b[k] for k in ("kind", "cb", "seen", "shadow_cb", "off_old")}
+        else:
+            r, payload = H.parse(replay.datagram(test.expected))
+            got = ("straggler", r.round) if r.type == H.STRAGGLER else \
+                ("unicast", r.contributors << 24 | r.bitmap, tuple(np.frombuffer(bytes(payload), np.uint8)))
+    if not pass2:
+        where, result = model.pass1(h)
+        if where == "done":
+            return result[2], got
+        kinds = {"first": replay.K_FIRST, "same": replay.K_SAME, "prev": replay.K_PREV}
+        mine = {k: result.get(k, 0) for k in ("cb", "seen", "shadow_cb", "off_old")}
+        return {"kind": kinds[result["kind"]], **mine}, got
+    b = replay.bridge_fields(test.packet)
+    bridge = {"kind": {replay.K_FIRST: "first", replay.K_SAME: "same", replay.K_PREV: "prev"}[b["kind"]],
+              **{k: b[k] for k in ("me", "cb", "seen", "shadow_cb", "off_old")}}
+    shadow = test.register("shadow_reg").get(s)
+    if shadow is not None:
+        model.shadow_reg[s] = (shadow["cb"], shadow["offset"])
+    bank = (s << 1) | (h.round & 1)
+    norm = h.type == H.NORM
+    if norm:
+        model.acc[bank] = np.array([test.register("norm_acc").get(bank, 0)], dtype=np.int64)
+        values = np.array([int.from_bytes(frame[replay.PAYLOAD_AT:replay.PAYLOAD_AT + 4], "big")], dtype=np.int64)
+    else:
+        model.acc[bank] = np.array(replay._lanes(test, bank, False), dtype=np.uint8)
+        table = replay.lookup_table(test, None)
+        values = np.array([table.get(int(z), 0) for z in replay.indices(frame)], dtype=np.uint8)
+    out = model.pass2(h, values, bridge)[2]
+    if out is not None and out[0] == "mcast":
+        out = None                                  # p4testgen drops a multicast packet
+    return (out[0], out[1], tuple(int(x) for x in out[2])) if out and out[0] == "unicast" else out, got
+
+
+@needs_testgen
+def test_the_tofino_model_takes_every_generated_step_as_the_program_does(generated):
+    """The model the scripted sequence runs through, step for step against p4testgen's
+    execution of the Tofino program: from each compared test's registers, the model's pass
+    1 or pass 2 gives p4testgen's expected output — so chaining the model's steps, which
+    p4testgen cannot do, chains the program's."""
+    name, _, tests = generated
+    if name != "tofino":
+        pytest.skip("the model is of the Tofino program")
+    checked = 0
+    for test, outcome in zip(tests, replay.replay(tests, name)):
+        if outcome.verdict not in (replay.MATCH, replay.UNMODELED):
+            continue
+        pair = model_answer(test, outcome)
+        if pair is None:
+            continue
+        mine, got = pair
+        assert mine == got, (test.name, outcome.what, mine, got)
+        checked += 1
+    print(f"model steps checked against p4testgen: {checked}")
+    assert checked >= 5
