@@ -394,8 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "`--out docs/experiments` regenerates the committed results)")
     ex.set_defaults(func=commands.cmd_experiment)
 
-    p4 = _command(sub, "p4", help="the P4 switch program: check tools, generate, compile, run under bmv2, "
-                                  "run workers through it in Mininet",
+    p4 = _command(sub, "p4", help="the P4 switch program: check tools, generate, compile, test with p4testgen, "
+                                  "run under bmv2, run workers through it in Mininet",
                   description="The P4 switch program. Each action is a subcommand with its own "
                               "options: `thc p4 ACTION --help`.")
     p4_sub = p4.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -429,6 +429,27 @@ def build_parser() -> argparse.ArgumentParser:
                     "(tofino: TNA, tofino2: T2NA).")
     p4_build.add_argument("--target", choices=("bmv2", "tofino", "tofino2"), default="bmv2",
                           help="compiler back end: bmv2 (p4c-bm2-ss), tofino or tofino2 (p4c-barefoot)")
+
+    p4_tg = _command(
+        p4_sub, "testgen", help="p4testgen's input/output tests of a program, replayed against the software PS",
+        description="Run p4testgen on p4/thc.p4 (bmv2) or p4/tofino/thc_tna.p4 (tofino, tofino2) with a fixed "
+                    "seed, aiming at statement coverage; write its tests and the coverage reached to --out; "
+                    "replay every test against the software PS (ps_server/reference.py) and, with --switch, "
+                    "run the bmv2 tests on simple_switch (root). Exit 1 when a test diverges or fails.")
+    p4_tg.add_argument("--target", choices=("bmv2", "tofino", "tofino2"), default="bmv2",
+                       help="bmv2: p4/thc.p4 (v1model, STF tests); tofino, tofino2: p4/tofino/thc_tna.p4 "
+                            "(TNA, T2NA; PTF tests)")
+    p4_tg.add_argument("--max-tests", type=_int_in(1, 1 << 20, "tests"), default=100,
+                       help="at most this many tests (p4testgen stops earlier at full statement coverage)")
+    p4_tg.add_argument("--seed", type=_int_in(0, (1 << 32) - 1, "a seed"), default=1, help="p4testgen's seed")
+    p4_tg.add_argument("--out", default=None, metavar="DIR",
+                       help="where the tests, testgen.json and replay.json go (default: build/p4/testgen/TARGET; "
+                            "a directory with committed files is refused)")
+    p4_tg.add_argument("--program", default=None, metavar="P4",
+                       help="another program for the same target (default: the committed one)")
+    p4_tg.add_argument("--no-replay", action="store_true", help="only generate")
+    p4_tg.add_argument("--switch", action="store_true",
+                       help="bmv2: also run every test on simple_switch (root: veth pairs)")
 
     p4_run = _command(
         p4_sub, "run", parents=[p4_job, p4_out, p4_switch],

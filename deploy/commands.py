@@ -430,6 +430,40 @@ def _p4_doctor(args):
         raise SystemExit(1)
 
 
+def _p4_testgen(args):
+    import json
+
+    from p4 import replay, testgen
+    out = Path(args.out or f"build/p4/testgen/{args.target}")
+    if args.switch and args.target != "bmv2":
+        raise ValueError("--switch runs the bmv2 program's tests on simple_switch: it needs --target bmv2")
+    gen = testgen.generate(args.target, out, args.max_tests, args.seed, args.program)
+    print(gen.line(), flush=True)
+    print(f"tests in {out}", flush=True)
+    if args.no_replay:
+        return None
+    tests = testgen.read_tests(out, args.target)
+    outcomes = replay.replay(tests, args.target)
+    doc = replay.summary(outcomes)
+    print(replay.summary_text(doc), flush=True)
+    failed = doc[replay.DIVERGED] > 0
+    if args.switch:
+        from p4.control import compile_program
+        from p4.harness import testgen_switch
+        runs = testgen_switch.run(tests, compile_program(out / "build"))
+        doc["simple_switch"] = {"passed": sum(r.passed for r in runs),
+                                "failed": [r.line() for r in runs if not r.passed]}
+        print(f"simple_switch: {doc['simple_switch']['passed']} of {len(runs)} tests passed", flush=True)
+        for line in doc["simple_switch"]["failed"]:
+            print(f"  {line}", flush=True)
+        failed = failed or bool(doc["simple_switch"]["failed"])
+    doc["outcomes"] = [o.__dict__ for o in outcomes]
+    (out / "replay.json").write_text(json.dumps(doc, indent=1) + "\n")
+    if failed:
+        raise SystemExit(1)
+    return None
+
+
 def _p4_mininet(args):
     import json
 
@@ -465,6 +499,8 @@ def cmd_p4(args):
         return _p4_doctor(args)
     if args.action == "mininet":
         return _p4_mininet(args)
+    if args.action == "testgen":
+        return _p4_testgen(args)
     if args.action == "gen":
         rc = gen_p4.main(["--target", args.target] + (["--check"] if args.check else []))
         if rc:

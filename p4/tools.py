@@ -2,7 +2,8 @@
 
 p4lang's bmv2 (`simple_switch`, `simple_switch_CLI`; optionally `simple_switch_grpc`, bmv2
 built with p4lang's PI, for the P4Runtime control plane) and p4c (`p4c-bm2-ss`; optionally
-`p4c-barefoot` and `bfas`, its Tofino back end and assembler) are not shipped by any registry
+`p4c-barefoot` and `bfas`, its Tofino back end and assembler; `p4testgen`, P4Tools' test
+generator) are not shipped by any registry
 here; users build and install them as p4lang documents.  They are looked up on PATH, then in
 /opt/p4tools/bin, then in the directory named by $THC_P4_TOOLS.  The Mininet harness also needs Debian's `mininet` (in
 Debian's /usr/bin/python3, not the venv) and `ethtool`; kernel loss needs `nft`.
@@ -33,6 +34,8 @@ GRPC_README = ("p4lang's behavioral-model configured --with-pi (build p4lang's P
 P4C_README = "p4lang's p4c (build and install as https://github.com/p4lang/p4c#readme says)"
 TOFINO_README = ("p4lang's p4c with its open-source Tofino back end (backends/tofino; build and install "
                  "as https://github.com/p4lang/p4c#readme says)")
+TESTGEN_README = ("p4lang's p4c with P4Tools' P4Testgen and its bmv2 and Tofino targets (backends/p4tools; "
+                  "build and install as https://github.com/p4lang/p4c/tree/main/backends/p4tools#readme says)")
 
 # Versions the tests ran with (docs/p4.md says when and why).
 TESTED = {
@@ -42,6 +45,7 @@ TESTED = {
     "p4c-bm2-ss": "1.2.5.16",
     "p4c-barefoot": "9.13.4",    # p4c v1.2.5.16
     "bfas": "9.13.4",            # the assembler of the same build (reported as p4c-barefoot's version)
+    "p4testgen": "1.2.5.16",     # p4c v1.2.5.16's P4Tools
     "mininet": "2.3.0",
     "nft": "1.0.6",
     "ethtool": "6.1",
@@ -64,6 +68,7 @@ SPECS = (
     ToolSpec("p4c-barefoot", TOFINO_README, optional=True, needed_for="compiling p4/tofino/thc_tna.p4"),
     ToolSpec("bfas", TOFINO_README, optional=True, needed_for="assembling the Tofino program"),
     ToolSpec("simple_switch_grpc", GRPC_README, optional=True, needed_for="the P4Runtime control plane"),
+    ToolSpec("p4testgen", TESTGEN_README, optional=True, needed_for="generated input/output tests (thc p4 testgen)"),
     ToolSpec("mininet", "Debian package mininet (apt-get install --no-install-recommends mininet)",
              needed_for="thc p4 mininet, the Mininet test"),
     ToolSpec("nft", "Debian package nftables", needed_for="kernel packet loss"),

@@ -202,6 +202,32 @@ class ReferencePS:
         """(base, size) of this job's slots in its SlotSpace."""
         return self.base, len(self.slots)
 
+    def restore_slot(self, s: int, round: int, count: int, bitmap: int, offset: int, lanes=(),
+                     previous: tuple | None = None) -> None:
+        """Put slot s in a state packets leave it in, for replaying a switch's tests from its
+        registers (p4/replay.py): round `round` at `offset` with `count` contributors
+        (`bitmap`) whose values summed (or, in a norm slot, maxed) to `lanes` (zeros when
+        empty), a kept result once the count reached the quorum, and `previous` = (count,
+        bitmap, offset, lanes) of round − 1's kept result (the shadow copy) or None."""
+        norm = s >= self.job.slots
+        kind = H.NORM if norm else H.DATA
+        elems = 1 if norm else self.job.elems_per_packet
+
+        def acc(values):
+            values = np.asarray(values, dtype=np.int64)
+            return values if values.size else np.zeros(elems, dtype=np.int64)
+
+        st = self.slots[s]
+        st.active, st.round, st.count, st.bitmap, st.offset, st.elems = True, round, count, bitmap, offset, elems
+        st.acc = acc(lanes)
+        st.result = (_Result(round, self._result_payload(kind, st.acc), bitmap, count, offset, elems)
+                     if count >= self.job.quorum_count else None)
+        st.previous = None
+        if previous is not None:
+            p_count, p_bitmap, p_offset, p_lanes = previous
+            st.previous = _Result(round - 1, self._result_payload(kind, acc(p_lanes)), p_bitmap, p_count,
+                                  p_offset, elems)
+
     def close(self) -> None:
         """The job ended: give the region back, cleared; later packets count as unknown_job."""
         if not self.closed:

@@ -27,16 +27,18 @@ def _run(*cmd):
 
 
 class VethSwitch:
-    """A bmv2 switch with `ports` veth-attached ports (1..ports); `control` is its backend
-    (p4.control.ThriftControl or p4.p4runtime.P4RuntimeControl, the program loaded)."""
+    """A bmv2 switch with veth-attached ports: 1..ports, or the port numbers listed;
+    `control` is its backend (p4.control.ThriftControl or p4.p4runtime.P4RuntimeControl, the
+    program loaded)."""
 
-    def __init__(self, json_path: Path, ports: int, thrift_port: int | None = None, log: str | None = None,
+    def __init__(self, json_path: Path, ports, thrift_port: int | None = None, log: str | None = None,
                  control: str = "thrift"):
         if os.geteuid() != 0:
             raise PermissionError("veth pairs need root")
         thrift_port = thrift_port or free_port()    # other switches on this machine may hold 9090
         self.tag = uuid.uuid4().hex[:4]
-        self.names = {i: (f"t{self.tag}s{i}a", f"t{self.tag}s{i}b") for i in range(1, ports + 1)}
+        numbers = range(1, ports + 1) if isinstance(ports, int) else ports
+        self.names = {i: (f"t{self.tag}s{i}a", f"t{self.tag}s{i}b") for i in numbers}
         self.proc = None
         self.socks: dict = {}
         try:

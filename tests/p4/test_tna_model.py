@@ -121,12 +121,15 @@ class TnaSlots:
         else:
             verdict = "dup" if below_quorum else "resend"
         lanes = None
+        norm = h.type == H.NORM                   # norm_acc: the maximum, not the sum
         if b["kind"] == "first":
             lanes = self.acc[bank] = values.copy()
         elif verdict in ("agg", "done"):
-            lanes = self.acc[bank] = self.acc[bank] + values
+            lanes = self.acc[bank] = np.maximum(self.acc[bank], values) if norm else self.acc[bank] + values
         elif verdict in ("resend", "late"):
             lanes = self.acc[bank]
+        if norm and lanes is not None:            # the RESULT's payload bytes: one big-endian u32
+            lanes = np.frombuffer(np.asarray(lanes, dtype=">u4").tobytes(), np.uint8)
         if verdict == "stale":                    # the slot is at the packet's round + 1
             return "stale", None, ("straggler", (h.round + 1) & M32)
         if verdict == "dup":
@@ -207,3 +210,72 @@ def test_tna_slot_chain_matches_the_software_ps(quorum, seed):
     assert {"rounds_completed", "results_resent", "stale", "malformed", "ahead"} <= seen
     assert ("duplicate" in seen) == (job.quorum_count > 1)       # a duplicate needs an open round
     assert ("late" in seen) == ("partial_rounds" in seen) == (job.quorum_count < n)
+
+
+def norm_code(x: float) -> np.ndarray:
+    return H.float_to_ordered(np.array([x], np.float32)).astype(np.uint32)
+
+
+def test_tna_chain_runs_a_scripted_round_like_the_software_ps():
+    """Issue 54's sequence across packets, which p4testgen cannot run (one input packet per
+    test; registers written by one test are never read by another: docs/p4.md, "p4testgen"):
+    n = 4 workers at quorum 3/4 — a round of DATA and one of NORM, a duplicate, a late
+    packet, a retransmission after completion, a straggler notice for a round with nothing
+    kept and for one far behind, and a shadow-copy resend while the next round fills.  Each
+    packet's first pass runs at once and its second pass after the next packet's first, as a
+    recirculation port delays it; every answer is the software PS's, and the software PS's
+    answers are the scripted ones."""
+    n = 4
+    job = switch_job(n, quorum=0.75, slots=4, norm_slots=1)
+    ps = ReferencePS(job)
+    for w in range(n):
+        ps.register(w, "10.0.0.1", 5000 + w)
+    model, table = TnaSlots(job), np.asarray(job.table, dtype=np.int64)
+    rng = np.random.default_rng(54)
+    data, norm = 1, job.slots
+    script = [  # (worker, slot, round, what the software PS does)
+        (0, data, 1, (None, None)), (0, data, 1, ("duplicate", None)), (1, data, 1, (None, None)),
+        (2, data, 1, ("rounds_completed", "partial_rounds")), (3, data, 1, ("results_resent", "late")),
+        (1, data, 1, ("results_resent", None)),
+        (0, norm, 1, (None, None)), (1, norm, 1, (None, None)), (3, norm, 1, ("rounds_completed", "partial_rounds")),
+        (2, norm, 1, ("results_resent", "late")),
+        (3, data, 0, ("stale", None)),                  # round 0 = R − 1, but no round 0 was kept
+        (0, data, 2, (None, None)),                     # round 2 starts; round 1's result is the shadow copy
+        (2, data, 1, ("results_resent", None)),         # shadow-copy resend of round 1
+        (1, data, 2, (None, None)), (3, data, 2, ("rounds_completed", "partial_rounds")),
+        (1, data, 3, (None, None)), (2, data, 1, ("stale", None)),     # round 1 = R − 2: STRAGGLER from pass 1
+    ]
+    waiting, got, want = collections.deque(), {}, {}
+    for k, (w, slot, rnd, scripted) in enumerate(script):
+        kind = H.NORM if slot == norm else H.DATA
+        if kind == H.NORM:
+            values = norm_code(float(rng.random() * 10))
+            h = H.Header(type=H.NORM, job_id=job.job_id, worker_id=w, num_workers=n, elem_bits=32, slot=slot,
+                         round=rnd, offset=7, count=1, op=H.OP_MAX_U32)
+            payload = values.astype(">u4").tobytes()
+        else:
+            z = rng.integers(0, 16, 32).astype(np.uint8)
+            values = table[z].astype(np.uint8)
+            h = H.Header(type=H.DATA, job_id=job.job_id, worker_id=w, num_workers=n, elem_bits=4, slot=slot,
+                         round=rnd, offset=32 * rnd, count=32, op=H.OP_LOOKUP_SUM)
+            payload = pack_indices(z, 4).tobytes()
+        before = {"drops": dict(ps.stats.drops), **ps.stats.counters}
+        out = ps.process(H.build(h, payload), ("10.0.0.1", 5000 + w))
+        want[k] = reference_view(ps, before, out)
+        assert want[k][:2] == scripted, (k, want[k][:2], scripted)
+        where, result = model.pass1(h)
+        if where == "done":
+            got[k] = result
+        else:
+            waiting.append((k, h, values, result))
+        while len(waiting) > 1:                          # one packet's first pass ahead of this one's second
+            j, *rest = waiting.popleft()
+            got[j] = model.pass2(*rest)
+    while waiting:
+        j, *rest = waiting.popleft()
+        got[j] = model.pass2(*rest)
+    assert got == want
+    completed = [want[k][2] for k in want if want[k][0] == "rounds_completed"]
+    assert [c[1] >> 24 for c in completed] == [3, 3, 3]            # quorum 3 of 4, every time
+    shadow = want[12][2]
+    assert shadow[0] == "unicast" and shadow[1:] == completed[0][1:]   # round 1's result, kept
