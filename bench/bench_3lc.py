@@ -16,8 +16,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from compression import threelc as T
-from compression.codec import Context
+from thc_ps.compression import threelc as T
+from thc_ps.compression.codec import Context
 
 PAPER = {1.0: (39.4, 0.812), 1.5: (70.9, 0.451), 1.75: (107, 0.298), 1.9: (160, 0.200)}
 
@@ -41,8 +41,8 @@ def main():
         b = T.payload_bits_per_value(p)
         print(f"{s:>5}{b:12.3f}{32 / b:9.1f}{4 * x.size / te / 1e6:13.0f}{4 * x.size / td / 1e6:13.0f}")
 
-    from worker import data
-    from worker.training import SmallCNN
+    from thc_ps.worker import data
+    from thc_ps.worker.training import SmallCNN
     torch.manual_seed(0)
     xtr, ytr = data.load("train")
     model = SmallCNN()

@@ -35,9 +35,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_floor import run_rounds  # noqa: E402
 from bench.common import add_background_args, background_from_args  # noqa: E402
-from deploy.launch import gradient  # noqa: E402
-from deploy.procs import each_report, free_tcp_port, single_threaded_children  # noqa: E402
-from proto.job import DEFAULT_BLOCK_LOG2  # noqa: E402
+from thc_ps.deploy.launch import gradient  # noqa: E402
+from thc_ps.deploy.procs import each_report, free_tcp_port, single_threaded_children  # noqa: E402
+from thc_ps.proto.job import DEFAULT_BLOCK_LOG2  # noqa: E402
 
 
 def ring_bytes(dim: int, workers: int) -> float:

@@ -28,8 +28,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import best  # noqa: E402
-from compression import threelc as T  # noqa: E402
-from compression.codec import Context, run_round  # noqa: E402
+from thc_ps.compression import threelc as T  # noqa: E402
+from thc_ps.compression.codec import Context, run_round  # noqa: E402
 
 S_VALUES = (1.0, 1.5, 1.75, 1.9)
 PAPER = {None: (20.0, 1.60), 1.0: (39.4, 0.812), 1.5: (70.9, 0.451), 1.75: (107, 0.298), 1.9: (160, 0.200)}

@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 
-from compression import casq as C
-from compression.codec import Context
+from thc_ps.compression import casq as C
+from thc_ps.compression.codec import Context
 
 UNIFORM = (("qinf", 512), ("qinf", None), ("symmetric", 512), ("minmax", None))
 

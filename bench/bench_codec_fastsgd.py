@@ -27,9 +27,9 @@ from pathlib import Path as _Path  # noqa: E402
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))   # `bench` is not installed: run from a checkout
 from bench.common import best
-from compression import fastsgd as F
-from compression import registry
-from compression.codec import Context, run_round
+from thc_ps.compression import fastsgd as F
+from thc_ps.compression import registry
+from thc_ps.compression.codec import Context, run_round
 
 KDD12_DM = 54_686_452
 

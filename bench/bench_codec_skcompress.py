@@ -14,7 +14,7 @@ from pathlib import Path as _Path  # noqa: E402
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))   # `bench` is not installed: run from a checkout
 from bench.common import best
-from compression import skcompress as S
+from thc_ps.compression import skcompress as S
 
 #: (name, dimension, nonzeros): a dense 2^20 vector and the KDD10-like sparse shape.
 CASES = (("dense 2^20", 1 << 20, 1 << 20), ("KDD10-like", 3_000_000, 300_000))

@@ -18,8 +18,8 @@ import numpy as np
 
 
 def ps_proc(workers, ports_q, stop_q):
-    from proto.job import JobConfig
-    from ps_server.server import PSServer
+    from thc_ps.proto.job import JobConfig
+    from thc_ps.ps_server.server import PSServer
     server = PSServer(JobConfig(num_workers=workers), ("127.0.0.1", 0), control_port=0).start()
     ports_q.put((server.data_addr[1], server.control_port))
     engine = None
@@ -36,9 +36,9 @@ def ps_proc(workers, ports_q, stop_q):
 
 
 def worker_proc(rank, ports, dim, phases, window, out_q):
-    from proto import headers as H
-    from proto.packing import pack_indices
-    from worker.transport import PackedChunks, Transport
+    from thc_ps.proto import headers as H
+    from thc_ps.proto.packing import pack_indices
+    from thc_ps.worker.transport import PackedChunks, Transport
     t = Transport("127.0.0.1", ports[0], rank, control_port=ports[1], window=window)
     z = np.random.default_rng(rank).integers(0, 16, dim).astype(np.uint8)
     chunks = PackedChunks(pack_indices(z, 4), dim, 4, t.job.elems_per_packet)
@@ -56,7 +56,7 @@ def worker_proc(rank, ports, dim, phases, window, out_q):
 
 
 def datapath(workers, dim, phases, window):
-    from deploy.procs import each_report, single_threaded_children
+    from thc_ps.deploy.procs import each_report, single_threaded_children
     single_threaded_children()                # no spinning BLAS threads beside the data path
     ctx = mp.get_context("spawn")
     ports_q, stop_q, out_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -78,7 +78,7 @@ def datapath(workers, dim, phases, window):
 
 
 def main():
-    from worker.transport import DEFAULT_WINDOW
+    from thc_ps.worker.transport import DEFAULT_WINDOW
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--dim-log2", type=int, default=22)
@@ -89,8 +89,8 @@ def main():
     ap.add_argument("--blast", type=int, default=2_000_000, help="datagrams the blaster sends")
     args = ap.parse_args()
     from bench.bench_transport import run as blast
-    from proto import headers as H
-    from proto.job import JobConfig
+    from thc_ps.proto import headers as H
+    from thc_ps.proto.job import JobConfig
     job = JobConfig(num_workers=args.workers)
     size = H.HEADER_SIZE + job.up_payload_len(job.elems_per_packet)
     dim = 1 << args.dim_log2

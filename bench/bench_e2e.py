@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from deploy.launch import run_launch
+from thc_ps.deploy.launch import run_launch
 
 
 def main():

@@ -58,13 +58,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `bench` is not installed: run from a checkout
-from compression import thc  # noqa: E402
-from deploy.cli import result_group_arg  # noqa: E402
-from deploy.launch import gradient  # noqa: E402
+from thc_ps.compression import thc  # noqa: E402
+from thc_ps.deploy.cli import result_group_arg  # noqa: E402
+from thc_ps.deploy.launch import gradient  # noqa: E402
 from bench.common import add_background_args, background_from_args  # noqa: E402
-from deploy.procs import each_report, single_threaded_children  # noqa: E402
-from proto import headers as H  # noqa: E402
-from proto.job import DEFAULT_BLOCK_LOG2, JobConfig  # noqa: E402
+from thc_ps.deploy.procs import each_report, single_threaded_children  # noqa: E402
+from thc_ps.proto import headers as H  # noqa: E402
+from thc_ps.proto.job import DEFAULT_BLOCK_LOG2, JobConfig  # noqa: E402
 
 
 def _codec_round(cfg, job, grad, memory, lanes, rng, r, meet=lambda: None, out=None) -> float:
@@ -76,7 +76,7 @@ def _codec_round(cfg, job, grad, memory, lanes, rng, r, meet=lambda: None, out=N
     then runs it).  `meet` stands for the two phases; `out`: where the average goes (the
     gradient's own vector unless given: `thc.Pieces` need one).  Returns this thread's CPU
     seconds in the steps (not in `meet`)."""
-    from worker.client import OVERLAP_RESIDUAL
+    from thc_ps.worker.client import OVERLAP_RESIDUAL
     c = time.thread_time()
     rnd = thc.WorkerRound(cfg, grad, memory, "grad")
     norms = rnd.norms().astype(np.float64)
@@ -96,7 +96,7 @@ def _codec_round(cfg, job, grad, memory, lanes, rng, r, meet=lambda: None, out=N
 
 
 def _codec_state(dim: int, job: JobConfig):
-    from compression.codec import ErrorFeedback
+    from thc_ps.compression.codec import ErrorFeedback
     memory = ErrorFeedback()
     memory.update("grad", np.zeros(dim, np.float32))
     lanes = np.full(thc.make_layout(dim, thc.ThcConfig.of_job(job).block_log2).padded_dim, 60, np.uint8)
@@ -244,7 +244,7 @@ def _record_steps(spans: list) -> None:
     """Wrap the steps of a THC round (this process only) so each call appends (step, start,
     end, CPU of the calling thread) to `spans`.  With THC_CODEC_THREADS > 1 the other RHT
     blocks of an encode or decode run on pool threads, outside that CPU."""
-    from worker.transport import Transport
+    from thc_ps.worker.transport import Transport
     steps = ((thc.WorkerRound, "__init__", lambda a: "x=g+e"), (thc.WorkerRound, "norms", lambda a: "norms"),
              (Transport, "run_phase", lambda a: "norm phase" if a[1] == H.NORM else "data phase"),
              (thc.WorkerRound, "encode", lambda a: "encode"), (thc.WorkerRound, "residual", lambda a: "residual"),
@@ -298,8 +298,8 @@ def worker_rounds(addr, rank, job_msg, dim, rounds, q, profile_top=0, timeline=F
     thread kind)."""
     import cProfile
 
-    from worker.client import Worker
-    from worker.transport import Transport
+    from thc_ps.worker.client import Worker
+    from thc_ps.worker.transport import Transport
     host, data_port, control_port = addr
     t = Transport(host, data_port, rank, control_port=control_port, expect=job_msg, timeout_ms=2000)
     w = Worker(t, error_feedback=True, seed=0, per_round_rng=True)
@@ -371,7 +371,7 @@ def run_rounds(codec: str, dim: int, workers: int, rounds: int, quiet: bool = Fa
     its run-queue delay.  `result_group`: the job's (JobConfig.result_group), "" for the
     per-worker fan-out.  Also returned: the timed rounds' `window` (time.monotonic of the
     first start and the last end), the PS's pid (this process) and the workers'."""
-    from ps_server.server import PSServer
+    from thc_ps.ps_server.server import PSServer
     job = JobConfig(num_workers=workers, codec=codec, block_log2=block_log2, result_group=result_group)
     ps = PSServer(job, ("127.0.0.1", 0), control_port=0, engine="c").start()
     single_threaded_children()

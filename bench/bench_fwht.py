@@ -20,7 +20,7 @@ from pathlib import Path as _Path  # noqa: E402
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))   # `bench` is not installed: run from a checkout
 from bench.common import best
-from compression import _kernels
+from thc_ps.compression import _kernels
 
 try:
     import fht_cpu

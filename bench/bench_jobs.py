@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 
 
 def ps_proc(ports_q, stop_q):
-    from ps_server.server import PSServer
+    from thc_ps.ps_server.server import PSServer
     server = PSServer(None, ("127.0.0.1", 0), control_port=0).start()
     ports_q.put((server.data_addr[1], server.control_port))
     stop_q.get()
@@ -35,10 +35,10 @@ def ps_proc(ports_q, stop_q):
 
 
 def worker_proc(name, rank, workers, ports, dim, phases, out_q, everyone):
-    from proto import headers as H
-    from proto.job import JobConfig
-    from proto.packing import pack_indices
-    from worker.transport import PackedChunks, Transport
+    from thc_ps.proto import headers as H
+    from thc_ps.proto.job import JobConfig
+    from thc_ps.proto.packing import pack_indices
+    from thc_ps.worker.transport import PackedChunks, Transport
     job = JobConfig(num_workers=workers)
     t = Transport("127.0.0.1", ports[0], rank, control_port=ports[1], job_name=name, propose=job,
                   expect={"num_workers": workers})
@@ -60,7 +60,7 @@ def worker_proc(name, rank, workers, ports, dim, phases, out_q, everyone):
 
 def run(ctx, ports, jobs: int, workers: int, dim: int, phases: int) -> dict:
     """`jobs` jobs of `workers` workers each at once; their aggregate rate."""
-    from deploy.procs import each_report
+    from thc_ps.deploy.procs import each_report
     out_q = ctx.Queue()
     names = [f"bench-{jobs}-{j}-{time.monotonic_ns()}" for j in range(jobs)]
     everyone = ctx.Barrier(jobs * workers)
@@ -91,7 +91,7 @@ def main():
     ap.add_argument("--jobs", type=int, nargs="+", default=[1, 2, 4], help="concurrent job counts")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of the whole list; medians reported")
     args = ap.parse_args()
-    from deploy.procs import single_threaded_children
+    from thc_ps.deploy.procs import single_threaded_children
     single_threaded_children()
     ctx = mp.get_context("spawn")
     ports_q, stop_q = ctx.Queue(), ctx.Queue()

@@ -24,8 +24,8 @@ sys.path.insert(0, str(ROOT))   # `bench` is not installed: run from a checkout
 import numpy as np  # noqa: E402
 
 from bench import bench_floor  # noqa: E402
-from deploy.procs import each_report  # noqa: E402
-from proto.job import JobConfig  # noqa: E402
+from thc_ps.deploy.procs import each_report  # noqa: E402
+from thc_ps.proto.job import JobConfig  # noqa: E402
 
 PORT = 9000
 
@@ -66,9 +66,9 @@ def main():
     if args.inside:
         workers_inside(args.inside, args)
         return
-    from deploy import netns
-    from deploy.experiments import ps_in_namespace
-    from deploy.procs import stop_gracefully
+    from thc_ps.deploy import netns
+    from thc_ps.deploy.experiments import ps_in_namespace
+    from thc_ps.deploy.procs import stop_gracefully
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     print(f"d = 2^{args.dim_log2}, {args.workers} workers, link {args.rate:g} Mbit/s", flush=True)
     with netns.two_hosts(rate_mbit=args.rate or None) as net:

@@ -12,9 +12,9 @@ checkouts alternate their order from one repetition to the next.
 Paths:
   transport  loss injected in the workers' transport (`--loss P`: each datagram a worker sends
              or receives is dropped with probability P), the PS and the workers in a network
-             namespace of their own (loopback only, `deploy.netns.one_host`)
+             namespace of their own (loopback only, `thc_ps.deploy.netns.one_host`)
   kernel     the PS in one namespace, the workers in another, an nftables rule in the
-             workers' dropping P of the datagrams each way (`deploy.netns.two_hosts`;
+             workers' dropping P of the datagrams each way (`thc_ps.deploy.netns.two_hosts`;
              THC_UDP_OFFLOAD=0, since nftables sees a UDP GSO batch as one packet)
 
 Either way the namespaces' own kernel counters say what the kernel dropped besides (full
@@ -45,14 +45,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import write_results  # noqa: E402
-from deploy import netns  # noqa: E402
+from thc_ps.deploy import netns  # noqa: E402
 
 PATHS = ("transport", "kernel")
 PORT = 9000
 
 
 def _launch(tree: Path, args, extra: list) -> list:
-    return [sys.executable, "-m", "deploy.cli", "launch", "--workers", str(args.workers), "--rounds",
+    return [sys.executable, "-m", "thc_ps.deploy.cli", "launch", "--workers", str(args.workers), "--rounds",
             str(args.rounds), "--dim", str(args.dim), "--seed", str(args.seed), "--json", *extra]
 
 
@@ -80,7 +80,7 @@ def run_kernel(tree: Path, args, loss: float) -> tuple[dict, int, int]:
     env = {**os.environ, "PYTHONPATH": str(tree), "THC_UDP_OFFLOAD": "0"}     # nft drops per datagram
     with netns.two_hosts(loss=loss) as net:
         ps = subprocess.Popen(net.prefix(net.ps_ns) + [
-            sys.executable, "-m", "deploy.cli", "ps", "--bind", f"{net.ps_ip}:{PORT}", "--workers",
+            sys.executable, "-m", "thc_ps.deploy.cli", "ps", "--bind", f"{net.ps_ip}:{PORT}", "--workers",
             str(args.workers), "--stats-every", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             env=env, cwd=tree)
         try:

@@ -2,7 +2,7 @@
 bmv2 is slow by design), and the program's resource summary from the compiled JSON.
 
 Needs root, simple_switch and p4c-bm2-ss (PATH or /opt/p4tools/bin).  The job and the workers
-are programmed by p4.control.SwitchEngine, as `thc p4 run` programs them (job nonce, rank
+are programmed by thc_ps.p4.control.SwitchEngine, as `thc p4 run` programs them (job nonce, rank
 tokens); the script exits 1 when a row completes fewer rounds than it sent.
 
     .venv/bin/python bench/bench_p4.py [--rounds 200]
@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `bench`, `tests`: run from a checkout
-from p4.control import SwitchEngine, compile_program, switch_job  # noqa: E402
-from p4.harness.veth_switch import VethSwitch  # noqa: E402
-from p4.resources import resources  # noqa: E402
+from thc_ps.p4.control import SwitchEngine, compile_program, switch_job  # noqa: E402
+from thc_ps.p4.harness.veth_switch import VethSwitch  # noqa: E402
+from thc_ps.p4.resources import resources  # noqa: E402
 from scapy.layers.inet import IP, UDP  # noqa: E402
 from scapy.layers.l2 import Ether  # noqa: E402
 

@@ -2,7 +2,7 @@
 side in one run, one bmv2 switch each (`simple_switch` and `simple_switch_grpc`, no ports:
 only the control plane is measured).
 
-A job is what `thc p4 run` writes for it (p4.control.SwitchEngine, the one code path of both
+A job is what `thc p4 run` writes for it (thc_ps.p4.control.SwitchEngine, the one code path of both
 backends): `start` is SwitchEngine.start_job (its config entry, 32 × 16 lookup entries, its
 multicast group, its counter block zeroed), `register` its 4 ranks' registrations (workers
 entry, multicast replica, egress rewrite: one batch each), `close` SwitchJob.close.  For 1, 4
@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
-from p4.control import (SwitchCLI, SwitchEngine, ThriftControl, compile_program, free_port,  # noqa: E402
+from thc_ps.p4.control import (SwitchCLI, SwitchEngine, ThriftControl, compile_program, free_port,  # noqa: E402
                         p4info_path, start_switch, start_switch_grpc, switch_job)
-from p4.p4runtime import P4RuntimeControl  # noqa: E402
+from thc_ps.p4.p4runtime import P4RuntimeControl  # noqa: E402
 
 WORKERS = 4
 TOPOLOGY = {f"10.0.{j}.{r + 1}": (r + 1, f"00:00:00:00:{j:02x}:{r + 1:02x}") for j in range(8) for r in range(WORKERS)}

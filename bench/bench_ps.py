@@ -18,8 +18,8 @@ from pathlib import Path as _Path  # noqa: E402
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))   # `bench` is not installed: run from a checkout
 from bench.common import best
 
-from proto.packing import unpack_indices
-from ps_server._fastpath import has_avx2, lookup_accumulate
+from thc_ps.proto.packing import unpack_indices
+from thc_ps.ps_server._fastpath import has_avx2, lookup_accumulate
 
 TABLE = [0, 3, 5, 7, 9, 11, 13, 14, 15, 17, 19, 21, 23, 25, 27, 30]
 

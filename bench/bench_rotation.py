@@ -43,9 +43,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `bench` is not installed: run from a checkout
 from bench.bench_floor import _codec_round  # noqa: E402
-from compression import thc  # noqa: E402
-from compression.codec import ErrorFeedback  # noqa: E402
-from proto.job import JobConfig  # noqa: E402
+from thc_ps.compression import thc  # noqa: E402
+from thc_ps.compression.codec import ErrorFeedback  # noqa: E402
+from thc_ps.proto.job import JobConfig  # noqa: E402
 
 WAYS = ("round", "job, bucket", "job, pieces")
 #: The WideMLP's tensors (784x2600 weights, 2600 biases, 2600x10 weights, 10 biases).

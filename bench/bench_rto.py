@@ -65,23 +65,23 @@ def run(path: str, args, loss: float, fixed: bool) -> dict:
 
 
 def run_loopback(args, loss: float, fixed: bool):
-    from deploy.launch import run_launch
+    from thc_ps.deploy.launch import run_launch
     doc = run_launch(workers=args.workers, rounds=args.rounds, dim=args.dim, loss=loss, seed=args.seed,
                      fixed_timeout=fixed, check=True)
     return doc, doc["injected"]["injected_drops_out"] + doc["injected"]["injected_drops_in"]
 
 
 def run_slow_link(args, loss: float, fixed: bool):
-    from deploy import netns
-    from deploy.experiments import ps_in_namespace
-    from proto.job import JobConfig
+    from thc_ps.deploy import netns
+    from thc_ps.deploy.experiments import ps_in_namespace
+    from thc_ps.proto.job import JobConfig
     job = JobConfig(num_workers=args.workers)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "THC_UDP_OFFLOAD": "0"}   # nft drops per datagram
     with netns.two_hosts(rate_mbit=args.rate_mbit, loss=loss) as net:
         ps = ps_in_namespace(net, job, 9000, env)
         try:
             cmd = net.prefix(net.worker_ns) + [
-                sys.executable, "-m", "deploy.cli", "launch", "--ps", f"{net.ps_ip}:9000",
+                sys.executable, "-m", "thc_ps.deploy.cli", "launch", "--ps", f"{net.ps_ip}:9000",
                 "--workers", str(args.workers), "--rounds", str(args.rounds), "--dim", str(args.dim),
                 "--seed", str(args.seed), "--json"] + (["--fixed-timeout"] if fixed else [])
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
@@ -96,7 +96,7 @@ def run_slow_link(args, loss: float, fixed: bool):
 
 
 def run_bmv2(args, loss: float, fixed: bool):
-    from deploy import mininet_run
+    from thc_ps.deploy import mininet_run
     doc = mininet_run.run(workers=args.workers, rounds=args.rounds, dim=args.bmv2_dim, loss=loss,
                           fixed_timeout=fixed, build_dir=args.out / "p4")
     return doc, doc["kernel_drops"]
@@ -108,10 +108,10 @@ RUNNERS = {"loopback": run_loopback, "slow-link": run_slow_link, "bmv2": run_bmv
 def why_not(path: str) -> str | None:
     """Why `path` cannot run here (a one-line reason), or None."""
     if path == "slow-link":
-        from deploy import netns
+        from thc_ps.deploy import netns
         return netns.unavailable(need_nft=True, need_tc=True)
     if path == "bmv2":
-        from deploy import mininet_run
+        from thc_ps.deploy import mininet_run
         try:
             mininet_run.preflight(0.05)
         except Exception as exc:        # noqa: BLE001 - its message names what is missing

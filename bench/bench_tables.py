@@ -4,7 +4,7 @@
 """
 import time
 
-from proto import tables
+from thc_ps.proto import tables
 
 
 def main():

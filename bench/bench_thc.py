@@ -31,10 +31,10 @@ from pathlib import Path as _Path  # noqa: E402
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))   # `bench` is not installed: run from a checkout
 from bench.common import best
-from compression import _kernels, thc
-from compression.stochastic import CounterUniforms
-from compression.hadamard import rademacher_bits
-from proto.packing import pack_indices, unpack_lanes
+from thc_ps.compression import _kernels, thc
+from thc_ps.compression.stochastic import CounterUniforms
+from thc_ps.compression.hadamard import rademacher_bits
+from thc_ps.proto.packing import pack_indices, unpack_lanes
 
 
 def encode_before(x, norms, cfg, layout, round_no, uniforms):

@@ -16,7 +16,7 @@ import time
 
 def receiver(mode, port_q, result_q, size, idle_ms):
     from bench._udpbench import udp_drain
-    from proto.sockets import set_buffer
+    from thc_ps.proto.sockets import set_buffer
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     set_buffer(s, 32 << 20)
     s.bind(("127.0.0.1", 0))

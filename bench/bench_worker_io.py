@@ -14,10 +14,10 @@ import time
 
 import numpy as np
 
-from proto.job import JobConfig
-from ps_server.server import PSServer
-from worker.client import Worker
-from worker.transport import Transport
+from thc_ps.proto.job import JobConfig
+from thc_ps.ps_server.server import PSServer
+from thc_ps.worker.client import Worker
+from thc_ps.worker.transport import Transport
 
 
 MODES = {  # name: (batched, phase engine, UDP offload)

@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from compression import nmse
+from thc_ps.compression import nmse
 
 
 def main():

@@ -28,11 +28,11 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deploy.launch import check_rounds  # noqa: E402
-from proto import control  # noqa: E402
-from proto.job import JobConfig  # noqa: E402
+from thc_ps.deploy.launch import check_rounds  # noqa: E402
+from thc_ps.proto import control  # noqa: E402
+from thc_ps.proto.job import JobConfig  # noqa: E402
 
-THC = [sys.executable, "-m", "deploy.cli"]
+THC = [sys.executable, "-m", "thc_ps.deploy.cli"]
 #: (pause s, quorum, rounds, compute ms per round) of the standard run and of
 #: tests/test_stragglers.py: a quorum job outlasts its pause, so the paused rank can come back
 #: into it; a quorum-1 job waits for it (lease 5 s, rejoin grace 30 s, d = 4096).
@@ -237,7 +237,7 @@ def _hosts(how: str):
     if how != "partition":
         yield None
         return
-    from deploy import netns
+    from thc_ps.deploy import netns
     netns.check_available(need_nft=True)
     with netns.two_hosts(ps_ports=(9300, 9301)) as net:
         yield net
@@ -247,7 +247,7 @@ def _cut(how: str, net, proc, on: bool) -> None:
     if how == "sigstop":
         os.kill(proc.pid, signal.SIGSTOP if on else signal.SIGCONT)
     else:
-        from deploy import netns
+        from thc_ps.deploy import netns
         (netns.partition if on else netns.heal)(net.worker_ns)
 
 

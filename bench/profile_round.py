@@ -30,13 +30,13 @@ from pathlib import Path as _Path  # noqa: E402
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parents[1]))   # `bench` is not installed: run from a checkout
 from bench.bench_thc import decode_before, encode_before
-from compression import thc
-from proto.job import JobConfig
-from proto.packing import pack_indices
-from ps_server.server import PSServer
-from worker import client
-from worker.client import Worker
-from worker.transport import Transport
+from thc_ps.compression import thc
+from thc_ps.proto.job import JobConfig
+from thc_ps.proto.packing import pack_indices
+from thc_ps.ps_server.server import PSServer
+from thc_ps.worker import client
+from thc_ps.worker.client import Worker
+from thc_ps.worker.transport import Transport
 
 
 def before_patches() -> dict:

@@ -20,10 +20,10 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deploy.launch import run_launch  # noqa: E402
-from proto import control  # noqa: E402
-from proto import headers as H  # noqa: E402
-from ps_server.server import PSServer  # noqa: E402
+from thc_ps.deploy.launch import run_launch  # noqa: E402
+from thc_ps.proto import control  # noqa: E402
+from thc_ps.proto import headers as H  # noqa: E402
+from thc_ps.ps_server.server import PSServer  # noqa: E402
 
 
 def random_value(rng, depth=0):

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `bench` is not installed: run from a checkout
-from deploy.cli import result_group_arg  # noqa: E402
+from thc_ps.deploy.cli import result_group_arg  # noqa: E402
 
 #: perf script -F pid,tid,time,ip,sym,dso: "  PID/TID  SECONDS:  ADDR SYMBOL (DSO)"
 _LINE = re.compile(r"\s*(\d+)/(\d+)\s+([\d.]+):\s+[0-9a-f]+\s+(.*?)\s+\((.*)\)\s*$")

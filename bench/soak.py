@@ -10,7 +10,7 @@ a run; tests/test_soak.py runs a short one.
     nice -n 10 .venv/bin/python bench/soak.py --jobs 500 --out /tmp/soak    # about an hour here
 
 The PS is a real `thc ps` process with CURVE keys and `--metrics`; each job is a `thc launch`
-(deploy.launch.run_launch) of its own name against it, its workers processes of their own,
+(thc_ps.deploy.launch.run_launch) of its own name against it, its workers processes of their own,
 every chunk of every round checked against the in-process reference.
 """
 from __future__ import annotations
@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.pauses import free_port_pair  # noqa: E402
 from bench.reliability import junk_datagram, random_frame  # noqa: E402
-from deploy.launch import fetch_status, run_launch  # noqa: E402
-from proto.keys import client_keys, create_keys  # noqa: E402
+from thc_ps.deploy.launch import fetch_status, run_launch  # noqa: E402
+from thc_ps.proto.keys import client_keys, create_keys  # noqa: E402
 
-THC = [sys.executable, "-m", "deploy.cli"]
+THC = [sys.executable, "-m", "thc_ps.deploy.cli"]
 ROOT = Path(__file__).resolve().parents[1]
 #: One fault per wave, in this order, round and round: a PS kill every ninth wave.
 FAULTS = ("rank", "flood", "stall", "badkey", "rank", "flood", "stall", "badkey", "ps_kill")

@@ -30,7 +30,7 @@ import zlib
 
 import numpy as np
 
-from compression.codec import Codec, CodecError, Context, header_bytes
+from thc_ps.compression.codec import Codec, CodecError, Context, header_bytes
 
 MAGIC, KIND_SKETCH, KIND_RAW = 0x43, 1, 2
 HEAD = struct.Struct("<BBBII")          # magic, kind, b, N, seed: 11 bytes (docs/codec-casq.md note 5)

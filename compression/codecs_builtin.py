@@ -11,10 +11,10 @@ import struct
 
 import numpy as np
 
-from compression import baselines, thc
-from compression.codec import Codec, CodecError, Context
-from proto.packing import LANE_DTYPES as _LANE
-from proto.packing import lane_bits_for, pack_indices, packed_size, unpack_indices
+from thc_ps.compression import baselines, thc
+from thc_ps.compression.codec import Codec, CodecError, Context
+from thc_ps.proto.packing import LANE_DTYPES as _LANE
+from thc_ps.proto.packing import lane_bits_for, pack_indices, packed_size, unpack_indices
 
 
 def _need(payload: bytes, n: int, what: str) -> None:

@@ -26,7 +26,7 @@ import struct
 
 import numpy as np
 
-from compression.codec import Codec, CodecError, Context
+from thc_ps.compression.codec import Codec, CodecError, Context
 
 TAG_WHOLE = 0x46          # 'F': one message per gradient
 TAG_FRAME = 0x66          # 'f': one frame of a framed gradient, with a base key (docs/codec-fastsgd.md note 1.8 item 5)

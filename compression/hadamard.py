@@ -24,7 +24,7 @@ import threading
 import numpy as np
 
 try:
-    from compression import _kernels
+    from thc_ps.compression import _kernels
 except ImportError:  # pragma: no cover - source checkout without a build
     _kernels = None
 

@@ -10,14 +10,14 @@ import math
 
 import numpy as np
 
-from compression import baselines, thc
+from thc_ps.compression import baselines, thc
 
 CODECS = ("thc", "uhc", "topk", "terngrad", "none")
 
 
 def all_codecs() -> list:
     """The built-in reference paths plus every codec of the registry."""
-    from compression import registry
+    from thc_ps.compression import registry
     return list(dict.fromkeys(list(CODECS) + registry.names()))
 DISTS = ("lognormal", "normal", "laplace")
 
@@ -46,7 +46,7 @@ def one_round(codec: str, grads, rng, *, bits=4, granularity=30, p="1/32", topk=
     if codec == "none":
         return np.mean(grads, axis=0, dtype=np.float64).astype(np.float32), (32.0, 32.0)
     if codec == "thc":
-        from proto.packing import lane_bits_for
+        from thc_ps.proto.packing import lane_bits_for
         lanes = lane_bits or lane_bits_for(n, granularity)
         cfg = thc.ThcConfig(bits=bits, granularity=granularity, p=p, lane_bits=lanes, seed=seed)
         cfg.check_workers(n)
@@ -57,7 +57,7 @@ def one_round(codec: str, grads, rng, *, bits=4, granularity=30, p="1/32", topk=
         pad = rounds[0].layout.padded_dim / d
         return est, (bits * pad, lanes * pad)
     if codec == "uhc":
-        from proto.packing import lane_bits_for
+        from thc_ps.proto.packing import lane_bits_for
         cfg = thc.UhcConfig(bits=bits, lane_bits=lane_bits or lane_bits_for(n, (1 << bits) - 1))
         cfg.check_workers(n)
         lo = float(min(g.min() for g in grads))
@@ -75,8 +75,8 @@ def one_round(codec: str, grads, rng, *, bits=4, granularity=30, p="1/32", topk=
         ts = [baselines.terngrad_encode(g, s, rng.random(d, dtype=np.float32)) for g in grads]
         total = np.sum([t.astype(np.int32) for t in ts], axis=0)
         return baselines.terngrad_decode(total, n, s), (2.0, float(baselines.terngrad_down_bits(n)))
-    from compression import registry
-    from compression.codec import run_round
+    from thc_ps.compression import registry
+    from thc_ps.compression.codec import run_round
     kwargs = {"bits": bits} if codec == "casq" else {}
     impl = registry.get(codec, **kwargs)
     est, ups, down = run_round(impl, grads, rng, round_no=round_no)

@@ -8,15 +8,15 @@ from __future__ import annotations
 import importlib
 
 _REGISTRY = {
-    "thc": "compression.codecs_builtin:ThcCodec",
-    "uhc": "compression.codecs_builtin:UhcCodec",
-    "topk": "compression.codecs_builtin:TopKCodec",
-    "terngrad": "compression.codecs_builtin:TernGradCodec",
-    "none": "compression.codecs_builtin:NoneCodec",
-    "3lc": "compression.threelc:ThreeLCCodec",
-    "skcompress": "compression.skcompress:SKCompressCodec",
-    "fastsgd": "compression.fastsgd:FastSGDCodec",
-    "casq": "compression.casq:CASQCodec",
+    "thc": "thc_ps.compression.codecs_builtin:ThcCodec",
+    "uhc": "thc_ps.compression.codecs_builtin:UhcCodec",
+    "topk": "thc_ps.compression.codecs_builtin:TopKCodec",
+    "terngrad": "thc_ps.compression.codecs_builtin:TernGradCodec",
+    "none": "thc_ps.compression.codecs_builtin:NoneCodec",
+    "3lc": "thc_ps.compression.threelc:ThreeLCCodec",
+    "skcompress": "thc_ps.compression.skcompress:SKCompressCodec",
+    "fastsgd": "thc_ps.compression.fastsgd:FastSGDCodec",
+    "casq": "thc_ps.compression.casq:CASQCodec",
 }
 
 

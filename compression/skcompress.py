@@ -16,10 +16,10 @@ import struct
 
 import numpy as np
 
-from compression.codec import Codec, CodecError, Context
+from thc_ps.compression.codec import Codec, CodecError, Context
 
 try:
-    from compression import _bitstream      # built by `pip install`
+    from thc_ps.compression import _bitstream      # built by `pip install`
 except ImportError:                         # pragma: no cover - Python reference decoder
     _bitstream = None
 

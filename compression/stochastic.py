@@ -14,7 +14,7 @@ odd i.  Each value is k·2^-24 with k in [0, 2^24), exact in float32, the resolu
 numpy's float32 draws.
 
 One key per encode comes from the caller's generator (`key_from`), so seeding, per-round
-keying (`worker.client.round_rng`) and reproducibility stay where they were; two encodes'
+keying (`thc_ps.worker.client.round_rng`) and reproducibility stay where they were; two encodes'
 streams overlap only if their keys are fewer than d·γ-steps apart, chance ~d/2^64.
 """
 from __future__ import annotations

@@ -21,7 +21,7 @@ Uniform THC (Alg. 1) is the same pipeline with the identity table (g = 2^b − 1
 no transform, and [m, M] the global min/max from the preliminary stage.
 
 Random draws are passed in (``uniforms``: an array of U[0, 1) values, or a
-:class:`compression.stochastic.CounterUniforms` stream that the C encode computes in
+:class:`thc_ps.compression.stochastic.CounterUniforms` stream that the C encode computes in
 place), so every function here is deterministic; numpy arrays and torch tensors are both
 accepted.
 """
@@ -36,17 +36,17 @@ from fractions import Fraction
 
 import numpy as np
 
-from compression.cores import idle_cores
-from compression.hadamard import fwht, next_pow2, rademacher_bits, rademacher_signs
-from compression.stochastic import CounterUniforms, key_from
+from thc_ps.compression.cores import idle_cores
+from thc_ps.compression.hadamard import fwht, next_pow2, rademacher_bits, rademacher_signs
+from thc_ps.compression.stochastic import CounterUniforms, key_from
 
 try:   # fused C kernels for the numpy path; the numpy code below stays the reference
-    from compression import _kernels
+    from thc_ps.compression import _kernels
 except ImportError:  # pragma: no cover - source checkout without a build
     _kernels = None
-from proto.job import DEFAULT_BLOCK_LOG2, DEFAULT_ROTATION, ROTATIONS   # the job's defaults, one definition
-from proto.packing import check_lane_capacity, pack_indices, packed_size, unpack_indices
-from proto.tables import Table, identity_table, lower_interval_index, parse_p, solve_table
+from thc_ps.proto.job import DEFAULT_BLOCK_LOG2, DEFAULT_ROTATION, ROTATIONS   # the job's defaults, one definition
+from thc_ps.proto.packing import check_lane_capacity, pack_indices, packed_size, unpack_indices
+from thc_ps.proto.tables import Table, identity_table, lower_interval_index, parse_p, solve_table
 
 
 @dataclass(frozen=True)
@@ -290,7 +290,7 @@ _pool_size = 0
 
 def codec_threads() -> int:
     """Threads one encode or decode may use, one RHT block each: $THC_CODEC_THREADS, else this
-    thread and one per core that sat idle lately (`compression.cores.idle_cores`): a worker
+    thread and one per core that sat idle lately (`thc_ps.compression.cores.idle_cores`): a worker
     with cores to spare uses them, one on a host whose cores are busy (ranks sharing them,
     other work) adds no hand-offs to it (docs/bench.md, "Codec threads where cores are
     idle").  Blocks are independent (own signs, own scale, own slice of the uniforms), so the
@@ -410,7 +410,7 @@ def encode(x, max_norms, cfg: ThcConfig, layout: Layout, round_no: int, uniforms
     """Table indices Z (uint8, one per padded coordinate) of x for this round.
 
     `uniforms` holds layout.padded_dim draws from U[0, 1) (the worker's own RNG), or is
-    the counter stream they come from (:class:`compression.stochastic.CounterUniforms`).
+    the counter stream they come from (:class:`thc_ps.compression.stochastic.CounterUniforms`).
     """
     if use_kernels and _kernel_ok(x, cfg):
         return _encode_kernels(x, max_norms, cfg, layout, round_no, uniforms)
@@ -434,7 +434,7 @@ def encode(x, max_norms, cfg: ThcConfig, layout: Layout, round_no: int, uniforms
 
 
 def encode_packed(x, max_norms, cfg: ThcConfig, layout: Layout, round_no: int, uniforms) -> np.ndarray:
-    """The wire form of :func:`encode`: b-bit indices packed MSB first (proto.packing), uint8.
+    """The wire form of :func:`encode`: b-bit indices packed MSB first (thc_ps.proto.packing), uint8.
 
     For b = 4 on numpy input the packing happens in the same C pass as the quantization.
     """
@@ -654,7 +654,7 @@ class WorkerRound:
         rnd.decode(sums, k) / rnd.decode_lanes(Y, k) x̂ from the aggregate (lines 19-21)
         rnd.feedback()                              e ← x − RHT⁻¹(X) into `memory` (line 22)
 
-    `memory` is a :class:`compression.codec.ErrorFeedback` (None: no error feedback);
+    `memory` is a :class:`thc_ps.compression.codec.ErrorFeedback` (None: no error feedback);
     `compensate=False` keeps x = ∇ but still records the new residual.  The uniforms of the
     stochastic rounding are the counter stream of one 64-bit key drawn from `rng` per encode
     (compression/stochastic.py), computed inside the C encode.

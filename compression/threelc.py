@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from compression.codec import Codec, CodecError, Context, header_bytes
+from thc_ps.compression.codec import Codec, CodecError, Context, header_bytes
 
 CODEC_ID = 3
 F_ZRE, F_RAW, F_CONSECUTIVE = 0x01, 0x02, 0x04

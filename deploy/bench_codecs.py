@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from compression import registry
-from compression.codec import Context, combine_preliminary
+from thc_ps.compression import registry
+from thc_ps.compression.codec import Context, combine_preliminary
 
 
 def _timed(fn, repeat=2):
@@ -27,8 +27,8 @@ def _timed(fn, repeat=2):
 
 def _ps_time_thc(codec, ups, ctx) -> float:
     """THC at the PS is the C engine's lookup-and-sum over the packed payloads."""
-    from ps_server._fastpath import lookup_accumulate
-    from compression.thc import make_layout
+    from thc_ps.ps_server._fastpath import lookup_accumulate
+    from thc_ps.compression.thc import make_layout
     count = make_layout(ctx.dim, codec.cfg.block_log2).padded_dim
     acc = np.zeros(count, np.uint8)
     table = list(codec.cfg.table.values)
@@ -67,7 +67,7 @@ def measure(name: str, workers: int, dim: int, seed: int = 0) -> dict:
 
 
 def run(workers=4, dims=(1 << 20, 1 << 24), e2e_dims=(1 << 20, 1 << 24), rounds=2, out="docs", log=print) -> Path:
-    from deploy.launch import run_launch
+    from thc_ps.deploy.launch import run_launch
     names = []
     for n in registry.names():
         try:

@@ -7,15 +7,15 @@ import logging
 import sys
 import threading
 
-from deploy import commands
-from deploy import experiments
-from deploy import train as train_mod
-from p4.control import CONTROLS as SWITCH_CONTROLS
-from proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, DEFAULT_ROTATION, LANE_AUTO, MAX_BLOCK_LOG2, ROTATIONS
+from thc_ps.deploy import commands
+from thc_ps.deploy import experiments
+from thc_ps.deploy import train as train_mod
+from thc_ps.p4.control import CONTROLS as SWITCH_CONTROLS
+from thc_ps.proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, DEFAULT_ROTATION, LANE_AUTO, MAX_BLOCK_LOG2, ROTATIONS
 
 
 def _p_arg(value: str):
-    from proto.tables import parse_p
+    from thc_ps.proto.tables import parse_p
     try:
         return parse_p(value)
     except ValueError as exc:
@@ -57,7 +57,7 @@ def _lane_bits(value: str) -> int:
 
 
 def _rotation(value: str) -> str:
-    """argparse type for JobConfig.rotation (proto.job.ROTATIONS)."""
+    """argparse type for JobConfig.rotation (thc_ps.proto.job.ROTATIONS)."""
     if value not in ROTATIONS:
         raise argparse.ArgumentTypeError(f"{value!r} is not a rotation: choose {' or '.join(ROTATIONS)}")
     return value
@@ -66,7 +66,7 @@ def _rotation(value: str) -> str:
 def result_group_arg(value: str) -> str:
     """argparse type for JobConfig.result_group: "" or an IPv4 multicast ADDR:PORT (also the
     benchmarks' group options)."""
-    from proto.job import parse_group
+    from thc_ps.proto.job import parse_group
     if value == AUTO_GROUP:
         raise argparse.ArgumentTypeError("auto is for thc launch and thc train, which start their own PS; "
                                          "name a group (ADDR:PORT) or leave the option out")
@@ -104,7 +104,7 @@ def _report_path(value: str) -> str:
 
 
 def _codec_list(value: str) -> tuple:
-    from compression import registry
+    from thc_ps.compression import registry
     names = tuple(v.strip() for v in value.split(",") if v.strip())
     unknown = [n for n in names if n not in registry.names()]
     if not names or unknown:
@@ -218,7 +218,7 @@ def _slots_arg(p):
 
 
 def _job_name(value: str) -> str:
-    from proto import control
+    from thc_ps.proto import control
     try:
         control.SCHEMA["register"]["job_name"][1]("--job", value)
     except control.ControlError as exc:
@@ -241,12 +241,12 @@ def _running_ps_args(p, ps_help: str, keys_help: str) -> None:
 
 
 def _slot_space() -> int:
-    from ps_server.admission import DEFAULT_SLOT_SPACE
+    from thc_ps.ps_server.admission import DEFAULT_SLOT_SPACE
     return DEFAULT_SLOT_SPACE
 
 
 def _policies():
-    from worker.transport import POLICIES
+    from thc_ps.worker.transport import POLICIES
     return POLICIES
 
 
@@ -572,7 +572,7 @@ _quorum = _float_in(0, 1, lo_open=True, hi_open=False, what="a quorum fraction o
 
 def _addr(value: str):
     """HOST:PORT → (host, port), with a message that says what is wrong."""
-    from proto.addresses import parse_addr
+    from thc_ps.proto.addresses import parse_addr
     try:
         return parse_addr(value)
     except ValueError as exc:
@@ -580,7 +580,7 @@ def _addr(value: str):
 
 
 def _addr_list(value: str):
-    from proto.addresses import parse_addrs
+    from thc_ps.proto.addresses import parse_addrs
     try:
         return parse_addrs(value)
     except ValueError as exc:
@@ -759,7 +759,7 @@ def main(argv=None) -> int:
 
 def _run(args) -> int:
     if args.command in ("ps", "worker", "launch", "train"):
-        from deploy import hostload
+        from thc_ps.deploy import hostload
         hostload.warn_in_background(f"thc {args.command}")   # other sessions' CPU-bound load, once
     try:
         result = args.func(args)

@@ -6,22 +6,22 @@ from pathlib import Path
 
 
 def nmse_codecs():
-    from compression.nmse import all_codecs
+    from thc_ps.compression.nmse import all_codecs
     return all_codecs()
 
 
 def job_codecs():
-    from compression import registry
+    from thc_ps.compression import registry
     return registry.names()
 
 
 def cmd_table(args) -> dict:
-    from proto.tables import solve_table
+    from thc_ps.proto.tables import solve_table
     return solve_table(args.bits, args.granularity, args.p).to_json()
 
 
 def cmd_nmse(args) -> dict:
-    from compression import nmse
+    from thc_ps.compression import nmse
     params = {}
     if args.codec in ("thc", "uhc", "casq"):
         params["bits"] = args.bits
@@ -34,7 +34,7 @@ def cmd_nmse(args) -> dict:
 
 
 def cmd_demo_nmse(args) -> None:
-    from compression import nmse
+    from thc_ps.compression import nmse
     print(f"NMSE of one round, lognormal gradient copied to {args.workers} workers, d={args.dim}",
           flush=True)
     print(f"{'codec':<10}{'NMSE':>12}{'bits up':>10}{'bits down':>11}")
@@ -46,9 +46,9 @@ def cmd_demo_nmse(args) -> None:
 
 def _job(args, **more):
     """The job of the command line's job options (and `more` JobConfig fields), validated.
-    A result group of "auto" (launch, train) is chosen here: deploy.launch.one_host_group."""
-    from deploy.launch import one_host_group
-    from proto.job import JobConfig
+    A result group of "auto" (launch, train) is chosen here: thc_ps.deploy.launch.one_host_group."""
+    from thc_ps.deploy.launch import one_host_group
+    from thc_ps.proto.job import JobConfig
     return JobConfig(num_workers=args.workers, codec=args.codec, bits=args.bits,
                      granularity=args.granularity, p=args.p, lane_bits=args.lane_bits,
                      quorum=args.quorum, seed=args.seed, block_log2=args.block_log2,
@@ -58,7 +58,7 @@ def _job(args, **more):
 
 
 def cmd_keys(args) -> None:
-    from proto.keys import create_keys
+    from thc_ps.proto.keys import create_keys
     d = create_keys(args.dir)
     print(f"wrote CURVE keys to {d}: give the PS host the directory (thc ps --keys {d}) and each "
           f"worker host {d}/client.key_secret and {d}/server.key (thc worker --keys DIR)")
@@ -72,7 +72,7 @@ def cmd_ps(args) -> None:
     import threading
     import time
 
-    from ps_server.server import PSServer
+    from thc_ps.ps_server.server import PSServer
     job = _job(args, slots=args.slots) if args.workers else None   # validated here, before binding
     host, port = args.bind
     if args.control_port and args.shards > 1 and args.control_port + 2 * (args.shards - 1) > 65535:
@@ -124,7 +124,7 @@ def cmd_ps(args) -> None:
 def _bind_metrics(servers: list, addr: tuple):
     """The metrics endpoint (ps_server/metrics.py) bound on addr, serving `servers` once they
     start; an address in use or that does not resolve is refused (exit 2) before any PS binds."""
-    from ps_server.metrics import MetricsServer
+    from thc_ps.ps_server.metrics import MetricsServer
     try:
         return MetricsServer(servers, *addr)
     except OSError as exc:
@@ -158,13 +158,13 @@ def _stated_job(args) -> dict:
 def cmd_worker(args) -> dict:
     import os
 
-    from deploy.launch import worker_loop
-    from proto.job import JobConfig
-    from worker.transport import Faults
+    from thc_ps.deploy.launch import worker_loop
+    from thc_ps.proto.job import JobConfig
+    from thc_ps.worker.transport import Faults
     if args.rank is not None:
         rank = args.rank
     elif "RANK" in os.environ:
-        from worker.launch_env import from_env
+        from thc_ps.worker.launch_env import from_env
         rank = from_env().rank          # started by torchrun
     else:
         rank = 0
@@ -196,7 +196,7 @@ def cmd_status(args):
     With --drain, first tells every shard to drain (`drain`, authenticated as any request)."""
     import json
 
-    from deploy.launch import ask_ps, fetch_status
+    from thc_ps.deploy.launch import ask_ps, fetch_status
     for host, port in args.ps if args.drain else ():
         endpoint = f"tcp://{host}:{args.control_port or port + 1}"
         reply = ask_ps((host, port, args.control_port or port + 1), {"type": "drain"}, args.keys, args.timeout_s)
@@ -262,8 +262,8 @@ def format_status(where: str, doc: dict) -> str:
 
 
 def cmd_launch(args):
-    from deploy.launch import run_launch
-    from proto.job import AUTO_GROUP, LANE_AUTO
+    from thc_ps.deploy.launch import run_launch
+    from thc_ps.proto.job import AUTO_GROUP, LANE_AUTO
     job = _job(args, slots=args.slots)   # refuse a bad configuration before anything starts
     if args.straggler_rank is not None and not 0 <= args.straggler_rank < args.workers:
         raise ValueError(f"--straggler-rank must be in 0..{args.workers - 1}")
@@ -326,8 +326,8 @@ def cmd_launch(args):
 
 
 def cmd_train(args):
-    from deploy import train
-    from proto.packing import check_lane_capacity
+    from thc_ps.deploy import train
+    from thc_ps.proto.packing import check_lane_capacity
     if args.lane_bits:          # a width given; auto is the narrowest that fits (JobConfig)
         check_lane_capacity(args.workers, args.granularity, args.lane_bits)   # any codec (JobConfig: thc only)
     cfg = train.TrainConfig(job=_job(args), epochs=args.epochs,
@@ -369,9 +369,9 @@ def cmd_train(args):
 
 
 def cmd_experiment(args) -> None:
-    from deploy import experiments
-    from deploy.train import TrainConfig
-    from proto.job import JobConfig
+    from thc_ps.deploy import experiments
+    from thc_ps.deploy.train import TrainConfig
+    from thc_ps.proto.job import JobConfig
     strag = args.name == "stragglers"
     workers = args.workers or (10 if strag else 4)
     granularity = args.granularity or (20 if strag else 30)
@@ -396,7 +396,7 @@ def cmd_experiment(args) -> None:
                                  methods=args.methods or experiments.PEER_METHODS,
                                  layouts=args.layouts or experiments.DEFAULT_LAYOUTS)
     elif args.name == "lm":
-        from deploy import lm_experiment as lm
+        from thc_ps.deploy import lm_experiment as lm
         cfg = lm.LMConfig(ranks=workers, steps=args.steps, seed=args.seed, eval_every=args.eval_every or 25,
                           rotation=args.rotation)
         path = lm.lm(cfg, command, log, out=out, rates=args.peer_rates or (100, 1000),
@@ -407,7 +407,7 @@ def cmd_experiment(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from deploy import bench_codecs
+    from thc_ps.deploy import bench_codecs
     # not docs/ (the committed table) unless the user says so
     out = Path(args.out).expanduser() if args.out else Path.cwd() / "thc-results" / "bench-codecs"
     out.mkdir(parents=True, exist_ok=True)
@@ -420,7 +420,7 @@ def cmd_bench(args) -> None:
 def _p4_doctor(args):
     import json
 
-    from p4 import tools
+    from thc_ps.p4 import tools
     report = tools.doctor()
     if args.json:
         print(json.dumps(tools.doctor_json(report)))
@@ -433,7 +433,7 @@ def _p4_doctor(args):
 def _p4_testgen(args):
     import json
 
-    from p4 import replay, testgen
+    from thc_ps.p4 import replay, testgen
     out = Path(args.out or f"build/p4/testgen/{args.target}")
     if args.switch and args.target != "bmv2":
         raise ValueError("--switch runs the bmv2 program's tests on simple_switch: it needs --target bmv2")
@@ -448,8 +448,8 @@ def _p4_testgen(args):
     print(replay.summary_text(doc), flush=True)
     failed = doc[replay.DIVERGED] > 0
     if args.switch:
-        from p4.control import compile_program
-        from p4.harness import testgen_switch
+        from thc_ps.p4.control import compile_program
+        from thc_ps.p4.harness import testgen_switch
         runs = testgen_switch.run(tests, compile_program(out / "build"))
         doc["simple_switch"] = {"passed": sum(r.passed for r in runs),
                                 "failed": [r.line() for r in runs if not r.passed]}
@@ -467,7 +467,7 @@ def _p4_testgen(args):
 def _p4_mininet(args):
     import json
 
-    from deploy import mininet_run
+    from thc_ps.deploy import mininet_run
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
     doc = mininet_run.run(workers=args.workers, rounds=args.rounds, dim=args.dim, loss=args.loss,
                           straggler_delay_ms=args.straggler_delay_ms, straggler_rank=args.straggler_rank,
@@ -484,7 +484,7 @@ def _p4_mininet(args):
 
 def _print_tofino_resources(pipe) -> None:
     """One line of the compiler's resource report (p4c-barefoot -g), when it wrote one."""
-    from p4 import tofino_resources
+    from thc_ps.p4 import tofino_resources
     try:
         r = tofino_resources.summarize(pipe)
     except (OSError, ValueError, KeyError):
@@ -494,7 +494,7 @@ def _print_tofino_resources(pipe) -> None:
 
 
 def cmd_p4(args):
-    from p4 import control, gen_p4
+    from thc_ps.p4 import control, gen_p4
     if args.action == "doctor":
         return _p4_doctor(args)
     if args.action == "mininet":
@@ -547,7 +547,7 @@ def cmd_p4(args):
     proc, ctl = None, None
     try:
         if kind == "p4runtime":
-            from p4.p4runtime import P4RuntimeControl
+            from thc_ps.p4.p4runtime import P4RuntimeControl
             json_path = control.ensure_program(args.out)
             if args.attach:
                 address = f"127.0.0.1:{args.grpc_port or 9559}"
@@ -560,7 +560,7 @@ def cmd_p4(args):
                 proc = control.start_switch(control.compile_program(args.out), ports, thrift_port=args.thrift_port)
             ctl = control.ThriftControl(control.SwitchCLI(args.thrift_port))
             where = f"Thrift port {args.thrift_port}"
-        from ps_server.server import PSServer
+        from thc_ps.ps_server.server import PSServer
         host, cport = args.control
         server = PSServer(job, (host, 0), control_port=cport,
                           engine=control.SwitchEngine(ctl, topology, args.ps_mac, l2=l2),

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from deploy.peers import METHODS as PEER_DDP_METHODS
-from deploy.procs import stop_gracefully
-from deploy.train import TrainConfig, run
+from thc_ps.deploy.peers import METHODS as PEER_DDP_METHODS
+from thc_ps.deploy.procs import stop_gracefully
+from thc_ps.deploy.train import TrainConfig, run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,7 +119,7 @@ How these results compare with the paper's Fig. 9 is discussed in docs/experimen
 
 
 def _kernel_loss_rows(base: TrainConfig, log) -> list:
-    from deploy import netns
+    from thc_ps.deploy import netns
     rows = []
     for policy, sync in (("zero", 0), ("zero", 1), ("retransmit", 0)):
         cfg = replace(base, loss=0.0, loss_policy=policy, sync_every=sync)
@@ -139,7 +139,7 @@ def ps_in_namespace(net, job, port: int, env: dict, host: int | None = None, wai
     """`thc ps` for `job` in net.ps_ns on net.ps_ip:port (two_hosts), or on a star's host
     `host` (stdout piped), given 2 s to bind (`wait`; else the caller waits once for several)."""
     prefix, ip = (net.prefix(net.ps_ns), net.ps_ip) if host is None else (net.prefix(host), net.ips[host])
-    cmd = prefix + [sys.executable, "-m", "deploy.cli", "ps", "--bind", f"{ip}:{port}",
+    cmd = prefix + [sys.executable, "-m", "thc_ps.deploy.cli", "ps", "--bind", f"{ip}:{port}",
                                    "--workers", str(job.num_workers), "--codec", job.codec,
                                    "--bits", str(job.bits), "--granularity", str(job.granularity),
                                    "--p", job.p, "--lane-bits", str(job.lane_bits),
@@ -166,7 +166,7 @@ def run_in_namespaces(net, cfg: TrainConfig, log, port: int = 9000, env_extra: d
                 "--codec", job.codec, "--ps", f"{net.ps_ip}:{port}", "--json"]
         if cfg.per_tensor:
             args.append("--per-tensor")
-        tr = subprocess.run(net.prefix(net.worker_ns) + [py, "-m", "deploy.cli", "train"] + args,
+        tr = subprocess.run(net.prefix(net.worker_ns) + [py, "-m", "thc_ps.deploy.cli", "train"] + args,
                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600)
         for line in tr.stderr.splitlines():
             if "epoch" in line:
@@ -236,7 +236,7 @@ def bandwidth(base: TrainConfig, command: str, log=print, rates=(100, 1000, None
               codecs=("none", "thc")) -> Path:
     """Paper Fig. 6: rate-limited links between the PS and worker namespaces, every codec in
     `codecs` at every rate (None = no limit); speed-ups are against `none` at the same rate."""
-    from deploy import netns
+    from thc_ps.deploy import netns
     rows = []
     for rate in rates:
         for codec in codecs:
@@ -311,7 +311,7 @@ CODEC_ORDER = ("none", "thc", "topk", "terngrad", "3lc", "skcompress", "fastsgd"
 
 def codecs(base: TrainConfig, command: str, log=print, sparse_steps: int = 60, *, out: Path) -> Path:
     """Every codec on the sparse (SKCompress/FastSGD) and the dense workload, fixed budgets."""
-    from deploy import sparse_lr
+    from thc_ps.deploy import sparse_lr
     sparse_rows, dense_rows = [], []
     for name in CODEC_ORDER:
         log(f"[sparse LR] {name}")
@@ -391,7 +391,7 @@ PEER_METHODS = (*PEER_DDP_METHODS, *PS_METHODS)
 
 
 def _params(model: str) -> int:
-    from worker.training import MODELS
+    from thc_ps.worker.training import MODELS
     return sum(p.numel() for p in MODELS[model]().parameters())
 
 
@@ -413,8 +413,8 @@ def _ps_cfg(base: TrainConfig, m: str, layout: str, net) -> tuple[TrainConfig, l
 def _peer_row(base: TrainConfig, m: str, log, target: float, net=None, layout: str = "ps-host") -> dict:
     """One method's training (under `net`, a netns.Star with a host per rank and one for the
     PS, or on loopback) as a peers row, with the bytes each host's link carried per step."""
-    from deploy import netns
-    from deploy import peers as P
+    from thc_ps.deploy import netns
+    from thc_ps.deploy import peers as P
     links0 = netns.link_bytes(net) if net is not None else None
     if m in PS_METHODS:
         cfg, ps_hosts = _ps_cfg(base, m, layout, net)
@@ -491,7 +491,7 @@ def peers(base: TrainConfig, command: str, log=print, target: float = 0.8, *, ou
     namespace per rank and one for the PS on a bridge, every link limited to the rate both
     ways: netns.star); final accuracy, bytes per step each way per worker and on each host's
     link, step time and time to `target` accuracy.  Writes peers.md, peers.json and peers.png."""
-    from deploy import netns
+    from thc_ps.deploy import netns
     unknown = [lay for lay in layouts if lay not in LAYOUTS]
     if unknown:
         raise ValueError(f"unknown layout {unknown[0]!r}; choose from {', '.join(LAYOUTS)}")

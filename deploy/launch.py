@@ -17,13 +17,13 @@ import zlib
 
 import numpy as np
 
-from deploy.procs import (die_with_parent, leave_on_sigterm, process_state, single_threaded_children,
+from thc_ps.deploy.procs import (die_with_parent, leave_on_sigterm, process_state, single_threaded_children,
                           start_shielded, stop_children)
 
-from compression import thc
-from proto.addresses import parse_ps
-from proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, DEFAULT_ROTATION, LANE_AUTO, JobConfig
-from proto.packing import LANE_DTYPES
+from thc_ps.compression import thc
+from thc_ps.proto.addresses import parse_ps
+from thc_ps.proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, DEFAULT_ROTATION, LANE_AUTO, JobConfig
+from thc_ps.proto.packing import LANE_DTYPES
 
 
 def gradient(seed: int, round_no: int, worker: int, dim: int) -> np.ndarray:
@@ -53,7 +53,7 @@ def one_host_group(requested: str, own_ps: bool) -> str:
     if not own_ps:
         return ""
     import secrets
-    from proto.sockets import multicast_unreachable
+    from thc_ps.proto.sockets import multicast_unreachable
     group = (f"239.255.{1 + secrets.randbelow(254)}.{1 + secrets.randbelow(254)}",
              20000 + secrets.randbelow(30000))
     return "" if multicast_unreachable("127.0.0.1", group) else f"{group[0]}:{group[1]}"
@@ -117,8 +117,8 @@ def worker_loop(shards, worker_id, rounds, dim, seed, policy, faults,
     """
     import os
 
-    from worker.client import Worker
-    from worker.transport import JobEnded, LeaseLost, Transport
+    from thc_ps.worker.client import Worker
+    from thc_ps.worker.transport import JobEnded, LeaseLost, Transport
     sized = {} if window is None else {"window": window}      # None: the transport's default
     if ps_wait_s is not None:
         sized["ps_wait_s"] = ps_wait_s
@@ -261,7 +261,7 @@ def reference_digests(job: JobConfig, seed: int, round_no: int, dim: int, report
     if job.codec == "none":
         payloads = None
     else:
-        from worker.client import round_rng
+        from thc_ps.worker.client import round_rng
         cfg = thc.ThcConfig.of_job(job)
         tab = np.asarray(job.table, dtype=np.int64)
         shared = next(r["norms"] for r in reports.values() if r.get("norms") is not None)
@@ -300,9 +300,9 @@ def reference_digests(job: JobConfig, seed: int, round_no: int, dim: int, report
 def check_blob_rounds(job: JobConfig, seed: int, dim: int, per_worker: dict) -> dict:
     """Decode–sum–re-encode codecs: each round's downlink payload must equal the in-process
     aggregate of the same seeds (full rounds; rounds a worker lost are counted as lost)."""
-    from compression import registry
-    from compression.codec import Context, combine_preliminary
-    from worker.client import round_rng
+    from thc_ps.compression import registry
+    from thc_ps.compression.codec import Context, combine_preliminary
+    from thc_ps.worker.client import round_rng
     n = job.num_workers
     codec = registry.get(job.codec, **job.codec_params)
     states = [codec.new_state() for _ in range(n)]
@@ -348,7 +348,7 @@ def check_rounds(job: JobConfig, seed: int, dim: int, per_worker: dict, error_fe
     exact_rounds, mismatched, lost = 0, 0, 0
     memory = None
     if error_feedback and job.codec == "thc":
-        from compression.codec import ErrorFeedback
+        from thc_ps.compression.codec import ErrorFeedback
         memory = {i: ErrorFeedback() for i in range(job.num_workers)}
     for r in range(rounds):
         have = {i: reps[r] for i, reps in reports.items() if r in reps}
@@ -503,7 +503,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
     with its workers (every host passes the same `ps` list, each serving its own entry); the
     shard stays up after this host's workers finish until every rank has left its job.
     `ps_wait_s`: how long the workers wait for a PS that answers nothing (a restarted or
-    stalled one) before they give up (None: worker.transport.DEFAULT_PS_WAIT_S).
+    stalled one) before they give up (None: thc_ps.worker.transport.DEFAULT_PS_WAIT_S).
     `error_feedback` (thc): the workers keep THC's error feedback and the check replays it
     (docs/protocol.md §4 step 8): every rank must run every round (no `kill`, quorum 1).
 
@@ -511,7 +511,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
     unreachable PS), and this launcher's watchdog, which stops the job when no worker has
     started a new round for `stall_s` seconds and names the ranks that are behind.  The
     workers die with this process (PR_SET_PDEATHSIG); SIGTERM/Ctrl-C stop them at once."""
-    from worker.transport import Faults
+    from thc_ps.worker.transport import Faults
     if error_feedback and (codec != "thc" or kill is not None or quorum < 1):
         raise ValueError("--error-feedback is THC's (codec thc) and the check replays every rank's residual "
                          "from round 0: every rank must run every round (no --kill-rank, quorum 1)")
@@ -525,7 +525,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
     servers, servers_here = [], []
     if serve_shard is not None and ps is None:
         raise ValueError("--serve-shard needs --ps listing every host's shard (this one's included)")
-    from ps_server.server import PSServer
+    from thc_ps.ps_server.server import PSServer
     options = {"engine": engine, "keys": keys}       # of every PS shard this launch starts
     if lease_s is not None:
         options["lease_s"] = lease_s
@@ -654,8 +654,8 @@ def ask_ps(shard: tuple, msg: dict, keys=None, timeout_s: float = 2.0) -> dict |
     the PS's raise HandshakeFailed (a ValueError) naming the cause, at once."""
     import zmq
 
-    from proto import control
-    from proto.keys import HandshakeWatch, client_keys
+    from thc_ps.proto import control
+    from thc_ps.proto.keys import HandshakeWatch, client_keys
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     watch = None
@@ -700,8 +700,8 @@ def job_stats(shards: list, sessions: list, keys=None, timeout_s: float = 2.0) -
 def job_waits_for(shard: tuple, job_name: str | None, keys=None) -> str:
     """What the PS says a job (by name; None: the default name) waits for: its missing ranks,
     or that it is queued; '' when the PS does not answer or names nothing."""
-    from proto.control import describe_missing
-    from ps_server.server import DEFAULT_JOB_NAME
+    from thc_ps.proto.control import describe_missing
+    from thc_ps.ps_server.server import DEFAULT_JOB_NAME
     name = job_name or DEFAULT_JOB_NAME
     try:
         doc = fetch_status(shard, keys) or {}

@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from deploy.procs import die_with_parent, each_report, free_tcp_port, single_threaded_children, stop_gracefully
+from thc_ps.deploy.procs import die_with_parent, each_report, free_tcp_port, single_threaded_children, stop_gracefully
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "char_lm.py"
@@ -65,7 +65,7 @@ def _rank_main(method: str, cfg: LMConfig, rank: int, port: int, q, net, ps: str
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from deploy.peers import AllReduceCounter, join_group, make_hook
+    from thc_ps.deploy.peers import AllReduceCounter, join_group, make_hook
     join_group(rank, cfg.ranks, port, net)
     state = None
     try:
@@ -153,8 +153,8 @@ def run_method(method: str, cfg: LMConfig, net=None, ps: str = "", timeout_s: fl
 
 def _ps_shards(net, cfg: LMConfig) -> tuple[list, str]:
     """THC-PS's shards in the star (started, not yet waited for) and the `ps` text they make."""
-    from deploy.experiments import ps_in_namespace
-    from proto.job import JobConfig
+    from thc_ps.deploy.experiments import ps_in_namespace
+    from thc_ps.proto.job import JobConfig
     hosts = list(range(cfg.ranks)) if cfg.layout == "colocated" else [cfg.ranks]
     job = JobConfig(num_workers=cfg.ranks, **({"rotation": cfg.rotation} if cfg.rotation else {}))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -168,7 +168,7 @@ def lm(cfg: LMConfig, command: str, log=print, *, out: Path, rates=(100, 1000), 
     lm.md and lm.json to `out` (made first, so a bad path is refused before any run)."""
     from dataclasses import replace
 
-    from deploy import netns
+    from thc_ps.deploy import netns
     bad = [m for m in methods if m not in METHODS] + [lay for lay in layouts if lay not in LAYOUTS]
     if bad:
         raise ValueError(f"{bad[0]!r} is not a method ({', '.join(METHODS)}) or layout ({', '.join(LAYOUTS)}) "

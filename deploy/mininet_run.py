@@ -11,7 +11,7 @@ When the harness ends — normally, on error, on Ctrl-C or killed — the kernel
 process left in the PID namespace (switch, Mininet's host shells, workers); deleting the
 network namespace then removes the switch-side interfaces, and the hosts' namespaces go
 with their last process.  Afterwards every chunk of every round is checked against the
-in-process reference (deploy.launch.check_rounds), and the switch's counters are shown next
+in-process reference (thc_ps.deploy.launch.check_rounds), and the switch's counters are shown next
 to the workers' summary.
 """
 from __future__ import annotations
@@ -27,10 +27,10 @@ import time
 import uuid
 from pathlib import Path
 
-from p4 import tools
-from p4.control import (EVENTS, WorkerPort, choose_control, ensure_program, job_commands, l2_commands,
+from thc_ps.p4 import tools
+from thc_ps.p4.control import (EVENTS, WorkerPort, choose_control, ensure_program, job_commands, l2_commands,
                         p4info_path, parse_events, switch_job, worker_commands)
-from p4.spec import EVENT_CELLS, MAX_JOBS
+from thc_ps.p4.spec import EVENT_CELLS, MAX_JOBS
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "p4" / "harness" / "mininet_thc.py"
@@ -81,7 +81,7 @@ def nft_dropped(listing: str) -> int:
 
 
 def switch_control(requested: str, mode: str) -> tuple[str, str]:
-    """The switch's control plane for a run (p4.control.choose_control), and why: a switch
+    """The switch's control plane for a run (thc_ps.p4.control.choose_control), and why: a switch
     programmed in advance (`static`) is programmed by the harness through the Thrift CLI."""
     if mode == "static":
         if requested == "p4runtime":
@@ -162,7 +162,7 @@ def run(*, workers: int = 4, rounds: int = 20, dim: int = 4096, loss: float = 0.
         worker_timeout_s: float = 900.0, jobs: int = 1, switch: str = "auto", log=None) -> dict:
     """One Mininet run of `jobs` jobs of `workers` workers each at once; returns the summary
     (check per job and in all, workers' counters, switch counters)."""
-    from deploy.launch import check_rounds
+    from thc_ps.deploy.launch import check_rounds
     job = switch_job(workers, quorum=quorum, granularity=granularity, p=p)   # refuses n*g > 255
     if straggler_rank is not None and not 0 <= straggler_rank < workers:
         raise ValueError(f"--straggler-rank must be in 0..{workers - 1}")

@@ -4,7 +4,7 @@ warm-up) and this project's THC hook (worker/ddp_hook.py); THC-PS itself is `dep
 
 Every method trains the same model from the same seed on the same shards with the same
 optimizer as `thc train` (deploy/train.py), N processes over gloo on loopback, or each rank
-in a host namespace of its own behind a rate-limited link (`net`, a deploy.netns.Star:
+in a host namespace of its own behind a rate-limited link (`net`, a thc_ps.deploy.netns.Star:
 rank i in net.hosts[i], gloo on net.ifname, the rendezvous at rank 0's address).  Bytes are
 counted where the hooks hand tensors to `torch.distributed.all_reduce`: the payload of every
 call, and what a ring all-reduce puts on each rank's link for it, 2(N−1)/N × payload (the
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from deploy.procs import die_with_parent, free_tcp_port, single_threaded_children
+from thc_ps.deploy.procs import die_with_parent, free_tcp_port, single_threaded_children
 
 #: method name -> (hook family, PowerSGD rank); "thc-ps" is the PS path (deploy/train.py).
 METHODS = {"ddp-fp32": ("allreduce", 0), "ddp-fp16": ("fp16", 0), "powersgd-1": ("powersgd", 1),
@@ -60,7 +60,7 @@ def make_hook(method: str, world: int, rank: int, seed: int, warmup: int):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=r,
                                             start_powerSGD_iter=max(2, warmup), random_seed=seed)
         return state, powerSGD_hook.powerSGD_hook
-    from worker.ddp_hook import THCHookState, thc_hook
+    from thc_ps.worker.ddp_hook import THCHookState, thc_hook
     return THCHookState(world, rank, seed=seed), thc_hook
 
 
@@ -73,7 +73,7 @@ def join_group(rank: int, world: int, port: int, net=None) -> None:
     import torch.distributed as dist
     host = "127.0.0.1"
     if net is not None:
-        from deploy import netns
+        from thc_ps.deploy import netns
         netns.enter(net.hosts[rank])
         os.environ["GLOO_SOCKET_IFNAME"] = net.ifname
         host = net.ips[0]
@@ -87,9 +87,9 @@ def _rank_main(method: str, cfg, rank: int, port: int, q, warmup, net=None) -> N
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from deploy.train import AccuracyClock, _evaluate, training_data
-    from worker import data
-    from worker.training import MODELS, flat_params
+    from thc_ps.deploy.train import AccuracyClock, _evaluate, training_data
+    from thc_ps.worker import data
+    from thc_ps.worker.training import MODELS, flat_params
     n = cfg.job.num_workers
     join_group(rank, n, port, net)
     try:
@@ -139,7 +139,7 @@ def run_peer(method: str, cfg, log=print, timeout_s: float = 3600, warmup: int |
              net=None) -> dict:
     """Train cfg's model with `method` (a METHODS key) under DDP; per-epoch rank-0 metrics.
     `warmup`: PowerSGD's uncompressed iterations (default: one epoch's steps, at most 1000).
-    `net`: a deploy.netns.Star with a host per rank (rate-limited links), else loopback."""
+    `net`: a thc_ps.deploy.netns.Star with a host per rank (rate-limited links), else loopback."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     port = free_tcp_port()

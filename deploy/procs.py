@@ -124,7 +124,7 @@ def leave_on_sigterm() -> None:
 
 
 def quiet_once_stopped() -> None:
-    """Once SIGINT or SIGTERM arrives, the worker's notes (`worker.*` loggers) say only errors.
+    """Once SIGINT or SIGTERM arrives, the worker's notes (`thc_ps.worker.*` loggers) say only errors.
 
     Python runs a signal's handler in the main thread only when that thread runs Python
     again; a worker whose main thread waits in a C call (a phase, DDP's future) goes on
@@ -141,7 +141,7 @@ def quiet_once_stopped() -> None:
 
     def watch():
         os.read(r, 1)
-        logging.getLogger("worker").setLevel(logging.ERROR)
+        logging.getLogger("thc_ps.worker").setLevel(logging.ERROR)
     threading.Thread(target=watch, daemon=True, name="thc-stop-watch").start()
 
 

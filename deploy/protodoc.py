@@ -6,7 +6,7 @@ docs/protocol.md is prose with generated blocks between the markers
     …
     <!-- end generated -->
 
-`python -m deploy.protodoc --write` regenerates them in place; `--check` exits 1 when the
+`python -m thc_ps.deploy.protodoc --write` regenerates them in place; `--check` exits 1 when the
 document differs from what the code says (tests/test_protocol_doc.py runs the check).
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from proto import control
-from proto import headers as H
-from proto.job import JobConfig
+from thc_ps.proto import control
+from thc_ps.proto import headers as H
+from thc_ps.proto.job import JobConfig
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
 
@@ -256,7 +256,7 @@ def job_fields() -> str:
 
 def thc_numbers() -> str:
     """t_p and the table of the default job, to the last bit (docs/protocol.md §4)."""
-    from proto.tables import parse_p, solve_table, t_p
+    from thc_ps.proto.tables import parse_p, solve_table, t_p
     job = JobConfig(num_workers=1)
     tab = np.asarray(solve_table(job.bits, job.granularity, job.p).values, dtype=np.float32)
     w = np.float32(1.0) / (tab[1:] - tab[:-1])
@@ -269,7 +269,7 @@ def thc_numbers() -> str:
 
 def stream_example(seed: int = 0, rank: int = 0, round_no: int = 0, count: int = 6) -> str:
     """The stochastic-rounding key of (seed, rank, round) and its first uniforms (§5)."""
-    from compression.stochastic import counter_uniforms, key_from
+    from thc_ps.compression.stochastic import counter_uniforms, key_from
     key = key_from(np.random.default_rng(np.random.SeedSequence([seed, rank, round_no, 0x52])))
     u = counter_uniforms(key, count)
     rows = [("K", f"0x{key:016x}")]
@@ -307,7 +307,7 @@ def main(argv=None) -> int:
         DOC.write_text(new)
         return 0
     if new != text:
-        print(f"{DOC} is out of date: run `python -m deploy.protodoc --write`", file=sys.stderr)
+        print(f"{DOC} is out of date: run `python -m thc_ps.deploy.protodoc --write`", file=sys.stderr)
         return 1
     return 0
 

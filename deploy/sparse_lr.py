@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from deploy.procs import each_report, single_threaded_children
+from thc_ps.deploy.procs import each_report, single_threaded_children
 
 
 @dataclass
@@ -60,8 +60,8 @@ def loss_and_grad(w, feats, vals, labels):
 
 def _worker(cfg: SparseLRConfig, rank: int, shard, q) -> None:
     try:
-        from worker.client import Worker
-        from worker.transport import Transport
+        from thc_ps.worker.client import Worker
+        from thc_ps.worker.transport import Transport
         feats, vals, labels, split = make_dataset(cfg)
         t = Transport(shard[0], shard[1], rank, control_port=shard[2], timeout_ms=200)
         w_client = Worker(t, seed=cfg.seed)
@@ -96,8 +96,8 @@ def _worker(cfg: SparseLRConfig, rank: int, shard, q) -> None:
 
 def run(cfg: SparseLRConfig) -> dict:
     """One training run through a local PS; rank 0's test metrics and its traffic."""
-    from proto.job import JobConfig
-    from ps_server.server import PSServer
+    from thc_ps.proto.job import JobConfig
+    from thc_ps.ps_server.server import PSServer
     job = JobConfig(num_workers=cfg.workers, codec=cfg.codec, seed=cfg.seed,
                     lane_bits=16 if cfg.workers * 30 > 255 else 8)
     server = PSServer(job, ("127.0.0.1", 0), control_port=0).start()

@@ -1,6 +1,6 @@
 """Loss and stragglers through the bmv2 switch beside the software PS, same configurations.
 
-    PATH=/opt/p4tools/bin:$PATH .venv/bin/python -m deploy.switch_experiment    (root)
+    PATH=/opt/p4tools/bin:$PATH .venv/bin/python -m thc_ps.deploy.switch_experiment    (root)
 
 Each configuration runs twice:
   switch    `thc p4 mininet`: one bmv2 switch in Mininet, N hosts with real `thc worker`s,
@@ -22,9 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from deploy import mininet_run, netns
-from deploy.procs import stop_gracefully
-from p4.control import choose_control, engine_stats
+from thc_ps.deploy import mininet_run, netns
+from thc_ps.deploy.procs import stop_gracefully
+from thc_ps.p4.control import choose_control, engine_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ CONFIGS = (
 def software(workers, rounds, dim, loss, delay, rank, quorum, policy) -> dict:
     """`thc ps` and `thc launch --ps` in two namespaces, nftables loss on the workers' side."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    py = [sys.executable, "-m", "deploy.cli"]
+    py = [sys.executable, "-m", "thc_ps.deploy.cli"]
     with netns.two_hosts(loss=loss) as net:
         ps = subprocess.Popen(net.prefix(net.ps_ns) + py + [
             "ps", "--bind", f"{net.ps_ip}:9000", "--workers", str(workers), "--quorum", str(quorum),
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
                     help="where switch.md and switch.json go (default: ./thc-results/switch; "
                          "`--out docs/experiments` regenerates the committed results)")
     ap.add_argument("--switch-control", choices=("auto", "p4runtime", "thrift"), default="auto",
-                    help="how the switch is programmed (p4.control.choose_control): P4Runtime runs the "
+                    help="how the switch is programmed (thc_ps.p4.control.choose_control): P4Runtime runs the "
                          "control plane as `thc p4 run --attach` (mininet's p4run mode), Thrift preprograms it")
     args = ap.parse_args(argv)
     out = Path(args.out).expanduser()
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
         "# Loss and stragglers through the bmv2 switch, beside the software PS",
         "",
         f"Command (root, p4lang's tools found by `thc p4 doctor`): "
-        f"`PATH=/opt/p4tools/bin:$PATH .venv/bin/python -m deploy.switch_experiment --workers {args.workers} "
+        f"`PATH=/opt/p4tools/bin:$PATH .venv/bin/python -m thc_ps.deploy.switch_experiment --workers {args.workers} "
         f"--rounds {args.rounds} --dim {args.dim} --switch-control {switch}`",
         "",
         f"{args.workers} workers, {args.rounds} rounds of d={args.dim} (THC b=4, g=30, p=1/32). "

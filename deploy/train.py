@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from deploy.procs import (die_with_parent, leave_on_sigterm, single_threaded_children, start_shielded,
+from thc_ps.deploy.procs import (die_with_parent, leave_on_sigterm, single_threaded_children, start_shielded,
                           stop_children)
-from proto.job import JobConfig
+from thc_ps.proto.job import JobConfig
 
 
 #: TrainConfig.grad_sync's choices (`thc train --grad-sync`).
@@ -102,14 +102,14 @@ class TrainConfig:
 
 @functools.cache
 def model_params(name: str) -> int:
-    """The parameters of worker.training.MODELS[name]."""
-    from worker.training import MODELS
+    """The parameters of thc_ps.worker.training.MODELS[name]."""
+    from thc_ps.worker.training import MODELS
     return sum(p.numel() for p in MODELS[name]().parameters())
 
 
 def training_data(cfg: TrainConfig) -> tuple:
     """(train images, train labels, test images, test labels) of a run, cut to its limits."""
-    from worker import data
+    from thc_ps.worker import data
     xtr, ytr = data.load("train")
     xte, yte = data.load("test")
     if cfg.train_limit:
@@ -185,7 +185,7 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
     t = path = None
     try:
         if cfg.rank_netns:
-            from deploy import netns
+            from thc_ps.deploy import netns
             netns.enter(cfg.rank_netns[rank])
             os.environ.setdefault("GLOO_SOCKET_IFNAME", netns.Star.ifname)
         elif cfg.uses_hook:
@@ -193,11 +193,11 @@ def worker_main(cfg: TrainConfig, rank: int, shards: list, q, job_msg: dict | No
         import torch
         import torch.nn.functional as F
 
-        from worker import data
-        from worker.client import Worker
-        from deploy.launch import KILLED
-        from worker.training import MODELS, flat_params, rejoin_step, rejoin_training, sync_model
-        from worker.transport import Faults, LeaseLost, Transport
+        from thc_ps.worker import data
+        from thc_ps.worker.client import Worker
+        from thc_ps.deploy.launch import KILLED
+        from thc_ps.worker.training import MODELS, flat_params, rejoin_step, rejoin_training, sync_model
+        from thc_ps.worker.transport import Faults, LeaseLost, Transport
         torch.set_num_threads(1)
         torch.manual_seed(cfg.job.seed)                  # identical initial models
         xtr, ytr, xte, yte = training_data(cfg)
@@ -308,13 +308,13 @@ class _GradPath:
     fast-forwards with."""
 
     def __init__(self, cfg: TrainConfig, rank: int, model, worker, store_port: int):
-        from worker.training import GradientSync
+        from thc_ps.worker.training import GradientSync
         self.worker, self.net, self.hook = worker, model, None
         self.sync = GradientSync(worker, model, per_tensor=cfg.per_tensor)
         if cfg.uses_hook:
             import torch
 
-            from worker.ps_hook import HookSync, PSHookState, merged_report, ps_hook
+            from thc_ps.worker.ps_hook import HookSync, PSHookState, merged_report, ps_hook
             self._merged = merged_report
             _init_gloo(cfg, rank, store_port)
             # the gradients live in the buckets (no copy in and out of them each step)
@@ -383,8 +383,8 @@ def _log_epoch(cfg: TrainConfig, e: dict, log) -> None:
 def run(cfg: TrainConfig, log=print) -> dict:
     """Train once with cfg; returns the per-epoch history (rank 0's metrics, and the chunks
     all ranks lost, as the progress lines count them) and totals."""
-    from ps_server.server import PSServer
-    from worker import data
+    from thc_ps.ps_server.server import PSServer
+    from thc_ps.worker import data
     data.load("test")   # fail early, with the install hint, if the dataset is missing
     job = cfg.job
     server = None
@@ -392,13 +392,13 @@ def run(cfg: TrainConfig, log=print) -> dict:
         if not cfg.job_name:        # a fresh name: runs started together train side by side
             import secrets
             cfg = replace(cfg, job_name=f"train-{secrets.token_hex(4)}")
-        from proto.addresses import parse_ps
+        from thc_ps.proto.addresses import parse_ps
         shards = parse_ps(cfg.ps)
     else:
         server = PSServer(job, ("127.0.0.1", 0), control_port=0, lease_s=cfg.lease_s,
                           keys=cfg.keys or None).start()
         shards = [("127.0.0.1", server.data_addr[1], server.control_port)]
-    from deploy.launch import KILLED
+    from thc_ps.deploy.launch import KILLED
     single_threaded_children()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

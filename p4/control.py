@@ -4,7 +4,7 @@ p4/tools.py.
 
 What a job needs (tables, multicast groups, counters, by their P4Info names) is
 p4/entries.py's; how it gets there is a backend's: `ThriftControl` (text piped into
-`simple_switch_CLI`, bmv2 only) or p4.p4runtime.P4RuntimeControl (P4Runtime, for
+`simple_switch_CLI`, bmv2 only) or thc_ps.p4.p4runtime.P4RuntimeControl (P4Runtime, for
 `simple_switch_grpc` and any P4Runtime server).  `SwitchEngine` and `SwitchJob` work over
 either; a batch the switch rejects is taken back before the error reaches the caller, so no
 job is ever left half programmed.  The event counters are p4/spec.py's EVENTS, the list the
@@ -21,14 +21,14 @@ import subprocess
 import time
 from pathlib import Path
 
-from p4.entries import (COUNTERS, EVENTS_COUNTER, REGISTERS, THC_TABLES, CounterCells, McGroup, TableEntry,
+from thc_ps.p4.entries import (COUNTERS, EVENTS_COUNTER, REGISTERS, THC_TABLES, CounterCells, McGroup, TableEntry,
                         WorkerPort, check_shape, describe, job_writes, l2_entries, replica_entry,
                         rid, undo, worker_entry)
-from p4.spec import (DROPS, EVENT_CELLS, EVENTS, LANES, MAX_JOBS, MAX_RANKS, PORT,  # noqa: F401
+from thc_ps.p4.spec import (DROPS, EVENT_CELLS, EVENTS, LANES, MAX_JOBS, MAX_RANKS, PORT,  # noqa: F401
                      SLOTS)
-from p4.tools import cli_problem, require
-from proto.job import JobConfig
-from ps_server.engine import wait
+from thc_ps.p4.tools import cli_problem, require
+from thc_ps.proto.job import JobConfig
+from thc_ps.ps_server.engine import wait
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def table_add(e: TableEntry) -> str:
 
 def job_commands(job: JobConfig, ps_mac: str, nonce: int = 0, base: int = 0, cell: int = 1,
                  epoch: int = 1) -> list[str]:
-    """A job's writes (p4.entries.job_writes) as simple_switch_CLI commands, for a switch
+    """A job's writes (thc_ps.p4.entries.job_writes) as simple_switch_CLI commands, for a switch
     programmed in advance."""
     return [c for op, item in job_writes(job, ps_mac, nonce, base, cell, epoch)
             for c in ThriftControl.commands(op, item)]
@@ -321,7 +321,7 @@ def apply(control, writes: list, before: dict | None = None) -> None:
 
 
 def _p4runtime_error():
-    from p4.p4runtime import P4RuntimeError
+    from thc_ps.p4.p4runtime import P4RuntimeError
     return P4RuntimeError
 
 
@@ -364,7 +364,7 @@ def compile_tofino(target: str = "tofino", out_dir: Path | str = "build/tofino",
     """p4c-barefoot p4/tofino/thc_tna.p4 for Tofino 1 (`tofino`, TNA) or 2 (`tofino2`, T2NA) into
     out_dir/<target>; the completed process (its output holds the compiler's messages).  `-g`
     makes it write its resource report (pipe/logs/resources.json, phv.json:
-    p4.tofino_resources.summarize).  The P4Info goes to out_dir/<target>/thc_tna.p4info.bin,
+    thc_ps.p4.tofino_resources.summarize).  The P4Info goes to out_dir/<target>/thc_tna.p4info.bin,
     with standard externs: what a P4Runtime server on a Tofino (Stratum) loads and
     p4/tna_entries.py names (binary, as it keeps an extern text cannot describe)."""
     if target not in TOFINO_TARGETS:
@@ -474,8 +474,8 @@ def start_switch_grpc(ports: dict, grpc_port: int | None = None, netns: str | No
 def choose_control(requested: str = "auto") -> tuple[str, str]:
     """(backend, why): `p4runtime` where simple_switch_grpc and the client library are there,
     else `thrift`; a backend asked for by name is that one, or an error naming what it lacks."""
-    from p4 import tools
-    from p4.p4runtime import client_problem
+    from thc_ps.p4 import tools
+    from thc_ps.p4.p4runtime import client_problem
     lacks = [f"simple_switch_grpc ({tools.where_text()})"] if tools.find_tool("simple_switch_grpc") is None else []
     problem = client_problem()
     if problem:
@@ -510,7 +510,7 @@ class SwitchEngine:
     returns its engine (SwitchJob), which programs registrations and removes everything of the
     job when it ends.  Block 0 of the counters (what no job owns) is this object's stats.
 
-    `control` is a backend (ThriftControl, or p4.p4runtime.P4RuntimeControl; a SwitchCLI is
+    `control` is a backend (ThriftControl, or thc_ps.p4.p4runtime.P4RuntimeControl; a SwitchCLI is
     taken as ThriftControl over it).  On start it takes the switch over (`take_over`: Thrift
     clears what a previous control plane left in the THC tables, registers, counters and
     multicast groups and leaves L2 entries alone; P4Runtime loads the program, so everything

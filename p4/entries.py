@@ -14,8 +14,8 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from p4.spec import EVENT_CELLS, LANES, MAX_JOBS, MAX_RANKS, SLOTS
-from proto.job import JobConfig
+from thc_ps.p4.spec import EVENT_CELLS, LANES, MAX_JOBS, MAX_RANKS, SLOTS
+from thc_ps.proto.job import JobConfig
 
 ING, EGR = "ThcIngress", "ThcEgress"
 CONFIG, WORKERS, L2, REPLICA = f"{ING}.thc_config", f"{ING}.workers", f"{ING}.l2", f"{EGR}.replica_dest"

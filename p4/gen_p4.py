@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
 
-from p4 import spec
-from p4.spec import LANES, PORT, SLOTS  # noqa: F401  (re-exported: the programs' shape)
-from proto import headers as H
+from thc_ps.p4 import spec
+from thc_ps.p4.spec import LANES, PORT, SLOTS  # noqa: F401  (re-exported: the programs' shape)
+from thc_ps.proto import headers as H
 
 HERE = Path(__file__).resolve().parent
 TEMPLATES = HERE / "templates"
@@ -133,7 +133,7 @@ IPV4_CHECKSUMMED = ("version", "ihl", "diffserv", "total_len", "identification",
 
 
 def thc_header_fields() -> str:
-    """The THC header's P4 fields, from proto.headers.FIELDS (the one wire definition)."""
+    """The THC header's P4 fields, from thc_ps.proto.headers.FIELDS (the one wire definition)."""
     return "\n".join(f"    bit<{8 * size}> {name};" for name, size in H.FIELDS)
 
 

@@ -9,7 +9,7 @@ module selects it before protobuf is first imported (docs/p4.md, "Control planes
 `P4Info` looks every table, match field, action, parameter and counter up by the name
 p4/entries.py uses; `P4RuntimeClient` holds the primary connection (arbitration), loads the
 pipeline, writes batches and reads; `P4RuntimeControl` turns p4/entries.py's writes into
-P4Runtime updates — the P4Runtime backend of p4.control.SwitchEngine.
+P4Runtime updates — the P4Runtime backend of thc_ps.p4.control.SwitchEngine.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import queue
 import sys
 from pathlib import Path
 
-from p4.entries import CounterCells, McGroup, RegisterFill, TableEntry, ValueSet, describe
+from thc_ps.p4.entries import CounterCells, McGroup, RegisterFill, TableEntry, ValueSet, describe
 
 PURE_PYTHON = ("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
 
@@ -228,7 +228,7 @@ CODES = {0: "OK", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 5: "NOT_FOUND", 6: "ALREA
 
 
 class P4RuntimeControl:
-    """The P4Runtime backend of p4.control.SwitchEngine: p4/entries.py's writes as P4Runtime
+    """The P4Runtime backend of thc_ps.p4.control.SwitchEngine: p4/entries.py's writes as P4Runtime
     updates, one WriteRequest per batch; names resolved through the P4Info."""
 
     name = "p4runtime"
@@ -369,13 +369,13 @@ class P4RuntimeControl:
 
 
 def main(argv=None) -> int:
-    """`python -m p4.p4runtime --address A --p4info P --blocks N`: the event counters of
+    """`python -m thc_ps.p4.p4runtime --address A --p4info P --blocks N`: the event counters of
     blocks 0..N-1, one `packets=N` line per cell as simple_switch_CLI prints them (read by
     p4/harness/mininet_thc.py, whose Debian python has no P4Runtime client)."""
     import argparse
 
-    from p4.entries import EVENTS_COUNTER
-    from p4.spec import EVENT_CELLS, EVENTS
+    from thc_ps.p4.entries import EVENTS_COUNTER
+    from thc_ps.p4.spec import EVENT_CELLS, EVENTS
     ap = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     ap.add_argument("--address", required=True)
     ap.add_argument("--p4info", required=True)

@@ -17,7 +17,7 @@ normal port is pass 1: its expected output is what pass 1 must tell pass 2 — t
 header in front of the frame, on the job's recirculation port — derived from the twin's
 state before and after the packet (a new round, the current one with its contributors, the
 previous one), or pass 1's own answer (a drop, a STRAGGLER).  A test entering on
-p4.testgen.TESTGEN_RECIRC_PORT is pass 2: the bridge and the lane and shadow registers say
+thc_ps.p4.testgen.TESTGEN_RECIRC_PORT is pass 2: the bridge and the lane and shadow registers say
 what pass 1 found, the twin is put in a state where pass 1 finds exactly that, and its
 answer is compared.  Fields the twin does not determine (the arrival bit of a sender that
 came late, the offset beside an empty shadow copy) are masked, never guessed.
@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from p4.control import switch_job
-from p4.spec import LANES, MAX_JOBS, SLOTS
-from p4.testgen import TESTGEN_RECIRC_PORT, GenTest, target
-from proto import headers as H
-from proto.packing import unpack_indices
-from ps_server.reference import DROP_REASONS, ReferencePS
+from thc_ps.p4.control import switch_job
+from thc_ps.p4.spec import LANES, MAX_JOBS, SLOTS
+from thc_ps.p4.testgen import TESTGEN_RECIRC_PORT, GenTest, target
+from thc_ps.proto import headers as H
+from thc_ps.proto.packing import unpack_indices
+from thc_ps.ps_server.reference import DROP_REASONS, ReferencePS
 
 M32 = 0xFFFFFFFF
 ONE = 1 << 24                   # one contributor in the Tofino program's count << 24 | bitmap word

@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from p4 import tools
+from thc_ps.p4 import tools
 
 HERE = Path(__file__).resolve().parent
 

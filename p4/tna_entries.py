@@ -4,7 +4,7 @@ Tofino (Stratum) loads, whose counters, registers and value sets are P4Runtime's
 entities (without the flag p4c-barefoot describes them as Tofino-specific externs and prefixes
 every name with the Pipeline's, `pipe.`).  The items are p4/entries.py's (TableEntry,
 McGroup, CounterCells, ValueSet, RegisterFill), so p4/p4runtime.py's P4RuntimeControl and
-p4.control.apply drive it as they drive bmv2.
+thc_ps.p4.control.apply drive it as they drive bmv2.
 
 The program serves one job at a time (p4/tofino/README.md): the job is matched on (job id,
 nonce) with no job id in the other keys, worker ids and slots are checked by range tables
@@ -15,11 +15,11 @@ it and a job's writes against the P4Info (tests/p4/test_p4info_names.py).
 """
 from __future__ import annotations
 
-from p4.entries import (EGR, ING, CounterCells, McGroup, RegisterFill, TableEntry, ValueSet, WorkerPort, _fit,
+from thc_ps.p4.entries import (EGR, ING, CounterCells, McGroup, RegisterFill, TableEntry, ValueSet, WorkerPort, _fit,
                         check_shape, entry, ip_int, mac_int)
-from p4.spec import EVENT_CELLS, LANES
-from proto.headers import DATA, NORM
-from proto.job import JobConfig
+from thc_ps.p4.spec import EVENT_CELLS, LANES
+from thc_ps.proto.headers import DATA, NORM
+from thc_ps.proto.job import JobConfig
 
 #: With standard externs p4c-barefoot names a TNA object after its control, as p4c names bmv2's.
 TING, TEGR = ING, EGR

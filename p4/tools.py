@@ -269,7 +269,7 @@ def doctor(*, python: str = DEBIAN_PYTHON, **where) -> dict:
     """Every tool's status; bmv2_complete when the switch tests can run; p4runtime: '' when
     the P4Runtime control plane can run (simple_switch_grpc and the client library), else why
     not."""
-    from p4.p4runtime import client_problem
+    from thc_ps.p4.p4runtime import client_problem
     tools = [check(s, python=python, **where) for s in SPECS]
     complete = all(t.usable for t in tools if t.name in BMV2_HALF)
     grpc = next(t for t in tools if t.name == "simple_switch_grpc")

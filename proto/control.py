@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import msgpack
 
-from proto import headers
+from thc_ps.proto import headers
 
 #: Largest control message the PS accepts (ZMQ_MAXMSGSIZE); model sync blobs are the large ones.
 DEFAULT_MAX_MESSAGE = 64 << 20

@@ -10,9 +10,9 @@ import ipaddress
 import math
 from dataclasses import asdict, dataclass, field
 
-from proto import headers
-from proto.packing import check_lane_capacity, lane_bits_for, packed_size
-from proto.tables import parse_p, solve_table
+from thc_ps.proto import headers
+from thc_ps.proto.packing import check_lane_capacity, lane_bits_for, packed_size
+from thc_ps.proto.tables import parse_p, solve_table
 
 #: Fields the PS assigns when it admits a job (its id among the running jobs, the data slots
 #: of its region): a worker's expectation of them is no conflict, it takes the PS's values.
@@ -51,7 +51,7 @@ DEFAULT_ROTATION = "job"
 MAX_BLOCK_LOG2 = 26
 
 #: The --result-group value that asks a run starting its own PS on this host to pick a group
-#: (deploy.launch.one_host_group).  Never a job's result_group: parse_group refuses it.
+#: (thc_ps.deploy.launch.one_host_group).  Never a job's result_group: parse_group refuses it.
 AUTO_GROUP = "auto"
 
 
@@ -144,7 +144,7 @@ class JobConfig:
         budget = headers.payload_budget(self.mtu)
         limit = headers.max_elements(budget, self.up_bits, self.down_bits)
         if self.blob:
-            from proto.blob import SUB_SIZE
+            from thc_ps.proto.blob import SUB_SIZE
             limit = budget - SUB_SIZE
         if self.elems_per_packet == 0:
             self.elems_per_packet = limit
@@ -176,7 +176,7 @@ class JobConfig:
 
     def up_payload_len(self, count: int) -> int:
         if self.blob:
-            from proto.blob import SUB_SIZE
+            from thc_ps.proto.blob import SUB_SIZE
             return SUB_SIZE + count
         return packed_size(count, self.up_bits)
 

@@ -1,4 +1,4 @@
-"""scapy layer for the THC header, derived from proto.headers.FIELDS (one definition).
+"""scapy layer for the THC header, derived from thc_ps.proto.headers.FIELDS (one definition).
 
 Bound to UDP port 9000 (the default data port) so `IP()/UDP(dport=9000)/THC()`
 dissects; tests and tools may bind other ports with `bind_port`.
@@ -9,7 +9,7 @@ from scapy.fields import ByteEnumField, ByteField, IntField, ShortField, XShortF
 from scapy.layers.inet import UDP
 from scapy.packet import Packet, Raw, bind_layers
 
-from proto import headers
+from thc_ps.proto import headers
 
 DEFAULT_PORT = 9000
 

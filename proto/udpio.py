@@ -16,7 +16,7 @@ import os
 import socket
 import struct
 
-from proto.headers import split_segments
+from thc_ps.proto.headers import split_segments
 
 SOL_UDP = 17
 UDP_SEGMENT = 103

@@ -3,11 +3,11 @@ thing that aggregates one job's packets.
 
 Four implementations, one signature each:
 
-- ``ps_server.reference.ReferencePS``: the executable specification, in Python;
-- ``ps_server._fastpath.Engine``: the C hot path (recvmmsg/sendmmsg, GIL released);
-- ``p4.control.SwitchJob``: programs one job on a bmv2 switch, which aggregates (made by
-  ``p4.control.SwitchEngine``, the switch's ExternalEngine);
-- ``p4.harness.static_control.StaticEngine``: a switch programmed in advance.
+- ``thc_ps.ps_server.reference.ReferencePS``: the executable specification, in Python;
+- ``thc_ps.ps_server._fastpath.Engine``: the C hot path (recvmmsg/sendmmsg, GIL released);
+- ``thc_ps.p4.control.SwitchJob``: programs one job on a bmv2 switch, which aggregates (made by
+  ``thc_ps.p4.control.SwitchEngine``, the switch's ExternalEngine);
+- ``thc_ps.p4.harness.static_control.StaticEngine``: a switch programmed in advance.
 
 The PS owns the UDP socket and hands its descriptor to ``serve``; ``process`` is the same
 step for one datagram, without a socket (the differential tests drive it directly).  The
@@ -22,8 +22,8 @@ import socket
 import time
 from typing import Protocol, runtime_checkable
 
-from proto import headers as H
-from proto.udpio import recv_datagrams
+from thc_ps.proto import headers as H
+from thc_ps.proto.udpio import recv_datagrams
 
 
 @runtime_checkable

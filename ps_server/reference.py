@@ -41,11 +41,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from proto import blob as B
-from proto import headers as H
-from proto.job import JobConfig, parse_group
-from proto.packing import LANE_DTYPES, unpack_indices
-from ps_server.engine import serve_by_process
+from thc_ps.proto import blob as B
+from thc_ps.proto import headers as H
+from thc_ps.proto.job import JobConfig, parse_group
+from thc_ps.proto.packing import LANE_DTYPES, unpack_indices
+from thc_ps.ps_server.engine import serve_by_process
 
 DROP_REASONS = ("malformed", "wrong_version", "unknown_job", "slot_out_of_range",
                 "worker_out_of_range", "unregistered", "stale", "duplicate", "late", "codec_error",
@@ -150,7 +150,7 @@ class Stats:
     def as_dict(self) -> dict:
         return {**self.counters, "drops": dict(self.drops)}
 
-    __call__ = as_dict      # ReferencePS.stats() -> dict, as every engine (ps_server.engine)
+    __call__ = as_dict      # ReferencePS.stats() -> dict, as every engine (thc_ps.ps_server.engine)
 
 
 class ReferencePS:
@@ -181,7 +181,7 @@ class ReferencePS:
         self._codec = None
         self._codec_state: dict = {}
         if job.blob:
-            from compression import registry
+            from thc_ps.compression import registry
             self._codec = registry.get(job.codec, **job.codec_params)
 
     def register(self, rank: int, ip: str, port: int, token: int = 0) -> None:
@@ -515,7 +515,7 @@ class ReferencePS:
         return self._blob_aggregate(cur, dim)
 
     def _blob_aggregate(self, cur: _BlobRound, dim: int) -> list:
-        from compression.codec import CodecError, Context
+        from thc_ps.compression.codec import CodecError, Context
         members = [w for w in sorted(cur.parts) if cur.bitmap >> w & 1]
         if any(cur.parts[w].dim != dim for w in members):
             return self._drop("malformed")

@@ -36,15 +36,15 @@ from pathlib import Path
 
 import zmq
 
-from proto import control
-from proto import udpio
-from proto.job import JobConfig, parse_group
-from proto.keys import HandshakeWatch
-from proto.sockets import multicast_from, multicast_unreachable, set_buffer
-from ps_server.engine import Engine, ExternalEngine
-from ps_server import admission
-from ps_server.engine import JobTable
-from ps_server.reference import DROP_REASONS, ReferencePS, SlotSpace
+from thc_ps.proto import control
+from thc_ps.proto import udpio
+from thc_ps.proto.job import JobConfig, parse_group
+from thc_ps.proto.keys import HandshakeWatch
+from thc_ps.proto.sockets import multicast_from, multicast_unreachable, set_buffer
+from thc_ps.ps_server.engine import Engine, ExternalEngine
+from thc_ps.ps_server import admission
+from thc_ps.ps_server.engine import JobTable
+from thc_ps.ps_server.reference import DROP_REASONS, ReferencePS, SlotSpace
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ POLL_S = 0.1
 def make_engine(job: JobConfig, kind: str | ExternalEngine = "c", nonce: int = 0, space=None,
                 base: int = 0) -> Engine:
     """A fresh aggregation engine for one job: 'c' (hot path), 'python' (reference), or an
-    ExternalEngine (e.g. p4.control.SwitchEngine), which programs the job in its slots base..
+    ExternalEngine (e.g. thc_ps.p4.control.SwitchEngine), which programs the job in its slots base..
     and returns its engine.  `space`: the PS's SlotSpace (the C one for 'c',
     reference.SlotSpace for 'python'), the engine's slots being its slots base..; None gives
     the engine slots of its own."""
@@ -84,7 +84,7 @@ def make_engine(job: JobConfig, kind: str | ExternalEngine = "c", nonce: int = 0
         return ReferencePS(job, nonce, space, base)
     if kind != "c":
         raise ValueError(f"engine must be 'c' or 'python', got {kind!r}")
-    from ps_server._fastpath import Engine
+    from thc_ps.ps_server._fastpath import Engine
     return Engine(job_id=job.job_id, num_workers=job.num_workers, slots=job.slots,
                   norm_slots=job.norm_slots, elems_per_packet=job.elems_per_packet,
                   bits=job.bits, lane_bits=job.lane_bits, op=job.op,
@@ -243,8 +243,8 @@ class PSServer:
         if self._external is not None:
             self.space, self.mux = None, self._external
         elif engine == "c":
-            from ps_server._fastpath import Mux
-            from ps_server._fastpath import SlotSpace as CSlotSpace
+            from thc_ps.ps_server._fastpath import Mux
+            from thc_ps.ps_server._fastpath import SlotSpace as CSlotSpace
             self.space, self.mux = CSlotSpace(slot_space), Mux()
         else:
             self.space, self.mux = SlotSpace(slot_space), JobTable()

@@ -19,8 +19,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import thc_ps
 from bench.pauses import free_port_pair
-from proto.job import JobConfig
-from ps_server.server import PSServer
+from thc_ps.proto.job import JobConfig
+from thc_ps.ps_server.server import PSServer
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK_SCRIPT = ROOT / "tests" / "api_rank.py"
@@ -385,12 +385,12 @@ def test_two_nodes_in_namespaces_join_one_ps_job(tmp_path):
     across them, 2 × 2 ranks, one PS job, replicas identical at the end.  (In a namespace
     the host name resolves to the host's address, not the namespace's: each node names its
     own address, --local-addr, and the first is told it holds the rendezvous, is_host=1.)"""
-    from deploy import netns
+    from thc_ps.deploy import netns
     why = netns.unavailable()
     if why:
         pytest.skip(why)
     with netns.star(3) as net:
-        ps_proc = subprocess.Popen([*net.prefix(0), sys.executable, "-m", "deploy.cli", "ps", "--bind",
+        ps_proc = subprocess.Popen([*net.prefix(0), sys.executable, "-m", "thc_ps.deploy.cli", "ps", "--bind",
                                     f"{net.ips[0]}:9000"], cwd=ROOT, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True)
         nodes = []
@@ -427,7 +427,7 @@ def test_the_api_reference_states_the_options_and_defaults_the_code_has():
     import inspect
 
     from thc_ps.torch import JOB_OPTIONS, TRANSPORT_OPTIONS
-    from worker.transport import Transport
+    from thc_ps.worker.transport import Transport
     text = (ROOT / "docs" / "api.md").read_text()
 
     def table(header: str) -> dict:
@@ -447,3 +447,18 @@ def test_the_api_reference_states_the_options_and_defaults_the_code_has():
     assert list(transports) == list(TRANSPORT_OPTIONS)
     from thc_ps.torch import TRANSPORT_NAMES
     assert {TRANSPORT_NAMES.get(o, o) for o in TRANSPORT_OPTIONS} <= set(inspect.signature(Transport).parameters)
+
+
+def test_a_script_with_its_own_worker_and_proto_modules_imports_thc_ps(tmp_path):
+    """A training script beside its own worker.py and proto.py (first on sys.path) still gets
+    the project's packages through thc_ps, and its own modules stay its own."""
+    (tmp_path / "worker.py").write_text("MINE = 'worker'\n")
+    (tmp_path / "proto.py").write_text("MINE = 'proto'\n")
+    (tmp_path / "train.py").write_text(
+        "import thc_ps, thc_ps.torch, worker, proto\n"
+        "from thc_ps.worker.ps_hook import PSHookState\n"
+        "assert thc_ps.connect is thc_ps.torch.connect\n"
+        "print(worker.MINE, proto.MINE, PSHookState.__module__)\n")
+    out = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["worker", "proto", "thc_ps.worker.ps_hook"]

@@ -4,8 +4,8 @@ import socket
 
 import pytest
 
-from proto.sockets import set_buffer
-from worker import _batchio
+from thc_ps.proto.sockets import set_buffer
+from thc_ps.worker import _batchio
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """`thc bench codecs` on a tiny dimension: one row per registered codec, sane columns."""
-from compression import registry
-from deploy import bench_codecs
+from thc_ps.compression import registry
+from thc_ps.deploy import bench_codecs
 
 
 def test_bench_codecs_table_has_every_codec(tmp_path):

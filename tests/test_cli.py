@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from deploy.cli import main
+from thc_ps.deploy.cli import main
 
 
 def run(capsys, *argv):
@@ -42,7 +42,7 @@ def test_bad_arguments_explain_themselves(capsys):
 
 
 def test_experiment_codec_and_rate_lists():
-    from deploy.cli import build_parser
+    from thc_ps.deploy.cli import build_parser
     args = build_parser().parse_args(["experiment", "bandwidth", "--codecs", "none,thc,3lc", "--rates", "100,2.5,0"])
     assert args.codecs == ("none", "thc", "3lc") and args.rates == (100, 2.5, None)
     defaults = build_parser().parse_args(["experiment", "bandwidth"])
@@ -74,7 +74,7 @@ def test_every_option_has_help_and_no_hand_typed_default():
     no help text spells one out that could go stale."""
     import re
 
-    from deploy.cli import build_parser
+    from thc_ps.deploy.cli import build_parser
     seen = 0
     for name, sub in _subcommands(build_parser()):
         for action in sub._actions:
@@ -94,7 +94,7 @@ def test_every_default_in_help_is_what_the_user_would_type():
     import argparse
     import re
 
-    from deploy.cli import build_parser
+    from thc_ps.deploy.cli import build_parser
     needed = {"worker": ["--ps", "127.0.0.1:9000"], "status": ["--ps", "127.0.0.1:9000"],
               "experiment": ["loss"], "keys": ["somewhere"]}
     parser, checked = build_parser(), 0
@@ -122,7 +122,7 @@ def test_every_default_in_help_is_what_the_user_would_type():
 def test_job_options_are_declared_once_and_shared():
     """--workers/--bits/--granularity/--p/--lane-bits/--quorum/--seed come from one table with
     one help text each; the commands differ only in their defaults."""
-    from deploy.cli import JOB_OPTIONS, build_parser
+    from thc_ps.deploy.cli import JOB_OPTIONS, build_parser
     subs = dict(_subcommands(build_parser()))
     for cmd in ("ps", "launch", "train", "nmse", "experiment", "worker", "p4 run", "p4 mininet"):
         for action in subs[cmd]._actions:
@@ -138,8 +138,8 @@ def test_job_options_are_declared_once_and_shared():
 
 
 def test_loss_policy_choices_are_the_transports():
-    from deploy.cli import build_parser
-    from worker.transport import POLICIES
+    from thc_ps.deploy.cli import build_parser
+    from thc_ps.worker.transport import POLICIES
     subs = dict(_subcommands(build_parser()))
     for cmd in ("train", "launch", "worker", "p4 mininet"):
         action = next(a for a in subs[cmd]._actions if "--loss-policy" in a.option_strings)
@@ -165,7 +165,7 @@ def test_log_level_reaches_the_loggers(capsys):
     root.handlers[:] = []
     try:
         assert main(["--log-level", "debug", "table", "--bits", "2", "--granularity", "3"]) == 0
-        assert logging.getLogger("ps_server.server").isEnabledFor(logging.DEBUG)
+        assert logging.getLogger("thc_ps.ps_server.server").isEnabledFor(logging.DEBUG)
     finally:
         root.handlers[:], _ = saved
         root.setLevel(saved[1])
@@ -175,8 +175,8 @@ def test_the_lane_follows_the_job_unless_given(capsys):
     """A job's size is whatever torchrun says: left unset, the lane is the narrowest that holds
     n·g (8 bits to 8 ranks at g = 30, 16 beyond); a width too narrow is refused naming the
     options that fix it."""
-    from deploy.cli import build_parser
-    from proto.job import JobConfig
+    from thc_ps.deploy.cli import build_parser
+    from thc_ps.proto.job import JobConfig
     assert [JobConfig(num_workers=n).lane_bits for n in (1, 8, 9, 32)] == [8, 8, 16, 16]
     assert JobConfig(num_workers=32, granularity=3000).lane_bits == 32
     assert JobConfig(num_workers=9, lane_bits=32).lane_bits == 32

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from bench.pauses import free_port_pair
-from deploy import cli, experiments
-from ps_server.server import PSServer
+from thc_ps.deploy import cli, experiments
+from thc_ps.ps_server.server import PSServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def thc(*argv, timeout=60):
-    return subprocess.run([sys.executable, "-m", "deploy.cli", *argv], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "thc_ps.deploy.cli", *argv], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -98,7 +98,7 @@ def test_launch_against_a_running_ps_prints_its_counters():
 def test_an_idle_ps_prints_its_stats_only_when_they_change():
     """Reproduction: an idle `thc ps` printed the same stats line every --stats-every seconds."""
     port = free_port_pair()
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "ps", "--bind", f"127.0.0.1:{port}",
+    proc = subprocess.Popen([sys.executable, "-m", "thc_ps.deploy.cli", "ps", "--bind", f"127.0.0.1:{port}",
                              "--stats-every", "0.2"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     time.sleep(3.0)

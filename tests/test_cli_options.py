@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from deploy import bench_codecs, cli
+from thc_ps.deploy import bench_codecs, cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def thc(*argv):
-    return subprocess.run([sys.executable, "-m", "deploy.cli", *argv], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "thc_ps.deploy.cli", *argv], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
 
 
@@ -40,7 +40,7 @@ def test_launch_passes_the_addresses_as_text(monkeypatch, capsys):
         return {"ok": True, "problems": [], "rounds": 1, "exact_rounds": 1, "mismatched_chunks": 0,
                 "lost_chunks": 0, "retransmissions": 0, "mean_round_ms": 1.0, "ps": None, "away_at_end": []}
 
-    monkeypatch.setattr("deploy.launch.run_launch", fake_run_launch)
+    monkeypatch.setattr("thc_ps.deploy.launch.run_launch", fake_run_launch)
     assert cli.main(["launch", "--ps", " 127.0.0.1:9000, 10.0.0.2:9002", "--workers", "2", "--rounds", "1"]) == 0
     assert seen["ps"] == "127.0.0.1:9000,10.0.0.2:9002"
     out = capsys.readouterr().out
@@ -50,7 +50,7 @@ def test_launch_passes_the_addresses_as_text(monkeypatch, capsys):
 
 
 def test_train_without_ps_starts_its_own(monkeypatch):
-    from deploy import train
+    from thc_ps.deploy import train
     seen = {}
 
     def fake(cfg, log, baseline):
@@ -128,8 +128,8 @@ class _FakePS:
 
 
 def test_ps_rejoin_grace_reaches_the_ps(monkeypatch, capsys):
-    import ps_server.server
-    monkeypatch.setattr(ps_server.server, "PSServer", _FakePS)
+    import thc_ps.ps_server.server
+    monkeypatch.setattr(thc_ps.ps_server.server, "PSServer", _FakePS)
     _FakePS.made = []
     assert cli.main(["ps", "--bind", "127.0.0.1:9100", "--rejoin-grace-s", "2.5", "--lease-s", "1"]) == 0
     assert cli.main(["ps", "--bind", "127.0.0.1:9100", "--shards", "2"]) == 0
@@ -147,7 +147,7 @@ def test_launch_rejoin_grace_and_stall_reach_run_launch(monkeypatch, capsys):
                 "lost_chunks": 0, "retransmissions": 0, "mean_round_ms": 1.0, "ps": {"rounds_completed": 2},
                 "away_at_end": []}
 
-    monkeypatch.setattr("deploy.launch.run_launch", fake_run_launch)
+    monkeypatch.setattr("thc_ps.deploy.launch.run_launch", fake_run_launch)
     assert cli.main(["launch", "--workers", "2", "--rounds", "2"]) == 0
     assert (seen["rejoin_grace_s"], seen["stall_s"], seen["lease_s"]) == (None, 180.0, None)
     assert "PS counters (its lifetime totals, every job so far): {'rounds_completed': 2}" in \
@@ -194,8 +194,8 @@ def test_block_log2_reaches_the_job_and_a_worker_stating_another_is_refused():
         docs[k] = json.loads(proc.stdout)
         assert docs[k]["exact_rounds"] == 2 and docs[k]["mismatched_chunks"] == 0
     assert docs["14"]["bytes_up_per_round"] < docs["20"]["bytes_up_per_round"]
-    from ps_server.server import PSServer
-    from proto.job import JobConfig
+    from thc_ps.ps_server.server import PSServer
+    from thc_ps.proto.job import JobConfig
     server = PSServer(JobConfig(num_workers=1, block_log2=14), ("127.0.0.1", 0), control_port=0).start()
     try:
         proc = thc("worker", "--ps", f"127.0.0.1:{server.data_addr[1]}", "--control-port",

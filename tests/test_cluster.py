@@ -4,11 +4,11 @@ import socket
 import pytest
 import zmq
 
-from deploy.launch import run_launch
-from proto import control
-from proto import headers as H
-from proto.job import JobConfig
-from ps_server.server import PSServer
+from thc_ps.deploy.launch import run_launch
+from thc_ps.proto import control
+from thc_ps.proto import headers as H
+from thc_ps.proto.job import JobConfig
+from thc_ps.ps_server.server import PSServer
 
 ROUNDS, DIM = 50, 1 << 16
 
@@ -148,14 +148,14 @@ def test_ps_and_worker_processes_from_the_cli():
     import subprocess
     import sys
     port = _free_port_pair()
-    ps = subprocess.Popen([sys.executable, "-m", "deploy.cli", "ps", "--bind", f"127.0.0.1:{port}",
+    ps = subprocess.Popen([sys.executable, "-m", "thc_ps.deploy.cli", "ps", "--bind", f"127.0.0.1:{port}",
                            "--workers", "2", "--shards", "2", "--stats-every", "0"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         started = [ps.stdout.readline() for _ in range(2)]      # "PS shard i: ..." once listening
         assert all("PS shard" in line for line in started), started
         addrs = f"127.0.0.1:{port},127.0.0.1:{port + 2}"
-        workers = [subprocess.Popen([sys.executable, "-m", "deploy.cli", "worker", "--ps", addrs,
+        workers = [subprocess.Popen([sys.executable, "-m", "thc_ps.deploy.cli", "worker", "--ps", addrs,
                                      "--rank", str(r), "--rounds", "3", "--dim", "20000"],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                    for r in range(2)]

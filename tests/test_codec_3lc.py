@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from compression import registry
-from compression import threelc as T
-from compression.codec import CodecError, Context, run_round
+from thc_ps.compression import registry
+from thc_ps.compression import threelc as T
+from thc_ps.compression.codec import CodecError, Context, run_round
 
 F32_MAX = np.finfo(np.float32).max
 

@@ -6,9 +6,9 @@ import zlib
 import numpy as np
 import pytest
 
-from compression import casq as C
-from compression import registry
-from compression.codec import CodecError, Context, run_round
+from thc_ps.compression import casq as C
+from thc_ps.compression import registry
+from thc_ps.compression.codec import CodecError, Context, run_round
 
 LLOYD_MAX = {"normal": (0.3634, 0.1175, 0.03455), "laplace": (0.5, 0.1765, 0.0548)}   # docs/codec-casq.md note 8 table
 

@@ -10,9 +10,9 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 
-from compression import fastsgd as F
-from compression import registry
-from compression.codec import CodecError, Context, run_round
+from thc_ps.compression import fastsgd as F
+from thc_ps.compression import registry
+from thc_ps.compression.codec import CodecError, Context, run_round
 
 SPEC_HEAD = struct.Struct("<BBBBIfd")       # docs/codec-fastsgd.md note 2.1: tag, l, M, tau-1, d, S, b
 

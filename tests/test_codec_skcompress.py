@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from compression import skcompress as S
-from compression.codec import CodecError, Context, run_round
+from thc_ps.compression import skcompress as S
+from thc_ps.compression.codec import CodecError, Context, run_round
 
 
 def test_golden_fixed_prefix_vector():

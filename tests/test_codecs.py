@@ -5,16 +5,16 @@ import struct
 import numpy as np
 import pytest
 
-from compression import registry
-from compression.codec import CodecError, Context, run_round
-from compression.codecs_builtin import TopKCodec
-from deploy.launch import run_launch
-from proto import blob as B
-from proto import headers as H
-from proto.job import JobConfig
-from ps_server.server import PSServer
-from worker.client import Worker
-from worker.transport import Transport
+from thc_ps.compression import registry
+from thc_ps.compression.codec import CodecError, Context, run_round
+from thc_ps.compression.codecs_builtin import TopKCodec
+from thc_ps.deploy.launch import run_launch
+from thc_ps.proto import blob as B
+from thc_ps.proto import headers as H
+from thc_ps.proto.job import JobConfig
+from thc_ps.ps_server.server import PSServer
+from thc_ps.worker.client import Worker
+from thc_ps.worker.transport import Transport
 
 from tests.helpers import run_threads
 

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from proto.job import JobConfig
-from ps_server.server import PSServer
-from worker.client import Worker
-from worker.launch_env import from_env
-from worker.transport import Transport
+from thc_ps.proto.job import JobConfig
+from thc_ps.ps_server.server import PSServer
+from thc_ps.worker.client import Worker
+from thc_ps.worker.launch_env import from_env
+from thc_ps.worker.transport import Transport
 
 from tests.helpers import run_threads
 
@@ -42,7 +42,7 @@ def _hook_proc(rank, store, q, mode):
     from datetime import timedelta
 
     import torch.distributed as dist
-    from worker.ddp_hook import THCHookState, allreduce_thc, thc_hook
+    from thc_ps.worker.ddp_hook import THCHookState, allreduce_thc, thc_hook
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=N,
                             timeout=timedelta(seconds=300))
     try:

@@ -12,18 +12,18 @@ from pathlib import Path
 import pytest
 
 from bench.pauses import free_port_pair
-from deploy.commands import format_status
-from proto.control import describe_behind
-from proto.job import JobConfig
-from proto.keys import HandshakeFailed, create_keys
-from ps_server.server import PSServer
-from worker.transport import Transport
+from thc_ps.deploy.commands import format_status
+from thc_ps.proto.control import describe_behind
+from thc_ps.proto.job import JobConfig
+from thc_ps.proto.keys import HandshakeFailed, create_keys
+from thc_ps.ps_server.server import PSServer
+from thc_ps.worker.transport import Transport
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def thc(*argv, timeout=120, **kw):
-    return subprocess.run([sys.executable, "-m", "deploy.cli", *argv], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "thc_ps.deploy.cli", *argv], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout, **kw)
 
 
@@ -112,7 +112,7 @@ def test_an_interrupted_launch_leaves_its_job_and_exits_130_with_one_line():
     showed live until the lease lapsed (60 s here: only a leave ends it at once)."""
     server = _ps(JobConfig(num_workers=2, codec="none"), lease_s=60)
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "launch", "--ps", _addr(server),
+        proc = subprocess.Popen([sys.executable, "-m", "thc_ps.deploy.cli", "launch", "--ps", _addr(server),
                                  "--workers", "2", "--rounds", "1000000", "--dim", "2000", "--codec", "none"],
                                 cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
@@ -132,7 +132,7 @@ def test_an_interrupted_train_exits_130_with_one_line(own_ps):
     server = None if own_ps else _ps(lease_s=60)
     where = [] if own_ps else ["--ps", _addr(server)]
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "train", "--workers", "2", "--epochs", "50",
+        proc = subprocess.Popen([sys.executable, "-m", "thc_ps.deploy.cli", "train", "--workers", "2", "--epochs", "50",
                                  "--model", "mlp", "--train-limit", "20000", "--test-limit", "100",
                                  "--no-baseline", *where],
                                 cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -169,7 +169,7 @@ def test_train_against_a_ps_running_another_job_exits_2_with_one_line():
 def test_train_takes_keys_and_says_where_it_trains(tmp_path, monkeypatch, capsys):
     """Reproduction: `thc train` had no --keys (a keyed PS then failed after 38 s saying "this
     worker needs --keys too"), and `thc train --ps` said "PS + 4 workers on loopback"."""
-    from deploy import cli, train
+    from thc_ps.deploy import cli, train
     seen = {}
 
     def fake(cfg, log, baseline):
@@ -258,7 +258,7 @@ def test_a_late_result_names_the_ranks_behind():
 def test_the_loss_table_counts_the_chunks_every_rank_lost(tmp_path):
     """Reproduction: `thc experiment loss`'s table summed rank 0's lost chunks while the
     progress lines summed all ranks'."""
-    from deploy import experiments, train
+    from thc_ps.deploy import experiments, train
     report = lambda rank, epoch, lost: {"epoch": epoch, "train_loss": 1.0 + rank, "test_accuracy": 0.5,
                                         "mean_round_ms": 2.0, "bytes_up": 1, "bytes_down": 1, "lost_chunks": lost,
                                         "param_digest": 1.0, "loss_curve": []}
@@ -284,7 +284,7 @@ def test_a_handshake_dropped_once_is_not_taken_for_keys_that_do_not_fit():
     with its cause (an unauthorized key) still fails at once."""
     import zmq
 
-    from proto.keys import AMBIGUOUS_FAILURES, HandshakeWatch
+    from thc_ps.proto.keys import AMBIGUOUS_FAILURES, HandshakeWatch
     watch = HandshakeWatch.__new__(HandshakeWatch)
     watch.failed, watch._ambiguous, queued = None, 0, []
     watch._events = lambda: [queued.pop(0)] if queued else []

@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from proto import headers as H
-from proto import udpio
-from ps_server.reference import ReferencePS
+from thc_ps.proto import headers as H
+from thc_ps.proto import udpio
+from thc_ps.ps_server.reference import ReferencePS
 from tests.test_ps_engine import (ADDRS, NONCE, TOKENS, data_packet, engines_for, job_for,
                                   register_all, sequence, stable_seed)
 
@@ -103,7 +103,7 @@ def _gso_send(sock, dest, datagrams):
 def _serve_counts(offload: bool):
     """A C engine serving a loopback socket; worker 0 sends one GSO message of four DATA
     packets of four slots plus a foreign one; returns (stats, io_stats, replies seen)."""
-    from ps_server.server import make_engine, udp_socket
+    from thc_ps.ps_server.server import make_engine, udp_socket
     job = job_for(quorum=0.25)                       # one contribution completes a round
     engine = make_engine(job, "c", NONCE)
     ps = udp_socket(("127.0.0.1", 0))
@@ -149,7 +149,7 @@ def test_serve_loopback_coalesced(offload):
 
 def test_python_engine_receives_gro_batch():
     """The Python data loop splits a GRO batch left on the socket by the C engine's option."""
-    from ps_server.server import udp_socket
+    from thc_ps.ps_server.server import udp_socket
     ps = udp_socket(("127.0.0.1", 0))
     if not udpio.set_gro(ps, True):
         pytest.skip("kernel without UDP GRO")

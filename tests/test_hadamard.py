@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from compression.hadamard import fwht, hadamard_matrix, irht, rademacher_signs, rht
+from thc_ps.compression.hadamard import fwht, hadamard_matrix, irht, rademacher_signs, rht
 
 
 def dense(n):
@@ -45,7 +45,7 @@ def test_torch_equals_numpy():
 
 
 def test_signs_shared_across_processes():
-    code = ("from compression.hadamard import rademacher_signs as r;"
+    code = ("from thc_ps.compression.hadamard import rademacher_signs as r;"
             "import hashlib;print(hashlib.sha256(r(11, 5, 2, 4096).tobytes()).hexdigest())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     import hashlib
@@ -65,7 +65,7 @@ def test_a_rounds_sign_diagonals_are_drawn_once_for_all_its_blocks():
     """A 2^24 round at the default 2^20 blocks has 16 diagonals and takes each three times
     (encode, error-feedback decode, decode): the second and third walks must find every one
     kept (the same object), and the bits must be what a fresh draw gives."""
-    from compression import hadamard
+    from thc_ps.compression import hadamard
     first = [hadamard.rademacher_bits(5, 77, j, 1 << 20) for j in range(16)]
     for _ in range(2):
         assert all(hadamard.rademacher_bits(5, 77, j, 1 << 20) is first[j] for j in range(16))
@@ -74,7 +74,7 @@ def test_a_rounds_sign_diagonals_are_drawn_once_for_all_its_blocks():
 
 
 def test_the_sign_cache_is_bounded_by_bytes_and_drops_the_oldest():
-    from compression.hadamard import _BitsCache
+    from thc_ps.compression.hadamard import _BitsCache
     cache = _BitsCache(limit_bytes=1000)
 
     def key(k, rnd=0):
@@ -93,7 +93,7 @@ def test_the_sign_cache_keeps_only_the_newest_rounds():
     """A round's diagonals are not drawn again once later rounds began: a long job of small
     rounds keeps `rounds` rounds' bits, far below the byte bound, and a late draw of an old
     round is not kept."""
-    from compression.hadamard import _BitsCache
+    from thc_ps.compression.hadamard import _BitsCache
     cache = _BitsCache(limit_bytes=1 << 20, rounds=2)
     for rnd in range(100):
         for block in range(3):

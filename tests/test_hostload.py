@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 
-from deploy import hostload as HL
+from thc_ps.deploy import hostload as HL
 
 
 def _stat(pid, comm, session, nice, utime, stime):

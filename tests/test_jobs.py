@@ -6,15 +6,15 @@ import time
 import numpy as np
 import pytest
 
-from deploy.launch import run_launch
-from proto import control
-from proto import headers as H
-from proto.job import JobConfig
-from ps_server import admission
-from ps_server.admission import Region
-from ps_server.engine import JobTable
-from ps_server.reference import ReferencePS, SlotSpace
-from ps_server.server import make_engine
+from thc_ps.deploy.launch import run_launch
+from thc_ps.proto import control
+from thc_ps.proto import headers as H
+from thc_ps.proto.job import JobConfig
+from thc_ps.ps_server import admission
+from thc_ps.ps_server.admission import Region
+from thc_ps.ps_server.engine import JobTable
+from thc_ps.ps_server.reference import ReferencePS, SlotSpace
+from thc_ps.ps_server.server import make_engine
 from tests.test_ps_engine import corrupt, data_packet
 from tests.test_service import at, ask, ps, req_socket
 
@@ -123,8 +123,8 @@ def build(kind: str):
     """(space, table, engines) of the three jobs on one slot space: 'c' (SlotSpace, Mux, C
     engines) or 'python' (reference.SlotSpace, JobTable, ReferencePS)."""
     if kind == "c":
-        from ps_server._fastpath import Mux
-        from ps_server._fastpath import SlotSpace as CSlotSpace
+        from thc_ps.ps_server._fastpath import Mux
+        from thc_ps.ps_server._fastpath import SlotSpace as CSlotSpace
         space, table = CSlotSpace(SPACE), Mux()
     else:
         space, table = SlotSpace(SPACE), JobTable()
@@ -211,9 +211,9 @@ def test_mux_hands_python_jobs_back_and_serves_c_jobs_itself():
     datagrams come back to the caller, a foreign job id is counted."""
     import socket
 
-    from ps_server._fastpath import Mux
-    from ps_server._fastpath import SlotSpace as CSlotSpace
-    from ps_server.server import udp_socket
+    from thc_ps.ps_server._fastpath import Mux
+    from thc_ps.ps_server._fastpath import SlotSpace as CSlotSpace
+    from thc_ps.ps_server.server import udp_socket
     space, mux = CSlotSpace(SPACE), Mux()
     ps_sock = udp_socket(("127.0.0.1", 0))
     wk = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -432,7 +432,7 @@ def test_one_name_one_job_a_conflicting_configuration_is_refused():
     one job), and so is a joining worker that conflicts with a job of that name still queued.
     A worker that joins proposes nothing; one that would start a job and proposes nothing is
     told what to send."""
-    from worker.transport import Transport
+    from thc_ps.worker.transport import Transport
     server = ps()
     try:
         mk = lambda rank, name, n, propose=True, **kw: Transport(
@@ -498,7 +498,7 @@ def test_thc_launches_started_together_on_one_thc_ps_are_each_exact_and_listed()
     from tests.test_service import _free_port, _start_ps
     port = _free_port()
     proc = _start_ps(port)
-    cli = [sys.executable, "-m", "deploy.cli"]
+    cli = [sys.executable, "-m", "thc_ps.deploy.cli"]
     try:
         launches = [subprocess.Popen(cli + ["launch", "--ps", f"127.0.0.1:{port}", "--workers", str(n),
                                             "--codec", codec, "--rounds", "600", "--dim", "20000", "--json"],
@@ -539,10 +539,10 @@ def test_a_ps_driving_a_switch_queues_a_job_past_its_job_table():
     """A switch holds `max_jobs` jobs at once (a switch programmed in advance: one): a PS
     driving it admits that many and answers the next name with `queued`, saying why (no bmv2
     needed: the static engine)."""
-    from p4.control import switch_job
-    from p4.harness.static_control import StaticEngine
+    from thc_ps.p4.control import switch_job
+    from thc_ps.p4.harness.static_control import StaticEngine
     from tests.test_service import _free_port
-    from worker.transport import Transport
+    from thc_ps.worker.transport import Transport
     port = _free_port()
     static = StaticEngine({0: ("127.0.0.1", port, 7)}, nonce=5)
     server = ps(switch_job(1), engine=static)
@@ -562,8 +562,8 @@ def test_a_ps_driving_a_switch_queues_a_job_past_its_job_table():
 def test_a_slow_switch_programming_step_costs_no_rank_its_lease():
     """Programming a switch takes seconds, during which the control plane hears no heartbeat:
     that time does not count against the leases of the ranks already registered."""
-    from p4.control import switch_job
-    from p4.harness.static_control import StaticEngine
+    from thc_ps.p4.control import switch_job
+    from thc_ps.p4.harness.static_control import StaticEngine
 
     class SlowSwitch(StaticEngine):
         max_jobs = 8

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from compression import _kernels as K
-from compression import thc
-from compression.hadamard import fwht, rademacher_bits
-from proto.packing import pack_indices
-from proto.tables import solve_table
+from thc_ps.compression import _kernels as K
+from thc_ps.compression import thc
+from thc_ps.compression.hadamard import fwht, rademacher_bits
+from thc_ps.proto.packing import pack_indices
+from thc_ps.proto.tables import solve_table
 
 SIMD = [0, 1] if K.has_avx2() else [0]
 needs_avx2 = pytest.mark.skipif(not K.has_avx2(), reason="CPU without AVX2: only the scalar path runs")
@@ -138,7 +138,7 @@ def test_lanes_over_k_take_the_table_values():
     """The 8-bit lanes' Y/k (decode_lanes' table of numpy's b/k in float32): the AVX2 decode
     divides instead of looking the table up, which is the same float32 for every byte and
     every k a job can have; a table that is not b/k is looked up."""
-    from proto.headers import MAX_WORKERS
+    from thc_ps.proto.headers import MAX_WORKERS
     b = np.arange(256)
     for k in range(1, MAX_WORKERS + 1):
         assert np.array_equal(bits_of((b / k).astype(np.float32)), bits_of(b.astype(np.float32) / np.float32(k)))
@@ -369,7 +369,7 @@ def test_block_sum_of_squares_is_defined_to_the_bit(n):
 
 _DIGEST = """
 import hashlib, numpy as np
-from compression import _kernels, thc
+from thc_ps.compression import _kernels, thc
 cfg = thc.ThcConfig(seed=7, block_log2=16)
 rng = np.random.default_rng(1)
 x = (rng.standard_normal(200000) * rng.lognormal(0, 2, 200000)).astype(np.float32)
@@ -421,7 +421,7 @@ def test_codec_threads_setting(monkeypatch):
 def test_idle_cores_follow_the_host_s_idle_share(monkeypatch):
     """idle_cores: every core before two samples exist, then the idle share of the last two
     samples at least SAMPLE_S apart times the cores, rounded; no /proc/stat: every core."""
-    from compression import cores as C
+    from thc_ps.compression import cores as C
     C._forget()
     stat = iter([(0, 0), (150, 400), (150, 800), (400, 1200)])
     monkeypatch.setattr(C, "cpu_times", lambda: next(stat))
@@ -498,8 +498,8 @@ def test_worker_lanes_decode_equals_per_chunk_average(case):
     """The worker's fused lanes → Y/k → RHT⁻¹ equals decode() of the per-chunk float32 Y/k,
     bit for bit; rounds with a lost chunk, mixed k or wide lanes take the per-chunk path."""
     from types import SimpleNamespace
-    from proto.packing import pack_lanes
-    from worker.client import average_lanes, joined_lanes
+    from thc_ps.proto.packing import pack_lanes
+    from thc_ps.worker.client import average_lanes, joined_lanes
     lane_bits = 16 if case == "lanes16" else 8
     rng = np.random.default_rng(len(case))
     cfg = thc.ThcConfig(seed=2, block_log2=12)

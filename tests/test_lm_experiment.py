@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from deploy import lm_experiment as lm
+from thc_ps.deploy import lm_experiment as lm
 
 TINY = lm.LMConfig(ranks=2, steps=6, batch=2, context=16, dim=16, layers=1, text_mb=0.2, eval_every=3)
 
@@ -27,7 +27,7 @@ def test_the_example_is_what_the_experiment_trains():
 def test_ddp_and_thc_ps_rows_under_a_cap(tmp_path):
     """fp16 DDP and THC-PS (colocated shards, through thc_ps.connect) under a 100 Mbit/s cap:
     one row each, the columns peers.json has, replicas identical, THC-PS's bytes below fp16's."""
-    from deploy import netns
+    from thc_ps.deploy import netns
     why = netns.unavailable(need_tc=True)
     if why:
         pytest.skip(why)

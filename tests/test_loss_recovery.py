@@ -9,12 +9,12 @@ import time
 import numpy as np
 import pytest
 
-from proto import headers as H
-from proto.job import JobConfig
-from proto.packing import pack_indices, unpack_lanes
-from ps_server.reference import ReferencePS
-from ps_server.server import PSServer
-from worker.transport import Faults, Transport
+from thc_ps.proto import headers as H
+from thc_ps.proto.job import JobConfig
+from thc_ps.proto.packing import pack_indices, unpack_lanes
+from thc_ps.ps_server.reference import ReferencePS
+from thc_ps.ps_server.server import PSServer
+from thc_ps.worker.transport import Faults, Transport
 
 N, CHUNKS, SLOW_MS = 4, 48, 5000.0
 LOST = 20                                   # the chunk whose packet is lost (slot 20, round 1)
@@ -101,7 +101,7 @@ def test_without_notices_the_order_of_results_finds_the_loss_at_every_rank():
         def __init__(self, *args, **kw):
             super().__init__(*args, **kw, notices=False)
 
-    import ps_server.server as S
+    import thc_ps.ps_server.server as S
     orig, S.ReferencePS = S.ReferencePS, Quiet
     try:
         server = PSServer(JobConfig(num_workers=N), ("127.0.0.1", 0), control_port=0, engine="python").start()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy import netns
-from deploy.procs import stop_gracefully
+from thc_ps.deploy import netns
+from thc_ps.deploy.procs import stop_gracefully
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ def test_kernel_loss_between_namespaces_is_repaired_exactly():
     # "drop" removes a whole batch and a short run may see none.  Per-datagram loss is
     # what this test (and `thc experiment loss`) injects.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "THC_UDP_OFFLOAD": "0"}
-    py = [sys.executable, "-m", "deploy.cli"]
+    py = [sys.executable, "-m", "thc_ps.deploy.cli"]
     with netns.two_hosts(loss=0.05) as net:
         names = (net.ps_ns, net.worker_ns)
         ps = subprocess.Popen(net.prefix(net.ps_ns) + py + ["ps", "--bind", f"{net.ps_ip}:9000", "--workers", "2",

@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy.launch import run_launch
-from proto.job import JobConfig
-from ps_server.metrics import MetricsServer
-from ps_server.server import PSServer
+from thc_ps.deploy.launch import run_launch
+from thc_ps.proto.job import JobConfig
+from thc_ps.ps_server.metrics import MetricsServer
+from thc_ps.ps_server.server import PSServer
 from tests.test_cli_errors import ROOT
 from tests.test_ps_faults import status
 from tests.test_service import _free_port
-from worker.client import Worker
-from worker.transport import Draining, Transport
+from thc_ps.worker.client import Worker
+from thc_ps.worker.transport import Draining, Transport
 
 
 def scrape(addr) -> dict:
@@ -128,7 +128,7 @@ def healthz_gone(addr) -> bool:
 
 def thc_ps(port: int, log: Path, *extra) -> subprocess.Popen:
     """`thc ps` on `port` (output to `log`) once its control plane answers."""
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "ps", "--bind", f"127.0.0.1:{port}",
+    proc = subprocess.Popen([sys.executable, "-m", "thc_ps.deploy.cli", "ps", "--bind", f"127.0.0.1:{port}",
                              "--stats-every", "0", *extra], cwd=ROOT, stdout=open(log, "w"),
                             stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
@@ -168,10 +168,10 @@ def test_a_drain_lets_the_running_job_finish_tells_the_queued_one_and_exits_0(ho
         if how == "SIGUSR1":
             os.kill(proc.pid, signal.SIGUSR1)
             time.sleep(0.5)
-            shown = subprocess.run([sys.executable, "-m", "deploy.cli", "status", "--ps", f"127.0.0.1:{port}"],
+            shown = subprocess.run([sys.executable, "-m", "thc_ps.deploy.cli", "status", "--ps", f"127.0.0.1:{port}"],
                                    cwd=ROOT, capture_output=True, text=True, timeout=60)
         else:
-            shown = subprocess.run([sys.executable, "-m", "deploy.cli", "status", "--ps", f"127.0.0.1:{port}",
+            shown = subprocess.run([sys.executable, "-m", "thc_ps.deploy.cli", "status", "--ps", f"127.0.0.1:{port}",
                                     "--drain"], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert shown.returncode == 0, shown.stderr
         assert "DRAINING: it admits no new job" in shown.stdout and "drain-a" in shown.stdout, shown.stdout
@@ -218,7 +218,7 @@ def test_sigterm_during_a_drain_stops_at_once(tmp_path):
 
 def test_a_drain_request_needs_a_local_peer_without_keys():
     """Without keys (no CURVE), `drain` is accepted from this host only, as `shutdown` is."""
-    from proto import control
+    from thc_ps.proto import control
     server = PSServer(None, ("127.0.0.1", 0), control_port=0).start()
     try:
         with pytest.raises(control.ControlError, match="drain is accepted only from this host"):
@@ -245,7 +245,7 @@ def test_a_bad_metrics_address_is_refused_at_start(value, message):
         holder.listen()
         value = f"127.0.0.1:{holder.getsockname()[1]}"
     try:
-        proc = subprocess.run([sys.executable, "-m", "deploy.cli", "ps", "--bind", f"127.0.0.1:{port}",
+        proc = subprocess.run([sys.executable, "-m", "thc_ps.deploy.cli", "ps", "--bind", f"127.0.0.1:{port}",
                                "--metrics", value], cwd=ROOT, capture_output=True, text=True, timeout=60)
     finally:
         if holder is not None:
@@ -287,10 +287,10 @@ def test_a_drain_with_keys_needs_keys_that_fit(tmp_path):
     """`thc status --drain` is a control request like any other: with a PS run with --keys, keys
     that do not fit are refused at the handshake (exit 2, naming it) and the PS goes on; the
     PS's own client keys drain it."""
-    from proto.keys import create_keys
+    from thc_ps.proto.keys import create_keys
     keys, other = create_keys(tmp_path / "keys"), create_keys(tmp_path / "other")
     server = PSServer(None, ("127.0.0.1", 0), control_port=0, keys=keys).start()
-    drain = lambda d: subprocess.run([sys.executable, "-m", "deploy.cli", "status", "--ps",
+    drain = lambda d: subprocess.run([sys.executable, "-m", "thc_ps.deploy.cli", "status", "--ps",
                                       f"127.0.0.1:{server.data_addr[1]}", "--control-port", str(server.control_port),
                                       "--keys", str(d), "--drain"], cwd=ROOT, capture_output=True, text=True,
                                      timeout=60)

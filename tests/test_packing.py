@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from proto.packing import (LaneOverflowError, check_lane_capacity, lane_bits_for, pack_indices,
+from thc_ps.proto.packing import (LaneOverflowError, check_lane_capacity, lane_bits_for, pack_indices,
                            pack_lanes, packed_size, unpack_indices, unpack_lanes)
 
 

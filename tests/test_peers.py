@@ -7,10 +7,10 @@ import socket
 import numpy as np
 import pytest
 
-from deploy.launch import gradient
-from deploy.peers import METHODS, run_peer
-from deploy.train import TrainConfig
-from proto.job import JobConfig
+from thc_ps.deploy.launch import gradient
+from thc_ps.deploy.peers import METHODS, run_peer
+from thc_ps.deploy.train import TrainConfig
+from thc_ps.proto.job import JobConfig
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists("/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz")
@@ -34,7 +34,7 @@ def test_every_method_trains_and_keeps_replicas_identical(runs):
 
 
 def test_each_method_moves_the_bytes_it_should(runs):
-    from worker.training import MODELS
+    from thc_ps.worker.training import MODELS
     params = sum(p.numel() for p in MODELS["mlp"]().parameters())
     pay = {m: doc["epochs"][0]["payload_per_step"] for m, doc in runs.items()}
     assert pay["ddp-fp32"] == 4 * params                     # one float32 per parameter
@@ -58,10 +58,10 @@ def _gloo_sum(rank, port, q):
 
 
 def test_ddp_fp32_sum_equals_the_ps_float32_path():
-    from ps_server.server import PSServer
+    from thc_ps.ps_server.server import PSServer
     from tests.helpers import run_threads
-    from worker.client import Worker
-    from worker.transport import Transport
+    from thc_ps.worker.client import Worker
+    from thc_ps.worker.transport import Transport
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -88,7 +88,7 @@ def test_ddp_fp32_sum_equals_the_ps_float32_path():
 
 
 def test_the_peers_experiment_writes_its_table_and_plot(tmp_path):
-    from deploy import experiments
+    from thc_ps.deploy import experiments
     path = experiments.peers(CFG, "thc experiment peers", log=lambda _m: None, out=tmp_path,
                              methods=("ddp-fp16", "thc-ps"))
     text = path.read_text()
@@ -99,16 +99,16 @@ def test_the_peers_experiment_writes_its_table_and_plot(tmp_path):
     assert rows["thc-ps"]["up_per_step"] < rows["thc-ps"]["down_per_step"] < rows["ddp-fp16"]["up_per_step"]
 
 
-@pytest.mark.skipif(__import__("deploy.netns").netns.unavailable(need_tc=True) is not None,
-                    reason=__import__("deploy.netns").netns.unavailable(need_tc=True) or "")
+@pytest.mark.skipif(__import__("thc_ps.deploy.netns").deploy.netns.unavailable(need_tc=True) is not None,
+                    reason=__import__("thc_ps.deploy.netns").deploy.netns.unavailable(need_tc=True) or "")
 def test_under_a_link_cap_every_rank_and_the_ps_have_a_capped_link_of_their_own(tmp_path):
     """--peer-rates: DDP's ranks and THC-PS's workers and PS each in a host namespace behind a
     50 Mbit/s link: DDP fp32's step now pays for its ring's bytes on the link; THC-PS still
     trains with identical replicas through a PS in its own namespace."""
     import json
 
-    from deploy import experiments
-    from worker.training import MODELS
+    from thc_ps.deploy import experiments
+    from thc_ps.worker.training import MODELS
     path = experiments.peers(CFG, "thc experiment peers --peer-rates 0,50", log=lambda _m: None, out=tmp_path,
                              methods=("ddp-fp32", "thc-ps"), rates=(None, 50), layouts=("ps-host",))
     rows = {(r["rate_mbit"], r["method"]): r for r in json.loads((tmp_path / "peers.json").read_text())}

@@ -12,11 +12,11 @@ import threading
 import numpy as np
 import pytest
 
-from proto import headers as H
-from proto import udpio
-from proto.job import JobConfig
-from ps_server.server import PSServer
-from worker.transport import PhaseResults, PSUnavailable, Transport
+from thc_ps.proto import headers as H
+from thc_ps.proto import udpio
+from thc_ps.proto.job import JobConfig
+from thc_ps.ps_server.server import PSServer
+from thc_ps.worker.transport import PhaseResults, PSUnavailable, Transport
 
 COUNTERS = ("packets_sent", "bytes_sent", "retransmissions", "timeouts", "lost_chunks",
             "straggler_notices", "stashed_results", "resynced_chunks", "bad_packets")
@@ -107,7 +107,7 @@ def as_plain(results):
 @pytest.mark.parametrize("offload,spin", [(True, 0), (False, 0), (True, 300)],
                          ids=["gso-gro", "no-offload", "gso-gro-busy-poll"])
 def test_c_phase_matches_python_phase(offload, spin, monkeypatch):
-    monkeypatch.setattr("worker.phases.SPIN_US", spin)     # THC_BUSY_POLL_US: the same results
+    monkeypatch.setattr("thc_ps.worker.phases.SPIN_US", spin)     # THC_BUSY_POLL_US: the same results
     c1, c2, c_counts, c_io = run_script("c", offload, monkeypatch)
     p1, p2, p_counts, _ = run_script("python", offload, monkeypatch)
     assert as_plain(c1) == as_plain(p1) and as_plain(c2) == as_plain(p2)
@@ -133,9 +133,9 @@ def test_c_phase_results_as_one_lanes_vector(monkeypatch):
         rng = np.random.default_rng(2)
         per = job.elems_per_packet
         total = 5 * per + 24
-        from worker.transport import PackedChunks
+        from thc_ps.worker.transport import PackedChunks
         z = rng.integers(0, 16, total).astype(np.uint8)
-        from proto.packing import pack_indices
+        from thc_ps.proto.packing import pack_indices
         chunks = PackedChunks(pack_indices(z, 4), total, 4, per)
         res = t.run_phase(H.DATA, chunks)
         assert isinstance(res, PhaseResults) and res.ok().all()
@@ -178,7 +178,7 @@ def test_zero_policy_and_give_up_on_a_silent_ps(engine, monkeypatch):
 def test_rounds_exact_on_every_data_path(offload, engine, monkeypatch):
     """PS + 4 worker processes, every chunk of every round checked against the in-process
     reference, with GRO/GSO on and forced off and with either phase loop."""
-    from deploy.launch import run_launch
+    from thc_ps.deploy.launch import run_launch
     monkeypatch.setenv("THC_UDP_OFFLOAD", offload)
     monkeypatch.setenv("THC_PHASE_ENGINE", engine)
     doc = run_launch(workers=4, rounds=10, dim=1 << 16, quorum=0.75)
@@ -193,9 +193,9 @@ def test_error_feedback_in_its_helper_thread_and_lazy_digests(overlap, monkeypat
     per-round randomness; the digests taken after the round are the payloads' crc32."""
     import zlib
 
-    from compression import thc
-    from worker.client import Worker, round_rng
-    monkeypatch.setattr("worker.client.OVERLAP_RESIDUAL", overlap)
+    from thc_ps.compression import thc
+    from thc_ps.worker.client import Worker, round_rng
+    monkeypatch.setattr("thc_ps.worker.client.OVERLAP_RESIDUAL", overlap)
     job = JobConfig(num_workers=1)
     server = PSServer(job, ("127.0.0.1", 0), control_port=0, engine="c").start()
     t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port)
@@ -227,7 +227,7 @@ def test_window_doubles_when_clean_and_halves_on_timeouts(engine):
     carried without congestion (up to `window`), halve after a phase that lost more than an
     eighth of its chunks (down to MIN_WINDOW), and then grow by WINDOW_STEP per clean phase;
     results stay exact."""
-    from worker.transport import MIN_WINDOW, START_WINDOW, WINDOW_STEP
+    from thc_ps.worker.transport import MIN_WINDOW, START_WINDOW, WINDOW_STEP
     server = PSServer(JobConfig(num_workers=1), ("127.0.0.1", 0), control_port=0).start()
     silent = ScriptedPS(0, gso=False, silent=True)
     silent.start()
@@ -267,11 +267,11 @@ def test_window_doubles_when_clean_and_halves_on_timeouts(engine):
 
 def _placer(shards: int, slots: int = 8):
     """The phase engine's chunk placement alone: no sockets, a session that is only what a
-    phase needs of one (worker.phases.PhaseSession)."""
+    phase needs of one (thc_ps.worker.phases.PhaseSession)."""
     from types import SimpleNamespace
 
-    from worker.datagrams import TransportStats
-    from worker.phases import PhaseEngine
+    from thc_ps.worker.datagrams import TransportStats
+    from thc_ps.worker.phases import PhaseEngine
     session = SimpleNamespace(worker_id=0, job=JobConfig(num_workers=2, slots=slots),
                               shard_addrs=[("127.0.0.1", 9000 + 2 * s) for s in range(shards)])
     return PhaseEngine(session, SimpleNamespace(stats=TransportStats()))
@@ -280,7 +280,7 @@ def _placer(shards: int, slots: int = 8):
 def test_random_loss_is_not_congestion():
     """The window halves only for a phase that found more than an eighth of its chunks lost
     (at least two): 1% loss each way finds about 5% of a rank's chunks lost with 4 ranks."""
-    from worker.phases import CONGESTED
+    from thc_ps.worker.phases import CONGESTED
     t = _placer(1, slots=512)
     t.cwnd = t.ssthresh = 256
     t._adapt_window(733, int(733 * 0.05))               # random loss: the window grows
@@ -294,7 +294,7 @@ def test_random_loss_is_not_congestion():
 
 @pytest.mark.parametrize("shards, nchunks", [(1, 200), (2, 300), (3, 10), (2, 1)])
 def test_chunks_go_to_shards_in_runs_and_slot_rounds_advance_per_use(shards, nchunks):
-    from worker.transport import SHARD_RUN
+    from thc_ps.worker.transport import SHARD_RUN
     t = _placer(shards)
     uses: dict = {}
     for phase in range(2):

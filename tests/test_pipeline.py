@@ -7,12 +7,12 @@ import threading
 import numpy as np
 import pytest
 
-from compression import thc
-from proto.job import JobConfig
-from ps_server.server import PSServer
+from thc_ps.compression import thc
+from thc_ps.proto.job import JobConfig
+from thc_ps.ps_server.server import PSServer
 from tests.helpers import run_threads
-from worker.client import Worker, average_lanes
-from worker.transport import PackedChunks, Transport
+from thc_ps.worker.client import Worker, average_lanes
+from thc_ps.worker.transport import PackedChunks, Transport
 
 DIM = 5 * 4096 + 1000          # block_log2 = 12: five whole blocks and a padded sixth
 
@@ -113,7 +113,7 @@ def test_auto_pipelines_when_the_host_idled_through_the_last_phase(monkeypatch):
     """THC_PIPELINE=auto: plain until a DATA phase has been measured; pipelined after a
     plain phase with START_IDLE of the host idle, and kept while a pipelined one still
     leaves STAY_IDLE; back to plain on a busy host.  Other values are refused."""
-    from worker import client
+    from thc_ps.worker import client
     assert client.idle_share((100, 1000), (160, 1100)) == pytest.approx(0.6)
     assert client.idle_share((100, 1000), (100, 1000)) is None and client.idle_share(None, (1, 2)) is None
     idle, total = client.cpu_times()

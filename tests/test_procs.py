@@ -1,4 +1,4 @@
-"""deploy.procs.each_report: reports from child processes, and a clear error instead of a long
+"""thc_ps.deploy.procs.each_report: reports from child processes, and a clear error instead of a long
 wait when one of them dies or hangs."""
 import multiprocessing as mp
 import os
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from deploy.procs import each_report
+from thc_ps.deploy.procs import each_report
 
 CTX = mp.get_context("fork")
 
@@ -81,9 +81,9 @@ def test_reports_are_yielded_as_they_arrive():
 QUIET_SCRIPT = r"""
 import logging, os, signal, threading, time
 import numpy as np
-from deploy.procs import leave_on_sigterm
+from thc_ps.deploy.procs import leave_on_sigterm
 leave_on_sigterm()
-note = logging.getLogger("worker.phases")
+note = logging.getLogger("thc_ps.worker.phases")
 assert note.isEnabledFor(logging.WARNING)
 quiet_at = []
 def watch():                      # when the notes went quiet

@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 import zmq
 
-from deploy import protodoc
-from proto import control
-from proto.job import JobConfig
-from ps_server.server import PSServer
+from thc_ps.deploy import protodoc
+from thc_ps.proto import control
+from thc_ps.proto.job import JobConfig
+from thc_ps.ps_server.server import PSServer
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
 
 
 def test_generated_tables_match_the_code():
     text = DOC.read_text()
-    assert protodoc.render(text) == text, "docs/protocol.md is stale: python -m deploy.protodoc --write"
+    assert protodoc.render(text) == text, "docs/protocol.md is stale: python -m thc_ps.deploy.protodoc --write"
     assert protodoc.main(["--check"]) == 0
 
 
@@ -80,10 +80,10 @@ def _rng(*ints):
 def test_random_streams_as_documented():
     """§5's seed lists and draws; the uniforms from a key and the whole encode are checked
     bit for bit against a real worker's packets by tests/test_reference_encoder.py."""
-    from compression.hadamard import rademacher_signs
-    from compression.stochastic import counter_uniforms, key_from
-    from deploy.launch import gradient
-    from worker.client import Worker, round_rng
+    from thc_ps.compression.hadamard import rademacher_signs
+    from thc_ps.compression.stochastic import counter_uniforms, key_from
+    from thc_ps.deploy.launch import gradient
+    from thc_ps.worker.client import Worker, round_rng
     seed, r, j, p = 7, 3, 1, 1000
     bits = np.unpackbits(np.frombuffer(_rng(seed % 2**32, r % 2**32, j).bytes(-(-p // 8)), np.uint8))[:p]
     assert np.array_equal(np.where(bits == 1, -1.0, 1.0).astype(np.float32), rademacher_signs(seed, r, j, p))
@@ -109,7 +109,7 @@ def test_random_streams_as_documented():
 
 
 def test_every_drop_counter_is_documented():
-    from ps_server.reference import DROP_REASONS
+    from thc_ps.ps_server.reference import DROP_REASONS
     text = DOC.read_text()
     for reason in DROP_REASONS:
         assert f"`{reason}`" in text, f"drop counter {reason} is not in docs/protocol.md"
@@ -208,9 +208,9 @@ class SpecWorker:
 
 
 def test_a_worker_written_from_the_doc_joins_a_real_job():
-    from compression import thc
-    from worker.client import Worker, round_rng
-    from worker.transport import Transport
+    from thc_ps.compression import thc
+    from thc_ps.worker.client import Worker, round_rng
+    from thc_ps.worker.transport import Transport
     job = JobConfig(num_workers=2, seed=3)
     server = PSServer(job, ("127.0.0.1", 0), control_port=0).start()
     dim = 5000
@@ -265,5 +265,5 @@ def test_a_worker_written_from_the_doc_joins_a_real_job():
 def test_norm_codes_order_like_the_floats(value):
     a, b = SpecWorker.ordered([value]), SpecWorker.ordered([np.nextafter(np.float32(value), np.float32(np.inf))])
     assert int(a[0]) <= int(b[0])
-    from proto.headers import float_to_ordered
+    from thc_ps.proto.headers import float_to_ordered
     assert int(float_to_ordered([value])[0]) == int(a[0])

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import zmq
 
-from proto.job import JobConfig
-from ps_server.server import PSServer
+from thc_ps.proto.job import JobConfig
+from thc_ps.ps_server.server import PSServer
 from tests.test_ps_faults import restart_in_process
-from worker.transport import Transport
+from thc_ps.worker.transport import Transport
 
 
 def _ask(endpoint: str, msg: dict) -> dict:
@@ -82,7 +82,7 @@ def test_sharded_control_flow_as_documented():
     t = Transport("127.0.0.1", 0, 0, shards=[("127.0.0.1", s.data_addr[1], s.control_port) for s in shards],
                   propose=job)
     try:
-        from worker.client import Worker
+        from thc_ps.worker.client import Worker
         sess = t.sessions
         assert sess[0]["nonce"] != sess[1]["nonce"] and sess[0]["token"] != sess[1]["token"]
         assert sess[0]["session"] != sess[1]["session"] and sess[0]["incarnation"] != sess[1]["incarnation"]
@@ -122,8 +122,8 @@ def test_the_error_feedback_generator_is_checked_exactly(rotation):
     """`thc launch/worker --error-feedback` (§4 step 8): ranks keep their residual, the exact
     check replays it and finds every round exact; checked without the residual the same
     reports differ from round 1 on (the residual changes what goes on the wire)."""
-    from deploy.launch import check_rounds, worker_loop
-    from worker.transport import Faults
+    from thc_ps.deploy.launch import check_rounds, worker_loop
+    from thc_ps.worker.transport import Faults
     job = JobConfig(num_workers=2, rotation=rotation, seed=4)
     server = PSServer(job, ("127.0.0.1", 0), control_port=0).start()
     shard = [("127.0.0.1", server.data_addr[1], server.control_port)]
@@ -148,7 +148,7 @@ def test_the_error_feedback_generator_is_checked_exactly(rotation):
 
 
 def test_the_error_feedback_generator_refuses_what_it_cannot_replay():
-    from deploy.launch import run_launch
+    from thc_ps.deploy.launch import run_launch
     for kw in ({"kill": (1, 2)}, {"quorum": 0.5}, {"codec": "none"}):
         with pytest.raises(ValueError, match="every rank must run every round"):
             run_launch(workers=2, rounds=4, dim=1000, error_feedback=True, **kw)
@@ -300,8 +300,8 @@ def decode_skcompress(p: bytes, d: int) -> np.ndarray:
 
 def _payloads(name: str, d: int, n: int = 3):
     """The up payloads of n ranks, the PS's down payload, shared and k, from the real codec."""
-    from compression import registry
-    from compression.codec import Context, combine_preliminary
+    from thc_ps.compression import registry
+    from thc_ps.compression.codec import Context, combine_preliminary
     codec = registry.get(name)
     rng = np.random.default_rng(11)
     xs = []
@@ -329,7 +329,7 @@ def test_blob_payloads_decode_as_documented(name):
     sums of the up fields."""
     d = 3000
     codec, ups, down, shared, ctx = _payloads(name, d)
-    from compression.codec import Context
+    from thc_ps.compression.codec import Context
     got = codec.decode(down, Context("t", d, 1, shared, len(ups)))
     if name in ("uhc", "terngrad"):
         bits, g = (4, 15) if name == "uhc" else (2, 2)

@@ -4,11 +4,11 @@ import zlib
 import numpy as np
 import pytest
 
-from proto import headers as H
-from proto.job import JobConfig
-from proto.packing import pack_indices, unpack_lanes
-from ps_server.reference import ReferencePS
-from ps_server.server import make_engine
+from thc_ps.proto import headers as H
+from thc_ps.proto.job import JobConfig
+from thc_ps.proto.packing import pack_indices, unpack_lanes
+from thc_ps.ps_server.reference import ReferencePS
+from thc_ps.ps_server.server import make_engine
 
 ADDRS = [("127.0.0.1", 5000 + i) for i in range(4)]
 NONCE = 0xC0FFEE42                                  # the job's identity
@@ -175,7 +175,7 @@ def test_a_rank_whose_packet_for_a_slot_is_missing_gets_a_notice(kind):
         elif kind == "python":
             e = ReferencePS(job, NONCE, notices=False)
         else:
-            from ps_server._fastpath import Engine
+            from thc_ps.ps_server._fastpath import Engine
             e = Engine(job_id=1, num_workers=4, slots=4, norm_slots=2, elems_per_packet=16, bits=4, lane_bits=8,
                        op=job.op, quorum_count=4, table=list(job.table), nonce=NONCE, notices=False)
         register_all(e)
@@ -250,7 +250,7 @@ def test_norm_max_and_float_sum():
 
 
 def test_kernel_simd_equals_scalar():
-    from ps_server._fastpath import lookup_accumulate
+    from thc_ps.ps_server._fastpath import lookup_accumulate
     rng = np.random.default_rng(3)
     tab = [0, 3, 5, 7, 9, 11, 13, 14, 15, 17, 19, 21, 23, 25, 27, 30]
     for count in (1, 63, 64, 65, 4097):
@@ -338,9 +338,9 @@ def test_job_identity_and_round_window(kind):
 
 def test_c_engine_constants_are_the_wire_contract():
     """The C engine's compiled-in header size, magic, version, type and op codes, round window
-    and counter/drop names equal proto.headers and the reference's tables."""
-    from ps_server import _fastpath as C
-    from ps_server.reference import COUNTERS, DROP_REASONS
+    and counter/drop names equal thc_ps.proto.headers and the reference's tables."""
+    from thc_ps.ps_server import _fastpath as C
+    from thc_ps.ps_server.reference import COUNTERS, DROP_REASONS
     for name in ("HEADER_SIZE", "MAGIC", "VERSION", "ROUND_WINDOW", "MAX_WORKERS", "DATA", "RESULT",
                  "STRAGGLER", "NORM", "NORM_RESULT", "F_RESENT", "OP_LOOKUP_SUM", "OP_FLOAT_SUM",
                  "OP_MAX_U32"):
@@ -353,9 +353,9 @@ def test_c_engine_constants_are_the_wire_contract():
 
 @pytest.mark.parametrize("kind", ["c", "python"])
 def test_engines_share_one_protocol(kind):
-    """Both software engines are ps_server.engine.Engine: register/unregister by (rank, ip,
+    """Both software engines are thc_ps.ps_server.engine.Engine: register/unregister by (rank, ip,
     port, token), stats() as a dict; an unregistered rank's packets are dropped as such."""
-    from ps_server.engine import Engine
+    from thc_ps.ps_server.engine import Engine
     job = job_for()
     e = make_engine(job, kind, NONCE)
     assert isinstance(e, Engine)
@@ -371,9 +371,9 @@ def test_switch_engines_follow_the_protocol():
     """The switch engines have the same signatures (checked without bmv2: no switch is run)."""
     import inspect
 
-    from p4.control import SwitchEngine, SwitchJob
-    from p4.harness.static_control import StaticEngine
-    from ps_server.engine import Engine, ExternalEngine
+    from thc_ps.p4.control import SwitchEngine, SwitchJob
+    from thc_ps.p4.harness.static_control import StaticEngine
+    from thc_ps.ps_server.engine import Engine, ExternalEngine
     for cls in (SwitchJob, StaticEngine, ReferencePS):
         # ReferencePS.stats is its Stats object, callable: checked on instances above
         for name in ("register", "unregister", "process", "serve", "region", "close") + \

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import zmq
 
-from deploy.launch import run_launch
-from proto import headers as H
-from proto.job import JobConfig
-from ps_server.server import PSServer
+from thc_ps.deploy.launch import run_launch
+from thc_ps.proto import headers as H
+from thc_ps.proto.job import JobConfig
+from thc_ps.ps_server.server import PSServer
 from tests.test_cli_errors import ROOT
 from tests.test_service import _free_port, _start_ps, ask
-from worker.transport import PSUnavailable, Transport
+from thc_ps.worker.transport import PSUnavailable, Transport
 
 
 def status(port: int) -> dict:
@@ -171,7 +171,7 @@ def test_a_rank_whose_first_registration_crossed_the_restart_starts_with_the_oth
     in barrier "start", while rank 0 asked the new PS to `resume`, which waited for every
     rank: both hung until the launch's watchdog stopped them.  The PS counts a rank waiting
     in barrier "start" as at phase 0, and the job starts."""
-    from worker.client import Worker
+    from thc_ps.worker.client import Worker
     job = JobConfig(num_workers=2, codec="none")
     server = PSServer(job, ("127.0.0.1", 0), control_port=0, lease_s=0.5).start()
     ts = [Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port)]
@@ -277,7 +277,7 @@ def test_launch_json_prints_its_line_when_a_worker_dies(quorum, exact):
     """Reproduction: `thc launch --json` printed nothing on stdout when no worker reported (one
     killed, the other raising for want of it at quorum 1).  At quorum 0.5 the survivor's
     rounds are all exact, and the line says so beside the dead worker."""
-    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "launch", "--workers", "2", "--rounds", "6",
+    proc = subprocess.run([sys.executable, "-m", "thc_ps.deploy.cli", "launch", "--workers", "2", "--rounds", "6",
                            "--dim", "4096", "--kill-rank", "1", "--kill-at-round", "2", "--lease-s", "0.5",
                            "--rejoin-grace-s", "1", "--quorum", str(quorum), "--json"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -293,13 +293,13 @@ def test_launch_json_prints_its_line_when_a_worker_dies(quorum, exact):
 
 def test_launch_json_prints_its_line_when_the_ps_refuses_the_job():
     """A refused configuration exits 2 and, with --json, still ends with its JSON line."""
-    from proto.job import JobConfig
-    from ps_server.server import PSServer
+    from thc_ps.proto.job import JobConfig
+    from thc_ps.ps_server.server import PSServer
     from bench.pauses import free_port_pair
     port = free_port_pair()
     server = PSServer(JobConfig(num_workers=2), ("127.0.0.1", port), control_port=port + 1).start()
     try:
-        proc = subprocess.run([sys.executable, "-m", "deploy.cli", "launch", "--ps", f"127.0.0.1:{port}",
+        proc = subprocess.run([sys.executable, "-m", "thc_ps.deploy.cli", "launch", "--ps", f"127.0.0.1:{port}",
                                "--workers", "3", "--rounds", "2", "--json"],
                               cwd=ROOT, capture_output=True, text=True, timeout=120)
     finally:
@@ -311,7 +311,7 @@ def test_launch_json_prints_its_line_when_the_ps_refuses_the_job():
 
 def _ps_process(port: int, log_path, *extra) -> subprocess.Popen:
     """`thc ps` on `port` (lease 1 s, no job options), its output to `log_path`, once it answers."""
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "ps", "--bind", f"127.0.0.1:{port}",
+    proc = subprocess.Popen([sys.executable, "-m", "thc_ps.deploy.cli", "ps", "--bind", f"127.0.0.1:{port}",
                              "--stats-every", "0", "--lease-s", "1", *extra], cwd=ROOT,
                             stdout=open(log_path, "a"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
@@ -331,7 +331,7 @@ def test_a_model_sync_cut_by_a_ps_kill_completes_with_the_same_parameters_everyw
     sync runs again at the new PS and every rank ends with rank 0's parameters, bit for bit.
     Ranks 1 and 2 never proposed the job (a restarted PS without job options learns it from
     whichever rank registers first: each sends its job again)."""
-    from worker.client import Worker
+    from thc_ps.worker.client import Worker
     port, log = _free_port(), tmp_path / "ps.log"
     proc = _ps_process(port, log)
     job = JobConfig(num_workers=3, seed=5)
@@ -384,7 +384,7 @@ def test_a_model_sync_cut_by_a_ps_kill_completes_with_the_same_parameters_everyw
 
 
 def _thc_worker(port: int, rank: int, log_path, *extra) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "deploy.cli", "worker", "--ps", f"127.0.0.1:{port}",
+    return subprocess.Popen([sys.executable, "-m", "thc_ps.deploy.cli", "worker", "--ps", f"127.0.0.1:{port}",
                              "--rank", str(rank), "--dim", "4096", *extra], cwd=ROOT,
                             stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
 
@@ -454,8 +454,8 @@ def test_workers_name_the_ps_when_it_is_the_silent_one(tmp_path):
 
 def _blob_packets(job, rank: int, token: int, nonce: int, dim: int = 64, flags: int = 0) -> list:
     """One rank's BLOB round 1 of a topk job, as datagrams."""
-    from compression.codecs_builtin import TopKCodec
-    from proto import blob as B
+    from thc_ps.compression.codecs_builtin import TopKCodec
+    from thc_ps.proto import blob as B
     payload = TopKCodec.pack(np.arange(0, dim, 8), np.full(dim // 8, 1.0 + rank, np.float32))
     return [H.build(H.Header(type=H.DATA, job_id=job.job_id, worker_id=rank, num_workers=job.num_workers,
                              elem_bits=8, slot=0, round=1, offset=off, count=len(f) - B.SUB_SIZE, op=H.OP_BLOB,
@@ -468,7 +468,7 @@ def test_a_rank_leaving_while_its_resend_is_answered_does_not_end_the_data_plane
     of rank 1 while its control thread unregistered rank 1 (it left): a KeyError ended the
     data thread, and every later job on that PS hung.  The Python engine takes one datagram or
     one (un)registration at a time."""
-    from ps_server.reference import ReferencePS
+    from thc_ps.ps_server.reference import ReferencePS
     job = JobConfig(num_workers=2, codec="topk")
     ps = ReferencePS(job, nonce=9)
     for r in (0, 1):

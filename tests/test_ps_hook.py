@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from proto import headers as H
-from proto.job import JobConfig
+from thc_ps.proto import headers as H
+from thc_ps.proto.job import JobConfig
 from tests.helpers import run_threads
 from tests.test_service import ps, transports
-from worker.client import Worker
-from worker.ps_hook import HookSync, PSHookState, merged_report, ps_hook
+from thc_ps.worker.client import Worker
+from thc_ps.worker.ps_hook import HookSync, PSHookState, merged_report, ps_hook
 
 N, SEED = 2, 11
 SIZES = (3000, 70_000, 513)         # three buckets, each a round of its own size
@@ -202,7 +202,7 @@ def test_a_ps_that_refuses_the_job_fails_the_worker_before_any_hook_exists():
 def test_replicas_stay_identical_through_the_hook_with_loss():
     """Real DDP (gloo) with the hook, 2% injected loss each way, no model sync: every chunk
     is recovered and both ranks end with the same parameters."""
-    from deploy.train import TrainConfig, run
+    from thc_ps.deploy.train import TrainConfig, run
     cfg = TrainConfig(job=JobConfig(num_workers=2, seed=3), epochs=1, model="mlp", train_limit=1024,
                       test_limit=200, loss=0.02, grad_sync="hook", sync_every=0, bucket_cap_mb=0.25)
     doc = run(cfg, log=lambda s: None)
@@ -214,7 +214,7 @@ def test_replicas_stay_identical_through_the_hook_with_loss():
 
 
 def test_train_config_refuses_the_hook_where_it_cannot_serve():
-    from deploy.train import TrainConfig
+    from thc_ps.deploy.train import TrainConfig
     with pytest.raises(ValueError, match="per-tensor rounds need --grad-sync after-backward"):
         TrainConfig(per_tensor=True, grad_sync="hook")
     with pytest.raises(ValueError, match="grad_sync must be one of"):
@@ -243,7 +243,7 @@ class _FlakyWorker:
             self.failed = True
             raise RuntimeError("lease lost")
         self.ran.append(key)
-        from worker.client import RoundReport
+        from thc_ps.worker.client import RoundReport
         self.last = RoundReport(len(self.ran), 1, 0)
         return out
 
@@ -272,7 +272,7 @@ def test_a_rebuilt_bucket_takes_its_residual_along(rotation):
     The hook moves the bucket's residual with its coordinates (Worker.move_state, once), and
     the move is exact: the residual permuted as it is (a rotation per round), or taken out of
     the job's rotation, permuted and rotated again (a job rotation: its padding share goes)."""
-    from compression import thc
+    from thc_ps.compression import thc
     a, b = torch.zeros(700), torch.zeros(300)          # two "parameters" (their data_ptr names them)
     job = JobConfig(num_workers=1, seed=SEED, rotation=rotation, block_log2=8)
     server = ps(job)
@@ -307,7 +307,7 @@ def test_a_rebuilt_bucket_takes_its_residual_along(rotation):
 
 
 def test_the_moves_between_two_layouts_carry_each_parameter():
-    from worker.ps_hook import _moves
+    from thc_ps.worker.ps_hook import _moves
     assert _moves(((0, 1, 2), (5, 3, 2)), ((2, 0, 1), (2, 5, 3))) == [(8, 0, 2), (0, 2, 5), (5, 7, 3)]
     x = np.arange(10)
     y = np.empty_like(x)

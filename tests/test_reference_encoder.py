@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from proto.job import JobConfig
-from ps_server.server import PSServer
+from thc_ps.proto.job import JobConfig
+from thc_ps.ps_server.server import PSServer
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "protocol.md").read_text()
 HDR = struct.Struct("!HBBBBBBHHIIHHIBBHII")          # §1, the 19 fields in order, 40 bytes
@@ -281,8 +281,8 @@ def _gradient(r: int, d: int) -> np.ndarray:
 def test_reference_encoder_sends_the_real_workers_packets(bits, per_round, rotation):
     """Under `rotation` `job` the worker keeps error feedback (§4 step 8): its residuals reach
     the later rounds' norms and indices, so the packets check them too."""
-    from worker.client import Worker
-    from worker.transport import Transport
+    from thc_ps.worker.client import Worker
+    from thc_ps.worker.transport import Transport
     job = JobConfig(num_workers=2, bits=bits, seed=11, block_log2=11, slots=3, norm_slots=3, rotation=rotation)
     feedback = rotation == "job"
     rank, worker_seed, d, rounds = 1, 5, 5000, 3
@@ -338,9 +338,9 @@ def test_the_rounding_threshold_is_the_product_with_the_float32_reciprocal():
     """§4 step 5 to the last bit, where random data almost never reaches: grid values y in a
     table interval of width 3 for which (y − T[i])·float32(1/3) and (y − T[i])/3 differ, with
     u between the two.  The C quantizer and the numpy encode path both follow the document."""
-    from compression import _kernels as K
-    from compression.thc import stochastic_round
-    from proto.tables import lower_interval_index
+    from thc_ps.compression import _kernels as K
+    from thc_ps.compression.thc import stochastic_round
+    from thc_ps.proto.tables import lower_interval_index
     job = JobConfig(num_workers=2).to_msg()
     table = np.asarray(job["table"], np.int64)
     assert table[1] - table[0] == 3

@@ -12,18 +12,18 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from deploy import netns
-from deploy.launch import one_host_group, run_launch
-from deploy.procs import stop_gracefully
-from proto import control
-from proto import headers as H
-from proto.job import JobConfig, parse_group
-from ps_server.reference import ReferencePS
-from ps_server.server import PSServer, make_engine
+from thc_ps.deploy import netns
+from thc_ps.deploy.launch import one_host_group, run_launch
+from thc_ps.deploy.procs import stop_gracefully
+from thc_ps.proto import control
+from thc_ps.proto import headers as H
+from thc_ps.proto.job import JobConfig, parse_group
+from thc_ps.ps_server.reference import ReferencePS
+from thc_ps.ps_server.server import PSServer, make_engine
 from tests.helpers import run_threads
 from tests.test_ps_engine import ADDRS, NONCE, job_for, register_all, sequence, stable_seed
 from tests.test_service import ps, transports
-from worker.client import Worker
+from thc_ps.worker.client import Worker
 
 GROUP = "239.255.91.3:47311"
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,7 +86,7 @@ def test_a_group_changes_only_where_fan_outs_go_and_both_engines_agree(codec, qu
 
 
 def test_the_c_engine_refuses_a_group_that_is_not_multicast():
-    from ps_server._fastpath import Engine
+    from thc_ps.ps_server._fastpath import Engine
     args = dict(job_id=1, num_workers=2, slots=4, norm_slots=2, elems_per_packet=16, bits=4, lane_bits=8,
                 op=H.OP_LOOKUP_SUM, quorum_count=2, table=list(range(16)), nonce=1)
     with pytest.raises(ValueError, match="multicast"):
@@ -115,7 +115,7 @@ def test_a_cluster_on_one_host_picks_its_own_group_unless_told_otherwise(monkeyp
         assert addr.startswith("239.255.") and 1 <= port <= 65535
     assert one_host_group("auto", own_ps=False) == ""
     assert one_host_group(GROUP, own_ps=True) == GROUP and one_host_group("", own_ps=True) == ""
-    monkeypatch.setattr("proto.sockets.multicast_unreachable", lambda src, group: "Network is unreachable")
+    monkeypatch.setattr("thc_ps.proto.sockets.multicast_unreachable", lambda src, group: "Network is unreachable")
     assert one_host_group("auto", own_ps=True) == ""
 
 
@@ -213,7 +213,7 @@ def test_a_ps_driving_a_switch_refuses_a_group():
 
 
 def test_the_worker_names_the_group_it_cannot_join(monkeypatch):
-    import worker.datagrams as T
+    import thc_ps.worker.datagrams as T
 
     def refuse(*_a, **_k):
         raise OSError(19, "No such device")
@@ -234,7 +234,7 @@ NETNS = netns.unavailable(need_nft=True)
 
 def _thc_ps(net, bind: str, *extra):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "THC_UDP_OFFLOAD": "0"}
-    proc = subprocess.Popen(net.prefix(net.ps_ns) + [sys.executable, "-m", "deploy.cli", "ps", "--bind", bind,
+    proc = subprocess.Popen(net.prefix(net.ps_ns) + [sys.executable, "-m", "thc_ps.deploy.cli", "ps", "--bind", bind,
                                                      "--stats-every", "0", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     time.sleep(1.5)
@@ -249,7 +249,7 @@ def test_a_group_between_two_hosts_with_kernel_loss_is_exact():
         ps_proc, env = _thc_ps(net, f"{net.ps_ip}:9000", "--workers", "2", "--result-group", GROUP)
         try:
             run = subprocess.run(net.prefix(net.worker_ns) + [
-                sys.executable, "-m", "deploy.cli", "launch", "--ps", f"{net.ps_ip}:9000", "--workers", "2",
+                sys.executable, "-m", "thc_ps.deploy.cli", "launch", "--ps", f"{net.ps_ip}:9000", "--workers", "2",
                 "--rounds", "10", "--dim", str(1 << 14), "--result-group", GROUP, "--json"],
                 capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
             drops = net.nft_drops()
@@ -275,7 +275,7 @@ def test_a_ps_with_no_route_to_the_group_refuses_the_job_saying_so():
         ps_proc, env = _thc_ps(net, "0.0.0.0:9000")
         try:
             run = subprocess.run(net.prefix(net.worker_ns) + [
-                sys.executable, "-m", "deploy.cli", "launch", "--ps", f"{net.ps_ip}:9000", "--workers", "1",
+                sys.executable, "-m", "thc_ps.deploy.cli", "launch", "--ps", f"{net.ps_ip}:9000", "--workers", "1",
                 "--rounds", "1", "--result-group", GROUP], capture_output=True, text=True, env=env, cwd=ROOT,
                 timeout=120)
         finally:

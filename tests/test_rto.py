@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deploy import netns
-from deploy.procs import stop_gracefully
-from proto.job import JobConfig
-from ps_server.server import PSServer
-from worker.rto import FLOOR_RTTS, HELD, MIN_TIMEOUT_S, ORDER_REORDERS, REORDER_MIN_S, T_SCALES, RetransmitPolicy
-from worker.transport import RetransmitTimer, Transport, TransportStats, rto_scale
+from thc_ps.deploy import netns
+from thc_ps.deploy.procs import stop_gracefully
+from thc_ps.proto.job import JobConfig
+from thc_ps.ps_server.server import PSServer
+from thc_ps.worker.rto import FLOOR_RTTS, HELD, MIN_TIMEOUT_S, ORDER_REORDERS, REORDER_MIN_S, T_SCALES, RetransmitPolicy
+from thc_ps.worker.transport import RetransmitTimer, Transport, TransportStats, rto_scale
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,7 +118,7 @@ def test_answers_that_waited_for_loss_recovery_do_not_ratchet_the_timeout_up(los
 
 @pytest.mark.parametrize("engine", ["c", "python"])
 def test_both_phase_engines_measure_the_path(engine):
-    from worker.client import Worker
+    from thc_ps.worker.client import Worker
     server = PSServer(JobConfig(num_workers=1), ("127.0.0.1", 0), control_port=0).start()
     try:
         for adaptive in (True, False):
@@ -148,7 +148,7 @@ def test_on_a_rate_limited_path_the_adaptive_timer_stops_spurious_resends():
     was lost (a probe per shard at each expiry since the probe rule: 4% of the packets, 18%
     before); the adaptive one resends about what the queue dropped."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "THC_UDP_OFFLOAD": "0"}
-    py = [sys.executable, "-m", "deploy.cli"]
+    py = [sys.executable, "-m", "thc_ps.deploy.cli"]
     runs = {}
     for fixed in (True, False):
         with netns.two_hosts(rate_mbit=100) as net:

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import zmq
 
-from deploy.launch import run_launch
-from proto import control
-from proto.job import JobConfig
-from ps_server.server import PSServer
-from worker.client import Worker
-from worker.transport import JobStalled, Transport
+from thc_ps.deploy.launch import run_launch
+from thc_ps.proto import control
+from thc_ps.proto.job import JobConfig
+from thc_ps.ps_server.server import PSServer
+from thc_ps.worker.client import Worker
+from thc_ps.worker.transport import JobStalled, Transport
 
 DIM = 1 << 12
 
@@ -188,7 +188,7 @@ def test_model_sync_source_is_the_lowest_live_rank():
 
 
 def test_curve_keys_keep_strangers_out(tmp_path):
-    from proto.keys import client_keys, create_keys
+    from thc_ps.proto.keys import client_keys, create_keys
     keys = create_keys(tmp_path / "keys")
     server = ps(JobConfig(num_workers=2), keys=keys)
     try:
@@ -282,7 +282,7 @@ def _free_port():
 
 
 def _start_ps(port, *extra):
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "ps", "--bind", f"127.0.0.1:{port}",
+    proc = subprocess.Popen([sys.executable, "-m", "thc_ps.deploy.cli", "ps", "--bind", f"127.0.0.1:{port}",
                              "--stats-every", "0", "--lease-s", "1", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     line = proc.stdout.readline()
@@ -355,7 +355,7 @@ def test_warning_when_bound_to_every_interface_without_keys():
     (["launch", "--local-workers", "2", "--rank-base", "3"], "do not fit"),
 ])
 def test_nonsense_arguments_exit_2_with_one_line(argv, message):
-    proc = subprocess.run([sys.executable, "-m", "deploy.cli", *argv], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "thc_ps.deploy.cli", *argv], capture_output=True, text=True,
                           timeout=60, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -363,7 +363,7 @@ def test_nonsense_arguments_exit_2_with_one_line(argv, message):
 
 def test_launch_exits_1_when_its_check_fails():
     """Reproduction: `thc launch` exited 0 with mismatched chunks and with every chunk lost."""
-    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "launch", "--workers", "2",
+    proc = subprocess.run([sys.executable, "-m", "thc_ps.deploy.cli", "launch", "--workers", "2",
                            "--rounds", "6", "--dim", "4096", "--quorum", "0.5", "--kill-rank", "1",
                            "--kill-at-round", "2", "--lease-s", "0.5", "--json"],
                           capture_output=True, text=True, timeout=120)

@@ -9,9 +9,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deploy.launch import run_launch
-from proto import control
-from proto.job import JobConfig
+from thc_ps.deploy.launch import run_launch
+from thc_ps.proto import control
+from thc_ps.proto.job import JobConfig
 from tests.test_service import ask, at, ps, req_socket
 
 _scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1),

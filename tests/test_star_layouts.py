@@ -1,4 +1,4 @@
-"""THC-PS's layouts across a bridge of host namespaces (deploy.netns.star), as the capped peers
+"""THC-PS's layouts across a bridge of host namespaces (thc_ps.deploy.netns.star), as the capped peers
 experiment runs them: a PS shard on every worker host (`thc launch --serve-shard`), and one PS
 whose results cross the bridge once, by multicast, to every worker host."""
 import json
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy import netns
-from deploy.procs import stop_gracefully
+from thc_ps.deploy import netns
+from thc_ps.deploy.procs import stop_gracefully
 
 ROOT = Path(__file__).resolve().parents[1]
 NETNS = netns.unavailable()
@@ -26,7 +26,7 @@ def _env():
 def _launch(net, host: int, ps: str, *extra) -> subprocess.Popen:
     """`thc launch --json` for rank `host` of a 2-worker job, in that host's namespace."""
     return subprocess.Popen(net.prefix(host) + [
-        sys.executable, "-m", "deploy.cli", "launch", "--ps", ps, "--workers", "2", "--local-workers", "1",
+        sys.executable, "-m", "thc_ps.deploy.cli", "launch", "--ps", ps, "--workers", "2", "--local-workers", "1",
         "--node-rank", str(host), "--rounds", "6", "--dim", str(1 << 15), "--json", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
 
@@ -53,7 +53,7 @@ def test_colocated_shards_one_per_host_are_exact_and_both_carry_chunks():
 
 
 def test_a_serve_shard_not_in_the_ps_list_is_refused_naming_both():
-    run = subprocess.run([sys.executable, "-m", "deploy.cli", "launch", "--ps", "127.0.0.1:9000,127.0.0.1:9010",
+    run = subprocess.run([sys.executable, "-m", "thc_ps.deploy.cli", "launch", "--ps", "127.0.0.1:9000,127.0.0.1:9010",
                           "--serve-shard", "127.0.0.1:9020", "--workers", "2", "--local-workers", "1"],
                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120)
     assert run.returncode != 0
@@ -66,7 +66,7 @@ def test_a_result_group_crosses_the_bridge_once_per_result():
     group (its datagrams out = rounds completed + resends + straggler notices), the bridge
     delivers it to both hosts, and every round is exact on both."""
     with netns.star(3) as net:
-        ps = subprocess.Popen(net.prefix(2) + [sys.executable, "-m", "deploy.cli", "ps", "--bind",
+        ps = subprocess.Popen(net.prefix(2) + [sys.executable, "-m", "thc_ps.deploy.cli", "ps", "--bind",
                                                f"{net.ips[2]}:9000", "--stats-every", "0", "--workers", "2",
                                                "--result-group", GROUP],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT)

@@ -4,11 +4,11 @@ distribution, and a worker's one-stream randomness end to end."""
 import numpy as np
 import pytest
 
-from compression import _kernels as K
-from compression import stochastic as S
-from compression import thc
-from compression.hadamard import rademacher_bits
-from proto.tables import solve_table
+from thc_ps.compression import _kernels as K
+from thc_ps.compression import stochastic as S
+from thc_ps.compression import thc
+from thc_ps.compression.hadamard import rademacher_bits
+from thc_ps.proto.tables import solve_table
 
 SIMD = [0, 1] if K.has_avx2() else [0]
 MASK = (1 << 64) - 1
@@ -70,7 +70,7 @@ def test_encode_takes_a_stream_and_every_path_agrees():
     assert np.array_equal(fused, thc.encode(x, norms, cfg, layout, 5, cu, use_kernels=False))
     assert np.array_equal(fused, thc.encode(x, norms, cfg, layout, 5, cu.take(0, layout.padded_dim)))
     assert np.array_equal(fused, thc.encode(torch.from_numpy(x), norms, cfg, layout, 5, cu).numpy())
-    from proto.packing import pack_indices
+    from thc_ps.proto.packing import pack_indices
     assert np.array_equal(thc.encode_packed(x, norms, cfg, layout, 5, cu), pack_indices(fused, 4))
 
 
@@ -134,10 +134,10 @@ def test_worker_rounds_of_changing_sizes_encode_the_one_stream_in_order():
     """A one-worker THC job through the C PS with the default one-stream randomness: every
     round's kept residual is x − RHT⁻¹(X) of indices encoded with the key the stream gives
     next, recomputed here from a copy of the stream."""
-    from proto.job import JobConfig
-    from ps_server.server import PSServer
-    from worker.client import Worker
-    from worker.transport import Transport
+    from thc_ps.proto.job import JobConfig
+    from thc_ps.ps_server.server import PSServer
+    from thc_ps.worker.client import Worker
+    from thc_ps.worker.transport import Transport
     job = JobConfig(num_workers=1)
     server = PSServer(job, ("127.0.0.1", 0), control_port=0, engine="c").start()
     t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port)

@@ -13,13 +13,13 @@ import pytest
 import zmq
 
 from bench.pauses import CASES, DIM, PARTITION_CASES, run_pause
-from deploy import netns
-from deploy.launch import run_launch
-from proto import control
-from proto import headers as H
-from proto.job import JobConfig
-from ps_server.server import PSServer
-from worker.transport import JobEnded, JobStalled, LeaseLost, Transport, _PSRestarted
+from thc_ps.deploy import netns
+from thc_ps.deploy.launch import run_launch
+from thc_ps.proto import control
+from thc_ps.proto import headers as H
+from thc_ps.proto.job import JobConfig
+from thc_ps.ps_server.server import PSServer
+from thc_ps.worker.transport import JobEnded, JobStalled, LeaseLost, Transport, _PSRestarted
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -159,7 +159,7 @@ def _alive(pid: int) -> bool:
 def test_workers_never_outlive_their_launcher(sig):
     """Reproduction: after a SIGKILLed `thc launch` its workers finished the job and stayed
     alive for good; after SIGTERM they took 31 s to go."""
-    launcher = subprocess.Popen([sys.executable, "-m", "deploy.cli", "launch", "--workers", "2",
+    launcher = subprocess.Popen([sys.executable, "-m", "thc_ps.deploy.cli", "launch", "--workers", "2",
                                  "--rounds", "1000000", "--dim", "1000"], cwd=ROOT,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -268,7 +268,7 @@ def test_sigterm_stops_a_waiting_worker_without_a_traceback():
     SIGTERM (its REQ socket, still waiting for a reply, was used to send `leave`)."""
     server = ps(JobConfig(num_workers=2))
     try:
-        worker = subprocess.Popen([sys.executable, "-m", "deploy.cli", "worker", "--ps",
+        worker = subprocess.Popen([sys.executable, "-m", "thc_ps.deploy.cli", "worker", "--ps",
                                    f"127.0.0.1:{server.data_addr[1]}", "--control-port",
                                    str(server.control_port), "--rank", "0", "--workers", "2"],
                                   cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -288,7 +288,7 @@ def test_training_goes_on_when_a_worker_is_paused_past_its_lease(quorum):
     rejoins and runs the step again; at quorum 0.75 they go on, it rejoins at the next model
     sync.  The job ends with every rank's model identical."""
     from bench.pauses import free_port_pair
-    from deploy import train
+    from thc_ps.deploy import train
     port = free_port_pair()
     server = PSServer(None, ("127.0.0.1", port), control_port=port + 1, lease_s=1.0).start()
     cfg = train.TrainConfig(job=JobConfig(num_workers=4 if quorum < 1 else 2, quorum=quorum), epochs=4,

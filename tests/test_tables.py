@@ -4,7 +4,7 @@ import itertools
 import numpy as np
 import pytest
 
-from proto.tables import (PUBLISHED_4_30_32, interval_costs, lower_interval_index, objective,
+from thc_ps.proto.tables import (PUBLISHED_4_30_32, interval_costs, lower_interval_index, objective,
                           parse_p, solve_table, t_p)
 
 PS = ["1/16", "1/32", "1/512"]

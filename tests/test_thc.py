@@ -3,11 +3,11 @@ import numpy as np
 import pytest
 import torch
 
-from compression import nmse, thc
-from compression.codec import ErrorFeedback
-from compression.hadamard import irht, rademacher_signs
-from proto.packing import LaneOverflowError
-from proto.tables import lower_interval_index
+from thc_ps.compression import nmse, thc
+from thc_ps.compression.codec import ErrorFeedback
+from thc_ps.compression.hadamard import irht, rademacher_signs
+from thc_ps.proto.packing import LaneOverflowError
+from thc_ps.proto.tables import lower_interval_index
 
 
 def _round(grads, cfg, rng, round_no=0):
@@ -196,7 +196,7 @@ def test_a_gradient_in_pieces_is_the_gradient_concatenated(rotation):
 def test_a_rotation_the_job_does_not_know_is_refused():
     with pytest.raises(ValueError, match="rotation must be one of round, job"):
         thc.ThcConfig(rotation="epoch")
-    from proto.job import JobConfig
+    from thc_ps.proto.job import JobConfig
     with pytest.raises(ValueError, match="rotation must be one of round, job"):
         JobConfig(num_workers=2, rotation="epoch")
     assert JobConfig(num_workers=2, rotation="round").differences({"rotation": "job"}) == \
@@ -207,13 +207,13 @@ def test_a_rotation_the_job_does_not_know_is_refused():
 
 
 def test_every_default_rotation_is_the_one_in_proto_job():
-    """The job's rotation unless told is proto.job.DEFAULT_ROTATION for the job, the codec's
+    """The job's rotation unless told is thc_ps.proto.job.DEFAULT_ROTATION for the job, the codec's
     config, `thc` commands, `thc launch`'s clusters and `thc train`'s run alike."""
     import inspect
 
-    from deploy import cli, launch
-    from deploy.train import TrainConfig
-    from proto.job import DEFAULT_ROTATION, ROTATIONS, JobConfig
+    from thc_ps.deploy import cli, launch
+    from thc_ps.deploy.train import TrainConfig
+    from thc_ps.proto.job import DEFAULT_ROTATION, ROTATIONS, JobConfig
     assert DEFAULT_ROTATION in ROTATIONS
     assert JobConfig(num_workers=2).rotation == thc.ThcConfig().rotation == TrainConfig().job.rotation == DEFAULT_ROTATION
     assert cli.build_parser().parse_args(["train"]).rotation == DEFAULT_ROTATION

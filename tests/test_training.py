@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compression import thc
-from compression.stochastic import CounterUniforms, key_from
-from proto.job import JobConfig
-from ps_server.server import PSServer
-from worker.client import Worker
-from worker.training import MLP, GradientSync, flat_grad, flat_params, sync_model
-from worker.transport import Transport
+from thc_ps.compression import thc
+from thc_ps.compression.stochastic import CounterUniforms, key_from
+from thc_ps.proto.job import JobConfig
+from thc_ps.ps_server.server import PSServer
+from thc_ps.worker.client import Worker
+from thc_ps.worker.training import MLP, GradientSync, flat_grad, flat_params, sync_model
+from thc_ps.worker.transport import Transport
 
 from tests.helpers import run_threads
 
@@ -156,7 +156,7 @@ def test_model_sync_makes_workers_identical():
                     and not os.environ.get("THC_FASHION_MNIST"),
                     reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
 def test_train_json_summary_tiny():
-    cmd = [sys.executable, "-m", "deploy.cli", "train", "--workers", "2", "--epochs", "1",
+    cmd = [sys.executable, "-m", "thc_ps.deploy.cli", "train", "--workers", "2", "--epochs", "1",
            "--train-limit", "512", "--test-limit", "256", "--model", "mlp", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -172,10 +172,10 @@ def test_train_json_summary_tiny():
                     reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
 def test_train_twice_against_one_long_lived_ps_is_identical():
     """Reproduction: `thc train --ps` twice against one PS gave 0.759, then 0.1315 (chance)."""
-    from ps_server.server import PSServer
+    from thc_ps.ps_server.server import PSServer
     server = PSServer(None, ("127.0.0.1", 0)).start()
     try:
-        cmd = [sys.executable, "-m", "deploy.cli", "train", "--workers", "2", "--epochs", "1",
+        cmd = [sys.executable, "-m", "thc_ps.deploy.cli", "train", "--workers", "2", "--epochs", "1",
                "--train-limit", "512", "--test-limit", "256", "--model", "mlp", "--json",
                "--ps", f"127.0.0.1:{server.data_addr[1]}"]
         docs = []
@@ -195,7 +195,7 @@ def test_train_config_holds_its_job():
     re-derived by with_job (table, packet size), picklable for the spawned workers."""
     import pickle
 
-    from deploy.train import TrainConfig
+    from thc_ps.deploy.train import TrainConfig
     cfg = TrainConfig()
     assert cfg.job == JobConfig(num_workers=4)
     with pytest.raises(ValueError, match="lane"):
@@ -213,7 +213,7 @@ def test_training_survives_a_crashed_worker_that_rejoins():
     """Quorum 0.75: rank 2 dies in epoch 1, the others go on; restarted, it rejoins at the next
     model sync (gets the model, fast-forwards its rounds) and the job ends with every rank's
     model identical."""
-    from deploy import train
+    from thc_ps.deploy import train
     # every step takes >= 0.4 s, so the others are still training when the restarted rank is back
     cfg = train.TrainConfig(job=JobConfig(num_workers=4, quorum=0.75), epochs=4, model="mlp", train_limit=2048,
                             test_limit=256, kill_rank=2, kill_at_step=3, restart=True, lease_s=0.5,

@@ -3,11 +3,11 @@ import numpy as np
 import pytest
 from scapy.all import IP, UDP, raw
 
-from proto import control
-from proto import headers as H
-from proto.job import JobConfig
-from proto.packing import LaneOverflowError
-from proto.scapy_layers import THC
+from thc_ps.proto import control
+from thc_ps.proto import headers as H
+from thc_ps.proto.job import JobConfig
+from thc_ps.proto.packing import LaneOverflowError
+from thc_ps.proto.scapy_layers import THC
 
 
 def random_header(rng):
@@ -103,7 +103,7 @@ def test_control_messages():
 
 
 def test_p4_program_is_generated_from_the_generator():
-    from p4 import gen_p4
+    from thc_ps.p4 import gen_p4
     assert gen_p4.main(["--check"]) == 0
     text = (gen_p4.HERE / "thc.p4").read_text()
     assert text.count(f"register<bit<8>>({2 * gen_p4.SLOTS}) acc") == gen_p4.LANES
@@ -119,7 +119,7 @@ def test_p4_generator_is_pure_and_checks_every_target(tmp_path, monkeypatch):
     either target."""
     import dataclasses
 
-    from p4 import gen_p4
+    from thc_ps.p4 import gen_p4
     small = gen_p4.generate("v1model", lanes=8)
     assert small.count("table lut") == 8 and gen_p4.LANES == 32
     assert gen_p4.generate("v1model") == (gen_p4.HERE / "thc.p4").read_text()
@@ -143,8 +143,8 @@ def test_p4_event_counters_are_the_control_planes():
     software PS's."""
     import re
 
-    from p4 import control, gen_p4, spec
-    from ps_server.reference import COUNTERS, DROP_REASONS
+    from thc_ps.p4 import control, gen_p4, spec
+    from thc_ps.ps_server.reference import COUNTERS, DROP_REASONS
     expected = {spec.event_constant(e): i for i, e in enumerate(control.EVENTS)}
     for target in gen_p4.TARGETS.values():
         consts = _event_constants(target.output.read_text())

@@ -7,6 +7,16 @@ package (as the PS and the `thc` command do) does not import torch.
 """
 from __future__ import annotations
 
+import os as _os
+
+# The project's folders (worker, proto, ...) are thc_ps.worker, thc_ps.proto, ...: an installed
+# wheel holds them inside this package; in a checkout they are the top-level folders beside it,
+# so the checkout's root is on this package's path (`python -m thc_ps.deploy.cli` from the
+# root, or any Python with PYTHONPATH=root, as Mininet's hosts run, needs no install).
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isdir(_os.path.join(_root, "worker")):
+    __path__.append(_root)
+
 __all__ = ["connect", "hook", "State", "Refused", "default_job_name"]
 
 

@@ -11,7 +11,7 @@ DDP communication hook sends every gradient bucket through it.
 Every rank of one launch joins the same PS job: its name comes from torchrun's run id and
 restart count, and a token drawn on rank 0 and broadcast over the process group keeps two
 launches apart even when they share a name.  Job options default to `thc train`'s
-(proto.job.JobConfig); an option the caller gives is one this rank insists on (a PS started
+(thc_ps.proto.job.JobConfig); an option the caller gives is one this rank insists on (a PS started
 with a fixed job refuses the launch, naming both sides).  Refusals are raised on every rank,
 before any gradient is sent.  The returned state is the hook's (worker/ps_hook.py
 PSHookState) plus the connection: `state_dict()` / `load_state_dict()` checkpoint what a
@@ -28,11 +28,11 @@ import threading
 import torch
 import torch.distributed as dist
 
-from proto.addresses import parse_ps
-from proto.job import JobConfig
-from worker.client import Worker
-from worker.ps_hook import PSHookState, ps_hook
-from worker.transport import Transport
+from thc_ps.proto.addresses import parse_ps
+from thc_ps.proto.job import JobConfig
+from thc_ps.worker.client import Worker
+from thc_ps.worker.ps_hook import PSHookState, ps_hook
+from thc_ps.worker.transport import Transport
 
 #: The job options `connect` takes, as JobConfig names them (None: the default, not insisted on).
 JOB_OPTIONS = ("codec", "bits", "granularity", "p", "lane_bits", "quorum", "seed", "rotation", "block_log2",

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from proto import headers as H
+from thc_ps.proto import headers as H
 
 _SETTLED = 4                 # phase_run chunk state: settled by Python (a stashed result)
 _RESULT = 2

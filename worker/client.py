@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from compression import thc
-from compression.codec import ErrorFeedback
-from compression.cores import cpu_times, idle_share
-from proto import headers as H
-from proto.packing import unpack_lanes
-from worker.transport import ChunkStream, PackedChunks, PhaseResults, Transport
+from thc_ps.compression import thc
+from thc_ps.compression.codec import ErrorFeedback
+from thc_ps.compression.cores import cpu_times, idle_share
+from thc_ps.proto import headers as H
+from thc_ps.proto.packing import unpack_lanes
+from thc_ps.worker.transport import ChunkStream, PackedChunks, PhaseResults, Transport
 
 
 def joined_lanes(chunks, results, total: int, lane_bits: int):
@@ -129,7 +129,7 @@ class Worker:
         self.codec = None
         self.codec_states: dict = {}
         if self.job.blob:
-            from compression import registry
+            from thc_ps.compression import registry
             self.codec = registry.get(self.job.codec, **self.job.codec_params)
         self.rng = np.random.default_rng(np.random.SeedSequence([seed, transport.worker_id]))
         self.round_no = 0
@@ -526,7 +526,7 @@ class Worker:
 
     def _blob_round(self, arr: np.ndarray, key: str, report: RoundReport) -> np.ndarray:
         """A decode–sum–re-encode codec: preliminary stage if it has one, payload as fragments."""
-        from compression.codec import Context
+        from thc_ps.compression.codec import Context
         codec, t = self.codec, self.t
         state = self.codec_states.setdefault(key, codec.new_state())
         stats = codec.preliminary(arr, state)

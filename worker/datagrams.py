@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from proto import headers as H
-from proto import udpio
-from proto.job import parse_group
-from proto.sockets import group_socket, set_buffer
+from thc_ps.proto import headers as H
+from thc_ps.proto import udpio
+from thc_ps.proto.job import parse_group
+from thc_ps.proto.sockets import group_socket, set_buffer
 
 try:
-    from worker import _batchio      # sendmmsg/recvmmsg, built by `pip install`
+    from thc_ps.worker import _batchio      # sendmmsg/recvmmsg, built by `pip install`
 except ImportError:                  # pragma: no cover - the per-datagram loop serves without it
     _batchio = None
 

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from compression import thc
-from compression.codec import ErrorFeedback
+from thc_ps.compression import thc
+from thc_ps.compression.codec import ErrorFeedback
 
 
 class THCHookState:

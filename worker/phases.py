@@ -27,15 +27,15 @@ from typing import Protocol
 
 import numpy as np
 
-from proto import blob as B
-from proto import headers as H
-from proto.job import JobConfig
-from worker.chunks import _SETTLED, ChunkStream, PackedChunks, PhaseResults
-from worker.rto import STALL_NOTE_TRIES, RetransmitPolicy, RetransmitTimer
-from worker.session import PSUnavailable, _PSRestarted
+from thc_ps.proto import blob as B
+from thc_ps.proto import headers as H
+from thc_ps.proto.job import JobConfig
+from thc_ps.worker.chunks import _SETTLED, ChunkStream, PackedChunks, PhaseResults
+from thc_ps.worker.rto import STALL_NOTE_TRIES, RetransmitPolicy, RetransmitTimer
+from thc_ps.worker.session import PSUnavailable, _PSRestarted
 
 try:
-    from worker import _batchio      # the C phase loop, built by `pip install`
+    from thc_ps.worker import _batchio      # the C phase loop, built by `pip install`
 except ImportError:                  # pragma: no cover - the Python loop serves without it
     _batchio = None
 

@@ -23,7 +23,7 @@ the window until the earlier bucket's are answered.
 
 Error feedback is kept per bucket index (key ``bucket<i>``), as PyTorch's PowerSGD keeps its
 per-bucket state: DDP rebuilds its buckets once, after the first iteration, and a residual
-whose size no longer matches its bucket starts again from zero (compression.codec's
+whose size no longer matches its bucket starts again from zero (thc_ps.compression.codec's
 ErrorFeedback), so at most the first step's residual is dropped.  Replicas stay identical
 because every rank decodes the same aggregated indices.
 """
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from worker.client import RoundReport, Worker
+from thc_ps.worker.client import RoundReport, Worker
 
 
 #: Bucket dtypes the hook takes: rounds run in float32 (THC's kernels, the float sums), so

@@ -15,9 +15,9 @@ import time
 
 import zmq
 
-from proto import control
-from proto.job import JobConfig
-from proto.keys import HandshakeWatch
+from thc_ps.proto import control
+from thc_ps.proto.job import JobConfig
+from thc_ps.proto.keys import HandshakeWatch
 
 #: How long a worker waits for a PS that answers nothing (no heartbeat reply, no result)
 #: before it gives up: a restarted PS, or one that stalled (a VM pause, swap, a long GC),
@@ -110,7 +110,7 @@ class Session:
         self._control_timeout = control_timeout_s
         self._curve = None
         if keys is not None:
-            from proto.keys import client_keys
+            from thc_ps.proto.keys import client_keys
             self._curve = client_keys(keys)
         self._expect = dict(expect or {})
         self.job_name = job_name

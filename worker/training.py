@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from compression.thc import Pieces
-from worker.client import Worker
+from thc_ps.compression.thc import Pieces
+from thc_ps.worker.client import Worker
 
 
 class SmallCNN(nn.Module):

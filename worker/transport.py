@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import os
 
-from proto.job import JobConfig
-from worker.chunks import ChunkStream, PackedChunks, PhaseResults
-from worker.datagrams import Datagrams, Faults, TransportStats, local_ip_towards
-from worker.phases import (DEFAULT_WINDOW, MIN_WINDOW, PHASE_BUDGET_MS, PHASE_COUNTERS, SHARD_RUN, SPIN_US,
+from thc_ps.proto.job import JobConfig
+from thc_ps.worker.chunks import ChunkStream, PackedChunks, PhaseResults
+from thc_ps.worker.datagrams import Datagrams, Faults, TransportStats, local_ip_towards
+from thc_ps.worker.phases import (DEFAULT_WINDOW, MIN_WINDOW, PHASE_BUDGET_MS, PHASE_COUNTERS, SHARD_RUN, SPIN_US,
                            START_WINDOW, WINDOW_STEP, PhaseEngine, PhaseSession)
-from worker.policies import POLICIES
-from worker.rto import STALL_NOTE_TRIES, RetransmitPolicy, RetransmitTimer, rto_scale
-from worker.session import (DEFAULT_PS_WAIT_S, Draining, JobEnded, JobStalled, LeaseLost, PSUnavailable, Queued,
+from thc_ps.worker.policies import POLICIES
+from thc_ps.worker.rto import STALL_NOTE_TRIES, RetransmitPolicy, RetransmitTimer, rto_scale
+from thc_ps.worker.session import (DEFAULT_PS_WAIT_S, Draining, JobEnded, JobStalled, LeaseLost, PSUnavailable, Queued,
                             Session, _PSRestarted)
 
 __all__ = ["DEFAULT_PS_WAIT_S", "DEFAULT_WINDOW", "Draining",

@@ -25,7 +25,7 @@ Switch control plane, `--switch-control`:
              `simple_switch_CLI`, and so do the counter reads;
   p4runtime  (p4run only) `simple_switch_grpc --no-p4` with its P4Runtime server on
              127.0.0.1:9559; `thc p4 run --attach --switch-control p4runtime` loads the program
-             and writes the L2 entries (`--l2`), and `python -m p4.p4runtime counters` reads
+             and writes the L2 entries (`--l2`), and `python -m thc_ps.p4.p4runtime counters` reads
              the counters in the CLI's format.
 
 Loss (`--loss-rules FILE`): the ruleset is loaded with `nft -f` in every worker host's
@@ -48,7 +48,7 @@ from mininet.net import Mininet
 from mininet.node import Switch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the checkout: runs outside the venv
-from worker.policies import POLICIES  # noqa: E402
+from thc_ps.worker.policies import POLICIES  # noqa: E402
 
 PS_IP, PS_MAC, PS_PORT = "10.0.0.254", "00:00:00:00:00:fe", 9000
 CTRL_IP, CTRL_MAC, CTRL_PORT = "10.0.0.100", "00:00:00:00:00:64", 9001
@@ -189,12 +189,12 @@ def main():
         if args.control_mode == "static":
             tokens = args.tokens.split(",") if args.tokens else ["0"] * args.workers
             expect = sum((["--expect", f"10.0.0.{i + 1}:{5000 + i}:{tokens[i]}"] for i in range(args.workers)), [])
-            cmd = [args.python, "-m", "p4.harness.static_control", "--bind", f"{CTRL_IP}:{CTRL_PORT}",
+            cmd = [args.python, "-m", "thc_ps.p4.harness.static_control", "--bind", f"{CTRL_IP}:{CTRL_PORT}",
                    "--workers", str(args.workers), "--nonce", str(args.nonce)] + job + expect
         else:
             attach = sum((["--worker-port", f"10.0.0.{i + 1}={i + 1},00:00:00:00:00:{i + 1:02x}"]
                           for i in range(total)), [])
-            cmd = [args.python, "-m", "deploy.cli", "p4", "run", "--attach", "--thrift-port", str(THRIFT_PORT),
+            cmd = [args.python, "-m", "thc_ps.deploy.cli", "p4", "run", "--attach", "--thrift-port", str(THRIFT_PORT),
                    "--control", f"{CTRL_IP}:{CTRL_PORT}", "--workers", str(args.workers),
                    "--ps-ip", PS_IP, "--ps-mac", PS_MAC, "--switch-control", args.switch_control] + job + attach
             if grpc:        # the program and the L2 entries (workers and this host) come from the control plane
@@ -209,7 +209,7 @@ def main():
             delay = args.straggler_delay_ms if args.straggler_rank in (-1, i) else 0.0
             report = os.path.join(args.out, f"worker{k}.json")
             name = ["--job", f"job{k // args.workers + 1}"] if args.jobs > 1 else []
-            procs.append(h.popen([args.python, "-m", "deploy.cli", "worker", "--ps", f"{PS_IP}:{PS_PORT}",
+            procs.append(h.popen([args.python, "-m", "thc_ps.deploy.cli", "worker", "--ps", f"{PS_IP}:{PS_PORT}",
                                   "--control-host", CTRL_IP, "--control-port", str(CTRL_PORT), *name,
                                   "--rank", str(i), "--rounds", str(args.rounds), "--dim", str(args.dim),
                                   "--bind-port", str(5000 + k), "--timeout-ms", str(args.timeout_ms),
@@ -231,7 +231,7 @@ def main():
         # block 0 (no job's) and the job cells 1..J (a job's counters outlive it until its
         # cell's next job)
         if grpc:
-            counters = subprocess.run([args.python, "-m", "p4.p4runtime", "--address", GRPC_ADDR, "--p4info",
+            counters = subprocess.run([args.python, "-m", "thc_ps.p4.p4runtime", "--address", GRPC_ADDR, "--p4info",
                                        args.p4info, "--blocks", str(args.jobs + 1)], cwd=args.repo, env=env,
                                       capture_output=True, text=True, timeout=60).stdout
         else:

@@ -1,17 +1,17 @@
 """Control plane for a switch whose tables the harness programmed in advance.
 
 Run on a Mininet host: it answers the workers' registration (with the switch job),
-barriers and stats; the data plane is the switch.  `python -m p4.harness.static_control
+barriers and stats; the data plane is the switch.  `python -m thc_ps.p4.harness.static_control
 --bind 10.0.0.100:9001 --workers 4 --expect 10.0.0.1:5000 ...`
 """
 from __future__ import annotations
 
 import argparse
 
-from p4.control import switch_job
-from p4.spec import SLOTS
-from ps_server.engine import wait
-from ps_server.server import PSServer
+from thc_ps.p4.control import switch_job
+from thc_ps.p4.spec import SLOTS
+from thc_ps.ps_server.engine import wait
+from thc_ps.ps_server.server import PSServer
 
 
 class StaticEngine:

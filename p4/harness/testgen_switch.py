@@ -13,18 +13,18 @@ replication), so a test whose packet completes a round expects nothing.  `run` t
 it a second time with what the control plane writes for the job's registered workers — its
 multicast group (a replica per worker, each on a port of its own) and their `replica_dest`
 rewrites — and compares every replica with the software PS's RESULT to that worker
-(p4.replay.fan_out).
+(thc_ps.p4.replay.fan_out).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from p4 import replay
-from p4.control import reset_commands
-from p4.entries import EGR, SCHEMA, McGroup, ip_int, rid
-from p4.harness.veth_switch import VethSwitch
-from p4.testgen import Entry, GenTest
+from thc_ps.p4 import replay
+from thc_ps.p4.control import reset_commands
+from thc_ps.p4.entries import EGR, SCHEMA, McGroup, ip_int, rid
+from thc_ps.p4.harness.veth_switch import VethSwitch
+from thc_ps.p4.testgen import Entry, GenTest
 
 DROP_PORT = 511
 

@@ -16,7 +16,7 @@ import time
 import uuid
 from pathlib import Path
 
-from p4.control import (SwitchCLI, ThriftControl, free_port, p4info_path, reset_commands, start_switch,
+from thc_ps.p4.control import (SwitchCLI, ThriftControl, free_port, p4info_path, reset_commands, start_switch,
                         start_switch_grpc)
 
 ETH_P_ALL = 0x0003
@@ -28,7 +28,7 @@ def _run(*cmd):
 
 class VethSwitch:
     """A bmv2 switch with veth-attached ports: 1..ports, or the port numbers listed;
-    `control` is its backend (p4.control.ThriftControl or p4.p4runtime.P4RuntimeControl, the
+    `control` is its backend (thc_ps.p4.control.ThriftControl or thc_ps.p4.p4runtime.P4RuntimeControl, the
     program loaded)."""
 
     def __init__(self, json_path: Path, ports, thrift_port: int | None = None, log: str | None = None,
@@ -50,7 +50,7 @@ class VethSwitch:
                     _run("ip", "link", "set", dev, "up")
             ifaces = {i: a for i, (a, _) in self.names.items()}
             if control == "p4runtime":
-                from p4.p4runtime import P4RuntimeControl
+                from thc_ps.p4.p4runtime import P4RuntimeControl
                 self.proc, address = start_switch_grpc(ifaces, log=log)
                 self.control = P4RuntimeControl(address, p4info_path(json_path), json_path)
             else:

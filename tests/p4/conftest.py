@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from p4 import tools
-from p4.control import CONTROLS, compile_program
-from p4.p4runtime import client_problem
+from thc_ps.p4 import tools
+from thc_ps.p4.control import CONTROLS, compile_program
+from thc_ps.p4.p4runtime import client_problem
 
 MISSING = tools.missing_tools(*tools.BMV2_HALF)
 #: what keeps a simple_switch_CLI that is there from running (its interpreter lacks bmv2's modules)

@@ -6,10 +6,10 @@ import itertools
 
 import pytest
 
-from p4 import entries as E
-from p4.control import SwitchEngine, SwitchRejected, job_commands, switch_job
-from p4.p4runtime import P4RuntimeControl, client_problem, encode
-from p4.spec import EVENT_CELLS, LANES
+from thc_ps.p4 import entries as E
+from thc_ps.p4.control import SwitchEngine, SwitchRejected, job_commands, switch_job
+from thc_ps.p4.p4runtime import P4RuntimeControl, client_problem, encode
+from thc_ps.p4.spec import EVENT_CELLS, LANES
 from tests.p4.fakes import FakeServer, schema_p4info
 
 pytestmark = pytest.mark.skipif(bool(client_problem()), reason=client_problem() or "")
@@ -184,7 +184,7 @@ class FakeCLI:
 
 
 def test_thrift_batches_keep_handles_and_take_back_a_full_table():
-    from p4.control import ThriftControl
+    from thc_ps.p4.control import ThriftControl
     cli = FakeCLI({E.lut(5): 16 + 3})
     switch = SwitchEngine(ThriftControl(cli), TOPOLOGY, PS_MAC)
     a = switch.start_job(switch_job(2, job_id=1), nonce=1, base=0)
@@ -208,7 +208,7 @@ def test_a_thrift_group_write_that_fails_partway_leaves_the_group_as_it_was():
     """A registration whose multicast node cannot join the group (bmv2: the group is full) is
     rejected whole: its node is destroyed, the group keeps the members it had, and the
     rank's workers and replica_dest entries are taken back."""
-    from p4.control import ThriftControl
+    from thc_ps.p4.control import ThriftControl
     cli = FakeCLI({}, members=1)
     switch = SwitchEngine(ThriftControl(cli), TOPOLOGY, PS_MAC)
     job = switch.start_job(switch_job(2, job_id=1), nonce=1, base=0)
@@ -228,7 +228,7 @@ def test_a_thrift_group_write_that_fails_partway_leaves_the_group_as_it_was():
 def test_a_thrift_group_restored_after_members_were_taken_out():
     """A write that takes a member out and adds one the switch refuses: the member taken out
     comes back (a new node), so the group and the backend's record of it are as before."""
-    from p4.control import ThriftControl, ThriftError
+    from thc_ps.p4.control import ThriftControl, ThriftError
     cli = FakeCLI({})
     control = ThriftControl(cli)
     a, b, c = (1, E.rid(1, 0)), (2, E.rid(1, 1)), (3, E.rid(1, 2))

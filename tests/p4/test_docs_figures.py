@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from p4 import tools
-from p4.resources import resources
+from thc_ps.p4 import tools
+from thc_ps.p4.resources import resources
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "p4.md").read_text()
@@ -38,7 +38,7 @@ def test_the_stated_test_count_is_the_collected_one():
 @pytest.mark.skipif(tools.find_tool("p4c-bm2-ss") is None,
                     reason=f"p4c-bm2-ss not found on {tools.where_text()}")
 def test_the_resource_table_is_what_the_compiler_produces(tmp_path):
-    from p4.control import compile_program
+    from thc_ps.p4.control import compile_program
     res = resources(compile_program(tmp_path))
     assert _ints(_row("index lanes per packet"))[0] == res["lanes_per_packet"]
     declared = _row("declared match-action tables")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy import mininet_run
-from p4 import tools
+from thc_ps.deploy import mininet_run
+from thc_ps.p4 import tools
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,7 +49,7 @@ def test_kernel_loss_and_a_straggler_are_repaired_exactly(tmp_path):
     """2% nftables drops each way on every host link and worker 2 delayed 30 ms per round:
     retransmission makes every chunk exact; the switch resent results the drops cost."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "p4", "mininet", "--workers", "3",
+    proc = subprocess.run([sys.executable, "-m", "thc_ps.deploy.cli", "p4", "mininet", "--workers", "3",
                            "--rounds", "8", "--dim", "2048", "--loss", "0.02", "--straggler-delay-ms", "30",
                            "--straggler-rank", "2", "--out", str(tmp_path / "build"), "--json"],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)

@@ -4,9 +4,9 @@ import subprocess
 
 import pytest
 
-from deploy import mininet_run
-from p4 import tools
-from p4.control import EVENTS, parse_events, switch_job
+from thc_ps.deploy import mininet_run
+from thc_ps.p4 import tools
+from thc_ps.p4.control import EVENTS, parse_events, switch_job
 
 
 def doc(**kw):
@@ -105,7 +105,7 @@ def test_summary_names_the_straggler_and_the_switch_drops():
 
 def test_switch_experiment_refuses_an_out_it_cannot_write_before_any_run(capsys, monkeypatch):
     """A bad --out is refused at once, naming it: the runs' minutes are not lost to it."""
-    from deploy import switch_experiment
+    from thc_ps.deploy import switch_experiment
     monkeypatch.setattr(switch_experiment, "choose_control", lambda *a: pytest.fail("a run started"))
     with pytest.raises(SystemExit) as exc:
         switch_experiment.main(["--out", "/proc/no-such-dir/switch"])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from p4 import tools
+from thc_ps.p4 import tools
 from tests.p4.test_tools import fake_tools
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ def start(tmp_path, answers: bool) -> subprocess.Popen:
     (tmp_path / "tmp").mkdir()
     env = {**os.environ, "PATH": f"{d}{os.pathsep}{os.environ['PATH']}", "TMPDIR": str(tmp_path / "tmp"),
            "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "deploy.cli", "p4", "mininet", "--workers", "2",
+    return subprocess.Popen([sys.executable, "-m", "thc_ps.deploy.cli", "p4", "mininet", "--workers", "2",
                              "--rounds", "2", "--out", str(tmp_path / "build")], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -90,7 +90,7 @@ def test_ctrl_c_tears_everything_down(tmp_path):
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and proc.poll() is None:
             # the workers (report paths under our TMPDIR) are running inside the Mininet hosts
-            if sum("deploy.cli worker" in p for p in processes_mentioning(str(tmp_path))) == 2:
+            if sum("thc_ps.deploy.cli worker" in p for p in processes_mentioning(str(tmp_path))) == 2:
                 break
             time.sleep(0.5)
         else:

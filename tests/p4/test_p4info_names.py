@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 
-from p4 import entries as E
-from p4 import tna_entries as T
-from p4 import tools
-from p4.control import compile_program, p4info_path
-from p4.p4runtime import P4Info, client_problem
+from thc_ps.p4 import entries as E
+from thc_ps.p4 import tna_entries as T
+from thc_ps.p4 import tools
+from thc_ps.p4.control import compile_program, p4info_path
+from thc_ps.p4.p4runtime import P4Info, client_problem
 
 pytestmark = pytest.mark.skipif(bool(client_problem()), reason=client_problem() or "")
 
@@ -57,7 +57,7 @@ def tna_p4info(tmp_path_factory):
     compiled once)."""
     if tools.find_tool("p4c-barefoot") is None:
         pytest.skip(NO_BAREFOOT)
-    from p4.control import TNA_P4INFO, compile_tofino
+    from thc_ps.p4.control import TNA_P4INFO, compile_tofino
     tmp = tmp_path_factory.mktemp("tna")
     proc = compile_tofino("tofino", tmp)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-2000:]
@@ -99,7 +99,7 @@ def test_what_both_programs_share_has_one_shape():
 
 
 def tna_control(tmp_path, info):
-    from p4.p4runtime import P4RuntimeControl
+    from thc_ps.p4.p4runtime import P4RuntimeControl
     from tests.p4.fakes import FakeServer
     (tmp_path / "tna.p4info.bin").write_bytes(info.SerializeToString())     # binary: it keeps the externs
     (tmp_path / "tna.config").write_bytes(b"")
@@ -110,11 +110,11 @@ def tna_control(tmp_path, info):
 
 
 def tna_job_through(ctl, server, ids, capacity):
-    """A job on the Tofino program through the P4Runtime backend and p4.control.apply: the
+    """A job on the Tofino program through the P4Runtime backend and thc_ps.p4.control.apply: the
     pipe's writes, the job's, two registrations; a job the switch rejects (a full lookup
     table) leaves nothing; closing leaves only the pipe's L2 entries."""
-    from p4.control import SwitchRejected, apply, switch_job
-    from p4.entries import WorkerPort
+    from thc_ps.p4.control import SwitchRejected, apply, switch_job
+    from thc_ps.p4.entries import WorkerPort
     job = switch_job(2, job_id=5)
     apply(ctl, T.pipe_writes(68, {"00:00:00:00:00:01": 1, "00:00:00:00:00:02": 2}))
     capacity[ids[T.lut(9)]] = 3
@@ -155,7 +155,7 @@ def test_a_tofino_job_against_the_p4info_p4c_barefoot_writes(tmp_path, tna_p4inf
 
 
 def test_tofino_entries_refuse_what_the_program_cannot_hold():
-    from p4.control import switch_job
+    from thc_ps.p4.control import switch_job
     with pytest.raises(ValueError, match="the switch aggregates codec thc with b=4"):
         T.tna_job_writes(dataclasses.replace(switch_job(2), lane_bits=16), "00:00:00:00:00:fe", nonce=1,
                          recirc_port=68)

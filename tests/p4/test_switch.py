@@ -1,5 +1,5 @@
 """The THC P4 program under bmv2: one behaviour per test, each checked against the software PS
-(ps_server.reference) fed the same packets — same packets in, same out.  Every test runs once
+(thc_ps.ps_server.reference) fed the same packets — same packets in, same out.  Every test runs once
 per control plane (`control`: simple_switch + Thrift CLI, simple_switch_grpc + P4Runtime)."""
 import itertools
 
@@ -8,14 +8,14 @@ import pytest
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
-from p4 import entries as E
-from p4.control import WorkerPort, apply, events, switch_job
-from p4.harness.veth_switch import VethSwitch
-from proto import headers as H
-from proto.packing import pack_indices
-from proto.scapy_layers import THC
-from p4.spec import MAX_JOBS
-from ps_server.reference import ReferencePS
+from thc_ps.p4 import entries as E
+from thc_ps.p4.control import WorkerPort, apply, events, switch_job
+from thc_ps.p4.harness.veth_switch import VethSwitch
+from thc_ps.proto import headers as H
+from thc_ps.proto.packing import pack_indices
+from thc_ps.proto.scapy_layers import THC
+from thc_ps.p4.spec import MAX_JOBS
+from thc_ps.ps_server.reference import ReferencePS
 
 pytestmark = pytest.mark.bmv2
 

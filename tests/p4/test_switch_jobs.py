@@ -1,8 +1,8 @@
 """Two THC jobs at once in one bmv2 switch, programmed by the control plane `thc p4 run` uses
-(p4.control.SwitchEngine): each job in its own region of the slot registers, job cell
+(thc_ps.p4.control.SwitchEngine): each job in its own region of the slot registers, job cell
 (multicast group, counters) and lookup tables.  Every packet — interleaved, random, with
 packets of the wrong job, the wrong region, the wrong nonce or token — gives the same output
-as the software PS's twin (ps_server.engine.JobTable over ps_server.reference.ReferencePS in
+as the software PS's twin (thc_ps.ps_server.engine.JobTable over thc_ps.ps_server.reference.ReferencePS in
 the same regions of one SlotSpace), and the counters agree block by block.  Once per control
 plane (`control`); and a batch the switch rejects through P4Runtime (a full table, a P4Info
 that is not the loaded program's) leaves nothing of the job, whose next start is exact."""
@@ -11,15 +11,15 @@ import pytest
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
-from p4 import entries as E
-from p4.control import SwitchEngine, SwitchRejected, WorkerPort, apply, events, switch_job
-from p4.harness.veth_switch import VethSwitch
-from p4.spec import DROPS, MAX_JOBS, SLOTS
-from proto import headers as H
-from proto.job import JobConfig
-from proto.packing import pack_indices
-from ps_server.engine import JobTable
-from ps_server.reference import ReferencePS, SlotSpace
+from thc_ps.p4 import entries as E
+from thc_ps.p4.control import SwitchEngine, SwitchRejected, WorkerPort, apply, events, switch_job
+from thc_ps.p4.harness.veth_switch import VethSwitch
+from thc_ps.p4.spec import DROPS, MAX_JOBS, SLOTS
+from thc_ps.proto import headers as H
+from thc_ps.proto.job import JobConfig
+from thc_ps.proto.packing import pack_indices
+from thc_ps.ps_server.engine import JobTable
+from thc_ps.ps_server.reference import ReferencePS, SlotSpace
 
 pytestmark = pytest.mark.bmv2
 
@@ -233,7 +233,7 @@ def test_a_full_table_rejects_a_job_through_p4runtime_and_leaves_nothing(two_job
 def test_a_p4info_not_of_the_loaded_program_is_rejected_and_leaves_nothing(two_jobs, control):
     if control != "p4runtime":
         pytest.skip("the P4Runtime control plane's rejections")
-    from p4.p4runtime import P4Info
+    from thc_ps.p4.p4runtime import P4Info
     sw, switch, table, space, jobs = two_jobs
     ctl = sw.control
     right = ctl.p4info

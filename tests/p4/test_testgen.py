@@ -2,7 +2,7 @@
 
 With p4testgen (found by p4/tools.py): each program's tests are generated with the
 committed seed and test budget below, every test is replayed against the twin
-(ps_server.reference) — none may diverge, and enough of them must be compared rather than
+(thc_ps.ps_server.reference) — none may diverge, and enough of them must be compared rather than
 set aside — a twin with an off-by-one in its round rule must fail the replay, and the bmv2
 program's tests must pass on simple_switch (root, bmv2's tools).  Without p4testgen those
 skip with one line; the readers of p4testgen's formats, the replay's envelope and its
@@ -16,11 +16,11 @@ import pytest
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
-from p4 import replay, testgen, tools
-from p4.control import compile_program
-from proto import headers as H
-from proto.packing import pack_indices
-from ps_server.reference import ReferencePS
+from thc_ps.p4 import replay, testgen, tools
+from thc_ps.p4.control import compile_program
+from thc_ps.proto import headers as H
+from thc_ps.proto.packing import pack_indices
+from thc_ps.ps_server.reference import ReferencePS
 
 #: The committed generation budget of this test (bigger runs: `thc p4 testgen`, docs/p4.md).
 SEED = 1
@@ -192,7 +192,7 @@ def test_testgen_refuses_bad_input_before_running(tmp_path):
         testgen.generate("bmv2", tmp_path, program=tmp_path / "missing.p4")
     with pytest.raises(ValueError, match="holds committed files"):
         testgen.generate("bmv2", testgen.HERE)          # p4/: the committed programs
-    cli = subprocess.run([sys.executable, "-m", "deploy.cli", "p4", "testgen", "--target", "psa"],
+    cli = subprocess.run([sys.executable, "-m", "thc_ps.deploy.cli", "p4", "testgen", "--target", "psa"],
                          capture_output=True, text=True)
     assert cli.returncode == 2 and "invalid choice: 'psa'" in cli.stderr
 
@@ -253,7 +253,7 @@ def test_a_program_p4testgen_cannot_parse_is_refused(tmp_path):
 @needs_testgen
 @pytest.mark.bmv2
 def test_the_bmv2_programs_generated_tests_pass_on_simple_switch(generated, tmp_path):
-    from p4.harness import testgen_switch
+    from thc_ps.p4.harness import testgen_switch
     name, _, tests = generated
     if name != "bmv2":
         pytest.skip("simple_switch runs the v1model program")
@@ -268,7 +268,7 @@ def test_the_cli_writes_tests_where_told_and_nowhere_else(tmp_path):
     if NO_TESTGEN:
         pytest.skip(NO_TESTGEN)
     out = tmp_path / "tg"
-    cli = subprocess.run([sys.executable, "-m", "deploy.cli", "p4", "testgen", "--target", "bmv2", "--max-tests", "3",
+    cli = subprocess.run([sys.executable, "-m", "thc_ps.deploy.cli", "p4", "testgen", "--target", "bmv2", "--max-tests", "3",
                           "--seed", "2", "--out", str(out)], capture_output=True, text=True, timeout=1800)
     assert cli.returncode == 0, cli.stderr
     assert "statement coverage" in cli.stdout and "replayed 3 tests" in cli.stdout
@@ -290,7 +290,7 @@ def model_answer(test, outcome):
     h = H.parse(replay.datagram(frame))[0]
     (job_entry,) = test.table("thc_job")
     n, quorum = job_entry.param("n"), job_entry.param("quorum")
-    from p4.control import switch_job
+    from thc_ps.p4.control import switch_job
     model = TnaSlots(switch_job(n, quorum=quorum / n, slots=max(h.slot + 1, 1), norm_slots=1))
     s = h.slot
     for name in ("round_reg", "offset_reg", "arrived_reg", "contrib_reg"):

@@ -15,11 +15,11 @@ import collections
 import numpy as np
 import pytest
 
-from proto import headers as H
-from proto.packing import pack_indices
-from ps_server.reference import ReferencePS
+from thc_ps.proto import headers as H
+from thc_ps.proto.packing import pack_indices
+from thc_ps.ps_server.reference import ReferencePS
 
-from p4.control import switch_job
+from thc_ps.p4.control import switch_job
 
 W = H.ROUND_WINDOW
 M32 = 0xFFFFFFFF

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from p4 import control, tofino_resources, tools
+from thc_ps.p4 import control, tofino_resources, tools
 
 P4C = tools.find_tool("p4c-barefoot")
 BFAS = tools.find_tool("bfas")

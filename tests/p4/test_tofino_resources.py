@@ -1,7 +1,7 @@
 """p4/tofino_resources.summarize on a small report of the compiler's shape (no compiler needed)."""
 import json
 
-from p4 import tofino_resources
+from thc_ps.p4 import tofino_resources
 
 
 def _stage(n, tables, srams, tcams, salus, gateways):
@@ -29,7 +29,7 @@ def test_summary_sums_the_stages_and_counts_used_phv(tmp_path, capsys):
     assert got["srams_available"] == 240 and got["stateful_alus_available"] == 12
     assert got["phv_containers_used"] == {8: 1, 16: 1, 32: 1}
     # `thc p4 build --target tofino` prints it in one line; without a report it prints nothing
-    from deploy.commands import _print_tofino_resources
+    from thc_ps.deploy.commands import _print_tofino_resources
     _print_tofino_resources(tmp_path)
     _print_tofino_resources(tmp_path / "missing")
     out = capsys.readouterr().out.splitlines()

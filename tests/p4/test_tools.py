@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy import cli
-from p4 import tools
+from thc_ps.deploy import cli
+from thc_ps.p4 import tools
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,7 +104,7 @@ def test_doctor_complete_with_tested_versions(tmp_path):
 def test_doctor_reports_simple_switch_grpc_and_the_p4runtime_control_plane(tmp_path):
     """simple_switch_grpc is optional: found, it makes the P4Runtime control plane ready (the
     client library is this venv's); missing, the bmv2 half is still complete."""
-    from p4.p4runtime import client_problem
+    from thc_ps.p4.p4runtime import client_problem
     d = fake_tools(tmp_path)
     _tool(d, "simple_switch_grpc", f'[ "$1" = --version ] && echo "{tools.TESTED["simple_switch"]}-abc" && exit 0; exit 3')
     report = tools.doctor(**where(d))
@@ -270,7 +270,7 @@ def test_a_switch_whose_cli_cannot_import_its_modules_says_so(tmp_path, monkeypa
     switch had started; its CLI's interpreter was what was broken."""
     import shutil
 
-    from p4 import control
+    from thc_ps.p4 import control
     d = tmp_path / "bin"
     _tool(d, "simple_switch", "sleep 30")
     cli_path = d / "simple_switch_CLI"
@@ -291,8 +291,8 @@ def test_the_switch_control_plane_is_chosen_and_explained(tmp_path, monkeypatch,
     """auto: P4Runtime where simple_switch_grpc (and the client library) are found, else Thrift
     with the reason; asked for by name, P4Runtime without simple_switch_grpc is an error
     naming it, before any switch starts."""
-    from p4.control import choose_control
-    from p4.p4runtime import client_problem
+    from thc_ps.p4.control import choose_control
+    from thc_ps.p4.p4runtime import client_problem
     d = fake_tools(tmp_path)
     monkeypatch.setenv("PATH", path_without_p4_tools(d))    # no real simple_switch_grpc, wherever it is
     monkeypatch.setattr(tools, "SYSTEM_DIR", str(tmp_path / "no-such-dir"))
