@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import multiprocessing as mp
 import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from thc_ps.deploy.procs import die_with_parent, each_report, free_tcp_port, single_threaded_children, stop_gracefully
+from thc_ps.deploy.procs import die_with_parent, each_report, stop_gracefully
+from thc_ps.deploy.peers import spawned_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "char_lm.py"
@@ -129,25 +129,12 @@ def run_method(method: str, cfg: LMConfig, net=None, ps: str = "", timeout_s: fl
     whether every rank ended with the same parameters."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    port = free_tcp_port()
-    single_threaded_children()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(method, cfg, r, port, q, net, ps), daemon=True)
-             for r in range(cfg.ranks)]
-    for p in procs:
-        p.start()
     done = {}
-    try:
+    with spawned_ranks(_rank_main, cfg.ranks, lambda r, port, q: (method, cfg, r, port, q, net, ps)) as (procs, q):
         for kind, rank, body in each_report(q, procs, timeout_s, what=f"{method} rank"):
             if kind == "error":
                 raise RuntimeError(f"{method}: rank {rank} failed: {body}")
             done[rank] = body
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
     return {**done[0], "replicas_identical": len({d["digest"] for d in done.values()}) == 1}
 
 

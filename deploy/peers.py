@@ -13,6 +13,7 @@ a hook, so it is counted the same way).
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import time
 from dataclasses import dataclass
@@ -135,6 +136,27 @@ def _rank_main(method: str, cfg, rank: int, port: int, q, warmup, net=None) -> N
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def spawned_ranks(target, n: int, args_of):
+    """n rank processes (spawned, one thread each) running target(*args_of(rank, port, q)),
+    with a free TCP port for their gloo group and the queue they report on; joined (killed
+    if they hang) when the block ends."""
+    port = free_tcp_port()
+    single_threaded_children()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=args_of(r, port, q), daemon=True) for r in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        yield procs, q
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
 def run_peer(method: str, cfg, log=print, timeout_s: float = 3600, warmup: int | None = None,
              net=None) -> dict:
     """Train cfg's model with `method` (a METHODS key) under DDP; per-epoch rank-0 metrics.
@@ -142,20 +164,12 @@ def run_peer(method: str, cfg, log=print, timeout_s: float = 3600, warmup: int |
     `net`: a thc_ps.deploy.netns.Star with a host per rank (rate-limited links), else loopback."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    port = free_tcp_port()
-    single_threaded_children()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     n = cfg.job.num_workers
     if net is not None and len(net.hosts) < n:
         raise ValueError(f"{n} ranks need {n} hosts, the star has {len(net.hosts)}")
-    procs = [ctx.Process(target=_rank_main, args=(method, cfg, r, port, q, warmup, net), daemon=True)
-             for r in range(n)]
-    for p in procs:
-        p.start()
     epochs: dict = {}
     done, deadline = set(), time.monotonic() + timeout_s
-    try:
+    with spawned_ranks(_rank_main, n, lambda r, port, q: (method, cfg, r, port, q, warmup, net)) as (procs, q):
         while len(done) < n:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{method}: no result within {timeout_s:g} s")
@@ -177,11 +191,6 @@ def run_peer(method: str, cfg, log=print, timeout_s: float = 3600, warmup: int |
                 e = epochs[body["epoch"]][0]
                 log(f"[{method}] epoch {e['epoch']}/{cfg.epochs}: test acc {e['test_accuracy']:.4f}, step "
                     f"{e['step_ms']:.1f} ms, {e['wire_per_step'] / 1e3:.1f} kB per rank per step each way")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
     rows = [epochs[e][0] for e in sorted(epochs)]
     digests = [r["param_digest"] for r in epochs[max(epochs)].values()]
     return {"method": method, "epochs": rows, "final_test_accuracy": rows[-1]["test_accuracy"],
