@@ -7,7 +7,7 @@ aside, naming the entry no job writes (an epoch 0, a worker id ≥ n, two lanes 
 T, ...).  For the Tofino program its register initial values become the slot's state (round,
 offset, contributors, kept results) — or the test is set aside, naming the state no packet
 sequence reaches.  Its input packet is then fed to the twin in that state, and the twin's
-answer, put in the switch's envelope (docs/p4.md, "Outputs": addresses swapped, lengths and
+answer, put in the switch's envelope (docs/p4.md, "Pipeline", step 6: addresses swapped, lengths and
 the IPv4 checksum fixed, UDP checksum 0), is compared field by field with p4testgen's
 expected output under its care mask.  Traffic that is not THC is checked against the L2 rule
 (forwarded to the port the `l2` entry names, else dropped).

@@ -196,7 +196,7 @@ def test_error_feedback_in_its_helper_thread_and_lazy_digests(overlap, monkeypat
     from thc_ps.compression import thc
     from thc_ps.worker.client import Worker, round_rng
     monkeypatch.setattr("thc_ps.worker.client.OVERLAP_RESIDUAL", overlap)
-    job = JobConfig(num_workers=1)
+    job = JobConfig(num_workers=1, rotation="round")   # the residual in the gradient's domain
     server = PSServer(job, ("127.0.0.1", 0), control_port=0, engine="c").start()
     t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port)
     try:

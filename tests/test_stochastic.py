@@ -138,7 +138,7 @@ def test_worker_rounds_of_changing_sizes_encode_the_one_stream_in_order():
     from thc_ps.ps_server.server import PSServer
     from thc_ps.worker.client import Worker
     from thc_ps.worker.transport import Transport
-    job = JobConfig(num_workers=1)
+    job = JobConfig(num_workers=1, rotation="round")   # the residual in the gradient's domain
     server = PSServer(job, ("127.0.0.1", 0), control_port=0, engine="c").start()
     t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port)
     try:
