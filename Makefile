@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.thc-installed
 
-.PHONY: run test bench clean dataset test-deps
+.PHONY: test-long run test bench clean dataset test-deps
 
 $(STAMP): pyproject.toml setup.py $(wildcard ps_server/*.c compression/*.c worker/*.c bench/*.c proto/*.h)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,10 @@ run: $(STAMP) dataset
 
 test: $(STAMP) dataset test-deps
 	$(BIN)/python -m pytest -q
+
+# the tests that wait tens of seconds on purpose (marked `long`; skipped by `make test`)
+test-long: $(STAMP) dataset test-deps
+	THC_LONG_TESTS=1 $(BIN)/python -m pytest -q -m long
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_thc.py

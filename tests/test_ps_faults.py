@@ -242,7 +242,7 @@ def test_a_blob_round_reports_a_ps_restart_as_soon_as_it_is_known():
         server.stop()
 
 
-@pytest.mark.parametrize("stall_s", [10, 30])
+@pytest.mark.parametrize("stall_s", [10, pytest.param(30, marks=pytest.mark.long)])
 def test_a_stalled_ps_excuses_its_own_stall(stall_s):
     """Reproduction: a PS stopped (SIGSTOP) past the lease expired every lease when it woke,
     ended both jobs and blamed the workers ("the job ended while ranks 0, 1, 2 were away").

@@ -5,6 +5,7 @@ import threading
 import time
 
 import msgpack
+import pytest
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -67,6 +68,7 @@ def test_control_plane_fuzz_while_a_job_runs():
     assert server.stats()["control_errors"] >= 100
 
 
+@pytest.mark.long
 def test_soak_twenty_jobs_with_crashes_on_one_ps():
     """One PS, 20 jobs back to back: shapes and codecs vary, and in about half of them a worker
     is killed mid-job and restarted (it rejoins).  Every job exact under retransmit, nothing

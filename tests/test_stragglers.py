@@ -206,7 +206,8 @@ def test_the_launch_watchdog_names_a_stopped_worker():
 
 
 # ---------------------------------------------------------------- real pauses
-@pytest.mark.parametrize("pause,quorum,rounds,compute_ms", CASES,
+@pytest.mark.parametrize("pause,quorum,rounds,compute_ms",
+                         [pytest.param(*case, marks=pytest.mark.long if case[0] >= 30 else ()) for case in CASES],
                          ids=[f"{p}s-q{q:g}" for p, q, _, _ in CASES])
 def test_a_sigstopped_worker_ends_exact_or_named(pause, quorum, rounds, compute_ms, tmp_path):
     r = run_pause(pause, quorum, rounds=rounds, dim=DIM, compute_ms=compute_ms, lease_s=5.0, grace_s=30.0,
