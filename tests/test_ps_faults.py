@@ -292,6 +292,16 @@ def test_launch_json_prints_its_line_when_a_worker_dies(quorum, exact):
 
 
 
+def test_a_launch_whose_rank_0_is_killed_still_reports_the_job_counters():
+    """Reproduction (the fault soak, wave 90): the job's counters were read by rank 0 after the
+    end barrier; killed there, and restarted into a job that had ended (quorum), it read
+    nothing, so the launch reported no PS counters.  The lowest rank not killed reads them."""
+    doc = run_launch(workers=3, rounds=8, dim=4096, codec="none", quorum=0.66, kill=(0, 3), restart=False,
+                     lease_s=0.5, rejoin_grace_s=1.0, seed=3)
+    assert doc["ps_job"] is not None, doc["problems"]
+    assert doc["ps_job"]["rounds_completed"] == doc["ps"]["rounds_completed"] > 0
+
+
 def test_launch_json_prints_its_line_when_the_ps_refuses_the_job():
     """A refused configuration exits 2 and, with --json, still ends with its JSON line."""
     from proto.job import JobConfig
