@@ -550,13 +550,17 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
     single_threaded_children()
     faults = Faults(drop_out=loss, drop_in=loss, duplicate=duplicate, reorder=reorder, seed=seed)
 
+    # the job's counters are read after the end barrier by the lowest rank the launch does not
+    # kill: a killed rank restarted may find its job ended and read nothing
+    reader = next((r for r in range(rank_base, rank_base + local_workers) if kill is None or r != kill[0]), rank_base)
+
     def worker_args(i):
         delay = straggler_delay_ms if (straggler_rank is None or straggler_rank == i) else 0.0
         return ((shard_list, i, rounds, dim, seed, policy, faults, delay, straggler_prob, timeout_ms,
                  window), {"batched": batched, "expect": expect, "propose": job, "quiet": not verbose,
                            "keys": None if keys is None else str(keys), "job_name": job_name,
                            "fixed_timeout": fixed_timeout, "ps_wait_s": ps_wait_s,
-                           "job_counters": i == rank_base, "error_feedback": error_feedback})
+                           "job_counters": i == reader, "error_feedback": error_feedback})
 
     ranks = range(rank_base, rank_base + local_workers)
 

@@ -392,12 +392,12 @@ class PSServer:
     def _unregister(self, job: Job, rank: int) -> None:
         job.engine.unregister(rank)
 
-    def _excuse(self, busy: float) -> None:
+    def _excuse(self, busy: float, least: float = DEAF_EXCUSE_S) -> None:
         """The control plane heard no one for `busy` seconds (it was programming a switch, or
         the PS process itself was stopped): that time does not count against anyone.  Live
         ranks' leases, dead ranks' rejoin grace and queued jobs' patience are all moved on by
         it; their heartbeats and requests wait in the queue meanwhile."""
-        if busy < DEAF_EXCUSE_S:
+        if busy < least or busy <= 0:
             return
         now = time.monotonic()
         self._control["stall_s_excused"] += busy
@@ -411,15 +411,21 @@ class PSServer:
         for q in self.queue.values():
             q.last_asked = min(now, q.last_asked + busy)
 
-    def _account(self, stalled: bool = True) -> None:
+    def _account(self, stalled: bool = True, behind: bool = False) -> None:
         """Excuse the time since the control loop's last accounting point beyond POLL_S (its
         poll): a stretch of DEAF_EXCUSE_S or more in which nothing of the control loop ran
         means this process stalled (SIGSTOP, a VM pause, swap: `stalled`, logged) or a
         request kept it busy (programming a switch).  Either is the PS's own, never a rank's:
         every lease is extended by it.  Accounting before every lease check, and after every
-        request, leaves no stretch of the loop unaccounted, wherever a stop lands."""
+        request, leaves no stretch of the loop unaccounted, wherever a stop lands.
+        `behind`: the request just answered had others queued behind it, so the loop is
+        working through a backlog (a starved or overloaded host): all of its time is the PS's
+        own, since a rank's heartbeat may be waiting in that queue, sent in time."""
         now = time.monotonic()
         gap, self._mark = now - self._mark, now
+        if behind:
+            self._excuse(gap, least=0.0)
+            return
         stall = gap - POLL_S
         if stall >= DEAF_EXCUSE_S:
             self._excuse(stall)
@@ -767,7 +773,8 @@ class PSServer:
                 except Exception as exc:        # every failure is answered; the loop goes on
                     self._control["control_errors"] += 1
                     reply = control.error_from(exc)
-                self._account(stalled=False)    # a request that kept the loop busy (a switch)
+                # a request that kept the loop busy (a switch), or one of a backlog
+                self._account(stalled=False, behind=bool(self.ctl.getsockopt(zmq.EVENTS) & zmq.POLLIN))
                 if reply is not None:
                     try:
                         self._reply(ident, reply)

@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from thc_ps.deploy.launch import run_launch
+from thc_ps.proto import control
 from thc_ps.proto import headers as H
 from thc_ps.proto.job import JobConfig
 from thc_ps.ps_server.server import PSServer
@@ -291,6 +292,16 @@ def test_launch_json_prints_its_line_when_a_worker_dies(quorum, exact):
 
 
 
+def test_a_launch_whose_rank_0_is_killed_still_reports_the_job_counters():
+    """Reproduction (the fault soak, wave 90): the job's counters were read by rank 0 after the
+    end barrier; killed there, and restarted into a job that had ended (quorum), it read
+    nothing, so the launch reported no PS counters.  The lowest rank not killed reads them."""
+    doc = run_launch(workers=3, rounds=8, dim=4096, codec="none", quorum=0.66, kill=(0, 3), restart=False,
+                     lease_s=0.5, rejoin_grace_s=1.0, seed=3)
+    assert doc["ps_job"] is not None, doc["problems"]
+    assert doc["ps_job"]["rounds_completed"] == doc["ps"]["rounds_completed"] > 0
+
+
 def test_launch_json_prints_its_line_when_the_ps_refuses_the_job():
     """A refused configuration exits 2 and, with --json, still ends with its JSON line."""
     from thc_ps.proto.job import JobConfig
@@ -518,4 +529,52 @@ def test_an_engine_error_is_counted_and_the_data_plane_goes_on():
         assert server.stats()["engine_errors"] == 1
     finally:
         t.close()
+        server.stop()
+
+
+def test_a_backlog_of_requests_is_the_ps_own_time_not_a_rank_silence():
+    """Reproduction (the fault soak on a starved host: ranks of jobs with no fault lost their
+    lease): a control loop working through a backlog of requests judged leases against
+    heartbeats still waiting in its queue, sent in time, and expired every rank.  The time it
+    spends behind its queue is its own, excused like a stall; a rank that really went silent
+    is still found once the PS has caught up."""
+    lease_s, slow_s, asks = 1.5, 0.3, 20
+    server = PSServer(JobConfig(num_workers=3, codec="none"), ("127.0.0.1", 0), control_port=0,
+                      lease_s=lease_s).start()
+    handle = server._handle
+
+    def slow(ident, msg, peer):                 # a status request keeps the loop busy, short of a stall
+        if isinstance(msg, dict) and msg.get("type") == "status":
+            time.sleep(slow_s)
+        return handle(ident, msg, peer)
+
+    server._handle = slow
+    ts = [Transport("127.0.0.1", server.data_addr[1], r, control_port=server.control_port) for r in range(3)]
+    socks = []
+    try:
+        ts[2].close(leave=False)                # rank 2 goes silent for good; 0 and 1 heartbeat
+        for _ in range(asks):
+            sock = zmq.Context.instance().socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://127.0.0.1:{server.control_port}")
+            sock.send(control.encode({"type": "status"}))
+            socks.append(sock)
+        t0 = time.monotonic()
+        for sock in socks:
+            assert sock.poll(60_000), "a status request was never answered"
+            sock.recv()
+        assert time.monotonic() - t0 > 2 * lease_s       # the backlog outlasted the lease
+        deadline = time.monotonic() + 4 * lease_s + 5
+        while server.stats()["leases_expired"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(lease_s)
+        expired, job = server.stats()["leases_expired"], server.job
+        assert expired == 1 and job is not None, f"{expired} leases expired; the job {'runs' if job else 'ended'}"
+        assert {r: m.state for r, m in job.members.items()} == {0: "live", 1: "live", 2: "dead"}
+        assert server.stats()["stall_s_excused"] >= asks * slow_s / 2
+    finally:
+        for sock in socks:
+            sock.close(0)
+        for t in ts[:2]:
+            t.close()
         server.stop()

@@ -113,8 +113,8 @@ def test_a_short_soak_with_every_fault(tmp_path):
                   log=lambda line: None)
     assert summary["ok"], summary["problems"]
     assert summary["jobs"] == 10 and summary["unexpected"] == 0 and set(summary["faults"]) == set(faults)
-    assert summary["faults"]["badkey"] == {"jobs": 1, "exact": 0, "failed_as_expected": 1,
-                                              "failed_at_a_limit": 0, "unexpected": 0}
+    assert summary["faults"]["badkey"] == {"jobs": 1, "exact": 0, "failed_as_expected": 1, "failed_at_a_limit": 0,
+                                           "unexpected": 0}
     for fault in ("rank", "flood", "stall"):
         assert summary["faults"][fault]["exact"] == summary["faults"][fault]["jobs"], summary["faults"]
     assert summary["ps_incarnations"] == 2 and summary["junk_datagrams"] > 0 and summary["stopped_s"] == 5.0
