@@ -403,7 +403,7 @@ def cmd_experiment(args) -> None:
                      methods=args.methods or lm.METHODS, target=args.target_loss, layouts=args.layouts or ("colocated",))
     else:
         path = experiments.bandwidth(base, command, log, rates=args.rates, codecs=args.codecs, target=args.target, out=out)
-    print(f"wrote {path} and its plot")
+    print(f"wrote {path}" + ("" if args.name == "lm" else " and its plot") + f" (and {Path(path).with_suffix('.json').name})")
 
 
 def cmd_bench(args) -> None:
