@@ -166,6 +166,10 @@ def make_jobs(rng, wave: int, first: int, count: int, fault: str) -> list:
     else:
         for j in jobs:
             j.fault = fault
+            if fault in ("stall", "ps_kill"):
+                # long enough for the fault to land mid-job on a quiet host too (it waits for a
+                # job to report two rounds; 6 rounds at 30 ms could end between two polls)
+                j.rounds += 40
     return jobs
 
 
