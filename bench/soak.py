@@ -54,6 +54,16 @@ EXPECTED_CAUSE = {"badkey": "refused the connection", "ps_kill": "the PS restart
 KNOWN_LIMITS = {"rejoining a running job is supported for thc and none": "a BLOB job's rank lost its lease"}
 
 
+
+def healthz(addr) -> tuple:
+    """(status, body) of a PS's /healthz at (host, port): 200 "ok" while both of its planes
+    serve ("draining" during a drain), 503 otherwise."""
+    try:
+        with urllib.request.urlopen(f"http://{addr[0]}:{addr[1]}/healthz", timeout=10) as r:
+            return r.status, r.read().decode().strip()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode().strip()
+
 @dataclass
 class Job:
     """One job of the soak: its shape, its fault, and how it ended."""
@@ -126,12 +136,7 @@ class PS:
                 "fds": len(os.listdir(f"/proc/{pid}/fd"))}
 
     def healthz(self) -> tuple:
-        """(status, body) of /healthz: 200 "ok" while both of the PS's planes serve."""
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.mport}/healthz", timeout=10) as r:
-                return r.status, r.read().decode().strip()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read().decode().strip()
+        return healthz(("127.0.0.1", self.mport))
 
     def metrics(self) -> dict:
         """{(name, frozenset(labels)): value} of one scrape."""

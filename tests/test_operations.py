@@ -20,6 +20,7 @@ from thc_ps.deploy.launch import run_launch
 from thc_ps.proto.job import JobConfig
 from thc_ps.ps_server.metrics import MetricsServer
 from thc_ps.ps_server.server import PSServer
+from bench.soak import healthz
 from tests.test_cli_errors import ROOT
 from tests.test_ps_faults import status
 from tests.test_service import _free_port
@@ -41,14 +42,6 @@ def job_value(samples: dict, name: str, job: str, **labels) -> float:
 
 def ps_value(samples: dict, name: str, **labels) -> float:
     return samples[(name, frozenset({"shard": "0", **labels}.items()))]
-
-
-def healthz(addr) -> tuple:
-    try:
-        with urllib.request.urlopen(f"http://{addr[0]}:{addr[1]}/healthz", timeout=10) as r:
-            return r.status, r.read().decode().strip()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode().strip()
 
 
 def test_metrics_of_two_jobs_equal_their_reports_and_go_when_they_end():
