@@ -198,7 +198,8 @@ static PyObject *recv_many(PyObject *self, PyObject *args) {
  *            dropping an outgoing and an incoming datagram as thresholds in units of 2^-32, and
  *            the SplitMix64 state the draws come from (kept by the caller between calls)
  * T (float64): RetransmitTimer.T (worker/rto.py): floor, cap, adaptive, reorder window,
- *              the order rule's wait, then each shard's scale (seconds per chunk in flight)
+ *              the order rule's wait, the first timeout, then each shard's scale (seconds
+ *              per chunk in flight; 0: not measured yet)
  * sent, done (float64), inflight (int32): each chunk's first send and answer times and the
  *              chunks in flight when it was sent, itself included (RetransmitTimer's samples)
  * fast (float64): when the order rule makes a chunk due (0: not found lost; -1: used up; -2:
@@ -213,7 +214,7 @@ enum { P_TYPE, P_WANT, P_JOB, P_WORKER, P_NW, P_EBITS, P_OP, P_N, P_WINDOW, P_NS
        P_WATCH, P_ANSWERED, P_NOTIFIED, P_DONEFD, P_DROP_OUT, P_DROP_IN, P_RNG, P_COUNT };
 enum { K_SENT, K_RECV, K_BYTES_SENT, K_BYTES_RECV, K_RETRANS, K_TIMEOUTS, K_LOST, K_STRAGGLER,
        K_BAD, K_FAST, K_NOTICES, K_DROPPED_OUT, K_DROPPED_IN, K_GSO_MSGS, K_GRO_BATCHES, K_COUNT };
-enum { T_FLOOR, T_CAP, T_ADAPTIVE, T_REORDER, T_ORDER, T_SCALES };    /* RetransmitTimer.T */
+enum { T_FLOOR, T_CAP, T_ADAPTIVE, T_REORDER, T_ORDER, T_FIRST, T_SCALES };    /* RetransmitTimer.T */
 enum { S_NEW, S_PENDING, S_RESULT, S_LOST, S_SETTLED };
 
 #define HDR 40
@@ -369,9 +370,11 @@ static void send_chunks(phase_t *ph, int *cs, int n) {
 }
 
 /* RetransmitTimer.first_timeout (worker/rto.py): a chunk sent to shard s with k chunks
- * in flight waits clamp(scale_s * k, floor, cap), or the floor (fixed rule). */
+ * in flight waits clamp(scale_s * k, floor, cap); before scale_s is measured the floor,
+ * at least the first timeout when k > 1; the floor under the fixed rule. */
 static inline double rto_first(const double *T, int s, int64_t k) {
     if (T[T_ADAPTIVE] == 0) return T[T_FLOOR];
+    if (T[T_SCALES + s] == 0) return k > 1 && T[T_FIRST] > T[T_FLOOR] ? T[T_FIRST] : T[T_FLOOR];
     double t = T[T_SCALES + s] * (double)k;
     return t < T[T_FLOOR] ? T[T_FLOOR] : t > T[T_CAP] ? T[T_CAP] : t;
 }

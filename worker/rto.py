@@ -53,8 +53,8 @@ REORDER_MIN_S = 1e-3
 #: The order rule waits this many reorder windows after the fan-out that found a chunk lost.
 ORDER_REORDERS = 4
 #: Where the shards' scales start in RetransmitTimer.T (floor, cap, adaptive, reorder window,
-#: the order rule's wait).
-T_SCALES = 5
+#: the order rule's wait, the first timeout).
+T_SCALES = 6
 #: _Pending.fast of a chunk held by the probe rule (RetransmitPolicy.hold)
 HELD = -2.0
 
@@ -109,7 +109,12 @@ class RetransmitTimer:
     A chunk sent to shard s with k chunks in flight waits
     min(max(scale_s · k, floor), cap) before its first resend: the timeout follows the
     window as the queue does, and never fires while the ranks are still meeting as they
-    usually do.  With `adaptive` False (`--fixed-timeout`) every chunk waits `first`.
+    usually do.  Until shard s's scale is measured, a chunk with others in flight (k > 1)
+    waits at least `first`, as TCP waits its initial RTO before the first sample: the floor
+    measures the meeting, not the queue k chunks make (behind a 100 Mbit/s link the first
+    data phase's round trips reached 34 ms against a 4.5 ms floor, and a rank resent 104 of
+    its 733 chunks, all of which the PS held).  With `adaptive` False (`--fixed-timeout`)
+    every chunk waits `first`.
 
     The lower quartile of a whole phase, because some answers wait for a loss to be
     recovered, the chunk's own or another rank's: at 5% loss a chunk of 4 ranks waits with
@@ -130,9 +135,8 @@ class RetransmitTimer:
     answered chunk in the last MEETINGS phases (RACK's min_RTT / 4); the order rule waits
     ORDER_REORDERS of them.
 
-    `T` = [floor, cap, adaptive, reorder window, the order rule's wait, then each shard's
-    scale (0: not measured yet, the floor applies)] is what the C phase
-    (_batchio.phase_run) reads.
+    `T` = [floor, cap, adaptive, reorder window, the order rule's wait, first, then each
+    shard's scale (0: not measured yet)] is what the C phase (_batchio.phase_run) reads.
     """
 
     MIN_SAMPLES = 8
@@ -141,7 +145,8 @@ class RetransmitTimer:
                  minimum_s: float = MIN_TIMEOUT_S):
         self.first, self.minimum = first_s, minimum_s
         self.T = np.zeros(T_SCALES + shards)
-        self.T[:T_SCALES] = first_s, cap_s, float(adaptive), REORDER_MIN_S, ORDER_REORDERS * REORDER_MIN_S
+        self.T[:T_SCALES] = (first_s, cap_s, float(adaptive), REORDER_MIN_S, ORDER_REORDERS * REORDER_MIN_S,
+                             first_s)
         self._meets: deque = deque(maxlen=MEETINGS)     # each phase's meeting round trip
         self._least: deque = deque(maxlen=MEETINGS)     # each phase's least round trip
 
@@ -168,7 +173,10 @@ class RetransmitTimer:
         floor, cap, adaptive = self.T[:3]
         if not adaptive:
             return float(floor)
-        return float(min(max(self.T[T_SCALES + shard] * in_flight, floor), cap))
+        scale = self.T[T_SCALES + shard]
+        if scale == 0:
+            return float(max(floor, self.first) if in_flight > 1 else floor)
+        return float(min(max(scale * in_flight, floor), cap))
 
     def phase_done(self, shard: np.ndarray, sent: np.ndarray, done: np.ndarray, inflight: np.ndarray) -> None:
         """A phase ended: chunk c went to shard[c], was first sent at sent[c] with inflight[c]
