@@ -292,6 +292,46 @@ def test_random_loss_is_not_congestion():
     assert t.cwnd == 68
 
 
+def test_a_run_of_losses_is_congestion_though_few():
+    """A queue that overflows drops consecutive chunks: 10 of some 16 found lost halve the
+    window though the phase lost under an eighth; the same count spread out does not, and
+    independent loss at 9% a chunk (8 ranks at 1% each way) almost never looks clustered."""
+    from thc_ps.worker.phases import CLUSTER, CONGESTED, clustered
+    least, span = CLUSTER
+    run = np.zeros(733, bool)
+    run[400:400 + least] = True
+    spread = np.zeros(733, bool)
+    spread[::733 // least][:least] = True
+    assert run.sum() == spread.sum() == least < 733 * CONGESTED
+    assert clustered(run) and not clustered(spread)
+    gappy = np.zeros(733, bool)
+    gappy[400:400 + span:2] = True                  # 8 of 16: every other chunk, too few
+    assert not clustered(gappy)
+    gappy[401] = gappy[403] = True                  # 10 of 16
+    assert clustered(gappy)
+    assert not clustered(np.ones(least - 1, bool)) and clustered(np.ones(least, bool))
+    rng = np.random.default_rng(7)
+    assert sum(clustered(rng.random(733) < 0.09) for _ in range(2000)) <= 2
+    t = _placer(1, slots=512)
+    t.cwnd = t.ssthresh = 256
+    t._adapt_window(733, int(spread.sum()), spread)  # few and spread: the window grows
+    assert t.cwnd == 256 + 16
+    t._adapt_window(733, int(run.sum()), run)        # few in a run: halved
+    assert t.cwnd == t.ssthresh == 136
+
+
+def test_slow_start_at_most_quadruples_the_window_per_phase():
+    t = _placer(1, slots=512)
+    t.cwnd, t.ssthresh = 64, 512
+    t._adapt_window(733, 0)                          # 11 windows' worth carried: x4, not x8
+    assert t.cwnd == 256
+    t._adapt_window(733, 0)
+    assert t.cwnd == 512
+    t.cwnd = 64
+    t._adapt_window(100, 0)                          # one round trip carried: doubled
+    assert t.cwnd == 128
+
+
 @pytest.mark.parametrize("shards, nchunks", [(1, 200), (2, 300), (3, 10), (2, 1)])
 def test_chunks_go_to_shards_in_runs_and_slot_rounds_advance_per_use(shards, nchunks):
     from thc_ps.worker.transport import SHARD_RUN
