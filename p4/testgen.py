@@ -54,6 +54,9 @@ class Target:
     arch: str
     backend: str
     defines: tuple = ()
+    #: the input and output ports p4testgen may choose: ports a switch run can make (bmv2's
+    #: drop port 511 is none) and those p4c's own Tofino PTF tests use
+    ports: str = "0:15"
 
     @property
     def stem(self) -> str:
@@ -63,9 +66,10 @@ class Target:
 TNA_DEFINES = (f"THC_TESTGEN_RECIRC_PORT={TESTGEN_RECIRC_PORT}",)
 TARGETS = {t.name: t for t in (
     Target("bmv2", HERE / "thc.p4", "bmv2", "v1model", "STF"),
-    Target("tofino", HERE / "tofino" / "thc_tna.p4", "tofino", "tna", "PTF", ("__TARGET_TOFINO__=1", *TNA_DEFINES)),
+    Target("tofino", HERE / "tofino" / "thc_tna.p4", "tofino", "tna", "PTF", ("__TARGET_TOFINO__=1", *TNA_DEFINES),
+           f"0:15,{TESTGEN_RECIRC_PORT}:{TESTGEN_RECIRC_PORT}"),
     Target("tofino2", HERE / "tofino" / "thc_tna.p4", "tofino2", "t2na", "PTF",
-           ("__TARGET_TOFINO__=2", *TNA_DEFINES)),
+           ("__TARGET_TOFINO__=2", *TNA_DEFINES), f"8:15,{TESTGEN_RECIRC_PORT}:{TESTGEN_RECIRC_PORT}"),
 )}
 
 #: Per run: the path selection, the coverage tracked, when to stop, and input frames of 60 to
@@ -86,7 +90,7 @@ def command(spec: Target, out_dir: Path, max_tests: int, seed: int, program: Pat
     """The p4testgen command line of one run."""
     return [tools.require("p4testgen"), "--target", spec.target, "--arch", spec.arch, "--std", "p4-16",
             "--test-backend", spec.backend, "--seed", str(seed), "--max-tests", str(max_tests),
-            "--out-dir", str(out_dir), *STRATEGY, *(f"-D{d}" for d in spec.defines),
+            "--out-dir", str(out_dir), *STRATEGY, "--port-ranges", spec.ports, *(f"-D{d}" for d in spec.defines),
             str(program or spec.program)]
 
 
@@ -394,6 +398,7 @@ def _assigned(fn: ast.FunctionDef) -> dict:
 def parse_ptf(text: str) -> list[GenTest]:
     """Every test class of a p4testgen PTF file (Tofino back end)."""
     tree = ast.parse(text)
+    lines = text.splitlines()     # each class's source by line numbers (get_source_segment splits the file per call)
     tests = []
     for cls in tree.body:
         if not (isinstance(cls, ast.ClassDef) and re.fullmatch(r"Test\d+", cls.name)):
@@ -416,7 +421,7 @@ def parse_ptf(text: str) -> list[GenTest]:
                     for b in range(start, start + width):
                         bits[b // 8] &= ~(0x80 >> (b % 8)) & 0xFF
             care = bytes(bits)
-        source = ast.get_source_segment(text, cls) or ""
+        source = "\n".join(lines[cls.lineno - 1:cls.end_lineno])
         m = re.search(r"#\s*Current statement coverage:\s*([0-9.e+-]+)", source)
         doc = ast.get_docstring(cls) or ""
         tests.append(GenTest(cls.name, tuple(entries), registers, _literal(send["ig_port"]),

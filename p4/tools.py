@@ -259,10 +259,39 @@ def check(spec: ToolSpec, *, python: str = DEBIAN_PYTHON, **where) -> ToolStatus
             return _status(spec, path, None, f"no usage line from {path}: {out[-200:]}")
         cc = find_tool("p4c-barefoot", **where)
         return _status(spec, path, _version(_run([cc, "--version"])[1]) if cc else None)
+    if spec.name == "p4testgen":
+        return _testgen_status(spec, path, where)
     rc, out = _run([path, "--version"])
     if rc != 0:
         return _status(spec, path, None, f"--version failed (status {rc}): {out[-200:]}")
     return _status(spec, path, _version(out))
+
+
+def _testgen_status(spec: ToolSpec, path: str, where: dict) -> ToolStatus:
+    """p4testgen asks for a target even to print its version, and a p4c build from a source
+    tree without git tags prints "Version <null>": then its version is that of the
+    p4c-bm2-ss of the same build (the build tree holding both, or one install directory)."""
+    rc, out = _run([path, "--target", "bmv2", "--arch", "v1model", "--version"])
+    if rc != 0:
+        return _status(spec, path, None, f"--version failed (status {rc}): {out[-200:]}")
+    version = _version(out)
+    if version is None:
+        cc = find_tool("p4c-bm2-ss", **where)
+        if cc and os.path.realpath(cc).startswith(_build_root(path) + os.sep):
+            version = _version(_run([cc, "--version"])[1])
+    return _status(spec, path, version)
+
+
+def _build_root(path: str) -> str:
+    """The p4c build tree a binary is in (the nearest directory up with CMakeCache.txt), or
+    its own directory for an installed one."""
+    real = os.path.realpath(path)
+    d = os.path.dirname(real)
+    while d != os.path.dirname(d):
+        if os.path.exists(os.path.join(d, "CMakeCache.txt")):
+            return d
+        d = os.path.dirname(d)
+    return os.path.dirname(real)
 
 
 def doctor(*, python: str = DEBIAN_PYTHON, **where) -> dict:

@@ -321,3 +321,33 @@ def test_fake_tools_shadow_real_ones_wherever_they_are(tmp_path, monkeypatch):
     path = path_without_p4_tools(fakes).split(os.pathsep)
     assert path[0] == str(fakes) and str(real) not in path
     assert tools.find_tool("simple_switch_grpc", path=os.pathsep.join(path), system_dir=None, env={}) is None
+
+
+def test_p4testgen_without_a_version_of_its_own_takes_that_of_its_build(tmp_path):
+    """p4testgen wants a target even for --version, and a build from a tree without git tags
+    prints "Version <null>": its version is that of the p4c-bm2-ss of the same build (a tree
+    with CMakeCache.txt, or one install directory), never of a p4c from elsewhere."""
+    spec = next(s for s in tools.SPECS if s.name == "p4testgen")
+    body = '[ "$1 $2 $3 $4 $5" = "--target bmv2 --arch v1model --version" ] && echo "Version <null>" && exit 0; exit 1'
+    build = tmp_path / "build"
+    (build / "CMakeCache.txt").parent.mkdir(parents=True)
+    (build / "CMakeCache.txt").write_text("")
+    _tool(build / "backends" / "p4tools", "p4testgen", body)
+    fake_tools(build, skip=("simple_switch", "simple_switch_CLI"))
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "p4testgen").symlink_to(build / "backends" / "p4tools" / "p4testgen")
+    (bindir / "p4c-bm2-ss").symlink_to(build / "p4c-bm2-ss")
+    st = tools.check(spec, **where(bindir))
+    assert (st.status, st.version) == ("ok", tools.TESTED["p4c-bm2-ss"])
+    elsewhere = tmp_path / "other"
+    fake_tools(elsewhere, p4c_version="1.2.4.0", skip=("simple_switch", "simple_switch_CLI"))
+    (bindir / "p4c-bm2-ss").unlink()
+    (bindir / "p4c-bm2-ss").symlink_to(elsewhere / "p4c-bm2-ss")
+    st = tools.check(spec, **where(bindir))
+    assert st.status == "untested-version" and st.version is None
+    _tool(bindir, "p4testgen-broken", "exit 1")
+    (bindir / "p4testgen").unlink()
+    (bindir / "p4testgen").symlink_to(bindir / "p4testgen-broken")
+    st = tools.check(spec, **where(bindir))
+    assert st.status == "broken" and "--version failed" in st.detail

@@ -236,6 +236,12 @@ $lane_actions
 
     apply {
         if (!hdr.thc.isValid()) {
+            // a datagram to the THC port too short for the THC header is malformed, as the
+            // software PS counts it, not L2 traffic (found by p4testgen, docs/p4.md)
+            if (hdr.udp.isValid() && hdr.udp.dst_port == THC_PORT) {
+                drop_with(C_MALFORMED);
+                return;
+            }
             if (hdr.eth.isValid()) {
                 l2.apply();
             }
