@@ -274,14 +274,16 @@ def test_a_switch_whose_cli_cannot_import_its_modules_says_so(tmp_path, monkeypa
     d = tmp_path / "bin"
     _tool(d, "simple_switch", "sleep 30")
     cli_path = d / "simple_switch_CLI"
-    cli_path.write_text("#!/usr/bin/env python3\nimport runtime_CLI\n")     # as bmv2 installs it
+    # as bmv2 installs it, importing a module this python3 lacks (runtime_CLI itself may be
+    # there: Debian's python3 first on PATH has bmv2's)
+    cli_path.write_text("#!/usr/bin/env python3\nimport thc_test_no_such_runtime_CLI\n")
     cli_path.chmod(0o755)
     monkeypatch.setenv("PATH", f"{d}{os.pathsep}{os.environ['PATH']}")
     with pytest.raises(RuntimeError) as exc:
         control.start_switch(tmp_path / "thc.json", {}, thrift_port=1)
     msg = str(exc.value)
     assert msg.startswith(f"simple_switch started, but {cli_path} cannot talk to it: ")
-    assert "No module named 'runtime_CLI'" in msg and "Thrift port never answered" not in msg
+    assert "No module named 'thc_test_no_such_runtime_CLI'" in msg and "Thrift port never answered" not in msg
     assert f"in python3 ({shutil.which('python3')} on PATH)" in msg and "PATH=/usr/bin:$PATH" in msg
     line = by_name(tools.doctor(**where(d)))["simple_switch_CLI"].line()     # the doctor says the same
     assert "broken" in line and f"in python3 ({shutil.which('python3')} on PATH)" in line
