@@ -148,7 +148,8 @@ def test_on_a_rate_limited_path_the_adaptive_timer_stops_spurious_resends():
     """4 workers behind a 100 Mbit/s token bucket: the queue makes a round trip longer than
     the 50 ms first timeout.  The fixed timer resends a share of the packets though nothing
     was lost (a probe per shard at each expiry since the probe rule: 4% of the packets, 18%
-    before); the adaptive one resends about what the queue dropped."""
+    before; about 1% since the window halves on a run of drops); the adaptive one resends
+    about what the queue dropped."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "THC_UDP_OFFLOAD": "0"}
     py = [sys.executable, "-m", "thc_ps.deploy.cli"]
     runs = {}
@@ -171,9 +172,11 @@ def test_on_a_rate_limited_path_the_adaptive_timer_stops_spurious_resends():
         assert doc["exact_rounds"] == 6 and doc["lost_chunks"] == 0
         runs[fixed] = (doc["retransmissions"] - drops, doc["packets_sent"], doc["rto_ms"])
     (fixed_spurious, fixed_sent, _), (spurious, sent, rto_ms) = runs[True], runs[False]
-    assert fixed_spurious > 0.01 * fixed_sent, runs        # the path is slow enough to matter
+    # the path is slow enough to matter: its round trip outgrows the fixed 50 ms, which then
+    # resends what the PS holds (0.9-1.8% of the packets in three runs since the window follows
+    # the queue's drops; 0.02-0.07% for the adaptive timer)
+    assert rto_ms > 50 and fixed_spurious > 0.002 * fixed_sent, runs
     assert spurious < 0.01 * sent and spurious < fixed_spurious / 2, runs
-    assert rto_ms > 50, runs
 
 
 class _Engine:
