@@ -54,7 +54,6 @@ EXPECTED_CAUSE = {"badkey": "refused the connection", "ps_kill": "the PS restart
 KNOWN_LIMITS = {"rejoining a running job is supported for thc and none": "a BLOB job's rank lost its lease"}
 
 
-
 def healthz(addr) -> tuple:
     """(status, body) of a PS's /healthz at (host, port): 200 "ok" while both of its planes
     serve ("draining" during a drain), 503 otherwise."""
@@ -63,6 +62,7 @@ def healthz(addr) -> tuple:
             return r.status, r.read().decode().strip()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode().strip()
+
 
 @dataclass
 class Job:

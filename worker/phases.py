@@ -60,7 +60,6 @@ CLUSTER = (10, 16)          # ... or one that found 10 of some 16 consecutive ch
 SHARD_RUN = 64              # consecutive chunks a shard takes in turn: a GSO message's worth
 
 
-
 def clustered(found: np.ndarray, least: int = CLUSTER[0], span: int = CLUSTER[1]) -> bool:
     """Whether some `span` consecutive chunks of a phase hold `least` or more found lost
     (`found`: a bool per chunk): a queue's tail drop, not independent loss."""
@@ -69,6 +68,7 @@ def clustered(found: np.ndarray, least: int = CLUSTER[0], span: int = CLUSTER[1]
     hits = np.concatenate(([0], np.cumsum(found, dtype=np.int64)))
     width = min(span, found.size)
     return bool((hits[width:] - hits[:-width]).max() >= least)
+
 
 class PhaseSession(Protocol):
     """What the data phases need from the worker's session with the PS (worker/session.py
@@ -264,6 +264,7 @@ class PhaseEngine:
     def _run_phase_once(self, kind: int, chunks, phase_index: int, stream: ChunkStream | None = None):
         shard, slot, rounds = self._place(kind, len(chunks), phase_index)
         found = self.stats.counters["timeouts"] + self.stats.counters["fast_losses"]
+        self._found_lost = None          # this phase's loop sets it: never an earlier phase's
         if self._c_phase():
             results = self._run_phase_c(kind, chunks, shard, slot, rounds, stream)
         else:
@@ -298,9 +299,8 @@ class PhaseEngine:
         CONGESTED share did so phase after phase (behind a 100 Mbit/s link, 4 ranks at a
         256-chunk window lost 2–10% of each phase in runs of 10–20): a phase whose `found`
         (a bool per chunk: resent, the `retransmit` policy's losses) is `clustered` halves
-        too.  Independent loss rarely
-        is: at 9% a chunk, some 16 consecutive chunks hold 10 lost in about one phase of
-        10,000 (733 chunks)."""
+        too.  Independent loss rarely is: at 9% a chunk, some 16 consecutive chunks hold 10
+        lost in about one phase of 10,000 (733 chunks)."""
         if lost > max(1, nchunks * CONGESTED) or (found is not None and clustered(found)):
             self.ssthresh = self.cwnd = max(min(MIN_WINDOW, self.window), self.cwnd // 2)
         elif nchunks > self.cwnd:
