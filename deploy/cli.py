@@ -445,6 +445,13 @@ def build_parser() -> argparse.ArgumentParser:
     p4_tg.add_argument("--out", default=None, metavar="DIR",
                        help="where the tests, testgen.json and replay.json go (default: build/p4/testgen/TARGET; "
                             "a directory with committed files is refused)")
+    p4_tg.add_argument("--tables", choices=("job", "free"), default="job",
+                       help="job: the program's tables hold two real jobs (bmv2) or one (tofino) as const "
+                            "entries, written by the control plane's code, so the tests reach their slots; "
+                            "free: p4testgen chooses every entry (most are entries no job writes)")
+    p4_tg.add_argument("--port-ranges", default=None, metavar="LOW:HIGH[,...]",
+                       help="the ports p4testgen may choose for input and output (default: 0:15, and the "
+                            "recirculation port 68 for tofino; tofino with 0:15 gives first passes only)")
     p4_tg.add_argument("--program", default=None, metavar="P4",
                        help="another program for the same target (default: the committed one)")
     p4_tg.add_argument("--no-replay", action="store_true", help="only generate")

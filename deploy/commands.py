@@ -435,9 +435,11 @@ def _p4_testgen(args):
 
     from thc_ps.p4 import replay, testgen
     out = Path(args.out or f"build/p4/testgen/{args.target}")
-    if args.switch and args.target != "bmv2":
-        raise ValueError("--switch runs the bmv2 program's tests on simple_switch: it needs --target bmv2")
-    gen = testgen.generate(args.target, out, args.max_tests, args.seed, args.program)
+    if args.switch and (args.target != "bmv2" or args.tables != "free"):
+        raise ValueError("--switch runs the bmv2 program's tests on simple_switch with the entries p4testgen "
+                         "chose: it needs --target bmv2 --tables free")
+    gen = testgen.generate(args.target, out, args.max_tests, args.seed, args.program, tables=args.tables,
+                           ports=args.port_ranges)
     print(gen.line(), flush=True)
     print(f"tests in {out}", flush=True)
     if args.no_replay:

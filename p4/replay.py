@@ -493,13 +493,14 @@ def _answer(test: GenTest, frame: bytes, out: list, reason: str | None, port: in
 def tna_job(test: GenTest, frame: bytes, pass2: bool = False) -> Job | None:
     """The job from thc_job, job_size, worker_range, slot_range and workers — the entries the
     path hit; a table pass 1 applied and missed constrains the job to miss too.  None when
-    thc_job missed (no job has the packet's id and nonce)."""
-    jobs = _acting(test, "thc_job", "no_job")
+    thc_job has no entry for the packet's job id and nonce."""
+    h = H.Header(**_thc_fields(frame)) if len(frame) >= PAYLOAD_AT else None
+    jobs = [e for e in _acting(test, "thc_job", "no_job")
+            if e.default or h is None or (e.key("thc.job_id").matches(h.job_id) and e.key("thc.nonce").matches(h.nonce))]
     if len(jobs) > 1:
         raise SetAside("thc_job: two entries (the program holds one job)")
-    h = H.Header(**_thc_fields(frame)) if len(frame) >= PAYLOAD_AT else None
     if not jobs:
-        if test.table("job_size") or test.table("workers"):
+        if not pass2 and any(h is None or e.key("thc.job_id").matches(h.job_id) for e in test.table("job_size")):
             raise SetAside("entries of a job without its thc_job entry")
         return None
     e = jobs[0]
@@ -703,6 +704,8 @@ def _tna_pass2(test: GenTest, frame: bytes, job: Job, twin) -> Outcome:
     if b["me"] != me:
         raise SetAside(f"bridge.me {b['me']:#x} for worker {h.worker_id} (pass 1 writes 1 << worker id)")
     norm = h.type == H.NORM
+    if h.worker_id >= job.n:
+        raise SetAside(f"pass 2 of worker {h.worker_id} ≥ n = {job.n} (pass 1's worker_range drops it)")
     # the job around the packet: pass 1 checked its registration and slot range
     job.workers[h.worker_id] = (*_src(frame), h.token)
     if norm and h.slot < 1:

@@ -26,7 +26,7 @@ EVENT_CELLS = 16
 
 #: Outcomes of the slot update, as the software PS decides them (docs/design.md, PS rules).
 VERDICTS = ("DROP_MALFORMED", "AGG", "AGG_DONE", "RESEND_CUR", "DUP", "LATE", "RESEND_PREV",
-            "STALE", "AHEAD")
+            "STALE", "AHEAD", "NO_JOB")
 
 assert set(DROPS) <= set(EVENTS) and len(EVENTS) <= EVENT_CELLS
 

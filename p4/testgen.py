@@ -23,7 +23,14 @@ Tofino, leaves by its unicast port only; no recirculation on Tofino; parser valu
 not implemented (the select cases naming one are removed).  The last would make the Tofino
 program's pass 2 unreachable, so the Tofino targets compile it with `THC_TESTGEN_RECIRC_PORT`
 defined: its parser then recognizes pass 2 by that constant port instead of the
-`recirc_ports` value set (p4/templates/tna/parser.p4, the only line the define changes).
+`recirc_ports` value set (p4/templates/tna/parser.p4).  The define also holds a second
+pass's made-up bridge header to what pass 1 writes (`testgen_assume`, ingress.p4) and leaves
+out the egress's multicast-replica rewrite, whose read of `egress_rid` misplaces the bridge
+header in p4testgen's Tofino egress (docs/p4.md, "Tables holding real jobs").
+
+`--tables job` (`job_program`, `fixed_entries`) compiles a copy of the program whose THC
+tables hold real jobs as `const entries`, written by the control plane's own code, so that
+the tests reach those jobs' slots rather than entries no job writes.
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ import json
 import re
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from thc_ps.p4 import tools
@@ -105,9 +112,10 @@ def tracked_files(directory: Path) -> list[str]:
     return proc.stdout.split() if proc.returncode == 0 else []
 
 
-def _outputs(spec: Target, directory: Path) -> list[Path]:
-    """What a run of `spec` writes into `directory` (an earlier run's, to be replaced)."""
-    pattern = f"{spec.stem}_*.stf" if spec.backend == "STF" else f"{spec.stem}.py"
+def _outputs(spec: Target, directory: Path, stem: str) -> list[Path]:
+    """What a run of `spec` on a program named `stem` writes into `directory` (an earlier
+    run's, to be replaced)."""
+    pattern = f"{stem}_*.stf" if spec.backend == "STF" else f"{stem}.py"
     return sorted(directory.glob(pattern)) + [p for p in (directory / SUMMARY,) if p.exists()]
 
 
@@ -132,6 +140,8 @@ class Generation:
     coverable: int
     seconds: float
     command: list = field(default_factory=list)
+    tables: str = "free"
+    ports: str = ""
 
     @property
     def coverage(self) -> float:
@@ -139,16 +149,27 @@ class Generation:
 
     def line(self) -> str:
         return (f"{self.target}: {self.tests} tests in {self.seconds:.1f} s, statement coverage "
-                f"{self.covered}/{self.coverable} ({100 * self.coverage:.1f}%), seed {self.seed}")
+                f"{self.covered}/{self.coverable} ({100 * self.coverage:.1f}%), seed {self.seed}"
+                + (", the tables holding fixed jobs" if self.tables == "job" else ""))
 
 
 def generate(name: str, out_dir: Path | str, max_tests: int = 20, seed: int = 1, program: Path | None = None,
-             timeout: float = 7200) -> Generation:
+             timeout: float = 7200, tables: str = "free", ports: str | None = None) -> Generation:
     """Run p4testgen for target `name` into out_dir (created; an earlier run's tests there are
     replaced; a directory holding committed files is refused) and write its summary,
-    out_dir/testgen.json.  A program p4testgen cannot compile is a ValueError naming its first
-    error; a missing p4testgen a FileNotFoundError naming where it comes from."""
+    out_dir/testgen.json.  `tables`: "free" lets p4testgen choose every table entry; "job"
+    compiles the program with the jobs of `fixed_jobs` in its tables (`job_program`).
+    `ports`: p4testgen's --port-ranges instead of the target's (Tofino "0:15": first passes
+    only, since the recirculation port is then no output p4testgen may choose).  A
+    program p4testgen cannot compile is a ValueError naming its first error; a missing
+    p4testgen a FileNotFoundError naming where it comes from."""
     spec = target(name)
+    if ports is not None:
+        if not re.fullmatch(r"\d+:\d+(,\d+:\d+)*", ports):
+            raise ValueError(f"--port-ranges takes LOW:HIGH[,LOW:HIGH...], got {ports!r}")
+        spec = replace(spec, ports=ports)
+    if tables not in TABLES:
+        raise ValueError(f"--tables must be one of {', '.join(TABLES)}, got {tables!r}")
     if max_tests < 1:
         raise ValueError(f"--max-tests must be at least 1, got {max_tests}")
     if not 0 <= seed < 1 << 32:
@@ -160,10 +181,15 @@ def generate(name: str, out_dir: Path | str, max_tests: int = 20, seed: int = 1,
     committed = tracked_files(out) if out.exists() else []
     if committed:
         raise ValueError(f"{out} holds committed files ({committed[0]}, ...): give another --out")
-    cmd = command(spec, out, max_tests, seed, program)
     out.mkdir(parents=True, exist_ok=True)
-    for old in _outputs(spec, out):
+    for old in _outputs(spec, out, program.stem) + _outputs(spec, out, spec.stem):
         old.unlink()
+    source = program
+    if tables == "job":
+        program = out / "program" / program.name
+        program.parent.mkdir(exist_ok=True)
+        program.write_text(job_program(source.read_text(), fixed_entries(name)))
+    cmd = command(spec, out, max_tests, seed, program)
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     seconds = time.monotonic() - start
@@ -176,12 +202,109 @@ def generate(name: str, out_dir: Path | str, max_tests: int = 20, seed: int = 1,
         raise RuntimeError(f"p4testgen --target {spec.target} --arch {spec.arch} failed (status "
                            f"{proc.returncode}): {tail}")
     covered = COVERED_RE.findall(text)
-    tests = len(read_tests(out, name))
-    gen = Generation(name, str(program), seed, max_tests, tests,
+    tests = len(read_tests(out, name, program.stem))
+    gen = Generation(name, str(source), seed, max_tests, tests,
                      int(covered[-1][1]) if covered else 0, int(covered[-1][2]) if covered else 0,
-                     round(seconds, 2), cmd)
+                     round(seconds, 2), cmd, tables, spec.ports)
     (out / SUMMARY).write_text(json.dumps(asdict(gen), indent=1) + "\n")
     return gen
+
+
+# --------------------------------------------------------------------------- fixed jobs
+
+#: What p4testgen may put in the THC tables: "free", any entry (most are entries no job
+#: writes: p4testgen picks action parameters freely, docs/p4.md); "job", none: the tables
+#: hold the jobs of `fixed_jobs` as `const entries`, so the generated tests explore real jobs'
+#: slots.  Plain L2 forwarding stays free in both.
+TABLES = ("free", "job")
+PS_MAC = "02:00:00:00:00:fe"
+NONCE = 0x5EED
+
+
+def _ports(n: int, base: int) -> list:
+    from thc_ps.p4.entries import WorkerPort
+    return [WorkerPort(r, f"10.0.{base}.{r + 1}", 5001 + r, f"02:00:00:00:{base:02x}:{r + 1:02x}", r + 1)
+            for r in range(n)]
+
+
+def fixed_jobs(name: str) -> list[tuple]:
+    """The jobs a `--tables job` build of target `name` holds, as (JobConfig, [WorkerPort]):
+    bmv2 (8 jobs) two: n = 2 at full quorum and n = 1, whose every DATA packet completes its
+    round (registers start at zero under p4testgen's v1model); Tofino (one job at a time)
+    n = 3 at quorum 2 (its registers' initial values are p4testgen's to choose)."""
+    from thc_ps.p4.control import switch_job
+    if target(name).target == "bmv2":
+        return [(switch_job(2, job_id=1, slots=4, norm_slots=2), _ports(2, 1)),
+                (switch_job(1, job_id=2, slots=2, norm_slots=1), _ports(1, 2))]
+    return [(switch_job(3, job_id=1, slots=4, norm_slots=2, quorum=2 / 3), _ports(3, 1))]
+
+
+def token(job_id: int, rank: int) -> int:
+    """The registration token of a fixed job's rank."""
+    return 0x7000_0000 | job_id << 8 | rank
+
+
+def fixed_entries(name: str) -> list:
+    """Every table entry the control plane writes for `fixed_jobs(name)` and their ranks
+    (p4/entries.py, p4/tna_entries.py): what a `--tables job` build holds."""
+    from thc_ps.p4 import entries as E
+    from thc_ps.p4 import tna_entries as T
+    items: list = []
+    if target(name).target == "bmv2":
+        base = 0
+        for cell, (job, ports) in enumerate(fixed_jobs(name), start=1):
+            items += [it for _, it in E.job_writes(job, PS_MAC, NONCE, base, cell, epoch=cell)]
+            items += [E.worker_entry(w, token(job.job_id, w.worker_id), job.job_id) for w in ports]
+            items += [E.replica_entry(w, cell) for w in ports]
+            base += job.slots + job.norm_slots
+    else:
+        (job, ports), = fixed_jobs(name)
+        items += [it for _, it in T.tna_job_writes(job, PS_MAC, NONCE, TESTGEN_RECIRC_PORT)]
+        for w in ports:
+            items += [it for _, it in T.tna_worker_writes(w, token(job.job_id, w.worker_id), ())]
+        # the testgen build has no replica rewrite (p4/templates/tna/egress.p4)
+        items = [it for it in items if not (isinstance(it, E.TableEntry) and it.table == T.REPLICA)]
+    return [it for it in items if isinstance(it, E.TableEntry)]
+
+
+def _p4_key(value) -> str:
+    return f"{value[0]} .. {value[1]}" if isinstance(value, tuple) else str(value)
+
+
+def job_program(text: str, entries: list) -> str:
+    """The program `text` with `entries` compiled into their tables as `const entries` (in
+    the given order, which is a const table's priority order)."""
+    by_table: dict = {}
+    for e in entries:
+        by_table.setdefault(e.table.rpartition(".")[2], []).append(e)
+    for table, rows in by_table.items():
+        m = re.search(rf"^(\s*)table {re.escape(table)} \{{", text, re.M)
+        if m is None:
+            raise ValueError(f"the program has no table {table}")
+        depth, i = 0, m.end() - 1
+        while True:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                break
+            i += 1
+        pad = m.group(1).lstrip("\n")
+        lines = [f"{pad}    const entries = {{"]
+        for e in rows:
+            keys = [_p4_key(v) for _, v in e.match]
+            key = keys[0] if len(keys) == 1 else f"({', '.join(keys)})"
+            args = ", ".join(str(v) for _, v in e.params)
+            lines.append(f"{pad}        {key} : {e.action.rpartition('.')[2]}({args});")
+        lines.append(f"{pad}    }}")
+        j = text.rfind("\n", 0, i) + 1          # the start of the table's closing line
+        text = text[:j] + "\n".join(lines) + "\n" + text[j:]
+    return text
+
+
+def as_generated(e) -> Entry:
+    """A control plane's TableEntry as the Entry a p4testgen test would list."""
+    keys = tuple(Key(name, "range", v[0], high=v[1]) if isinstance(v, tuple) else Key(name, "exact", v)
+                 for name, v in e.match)
+    return Entry(e.table, keys, e.action, tuple(e.params), e.priority)
 
 
 # --------------------------------------------------------------------------- the tests
@@ -254,15 +377,25 @@ def _plain(name: str) -> str:
     return name[len("pipe."):] if name.startswith("pipe.") else name
 
 
-def read_tests(directory: Path | str, name: str) -> list[GenTest]:
-    """The tests a run of target `name` wrote into `directory`, in p4testgen's order."""
+def read_tests(directory: Path | str, name: str, stem: str | None = None) -> list[GenTest]:
+    """The tests a run of target `name` wrote into `directory`, in p4testgen's order (named
+    after the program: `stem`, else the one its testgen.json names, else the target's)."""
     spec = target(name)
     directory = Path(directory)
+    summary = json.loads((directory / SUMMARY).read_text()) if (directory / SUMMARY).exists() else {}
+    stem = stem or (Path(summary["program"]).stem if "program" in summary else spec.stem)
     if spec.backend == "STF":
-        files = sorted(directory.glob(f"{spec.stem}_*.stf"), key=lambda p: int(p.stem.rpartition("_")[2]))
-        return [parse_stf(p.read_text(), p.stem) for p in files]
-    ptf = directory / f"{spec.stem}.py"
-    return parse_ptf(ptf.read_text()) if ptf.exists() else []
+        files = sorted(directory.glob(f"{stem}_*.stf"), key=lambda p: int(p.stem.rpartition("_")[2]))
+        tests = [parse_stf(p.read_text(), p.stem) for p in files]
+    else:
+        ptf = directory / f"{stem}.py"
+        tests = parse_ptf(ptf.read_text()) if ptf.exists() else []
+    if summary.get("tables") == "job":
+        # the fixed jobs' entries are compiled in: p4testgen lists none of them
+        fixed = tuple(as_generated(e) for e in fixed_entries(name))
+        for t in tests:
+            t.entries = fixed + t.entries
+    return tests
 
 
 # ---- STF (bmv2)

@@ -41,6 +41,7 @@ const verdict_t V_LATE = 5;
 const verdict_t V_RESEND_PREV = 6;
 const verdict_t V_STALE = 7;
 const verdict_t V_AHEAD = 8;
+const verdict_t V_NO_JOB = 9;
 
 // event counter indices (names as in ps_server/reference.py)
 const event_t C_MALFORMED = 0;

@@ -8,6 +8,9 @@
 #else
 #include <tna.p4>
 #endif
+#ifdef THC_TESTGEN_RECIRC_PORT
+#include <testgen.p4>       // p4testgen's testgen_assume (`thc p4 testgen` only)
+#endif
 
 // ---- constants: the wire format (proto/headers.py) and the program's shape (p4/spec.py)
 const bit<16> ETH_IPV4 = 0x0800;
@@ -46,6 +49,7 @@ const verdict_t V_LATE = 5;
 const verdict_t V_RESEND_PREV = 6;
 const verdict_t V_STALE = 7;
 const verdict_t V_AHEAD = 8;
+const verdict_t V_NO_JOB = 9;
 
 // event counter indices (names as in ps_server/reference.py)
 const event_t C_MALFORMED = 0;
@@ -360,6 +364,18 @@ control ThcIngressDeparser(packet_out pkt, inout headers_t hdr, in metadata_t me
         pkt.emit(hdr);
     }
 }
+
+#ifdef THC_TESTGEN_RECIRC_PORT
+// `thc p4 testgen` only: whether a count << 24 | bitmap word is one a round of n workers has
+// (count = the bitmap's bits, all below n), for the assumptions in pass 2 below
+bool testgen_cb_ok(in bit<32> cb, in bit<8> n) {
+    return cb[31:24] >= 1 && cb[31:24] <= n && ((bit<32>)cb[23:0] >> (bit<32>)n) == 0
+        && cb[31:24] == (bit<8>)cb[0:0] + (bit<8>)cb[1:1] + (bit<8>)cb[2:2] + (bit<8>)cb[3:3] + (bit<8>)cb[4:4] + (bit<8>)cb[5:5]
+            + (bit<8>)cb[6:6] + (bit<8>)cb[7:7] + (bit<8>)cb[8:8] + (bit<8>)cb[9:9] + (bit<8>)cb[10:10] + (bit<8>)cb[11:11]
+            + (bit<8>)cb[12:12] + (bit<8>)cb[13:13] + (bit<8>)cb[14:14] + (bit<8>)cb[15:15] + (bit<8>)cb[16:16] + (bit<8>)cb[17:17]
+            + (bit<8>)cb[18:18] + (bit<8>)cb[19:19] + (bit<8>)cb[20:20] + (bit<8>)cb[21:21] + (bit<8>)cb[22:22] + (bit<8>)cb[23:23];
+}
+#endif
 
 control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                    in ingress_intrinsic_metadata_t ig_intr_md,
@@ -1286,15 +1302,17 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
     }
 
     // ---- pass 2's verdict, first match, from what pass 1 found (the bridge) and the counts:
-    // the round's first packet completes it at quorum 1; a previous round is resent if its
-    // result was kept; in the current round a non-contributor is late, a contributor's first
-    // packet aggregates (completing at the quorum) and its retransmission is a duplicate
-    // before the quorum and a resend after it
+    // a packet whose job was removed between its passes is dropped, as the PS drops a packet
+    // of an ended job; the round's first packet completes it at quorum 1; a previous round is
+    // resent if its result was kept; in the current round a non-contributor is late, a
+    // contributor's first packet aggregates (completing at the quorum) and its retransmission
+    // is a duplicate before the quorum and a resend after it
     action set_verdict(verdict_t v) {
         meta.verdict = v;
     }
     table verdict {
         key = {
+            meta.job_ok: exact;
             hdr.bridge.kind: exact;
             meta.quorum: ternary;
             hdr.bridge.cb: ternary;
@@ -1304,18 +1322,21 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
         }
         actions = { set_verdict; }
         const entries = {
-            (K_FIRST, 1, _, _, _, _) : set_verdict(V_AGG_DONE);
-            (K_FIRST, _, _, _, _, _) : set_verdict(V_AGG);
-            (K_PREV, _, 0, _, _, _) : set_verdict(V_STALE);
-            (K_PREV, _, _, _, _, _) : set_verdict(V_RESEND_PREV);
-            (K_SAME, _, _, 0, _, _) : set_verdict(V_LATE);
-            (K_SAME, _, _, _, 0, 0) : set_verdict(V_AGG_DONE);
-            (K_SAME, _, _, _, 0, _) : set_verdict(V_AGG);
-            (K_SAME, _, _, _, _, 0) : set_verdict(V_RESEND_CUR);
-            (K_SAME, _, _, _, _, _) : set_verdict(V_DUP);
+            (0, K_FIRST, _, _, _, _, _) : set_verdict(V_NO_JOB);
+            (0, K_SAME, _, _, _, _, _) : set_verdict(V_NO_JOB);
+            (0, K_PREV, _, _, _, _, _) : set_verdict(V_NO_JOB);
+            (1, K_FIRST, 1, _, _, _, _) : set_verdict(V_AGG_DONE);
+            (1, K_FIRST, _, _, _, _, _) : set_verdict(V_AGG);
+            (1, K_PREV, _, 0, _, _, _) : set_verdict(V_STALE);
+            (1, K_PREV, _, _, _, _, _) : set_verdict(V_RESEND_PREV);
+            (1, K_SAME, _, _, 0, _, _) : set_verdict(V_LATE);
+            (1, K_SAME, _, _, _, 0, 0) : set_verdict(V_AGG_DONE);
+            (1, K_SAME, _, _, _, 0, _) : set_verdict(V_AGG);
+            (1, K_SAME, _, _, _, _, 0) : set_verdict(V_RESEND_CUR);
+            (1, K_SAME, _, _, _, _, _) : set_verdict(V_DUP);
         }
         default_action = set_verdict(V_DROP_MALFORMED);
-        size = 9;
+        size = 12;
     }
 
     // a STRAGGLER notification back to the sender, carrying the slot's round
@@ -1418,6 +1439,25 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             }
           } else {
             // ================= pass 2: the shadow copy, the verdict, the lanes, the reply =================
+#ifdef THC_TESTGEN_RECIRC_PORT
+            // p4testgen cannot chain pass 1 into pass 2: the bridge header it makes up for a
+            // pass-2 packet is held to what pass 1 writes (`thc p4 testgen` only, docs/p4.md)
+            testgen_assume(hdr.bridge.pass2 == 1 && hdr.bridge.pad == 0 && hdr.bridge.port < 16
+                           && hdr.bridge.kind >= K_FIRST && hdr.bridge.kind <= K_PREV
+                           && (meta.job_ok == 0 || hdr.thc.worker_id < meta.n && hdr.thc.num_workers == meta.n)
+                           && hdr.bridge.me == (bit<32>)1 << (bit<32>)hdr.thc.worker_id
+                           && (hdr.bridge.kind == K_SAME || hdr.bridge.cb == (ONE_CONTRIBUTOR | hdr.bridge.me))
+                           && (hdr.bridge.kind != K_SAME || testgen_cb_ok(hdr.bridge.cb, meta.n))
+                           && (hdr.bridge.kind != K_PREV || hdr.bridge.off_old == hdr.thc.offset)
+                           && (hdr.bridge.seen == 0 || hdr.bridge.kind == K_SAME && hdr.bridge.seen == hdr.bridge.me)
+                           && (hdr.bridge.kind == K_FIRST || hdr.bridge.shadow_cb == 0)
+                           && hdr.thc.magic == THC_MAGIC && hdr.thc.version == THC_VERSION
+                           && (hdr.thc.type == T_DATA && hdr.thc.elem_bits == 4 && hdr.thc.op == OP_LOOKUP_SUM
+                               && hdr.thc.count == LANES && hdr.thc.payload_len == IDX_BYTES
+                               && hdr.udp.length == 8 + HDR_BYTES + IDX_BYTES
+                               || hdr.thc.type == T_NORM && hdr.thc.elem_bits == 32 && hdr.thc.op == OP_MAX_U32
+                               && hdr.thc.count == 1 && hdr.thc.payload_len == 4 && hdr.udp.length == 8 + HDR_BYTES + 4));
+#endif
             meta.reply_port = hdr.bridge.port;
             hdr.bridge.pass2 = 0;
             slot_indices();
@@ -1460,6 +1500,11 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                 shadow_save.execute(hdr.thc.slot);
             } else if (hdr.bridge.kind == K_PREV) {
                 hdr.bridge.cb = shadow_get.execute(hdr.thc.slot);
+#ifdef THC_TESTGEN_RECIRC_PORT
+                // the shadow copy keeps nothing or a round that completed
+                testgen_assume(hdr.bridge.cb == 0 || testgen_cb_ok(hdr.bridge.cb, meta.n)
+                               && hdr.bridge.cb[31:24] >= meta.quorum);
+#endif
             }
             count_math_tbl.apply();
             short_math_tbl.apply();
@@ -1506,7 +1551,12 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             }
 
             // ---- the outputs
-            if (meta.verdict == V_STALE) {
+            if (meta.verdict == V_NO_JOB) {
+                // the lanes of a removed job's slot may have been written above: the next job
+                // in that slot overwrites them with its first packet before it reads them
+                meta.event = C_UNKNOWN_JOB;
+                ig_dprsr_md.drop_ctl = 1;
+            } else if (meta.verdict == V_STALE) {
                 // a previous round with nothing kept: the slot is at the packet's round + 1
                 meta.event = C_STALE;
                 meta.slot_round = meta.round_plus_one;
@@ -1618,19 +1668,26 @@ control ThcEgress(inout headers_t hdr, inout egress_metadata_t meta,
         hdr.ipv4.dst = ip;
         hdr.udp.dst_port = port;
     }
+#ifndef THC_TESTGEN_RECIRC_PORT
     table replica_dest {
         key = { eg_intr_md.egress_rid: exact; }
         actions = { set_dest; NoAction; }
         size = 64;
         default_action = NoAction();
     }
+#endif
     apply {
         if (hdr.bridge.pass2 == 0) {
             hdr.bridge.setInvalid();    // leaving the switch: no bridge header on the wire
         }
+#ifndef THC_TESTGEN_RECIRC_PORT
         if (hdr.thc.isValid() && eg_intr_md.egress_rid != 0) {
             replica_dest.apply();
         }
+#endif
+        // `thc p4 testgen` leaves the replicas' rewrite out: p4testgen (p4c v1.2.5.16) sends
+        // no multicast replica to the egress, and a program that reads egress_rid gets its
+        // egress parser's bridge header misplaced there (docs/p4.md)
     }
 }
 

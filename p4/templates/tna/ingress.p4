@@ -1,3 +1,15 @@
+#ifdef THC_TESTGEN_RECIRC_PORT
+// `thc p4 testgen` only: whether a count << 24 | bitmap word is one a round of n workers has
+// (count = the bitmap's bits, all below n), for the assumptions in pass 2 below
+bool testgen_cb_ok(in bit<32> cb, in bit<8> n) {
+    return cb[31:24] >= 1 && cb[31:24] <= n && ((bit<32>)cb[23:0] >> (bit<32>)n) == 0
+        && cb[31:24] == (bit<8>)cb[0:0] + (bit<8>)cb[1:1] + (bit<8>)cb[2:2] + (bit<8>)cb[3:3] + (bit<8>)cb[4:4] + (bit<8>)cb[5:5]
+            + (bit<8>)cb[6:6] + (bit<8>)cb[7:7] + (bit<8>)cb[8:8] + (bit<8>)cb[9:9] + (bit<8>)cb[10:10] + (bit<8>)cb[11:11]
+            + (bit<8>)cb[12:12] + (bit<8>)cb[13:13] + (bit<8>)cb[14:14] + (bit<8>)cb[15:15] + (bit<8>)cb[16:16] + (bit<8>)cb[17:17]
+            + (bit<8>)cb[18:18] + (bit<8>)cb[19:19] + (bit<8>)cb[20:20] + (bit<8>)cb[21:21] + (bit<8>)cb[22:22] + (bit<8>)cb[23:23];
+}
+#endif
+
 control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                    in ingress_intrinsic_metadata_t ig_intr_md,
                    in ingress_intrinsic_metadata_from_parser_t ig_prsr_md,
@@ -485,15 +497,17 @@ $word_registers
     }
 
     // ---- pass 2's verdict, first match, from what pass 1 found (the bridge) and the counts:
-    // the round's first packet completes it at quorum 1; a previous round is resent if its
-    // result was kept; in the current round a non-contributor is late, a contributor's first
-    // packet aggregates (completing at the quorum) and its retransmission is a duplicate
-    // before the quorum and a resend after it
+    // a packet whose job was removed between its passes is dropped, as the PS drops a packet
+    // of an ended job; the round's first packet completes it at quorum 1; a previous round is
+    // resent if its result was kept; in the current round a non-contributor is late, a
+    // contributor's first packet aggregates (completing at the quorum) and its retransmission
+    // is a duplicate before the quorum and a resend after it
     action set_verdict(verdict_t v) {
         meta.verdict = v;
     }
     table verdict {
         key = {
+            meta.job_ok: exact;
             hdr.bridge.kind: exact;
             meta.quorum: ternary;
             hdr.bridge.cb: ternary;
@@ -503,18 +517,21 @@ $word_registers
         }
         actions = { set_verdict; }
         const entries = {
-            (K_FIRST, 1, _, _, _, _) : set_verdict(V_AGG_DONE);
-            (K_FIRST, _, _, _, _, _) : set_verdict(V_AGG);
-            (K_PREV, _, 0, _, _, _) : set_verdict(V_STALE);
-            (K_PREV, _, _, _, _, _) : set_verdict(V_RESEND_PREV);
-            (K_SAME, _, _, 0, _, _) : set_verdict(V_LATE);
-            (K_SAME, _, _, _, 0, 0) : set_verdict(V_AGG_DONE);
-            (K_SAME, _, _, _, 0, _) : set_verdict(V_AGG);
-            (K_SAME, _, _, _, _, 0) : set_verdict(V_RESEND_CUR);
-            (K_SAME, _, _, _, _, _) : set_verdict(V_DUP);
+            (0, K_FIRST, _, _, _, _, _) : set_verdict(V_NO_JOB);
+            (0, K_SAME, _, _, _, _, _) : set_verdict(V_NO_JOB);
+            (0, K_PREV, _, _, _, _, _) : set_verdict(V_NO_JOB);
+            (1, K_FIRST, 1, _, _, _, _) : set_verdict(V_AGG_DONE);
+            (1, K_FIRST, _, _, _, _, _) : set_verdict(V_AGG);
+            (1, K_PREV, _, 0, _, _, _) : set_verdict(V_STALE);
+            (1, K_PREV, _, _, _, _, _) : set_verdict(V_RESEND_PREV);
+            (1, K_SAME, _, _, 0, _, _) : set_verdict(V_LATE);
+            (1, K_SAME, _, _, _, 0, 0) : set_verdict(V_AGG_DONE);
+            (1, K_SAME, _, _, _, 0, _) : set_verdict(V_AGG);
+            (1, K_SAME, _, _, _, _, 0) : set_verdict(V_RESEND_CUR);
+            (1, K_SAME, _, _, _, _, _) : set_verdict(V_DUP);
         }
         default_action = set_verdict(V_DROP_MALFORMED);
-        size = 9;
+        size = 12;
     }
 
     // a STRAGGLER notification back to the sender, carrying the slot's round
@@ -617,6 +634,25 @@ $word_registers
             }
           } else {
             // ================= pass 2: the shadow copy, the verdict, the lanes, the reply =================
+#ifdef THC_TESTGEN_RECIRC_PORT
+            // p4testgen cannot chain pass 1 into pass 2: the bridge header it makes up for a
+            // pass-2 packet is held to what pass 1 writes (`thc p4 testgen` only, docs/p4.md)
+            testgen_assume(hdr.bridge.pass2 == 1 && hdr.bridge.pad == 0 && hdr.bridge.port < 16
+                           && hdr.bridge.kind >= K_FIRST && hdr.bridge.kind <= K_PREV
+                           && (meta.job_ok == 0 || hdr.thc.worker_id < meta.n && hdr.thc.num_workers == meta.n)
+                           && hdr.bridge.me == (bit<32>)1 << (bit<32>)hdr.thc.worker_id
+                           && (hdr.bridge.kind == K_SAME || hdr.bridge.cb == (ONE_CONTRIBUTOR | hdr.bridge.me))
+                           && (hdr.bridge.kind != K_SAME || testgen_cb_ok(hdr.bridge.cb, meta.n))
+                           && (hdr.bridge.kind != K_PREV || hdr.bridge.off_old == hdr.thc.offset)
+                           && (hdr.bridge.seen == 0 || hdr.bridge.kind == K_SAME && hdr.bridge.seen == hdr.bridge.me)
+                           && (hdr.bridge.kind == K_FIRST || hdr.bridge.shadow_cb == 0)
+                           && hdr.thc.magic == THC_MAGIC && hdr.thc.version == THC_VERSION
+                           && (hdr.thc.type == T_DATA && hdr.thc.elem_bits == 4 && hdr.thc.op == OP_LOOKUP_SUM
+                               && hdr.thc.count == LANES && hdr.thc.payload_len == IDX_BYTES
+                               && hdr.udp.length == 8 + HDR_BYTES + IDX_BYTES
+                               || hdr.thc.type == T_NORM && hdr.thc.elem_bits == 32 && hdr.thc.op == OP_MAX_U32
+                               && hdr.thc.count == 1 && hdr.thc.payload_len == 4 && hdr.udp.length == 8 + HDR_BYTES + 4));
+#endif
             meta.reply_port = hdr.bridge.port;
             hdr.bridge.pass2 = 0;
             slot_indices();
@@ -628,6 +664,11 @@ $apply_lookups
                 shadow_save.execute(hdr.thc.slot);
             } else if (hdr.bridge.kind == K_PREV) {
                 hdr.bridge.cb = shadow_get.execute(hdr.thc.slot);
+#ifdef THC_TESTGEN_RECIRC_PORT
+                // the shadow copy keeps nothing or a round that completed
+                testgen_assume(hdr.bridge.cb == 0 || testgen_cb_ok(hdr.bridge.cb, meta.n)
+                               && hdr.bridge.cb[31:24] >= meta.quorum);
+#endif
             }
             count_math_tbl.apply();
             short_math_tbl.apply();
@@ -653,7 +694,12 @@ $apply_get
             }
 
             // ---- the outputs
-            if (meta.verdict == V_STALE) {
+            if (meta.verdict == V_NO_JOB) {
+                // the lanes of a removed job's slot may have been written above: the next job
+                // in that slot overwrites them with its first packet before it reads them
+                meta.event = C_UNKNOWN_JOB;
+                ig_dprsr_md.drop_ctl = 1;
+            } else if (meta.verdict == V_STALE) {
                 // a previous round with nothing kept: the slot is at the packet's round + 1
                 meta.event = C_STALE;
                 meta.slot_round = meta.round_plus_one;

@@ -8,3 +8,6 @@
 #else
 #include <tna.p4>
 #endif
+#ifdef THC_TESTGEN_RECIRC_PORT
+#include <testgen.p4>       // p4testgen's testgen_assume (`thc p4 testgen` only)
+#endif
