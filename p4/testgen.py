@@ -182,7 +182,7 @@ def generate(name: str, out_dir: Path | str, max_tests: int = 20, seed: int = 1,
     if committed:
         raise ValueError(f"{out} holds committed files ({committed[0]}, ...): give another --out")
     out.mkdir(parents=True, exist_ok=True)
-    for old in _outputs(spec, out, program.stem) + _outputs(spec, out, spec.stem):
+    for old in set(_outputs(spec, out, program.stem) + _outputs(spec, out, spec.stem)):
         old.unlink()
     source = program
     if tables == "job":

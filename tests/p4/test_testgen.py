@@ -374,6 +374,11 @@ def test_the_cli_writes_tests_where_told_and_nowhere_else(tmp_path):
     assert "statement coverage" in cli.stdout and "replayed 3 tests" in cli.stdout
     assert sorted(p.name for p in out.iterdir()) == ["program", "replay.json", "testgen.json", "thc_1.stf", "thc_2.stf",
                                                       "thc_3.stf"]
+    again = subprocess.run([sys.executable, "-m", "thc_ps.deploy.cli", "p4", "testgen", "--target", "bmv2",
+                            "--max-tests", "2", "--seed", "2", "--out", str(out)], capture_output=True, text=True,
+                           timeout=1800)
+    assert again.returncode == 0, again.stderr          # the earlier run's tests are replaced
+    assert sorted(p.name for p in out.glob("*.stf")) == ["thc_1.stf", "thc_2.stf"]
     shutil.rmtree(out)
 
 
