@@ -31,8 +31,8 @@ from thc_ps.ps_server.reference import ReferencePS
 #: free-tables test holds a thc_job entry no job writes, docs/p4.md).  Tofino's greedy search
 #: spends its budget on second passes; the front ports alone ("0:15") give first passes.
 SEED = 1
-MAX_TESTS = {("bmv2", "free", ""): 40, ("bmv2", "job", ""): 40, ("tofino", "job", ""): 60,
-             ("tofino", "job", "0:15"): 30}
+MAX_TESTS = {("bmv2", "free", ""): 40, ("bmv2", "job", ""): 30, ("tofino", "job", ""): 40,
+             ("tofino", "job", "0:15"): 20}
 
 NO_TESTGEN = (f"p4testgen not found on {tools.where_text()} (see `thc p4 doctor`)"
               if tools.find_tool("p4testgen") is None else "")
