@@ -182,8 +182,9 @@ def generate(name: str, out_dir: Path | str, max_tests: int = 20, seed: int = 1,
     if committed:
         raise ValueError(f"{out} holds committed files ({committed[0]}, ...): give another --out")
     out.mkdir(parents=True, exist_ok=True)
-    for old in set(_outputs(spec, out, program.stem) + _outputs(spec, out, spec.stem)):
-        old.unlink()
+    for stem in {program.stem, spec.stem}:
+        for old in _outputs(spec, out, stem):
+            old.unlink()
     source = program
     if tables == "job":
         program = out / "program" / program.name
@@ -221,7 +222,7 @@ PS_MAC = "02:00:00:00:00:fe"
 NONCE = 0x5EED
 
 
-def _ports(n: int, base: int) -> list:
+def _worker_ports(n: int, base: int) -> list:
     from thc_ps.p4.entries import WorkerPort
     return [WorkerPort(r, f"10.0.{base}.{r + 1}", 5001 + r, f"02:00:00:00:{base:02x}:{r + 1:02x}", r + 1)
             for r in range(n)]
@@ -234,9 +235,9 @@ def fixed_jobs(name: str) -> list[tuple]:
     n = 3 at quorum 2 (its registers' initial values are p4testgen's to choose)."""
     from thc_ps.p4.control import switch_job
     if target(name).target == "bmv2":
-        return [(switch_job(2, job_id=1, slots=4, norm_slots=2), _ports(2, 1)),
-                (switch_job(1, job_id=2, slots=2, norm_slots=1), _ports(1, 2))]
-    return [(switch_job(3, job_id=1, slots=4, norm_slots=2, quorum=2 / 3), _ports(3, 1))]
+        return [(switch_job(2, job_id=1, slots=4, norm_slots=2), _worker_ports(2, 1)),
+                (switch_job(1, job_id=2, slots=2, norm_slots=1), _worker_ports(1, 2))]
+    return [(switch_job(3, job_id=1, slots=4, norm_slots=2, quorum=2 / 3), _worker_ports(3, 1))]
 
 
 def token(job_id: int, rank: int) -> int:
@@ -250,6 +251,7 @@ def fixed_entries(name: str) -> list:
     from thc_ps.p4 import entries as E
     from thc_ps.p4 import tna_entries as T
     items: list = []
+    left_out: set = set()
     if target(name).target == "bmv2":
         base = 0
         for cell, (job, ports) in enumerate(fixed_jobs(name), start=1):
@@ -262,9 +264,8 @@ def fixed_entries(name: str) -> list:
         items += [it for _, it in T.tna_job_writes(job, PS_MAC, NONCE, TESTGEN_RECIRC_PORT)]
         for w in ports:
             items += [it for _, it in T.tna_worker_writes(w, token(job.job_id, w.worker_id), ())]
-        # the testgen build has no replica rewrite (p4/templates/tna/egress.p4)
-        items = [it for it in items if not (isinstance(it, E.TableEntry) and it.table == T.REPLICA)]
-    return [it for it in items if isinstance(it, E.TableEntry)]
+        left_out = {T.REPLICA}          # the testgen build has no replica rewrite (tna/egress.p4)
+    return [it for it in items if isinstance(it, E.TableEntry) and it.table not in left_out]
 
 
 def _p4_key(value) -> str:

@@ -645,13 +645,9 @@ $word_registers
                            && (hdr.bridge.kind != K_SAME || testgen_cb_ok(hdr.bridge.cb, meta.n))
                            && (hdr.bridge.kind != K_PREV || hdr.bridge.off_old == hdr.thc.offset)
                            && (hdr.bridge.seen == 0 || hdr.bridge.kind == K_SAME && hdr.bridge.seen == hdr.bridge.me)
-                           && (hdr.bridge.kind == K_FIRST || hdr.bridge.shadow_cb == 0)
-                           && hdr.thc.magic == THC_MAGIC && hdr.thc.version == THC_VERSION
-                           && (hdr.thc.type == T_DATA && hdr.thc.elem_bits == 4 && hdr.thc.op == OP_LOOKUP_SUM
-                               && hdr.thc.count == LANES && hdr.thc.payload_len == IDX_BYTES
-                               && hdr.udp.length == 8 + HDR_BYTES + IDX_BYTES
-                               || hdr.thc.type == T_NORM && hdr.thc.elem_bits == 32 && hdr.thc.op == OP_MAX_U32
-                               && hdr.thc.count == 1 && hdr.thc.payload_len == 4 && hdr.udp.length == 8 + HDR_BYTES + 4));
+                           && (hdr.bridge.kind == K_FIRST || hdr.bridge.shadow_cb == 0));
+            shape.apply();                  // pass 1's shape check, the one definition of it
+            testgen_assume(meta.shape_ok == 1);
 #endif
             meta.reply_port = hdr.bridge.port;
             hdr.bridge.pass2 = 0;
