@@ -51,8 +51,32 @@ PATHS = ("transport", "kernel")
 PORT = 9000
 
 
+#: the `thc` command's module in a checkout: `thc_ps.deploy.cli` since the project is imported as
+#: thc_ps, `deploy.cli` in a checkout from before
+CLI_MODULES = ("thc_ps.deploy.cli", "deploy.cli")
+_PROBE = "import importlib.util, sys; print(importlib.util.find_spec(sys.argv[1]).origin)"
+
+
+def cli_module(tree: Path) -> str:
+    """The module that runs `thc` from `tree`'s own files.  A checkout without thc_ps/ would
+    otherwise import thc_ps from wherever the environment has it installed (an editable
+    install of another checkout), and measure that checkout's code under `tree`'s name."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    found = []
+    for mod in CLI_MODULES:
+        proc = subprocess.run([sys.executable, "-c", _PROBE, mod], capture_output=True, text=True, env=env,
+                              cwd=tree, timeout=60)
+        origin = proc.stdout.strip()
+        if proc.returncode == 0 and origin:
+            if Path(origin).resolve().is_relative_to(tree):
+                return mod
+            found.append(f"{mod} from {origin}")
+    raise SystemExit(f"bench_loss: {tree} has no `thc` module of its own to run"
+                     + (f" (PYTHONPATH={tree} finds {', '.join(found)})" if found else ""))
+
+
 def _launch(tree: Path, args, extra: list) -> list:
-    return [sys.executable, "-m", "thc_ps.deploy.cli", "launch", "--workers", str(args.workers), "--rounds",
+    return [sys.executable, "-m", args.cli[tree], "launch", "--workers", str(args.workers), "--rounds",
             str(args.rounds), "--dim", str(args.dim), "--seed", str(args.seed), "--json", *extra]
 
 
@@ -80,7 +104,7 @@ def run_kernel(tree: Path, args, loss: float) -> tuple[dict, int, int]:
     env = {**os.environ, "PYTHONPATH": str(tree), "THC_UDP_OFFLOAD": "0"}     # nft drops per datagram
     with netns.two_hosts(loss=loss) as net:
         ps = subprocess.Popen(net.prefix(net.ps_ns) + [
-            sys.executable, "-m", "thc_ps.deploy.cli", "ps", "--bind", f"{net.ps_ip}:{PORT}", "--workers",
+            sys.executable, "-m", args.cli[tree], "ps", "--bind", f"{net.ps_ip}:{PORT}", "--workers",
             str(args.workers), "--stats-every", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             env=env, cwd=tree)
         try:
@@ -161,6 +185,7 @@ def main(argv=None) -> int:
     trees = [t.resolve() for t in args.trees]
     if missing := [str(t) for t in trees if not (t / "deploy" / "cli.py").is_file()]:
         ap.error(f"not a THC-PS checkout: {', '.join(missing)}")
+    args.cli = {t: cli_module(t) for t in trees}
     reason = netns.unavailable(need_nft="kernel" in args.paths)
     if reason:
         print(f"bench_loss: {reason}", file=sys.stderr)

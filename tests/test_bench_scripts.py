@@ -72,6 +72,24 @@ def test_bench_loss_takes_each_ratio_against_the_lossless_run_of_its_checkout(tm
     assert bad.returncode == 2 and "--losses must be probabilities in (0, 1)" in bad.stderr
 
 
+def test_bench_loss_runs_each_checkouts_own_code(tmp_path):
+    """`--trees`: a checkout from before the thc_ps package runs its own `deploy.cli`, not the
+    thc_ps an editable install finds elsewhere; a tree with no `thc` module of its own is
+    refused, naming the module it would have run."""
+    sys.path.insert(0, str(ROOT))
+    from bench.bench_loss import cli_module
+    assert cli_module(ROOT) == "thc_ps.deploy.cli"
+    old = tmp_path / "old"
+    (old / "deploy").mkdir(parents=True)
+    (old / "deploy" / "__init__.py").write_text("")
+    (old / "deploy" / "cli.py").write_text("")
+    assert cli_module(old) == "deploy.cli"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit, match=f"{empty} has no `thc` module of its own"):
+        cli_module(empty)
+
+
 def test_bench_rotation_times_both_rotations_and_writes_its_json(tmp_path):
     """A small bench_rotation run: both rotations (the job's from the bucket and from the
     tensors) timed on the same steps, the ratio and the job step's floor printed and the JSON
