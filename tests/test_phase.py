@@ -233,7 +233,7 @@ def test_window_doubles_when_clean_and_halves_on_timeouts(engine):
     silent.start()
     try:
         t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port,
-                      phase_engine=engine, window=300, timeout_ms=20, max_timeout_ms=40, max_retries=2,
+                      phase_engine=engine, window=300, timeout_ms=100, max_timeout_ms=200, max_retries=2,
                       policy="zero", heartbeat=False)
         assert t.cwnd == START_WINDOW
         chunks = [(16 * c, 16, bytes(range(c % 200, c % 200 + 8))) for c in range(400)]

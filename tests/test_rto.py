@@ -134,7 +134,8 @@ def test_both_phase_engines_measure_the_path(engine):
                 if adaptive:
                     assert t.rtt.T[T_SCALES] > 0, t.rtt.T
                     assert MIN_TIMEOUT_S <= t.rtt.floor <= t.rtt.first_timeout(0, t.cwnd) <= 1.0
-                    assert len(t.rtt._meets) == 6 and t.rtt.floor != 0.05     # 3 NORM + 3 DATA phases
+                    # 3 DATA phases on the DATA timer, 3 NORM phases on the NORM phases' own
+                    assert len(t.rtt._meets) == 3 and len(t.norm_rtt._meets) == 3 and t.rtt.floor != 0.05
                 else:
                     assert t.rtt.T[T_SCALES] == 0 and t.rtt.first_timeout(0, t.cwnd) == 0.05
             finally:
@@ -246,3 +247,46 @@ def test_the_order_rule_and_a_notice_resend_once_without_a_timeout():
     e = z.start(0, b"pkt", 0.0, shard=0)
     z.found_lost(e, 0.001)
     assert z.expired(e, 0.002, "e", None) is False
+
+
+def test_a_norm_phase_waiting_for_a_late_rank_is_not_timed_out_by_the_data_phases_floor():
+    """A NORM phase's one chunk waits for the slowest rank's transform and norms; the DATA
+    phase after it starts with the ranks lined up.  Rank 1 comes to each NORM phase 20-60 ms
+    late, on a lossless loopback: rank 0's NORM timer follows the NORM phases' waits and
+    never fires; one floor from both kinds of phases (three times the median of meetings of
+    0.x ms and 20-60 ms: about 30 ms) fired on the 40-60 ms waits."""
+    import threading
+
+    from thc_ps.proto import headers as H
+    late_ms = [40, 20, 60, 30, 50, 45, 25, 55, 35, 60, 40, 50]
+    server = PSServer(JobConfig(num_workers=2), ("127.0.0.1", 0), control_port=0).start()
+    ts = [Transport("127.0.0.1", server.data_addr[1], r, control_port=server.control_port, timeout_ms=200)
+          for r in range(2)]
+    try:
+        norm_timeouts = []          # rank 0's, phase by phase (its DATA phases are not the point)
+
+        def rank(r):
+            norm = [(0, 1, np.array([7 + r], np.uint32).tobytes())]
+            data = [(c * 64, 64, bytes(32)) for c in range(16)]
+            for ms in late_ms:
+                if r == 1:
+                    time.sleep(ms / 1e3)
+                before = ts[r].stats.counters["timeouts"]
+                ts[r].run_phase(H.NORM, norm)
+                if r == 0:
+                    norm_timeouts.append(ts[r].stats.counters["timeouts"] - before)
+                ts[r].run_phase(H.DATA, data)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not any(th.is_alive() for th in threads)
+        assert norm_timeouts == [0] * len(late_ms), norm_timeouts
+        assert ts[0].norm_rtt.floor >= FLOOR_RTTS * 0.02 > ts[0].rtt.floor
+    finally:
+        for t in ts:
+            t.close()
+        server.stop()
+

@@ -124,8 +124,9 @@ class PhaseEngine:
         self.io = dict.fromkeys(PHASE_COUNTERS[13:], 0)      # socket batching, beside the stats
         self._last_note = time.monotonic()
         nshards = len(session.shard_addrs)
-        self.rtt = RetransmitTimer(self.timeout, self.max_timeout, nshards,
-                                   adaptive_timeout and policy == "retransmit")
+        adaptive = adaptive_timeout and policy == "retransmit"
+        self.rtt = RetransmitTimer(self.timeout, self.max_timeout, nshards, adaptive)
+        self.norm_rtt = RetransmitTimer(self.timeout, self.max_timeout, nshards, adaptive)
         job = session.job
         self.window = min(window, job.slots * nshards)
         self.cwnd = min(START_WINDOW, self.window)
@@ -310,6 +311,16 @@ class PhaseEngine:
                 grown = self.cwnd + WINDOW_STEP
             self.cwnd = min(self.window, grown)
 
+    def timer(self, kind: int) -> RetransmitTimer:
+        """The retransmission timer of a phase of `kind`: NORM phases keep their own.  A NORM
+        phase's one chunk is answered when the slowest rank has transformed its vector and
+        taken its norms, so its round trip is the ranks' codec skew (12–67 ms with four
+        ranks on two cores); the DATA phase after it starts with the ranks just lined up by
+        it (first chunks 4–12 ms).  One floor for both, three median meetings of the two
+        mixed, timed out the NORM chunk in 34 of 120 rank-rounds of a lossless run
+        (docs/bench.md, "Loss recovery")."""
+        return self.norm_rtt if kind == H.NORM else self.rtt
+
     def _run_phase_python(self, kind: int, chunks, where: list, rounds: list) -> list:
         """The phase loop in Python (injected faults, phase_engine='python', no _batchio)."""
         job = self.job
@@ -320,11 +331,12 @@ class PhaseEngine:
         pending: dict = {}                 # (shard, slot) -> _Pending
         next_c, finished = 0, 0
         want_type = H.NORM_RESULT if kind == H.NORM else H.RESULT
-        policy = RetransmitPolicy(self)
+        timer = self.timer(kind)
+        policy = RetransmitPolicy(self, timer)
         # first send, answer, chunks in flight at the send: RetransmitTimer's samples
         sent, done, inflight = np.zeros(nchunks), np.zeros(nchunks), np.zeros(nchunks, np.int32)
         fanned = [-1] * len(self.shard_addrs)      # per shard: the latest chunk answered by a fan-out
-        reorder, order_wait = self.rtt.reorder, self.rtt.order_wait
+        reorder, order_wait = timer.reorder, timer.order_wait
         self._found_lost = found = np.zeros(nchunks, bool)     # resent
 
         def complete(c, value):
@@ -408,7 +420,7 @@ class PhaseEngine:
                     self.stats.add("lost_chunks")
                     complete(entry.chunk, None)
             self.net.emit(resend)
-        self.rtt.phase_done(np.array([w[0] for w in where], np.int64), sent, done, inflight)
+        timer.phase_done(np.array([w[0] for w in where], np.int64), sent, done, inflight)
         return results
 
     def _run_phase_c(self, kind: int, chunks, shard, slot, rounds, stream: ChunkStream | None = None) -> PhaseResults:
@@ -448,12 +460,13 @@ class PhaseEngine:
         slot_round = np.ascontiguousarray(self.slot_round, dtype=np.int64).ravel()
         counters = np.zeros(len(PHASE_COUNTERS), np.int64)
         extras: list = []
+        timer = self.timer(kind)
         while True:
             self.session.check_membership()
             if stream is not None:
                 stream.check()
             status, c = _batchio.phase_run(
-                self.net.sock.fileno(), PHASE_BUDGET_MS, P, self.rtt.T, dests, shard, slot, rounds,
+                self.net.sock.fileno(), PHASE_BUDGET_MS, P, timer.T, dests, shard, slot, rounds,
                 packed.offsets32, packed.counts32, packed.poff, packed.buffer, hdr, res.state, deadline,
                 tmo, sent, done, inflight, tries, fast, fanned, pend, res.headers, res.lanes, res.roff, res.lengths,
                 slot_round, counters, extras)
@@ -470,7 +483,7 @@ class PhaseEngine:
             extras.clear()
             self.net.gso = int(P[13])
             if status == 0:
-                self.rtt.phase_done(shard, sent, done, inflight)
+                timer.phase_done(shard, sent, done, inflight)
                 self._found_lost = tries > 0
                 return res
             if status == 2:

@@ -206,18 +206,20 @@ class RetransmitPolicy:
     chunk found lost is lost).  _batchio.phase_run implements the same rule in C.
 
     `engine` is the phase engine (worker/phases.py) whose parameters it applies: `policy`,
-    `timeout`, `max_timeout`, `max_retries`, `rtt` (a RetransmitTimer), `stats`, and
-    `give_up` / `note_stall` for a chunk unanswered too long."""
+    `timeout`, `max_timeout`, `max_retries`, `stats`, and `give_up` / `note_stall` for a
+    chunk unanswered too long; `timer` is the phase's RetransmitTimer (`engine.rtt` unless
+    given: a NORM phase has its own, PhaseEngine.timer)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, timer: RetransmitTimer | None = None):
         self.t = engine
+        self.rtt = engine.rtt if timer is None else timer
 
     def start(self, chunk: int, packet, now: float, datagrams: int = 1, shard: int | None = None,
               in_flight: int = 1) -> _Pending:
         """A packet enters flight with `in_flight` chunks in flight (itself included): its
         first timeout is RetransmitTimer's for the shard (`shard` None: the fixed first
         timeout, for BLOB rounds, whose round trip includes decoding)."""
-        tmo = self.t.timeout if shard is None else self.t.rtt.first_timeout(shard, in_flight)
+        tmo = self.t.timeout if shard is None else self.rtt.first_timeout(shard, in_flight)
         return _Pending(chunk, packet, now + tmo, tmo, 0, datagrams, now)
 
     @staticmethod
@@ -247,7 +249,7 @@ class RetransmitPolicy:
         rarely loses two; the order rule takes every chunk a later result passed)."""
         if p.fast == HELD:
             p.fast = 0.0
-            p.deadline = now + self.t.rtt.first_timeout(shard, max(1, p.chunk - answered))
+            p.deadline = now + self.rtt.first_timeout(shard, max(1, p.chunk - answered))
 
     @staticmethod
     def noticed(p: _Pending, now: float, reorder: float) -> None:

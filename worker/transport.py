@@ -146,6 +146,7 @@ class Transport:
     max_retries = _part("phases", "max_retries")
     phase_engine = _part("phases", "phase_engine")
     rtt = _part("phases", "rtt")
+    norm_rtt = _part("phases", "norm_rtt")
     io = _part("phases", "io")
     window = _part("phases", "window")
     cwnd = _part("phases", "cwnd")
