@@ -69,6 +69,32 @@ def test_the_floor_is_the_median_meeting_and_at_least_a_millisecond():
     assert t._meets[-1] == pytest.approx(0.03) and t._least[-1] == pytest.approx(1e-4)
 
 
+def test_the_norm_floor_is_the_wait_of_a_rank_that_comes_first():
+    """NORM phases: a rank that comes last is answered at once, one that comes first waits for
+    the slowest; with 4 ranks each about a quarter of the phases.  The floor is from the
+    upper quartile of the NORM round trips, where the median would fire on the first-comer."""
+    from thc_ps.proto.job import JobConfig as J
+    from thc_ps.worker.phases import PhaseEngine
+    waits = [1e-4, 5e-3, 20e-3, 45e-3] * 4               # last, third, second, first
+    norm = RetransmitTimer(0.05, 1.0, shards=1, meeting_q=0.75)
+    one = np.zeros(1, np.int64)
+    for w in waits:
+        norm.phase_done(one, np.ones(1), np.ones(1) + w, np.ones(1, np.int32))
+    assert norm.floor == pytest.approx(FLOOR_RTTS * np.quantile(waits, 0.75)) and norm.floor > max(waits)
+    assert FLOOR_RTTS * np.median(waits) < max(waits)
+
+    class Session:
+        shard_addrs, worker_id = [("127.0.0.1", 9)], 0
+
+    class Net:
+        stats = TransportStats()
+
+    for n, q in ((1, 0.5), (2, 0.5), (4, 0.75), (8, 0.875)):
+        Session.job = J(num_workers=n)
+        eng = PhaseEngine(Session(), Net())
+        assert eng.norm_rtt.meeting_q == q and eng.rtt.meeting_q == 0.5
+
+
 def test_phases_with_few_answers_and_the_fixed_rule_leave_the_timer_alone():
     t = RetransmitTimer(0.05, 1.0, shards=1)
     sent = np.full(RetransmitTimer.MIN_SAMPLES - 1, 1.0)

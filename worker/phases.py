@@ -125,9 +125,10 @@ class PhaseEngine:
         self._last_note = time.monotonic()
         nshards = len(session.shard_addrs)
         adaptive = adaptive_timeout and policy == "retransmit"
-        self.rtt = RetransmitTimer(self.timeout, self.max_timeout, nshards, adaptive)
-        self.norm_rtt = RetransmitTimer(self.timeout, self.max_timeout, nshards, adaptive)
         job = session.job
+        self.rtt = RetransmitTimer(self.timeout, self.max_timeout, nshards, adaptive)
+        self.norm_rtt = RetransmitTimer(self.timeout, self.max_timeout, nshards, adaptive,
+                                        meeting_q=max(0.5, 1 - 1 / job.num_workers))
         self.window = min(window, job.slots * nshards)
         self.cwnd = min(START_WINDOW, self.window)
         self.ssthresh = self.window
@@ -314,11 +315,14 @@ class PhaseEngine:
     def timer(self, kind: int) -> RetransmitTimer:
         """The retransmission timer of a phase of `kind`: NORM phases keep their own.  A NORM
         phase's one chunk is answered when the slowest rank has transformed its vector and
-        taken its norms, so its round trip is the ranks' codec skew (12–67 ms with four
+        taken its norms, so its round trip is the ranks' codec skew (5–67 ms with four
         ranks on two cores); the DATA phase after it starts with the ranks just lined up by
         it (first chunks 4–12 ms).  One floor for both, three median meetings of the two
         mixed, timed out the NORM chunk in 34 of 120 rank-rounds of a lossless run
-        (docs/bench.md, "Loss recovery")."""
+        (docs/bench.md, "Loss recovery").  A rank that comes to the NORM phase last is
+        answered at once, one that comes first waits longest, each about one phase in n: the
+        NORM floor is from the 1 − 1/n quantile of its NORM round trips (at least the
+        median), the upper quartile with four ranks."""
         return self.norm_rtt if kind == H.NORM else self.rtt
 
     def _run_phase_python(self, kind: int, chunks, where: list, rounds: list) -> list:

@@ -103,7 +103,8 @@ class RetransmitTimer:
       phase's first chunk waits for the slowest rank to get there (its codec, a busy
       core), whatever the path.  Its round trip (answer − first send of the phase's
       first-sent answered chunk) is the phase's meeting round trip M.  The floor is
-      FLOOR_RTTS × the median M of the last MEETINGS phases, at least MIN_TIMEOUT_S (1 ms);
+      FLOOR_RTTS × the median M of the last MEETINGS phases (`meeting_q`: another quantile,
+      for NORM phases, PhaseEngine.timer), at least MIN_TIMEOUT_S (1 ms);
       before any phase has been answered it is `first` (`--timeout-ms`).
 
     A chunk sent to shard s with k chunks in flight waits
@@ -142,8 +143,8 @@ class RetransmitTimer:
     MIN_SAMPLES = 8
 
     def __init__(self, first_s: float, cap_s: float, shards: int, adaptive: bool = True,
-                 minimum_s: float = MIN_TIMEOUT_S):
-        self.first, self.minimum = first_s, minimum_s
+                 minimum_s: float = MIN_TIMEOUT_S, meeting_q: float = 0.5):
+        self.first, self.minimum, self.meeting_q = first_s, minimum_s, meeting_q
         self.T = np.zeros(T_SCALES + shards)
         self.T[:T_SCALES] = (first_s, cap_s, float(adaptive), REORDER_MIN_S, ORDER_REORDERS * REORDER_MIN_S,
                              first_s)
@@ -192,7 +193,7 @@ class RetransmitTimer:
             return
         first = np.flatnonzero(ok)[np.argmin(sent[ok])]
         self._meets.append(float(done[first] - sent[first]))
-        self.T[0] = max(self.minimum, FLOOR_RTTS * float(np.median(self._meets)))
+        self.T[0] = max(self.minimum, FLOOR_RTTS * float(np.quantile(self._meets, self.meeting_q)))
         for s in np.unique(shard[ok]).tolist():
             mine = ok & (shard == s)
             if np.count_nonzero(mine) >= self.MIN_SAMPLES:
