@@ -11,6 +11,7 @@ from thc_ps.deploy import commands
 from thc_ps.deploy import experiments
 from thc_ps.deploy import train as train_mod
 from thc_ps.p4.control import CONTROLS as SWITCH_CONTROLS
+from thc_ps.p4.control import SWITCH_LEASE_S
 from thc_ps.proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, DEFAULT_ROTATION, LANE_AUTO, MAX_BLOCK_LOG2, ROTATIONS
 
 
@@ -409,6 +410,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(simple_switch_CLI); auto: p4runtime where simple_switch_grpc and the P4Runtime "
                                 "client are there, else thrift (the choice and why are printed)")
 
+    p4_lease = argparse.ArgumentParser(add_help=False)
+    p4_lease.add_argument("--lease-s", type=_float_in(0.2, 3600, lo_open=False, hi_open=False, what="seconds"),
+                          default=SWITCH_LEASE_S,
+                          help="a rank without a heartbeat for this long is reported missing (longer than "
+                               "`thc ps`'s 5 s: bmv2 carries the control plane's TCP in the queues THC's "
+                               "packets fill, and with 8 workers a heartbeat waited 5 s)")
+
     p4_doctor = _command(
         p4_sub, "doctor", help="find and check the P4 tools",
         description="Find and check the P4 tools (PATH, /opt/p4tools/bin, $THC_P4_TOOLS) and Debian's "
@@ -459,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="bmv2: also run every test on simple_switch (root: veth pairs)")
 
     p4_run = _command(
-        p4_sub, "run", parents=[p4_job, p4_out, p4_switch],
+        p4_sub, "run", parents=[p4_job, p4_out, p4_switch, p4_lease],
         help="run the program under simple_switch and serve the workers",
         description="Start simple_switch on interfaces (or attach to a running one) and serve the "
                     "workers' control plane: each job (workers of one --job name) gets a region of the "
@@ -485,7 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "on --thrift-port instead of compiling and starting one")
 
     p4_mn = _command(
-        p4_sub, "mininet", parents=[p4_job, p4_out, p4_switch],
+        p4_sub, "mininet", parents=[p4_job, p4_out, p4_switch, p4_lease],
         help="real workers through one bmv2 switch in Mininet (root)",
         description="One bmv2 switch and N hosts running real `thc worker`s in Mininet, every chunk "
                     "checked exactly (root).")

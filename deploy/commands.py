@@ -476,7 +476,8 @@ def _p4_mininet(args):
                           quorum=args.quorum, granularity=args.granularity, p=str(args.p),
                           policy=args.loss_policy, control=args.control_mode, timeout_ms=args.timeout_ms,
                           fixed_timeout=args.fixed_timeout,
-                          build_dir=args.out, jobs=args.jobs, switch=args.switch_control, log=log)
+                          build_dir=args.out, jobs=args.jobs, switch=args.switch_control,
+                          lease_s=args.lease_s, log=log)
     print(json.dumps(doc) if args.json else mininet_run.summary_text(doc), flush=True)
     why = mininet_run.failed(doc)
     if why:
@@ -566,7 +567,7 @@ def cmd_p4(args):
         host, cport = args.control
         server = PSServer(job, (host, 0), control_port=cport,
                           engine=control.SwitchEngine(ctl, topology, args.ps_mac, l2=l2),
-                          log=lambda m: print(m, flush=True)).start()
+                          log=lambda m: print(m, flush=True), lease_s=args.lease_s).start()
         where = f"{len(ports)} ports, {where}" if proc else f"attached to the switch on {where}"
         print(f"switch up: PS address {args.ps_ip}:{gen_p4.PORT}, control tcp://{host}:{cport}, {where}",
               flush=True)

@@ -28,7 +28,7 @@ import uuid
 from pathlib import Path
 
 from thc_ps.p4 import tools
-from thc_ps.p4.control import (EVENTS, WorkerPort, choose_control, ensure_program, job_commands, l2_commands,
+from thc_ps.p4.control import (SWITCH_LEASE_S, EVENTS, WorkerPort, choose_control, ensure_program, job_commands, l2_commands,
                         p4info_path, parse_events, switch_job, worker_commands)
 from thc_ps.p4.spec import EVENT_CELLS, MAX_JOBS
 
@@ -159,7 +159,8 @@ def run(*, workers: int = 4, rounds: int = 20, dim: int = 4096, loss: float = 0.
         straggler_delay_ms: float = 0.0, straggler_rank: int | None = None, quorum: float = 1.0,
         granularity: int = 30, p: str = "1/32", policy: str = "retransmit", control: str = "static",
         timeout_ms: float = 200.0, fixed_timeout: bool = False, build_dir: str | Path = "build/p4",
-        worker_timeout_s: float = 900.0, jobs: int = 1, switch: str = "auto", log=None) -> dict:
+        worker_timeout_s: float = 900.0, jobs: int = 1, switch: str = "auto", lease_s: float = SWITCH_LEASE_S,
+        log=None) -> dict:
     """One Mininet run of `jobs` jobs of `workers` workers each at once; returns the summary
     (check per job and in all, workers' counters, switch counters)."""
     from thc_ps.deploy.launch import check_rounds
@@ -191,6 +192,7 @@ def run(*, workers: int = 4, rounds: int = 20, dim: int = 4096, loss: float = 0.
                "--straggler-delay-ms", str(straggler_delay_ms),
                "--straggler-rank", str(-1 if straggler_rank is None else straggler_rank),
                "--timeout-ms", str(timeout_ms), "--worker-timeout-s", str(worker_timeout_s),
+               "--lease-s", str(lease_s),
                *(["--fixed-timeout"] if fixed_timeout else []),
                "--control-mode", control, "--nonce", str(nonce),
                "--tokens", ",".join(map(str, tokens)), "--events", str(len(EVENTS)),

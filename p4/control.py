@@ -35,6 +35,14 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 CONTROLS = ("p4runtime", "thrift")
 
+#: The lease of a rank in a switch job run through bmv2 (seconds).  bmv2 carries the control
+#: plane's TCP in the queues THC's datagrams fill, and drops from them when they are full: with
+#: 8 workers a rank went 5 s without an answered heartbeat ("rank 4 lost its lease (no heartbeat
+#: for 5.0 s)"), and in a run where every rank did, the job ended at round 2 (docs/bench.md,
+#: "Loss recovery").  A PS's own default (5 s) is for a network that does not drop its control
+#: traffic.
+SWITCH_LEASE_S = 30.0
+
 
 def switch_job(num_workers: int, *, bits: int = 4, granularity: int = 30, p="1/32", quorum: float = 1.0,
                seed: int = 0, slots: int = 64, norm_slots: int = 8, job_id: int = 1) -> JobConfig:

@@ -587,3 +587,37 @@ def test_a_slow_switch_programming_step_costs_no_rank_its_lease():
         assert server.stats()["leases_expired"] == 0
     finally:
         server.stop()
+
+
+def test_the_switch_harness_control_plane_takes_a_lease_and_logs_its_events(tmp_path):
+    """`static_control` (the control plane of `thc p4 mininet`'s switch programmed in advance)
+    holds a rank for `--lease-s`, prints the control plane's events (a lost lease is what a
+    failed bmv2 run needs shown) and stops on SIGINT without a traceback."""
+    import signal
+    import subprocess
+    import sys
+    import types
+
+    from tests.test_service import _free_port
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "thc_ps.p4.harness.static_control", "--bind",
+                             f"127.0.0.1:{port}", "--workers", "1", "--expect", "127.0.0.1:1:7", "--nonce", "5",
+                             "--lease-s", "0.4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        sock = None
+        for _ in range(100):                     # until it listens
+            sock = req_socket(types.SimpleNamespace(control_port=port))
+            reply = ask(sock, {"type": "register", "worker_id": 0, "data_addr": ["127.0.0.1", 1]}, 200)
+            if reply is not None:
+                break
+            sock.close()
+        assert reply["type"] == "config" and reply["lease_s"] == 0.4, reply
+        time.sleep(1.5)                          # no heartbeat: the lease runs out
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=20)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "registered rank 0 at 127.0.0.1:1" in out and "rank 0 lost its lease (no heartbeat for" in out, out
+    assert "Traceback" not in out, out

@@ -145,6 +145,7 @@ def main():
     ap.add_argument("--event-cells", type=int, default=16, help="counter cells per block")
     ap.add_argument("--jobs", type=int, default=1, help="jobs at once (p4run): --workers hosts each")
     ap.add_argument("--worker-timeout-s", type=float, default=600.0)
+    ap.add_argument("--lease-s", type=float, default=30.0, help="the control plane's lease of a rank")
     ap.add_argument("--control-mode", choices=("static", "p4run"), default="static")
     ap.add_argument("--switch-control", choices=("thrift", "p4runtime"), default="thrift")
     ap.add_argument("--p4info", default="", help="the program's P4Info (p4runtime: the counter reads)")
@@ -190,13 +191,15 @@ def main():
             tokens = args.tokens.split(",") if args.tokens else ["0"] * args.workers
             expect = sum((["--expect", f"10.0.0.{i + 1}:{5000 + i}:{tokens[i]}"] for i in range(args.workers)), [])
             cmd = [args.python, "-m", "thc_ps.p4.harness.static_control", "--bind", f"{CTRL_IP}:{CTRL_PORT}",
-                   "--workers", str(args.workers), "--nonce", str(args.nonce)] + job + expect
+                   "--workers", str(args.workers), "--nonce", str(args.nonce),
+                   "--lease-s", str(args.lease_s)] + job + expect
         else:
             attach = sum((["--worker-port", f"10.0.0.{i + 1}={i + 1},00:00:00:00:00:{i + 1:02x}"]
                           for i in range(total)), [])
             cmd = [args.python, "-m", "thc_ps.deploy.cli", "p4", "run", "--attach", "--thrift-port", str(THRIFT_PORT),
                    "--control", f"{CTRL_IP}:{CTRL_PORT}", "--workers", str(args.workers),
-                   "--ps-ip", PS_IP, "--ps-mac", PS_MAC, "--switch-control", args.switch_control] + job + attach
+                   "--ps-ip", PS_IP, "--ps-mac", PS_MAC, "--switch-control", args.switch_control,
+                   "--lease-s", str(args.lease_s)] + job + attach
             if grpc:        # the program and the L2 entries (workers and this host) come from the control plane
                 cmd += ["--grpc-port", GRPC_ADDR.rsplit(":", 1)[1], "--out", os.path.dirname(args.json)]
                 cmd += sum((["--l2", f"00:00:00:00:00:{i + 1:02x}={i + 1}"] for i in range(total)), [])

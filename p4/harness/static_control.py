@@ -7,6 +7,8 @@ barriers and stats; the data plane is the switch.  `python -m thc_ps.p4.harness.
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 
 from thc_ps.p4.control import switch_job
 from thc_ps.p4.spec import SLOTS
@@ -68,6 +70,7 @@ def main():
     ap.add_argument("--quorum", type=float, default=1.0)
     ap.add_argument("--granularity", type=int, default=30)
     ap.add_argument("--p", default="1/32")
+    ap.add_argument("--lease-s", type=float, default=5.0, help="a rank's lease (seconds)")
     args = ap.parse_args()
     host, port = args.bind.rsplit(":", 1)
     expected = {}
@@ -76,10 +79,18 @@ def main():
         expected[i] = (h, int(p), int(token))
     job = switch_job(args.workers, seed=args.seed, quorum=args.quorum, granularity=args.granularity,
                      p=args.p)
-    server = PSServer(job, (host, 0), control_port=int(port), engine=StaticEngine(expected, args.nonce)).start()
+    # the control plane's events (jobs started and ended, leases lost, stalls) go to the harness,
+    # which shows their last lines when a worker fails
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+    server = PSServer(job, (host, 0), control_port=int(port), engine=StaticEngine(expected, args.nonce),
+                      lease_s=args.lease_s).start()
     print("control plane up", flush=True)
-    server.wait()
-    server.stop()
+    try:
+        server.wait()
+    except KeyboardInterrupt:           # the harness stops it with SIGINT once the workers are done
+        pass
+    finally:
+        server.stop()
 
 
 if __name__ == "__main__":
