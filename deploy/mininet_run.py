@@ -28,8 +28,8 @@ import uuid
 from pathlib import Path
 
 from thc_ps.p4 import tools
-from thc_ps.p4.control import (SWITCH_LEASE_S, EVENTS, WorkerPort, choose_control, ensure_program, job_commands, l2_commands,
-                        p4info_path, parse_events, switch_job, worker_commands)
+from thc_ps.p4.control import (EVENTS, SWITCH_LEASE_S, WorkerPort, choose_control, ensure_program, job_commands,
+                               l2_commands, p4info_path, parse_events, switch_job, worker_commands)
 from thc_ps.p4.spec import EVENT_CELLS, MAX_JOBS
 
 ROOT = Path(__file__).resolve().parents[1]

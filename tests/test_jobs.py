@@ -604,14 +604,16 @@ def test_the_switch_harness_control_plane_takes_a_lease_and_logs_its_events(tmp_
                              f"127.0.0.1:{port}", "--workers", "1", "--expect", "127.0.0.1:1:7", "--nonce", "5",
                              "--lease-s", "0.4"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        sock = None
-        for _ in range(100):                     # until it listens
-            sock = req_socket(types.SimpleNamespace(control_port=port))
-            reply = ask(sock, {"type": "register", "worker_id": 0, "data_addr": ["127.0.0.1", 1]}, 200)
-            if reply is not None:
+        import socket
+        for _ in range(200):                     # until it listens (one registration: a second
+            try:                                 # would find rank 0 held)
+                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
                 break
-            sock.close()
-        assert reply["type"] == "config" and reply["lease_s"] == 0.4, reply
+            except OSError:
+                time.sleep(0.05)
+        sock = req_socket(types.SimpleNamespace(control_port=port))
+        reply = ask(sock, {"type": "register", "worker_id": 0, "data_addr": ["127.0.0.1", 1]}, 10000)
+        assert reply is not None and reply["type"] == "config" and reply["lease_s"] == 0.4, reply
         time.sleep(1.5)                          # no heartbeat: the lease runs out
         proc.send_signal(signal.SIGINT)
         out = proc.communicate(timeout=20)[0]

@@ -145,7 +145,8 @@ def main():
     ap.add_argument("--event-cells", type=int, default=16, help="counter cells per block")
     ap.add_argument("--jobs", type=int, default=1, help="jobs at once (p4run): --workers hosts each")
     ap.add_argument("--worker-timeout-s", type=float, default=600.0)
-    ap.add_argument("--lease-s", type=float, default=30.0, help="the control plane's lease of a rank")
+    ap.add_argument("--lease-s", type=float, required=True,
+                    help="the control plane's lease of a rank (mininet_run passes SWITCH_LEASE_S)")
     ap.add_argument("--control-mode", choices=("static", "p4run"), default="static")
     ap.add_argument("--switch-control", choices=("thrift", "p4runtime"), default="thrift")
     ap.add_argument("--p4info", default="", help="the program's P4Info (p4runtime: the counter reads)")

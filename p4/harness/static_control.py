@@ -13,7 +13,7 @@ import sys
 from thc_ps.p4.control import switch_job
 from thc_ps.p4.spec import SLOTS
 from thc_ps.ps_server.engine import wait
-from thc_ps.ps_server.server import PSServer
+from thc_ps.ps_server.server import DEFAULT_LEASE_S, PSServer
 
 
 class StaticEngine:
@@ -70,7 +70,7 @@ def main():
     ap.add_argument("--quorum", type=float, default=1.0)
     ap.add_argument("--granularity", type=int, default=30)
     ap.add_argument("--p", default="1/32")
-    ap.add_argument("--lease-s", type=float, default=5.0, help="a rank's lease (seconds)")
+    ap.add_argument("--lease-s", type=float, default=DEFAULT_LEASE_S, help="a rank's lease (seconds)")
     args = ap.parse_args()
     host, port = args.bind.rsplit(":", 1)
     expected = {}
