@@ -288,18 +288,20 @@ static void rht_scalar(float *w, size_t n, const in_t *in, const epi_t *e) {
  *    then radix-8 passes over the chunk up to the chunk; the leaves prefetch the next chunk's
  *    source;
  *  - above the low chunks, levels of <= TOP_BITS stages, depth first (a level's chunks are
- *    finished before its own stages run, so a chunk of a middle level is still in L3): a
- *    level's stages run strip by strip (rows x cols of <= STRIP_FLOATS, the rows a level's
- *    chunk apart), all of them on one strip before the next, so data beyond a cache is read
- *    and written once per level: the first pass reads the strip's rows into a contiguous
- *    buffer (prefetching the next strip), the others run there, and the strip goes back row
- *    by row (run_stages).
+ *    finished before its own stages run, so a chunk of a middle level is still in L3).  A level
+ *    of <= 3 stages is one radix pass in place over its chunk, 8 vectors from rows a level's
+ *    chunk apart (8 long sequential streams, which the hardware prefetchers follow), unless its
+ *    sink adds a carried vector; that level, and a level of more stages, runs strip by strip
+ *    (rows x cols of <= STRIP_FLOATS), all its stages on one strip before the next, so data
+ *    beyond a cache is read and written once per level: the first pass reads the strip's rows
+ *    into a contiguous buffer (prefetching the next strip), the others run there, and the strip
+ *    goes back row by row (run_stages).
  * The last pass of the transform writes the sink (scale, then indices / decoded values /
  * + carry), so no pass over the block follows the transform.  Tuned on the 2-core EPYC
  * (Zen 3: 32 KiB L1d, 512 KiB L2, 32 MiB L3) against fht-cpu at 2^20 and 2^24
  * (docs/bench.md, "Walsh–Hadamard transform"). */
-static size_t L1_FLOATS = 1 << 12, LOW_FLOATS = 1 << 15, STRIP_FLOATS = 1 << 12;
-static int TOP_BITS = 5;
+static size_t L1_FLOATS = 1 << 12, LOW_FLOATS = 1 << 15, STRIP_FLOATS = 1 << 11;
+static int TOP_BITS = 3;
 #define STRIP_MAX (1 << 14)
 #ifndef LOW_PREFETCH
 #define LOW_PREFETCH 1        /* a low chunk's leaves prefetch the next chunk's source */
@@ -618,16 +620,22 @@ static AI void strip_in_n(const float *xs, size_t h0, float *buf, size_t rows, c
         }
 }
 
-/* Stages h0 <= h < h1 of x[0, n) (n a multiple of h1), strip by strip: the first pass of a
- * strip (rows h0 apart x cols) reads its rows, at most 8 at once, into a contiguous buffer,
- * the strip's other stages run there in L1, and it goes back row by row through the sink
- * (if any).  Rows h0 apart share cache sets (all of them in L1 and in L2 when h0 is a
- * multiple of 64 KiB): a last pass writing 8 rows at once, beside 8 rows of the carried
- * vector, would evict its own lines; row by row, the lines of a row are consecutive. */
+/* Stages h0 <= h < h1 of x[0, n) (n a multiple of h1).  Up to 3 of them: one radix pass in
+ * place, chunk by chunk (rows h0 apart, 8 vectors at once).  More, or a sink adding a carried
+ * vector: strip by strip; the first pass of a strip (rows h0 apart x cols) reads its rows, at
+ * most 8 at once, into a contiguous buffer, the strip's other stages run there in L1, and it
+ * goes back row by row through the sink (if any).  Rows h0 apart share cache sets (all of
+ * them in L1 and in L2 when h0 is a multiple of 64 KiB): a pass writing 8 rows at once beside
+ * 8 rows of the carried vector evicts its own lines; row by row, the lines of a row are
+ * consecutive. */
 static void run_stages(float *x, size_t ibase, size_t n, size_t h0, size_t h1, const epi_t *e) {
     static __thread float buf[STRIP_MAX] __attribute__((aligned(64)));
     const size_t rows = h1 / h0;
     const int m = log2_of(rows), nst = m % 3 ? m % 3 : 3;
+    if (m <= 3 && !(e && e->kind == EPI_ADD && e->carry)) {
+        for (size_t b = 0; b < n; b += h1) lpass(x + b, x + b, ibase + b, h1, h0, m, e);
+        return;
+    }
     size_t cols = (STRIP_FLOATS < STRIP_MAX ? STRIP_FLOATS : STRIP_MAX) / rows;
     if (cols < 16) cols = 16;
     if (cols > h0) cols = h0;
@@ -657,7 +665,7 @@ static void rht_level(float *w, size_t base, const size_t *bounds, int k, int to
 }
 
 /* source -> FWHT of n >= 128 coordinates in w -> sink: low chunks of LOW_FLOATS, then as
- * few levels as keep a strip at <= 2^TOP_BITS rows. */
+ * few levels of <= TOP_BITS stages as cover the rest. */
 static void rht_avx2(float *w, size_t n, const in_t *in, const epi_t *e) {
     size_t bounds[64];
     int k = 0;

@@ -54,10 +54,11 @@ def test_fwht_each_path_is_orthogonal_and_involutive(simd, n):
 
 
 #: AVX2 blockings (L1 piece, low chunk, top level bits, strip floats) that put every level
-#: layout of the transform (leaves only, low chunks, one level above, several, strips of a few
+#: layout of the transform (leaves only, low chunks, one level above, several; levels of up to 3
+#: stages in place and longer ones, or a carried sink, in strips of a few
 #: columns) within reach of small blocks; None: the shipped one.
 LAYOUTS = [None, (128, 128, 1, 16), (128, 256, 2, 32), (128, 512, 3, 64), (256, 1024, 2, 256),
-           (128, 128, 10, 16384)]
+           (128, 256, 5, 256), (128, 128, 10, 16384)]
 
 
 def _every_kernel(p, n, simd, seed, scale=1.0, zero=False):
