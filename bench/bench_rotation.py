@@ -62,8 +62,9 @@ def tensor_sizes(dim: int) -> list[int]:
 def job_sweeps(dim: int, padded: int) -> list[tuple[str, int]]:
     """The job rotation step's sweeps over memory (each over vectors beyond L2) and the bytes
     each reads plus writes, d coordinates padded to P: 4-byte floats, 1-byte lanes, 4-bit
-    indices.  The transforms run in place in the 2^20-float blocks, two sweeps each (the low
-    chunks, then the levels above: compression/_kernels.c)."""
+    indices.  The transforms run in place in the 2^20-float blocks: the low chunks, a level
+    over each chunk of 2^17 floats (512 KiB, L2's size: counted as in L2), then the top level
+    (compression/_kernels.c), so two sweeps each."""
     d, p = dim, padded
     return [("rotate, first sweep: the gradient's tensors in, R out", 4 * d + 4 * p),
             ("rotate, last sweep: R in and out, + the carried e_R", 12 * p),
