@@ -29,29 +29,33 @@ def idle_share(before, after) -> float | None:
 
 
 _lock = threading.Lock()
-_last: dict = {"at": None, "times": None, "idle": None}
+_last: dict = {"at": None, "times": None, "own": None, "idle": None}
 
 
-def idle_cores(cores: int | None = None, now=time.monotonic) -> int:
+def idle_cores(cores: int | None = None, now=time.monotonic, own=time.process_time) -> int:
     """The host's cores that were idle between the last two samples of /proc/stat at least
-    SAMPLE_S apart (the first call samples and counts every core idle; where /proc/stat is
-    missing, every core).  The caller's own core is busy while it asks, so a lone worker on
-    an otherwise idle host of n cores sees about n − 1."""
+    SAMPLE_S apart, plus those this process kept busy beyond one (its CPU time `own` over the
+    same window): a worker's own codec threads do not hide the core they run on, which made a
+    lone worker on two idle cores go between two threads and one every 0.2 s.  The first call
+    samples and counts every core idle; where /proc/stat is missing, every core.  The
+    caller's own core is busy while it asks, so a lone worker on an otherwise idle host of n
+    cores sees about n − 1."""
     cores = cores or os.cpu_count() or 1
     with _lock:
         t = now()
         if _last["at"] is None or t - _last["at"] >= SAMPLE_S:
-            times = cpu_times()
+            times, mine = cpu_times(), own()
             share = idle_share(_last["times"], times)
             if share is not None:
-                _last["idle"] = share
-            _last["at"], _last["times"] = t, times
-        share = _last["idle"]
-    return cores if share is None else max(0, min(cores, round(share * cores)))
+                beyond_one = (mine - _last["own"]) / (t - _last["at"]) - 1.0
+                _last["idle"] = share * cores + max(0.0, beyond_one)
+            _last["at"], _last["times"], _last["own"] = t, times, mine
+        idle = _last["idle"]
+    return cores if idle is None else max(0, min(cores, round(idle)))
 
 
 def _forget() -> None:
-    _last.update(at=None, times=None, idle=None)     # a forked child samples afresh
+    _last.update(at=None, times=None, own=None, idle=None)     # a forked child samples afresh
 
 
 os.register_at_fork(after_in_child=_forget)

@@ -428,14 +428,32 @@ def test_idle_cores_follow_the_host_s_idle_share(monkeypatch):
     monkeypatch.setattr(C, "cpu_times", lambda: next(stat))
     clock = iter([0.0, 0.1, 0.3, 0.6, 1.0])
     now = lambda: next(clock)       # noqa: E731
-    assert C.idle_cores(4, now) == 4            # t=0: first sample, nothing to compare
-    assert C.idle_cores(4, now) == 4            # t=0.1: too soon, no new sample
-    assert C.idle_cores(4, now) == 2            # t=0.3: 150 of 400 jiffies idle: 1.5 cores
-    assert C.idle_cores(4, now) == 0            # t=0.6: none idle
-    assert C.idle_cores(4, now) == 2            # t=1.0: 250 of 400
+    own = lambda: 0.0               # noqa: E731 (this process used no CPU)
+    assert C.idle_cores(4, now, own) == 4       # t=0: first sample, nothing to compare
+    assert C.idle_cores(4, now, own) == 4       # t=0.1: too soon, no new sample
+    assert C.idle_cores(4, now, own) == 2       # t=0.3: 150 of 400 jiffies idle: 1.5 cores
+    assert C.idle_cores(4, now, own) == 0       # t=0.6: none idle
+    assert C.idle_cores(4, now, own) == 2       # t=1.0: 250 of 400
     C._forget()
     monkeypatch.setattr(C, "cpu_times", lambda: None)
-    assert C.idle_cores(2, lambda: 5.0) == 2 and C.idle_cores(2, lambda: 6.0) == 2
+    assert C.idle_cores(2, lambda: 5.0, own) == 2 and C.idle_cores(2, lambda: 6.0, own) == 2
+    C._forget()
+
+
+def test_idle_cores_count_the_cores_this_process_keeps_busy_beyond_one(monkeypatch):
+    """A lone worker on two cores whose two codec threads kept both busy (5% of the host
+    idle, 1.9 cores of its own CPU in the window) still sees its second core: counted from the
+    host's idle share alone it saw none, and took one thread and two by turns.  Ranks that
+    share the cores (half a core each, none idle) see none."""
+    from thc_ps.compression import cores as C
+    C._forget()
+    stat = iter([(0, 0), (10, 200), (10, 400)])
+    monkeypatch.setattr(C, "cpu_times", lambda: next(stat))
+    clock, cpu = iter([0.0, 1.0, 2.0]), iter([0.0, 1.9, 2.4])
+    now, own = (lambda: next(clock)), (lambda: next(cpu))
+    assert C.idle_cores(2, now, own) == 2       # first sample
+    assert C.idle_cores(2, now, own) == 1       # 0.1 idle + 0.9 of its own beyond one core
+    assert C.idle_cores(2, now, own) == 0       # none idle, half a core of its own
     C._forget()
 
 
