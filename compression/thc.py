@@ -293,8 +293,9 @@ def codec_threads() -> int:
     thread and one per core that sat idle lately or that this process's own threads kept busy
     beyond one (`thc_ps.compression.cores.idle_cores`): a worker with cores to spare uses
     them, one on a host whose cores are busy (ranks sharing them, other work) adds no
-    hand-offs to it (docs/bench.md, "Codec threads where cores are idle").  Blocks are independent (own signs, own scale, own slice of the uniforms), so the
-    result is the same bit for bit whatever the count."""
+    hand-offs to it (docs/bench.md, "Codec threads where cores are idle").  Blocks are
+    independent (own signs, own scale, own slice of the uniforms), so the result is the same
+    bit for bit whatever the count."""
     env = os.environ.get("THC_CODEC_THREADS")
     if env:
         if not env.isdigit() or int(env) < 1:
