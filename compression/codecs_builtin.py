@@ -60,13 +60,13 @@ class ThcCodec(Codec):
         return pack_indices(z, self.cfg.bits).tobytes()
 
     def aggregate(self, payloads, ps_state, ctx: Context) -> bytes:
-        layout = thc.make_layout(ctx.dim, self.cfg.block_log2)
+        layout = self.cfg.layout(ctx.dim)
         lanes = lane_bits_for(len(payloads), self.cfg.granularity)
         return bytes([len(payloads), lanes]) + _index_sum(payloads, self.cfg.table.values, self.cfg.bits,
                                                           layout.padded_dim, lanes)
 
     def decode(self, payload, ctx: Context) -> np.ndarray:
-        layout = thc.make_layout(ctx.dim, self.cfg.block_log2)
+        layout = self.cfg.layout(ctx.dim)
         if len(payload) < 2 or payload[1] not in _LANE or payload[0] == 0:
             raise CodecError("THC down payload: bad header")
         k, lanes = payload[0], payload[1]

@@ -44,7 +44,7 @@ try:   # fused C kernels for the numpy path; the numpy code below stays the refe
     from thc_ps.compression import _kernels
 except ImportError:  # pragma: no cover - source checkout without a build
     _kernels = None
-from thc_ps.proto.job import DEFAULT_BLOCK_LOG2, DEFAULT_ROTATION, ROTATIONS   # the job's defaults, one definition
+from thc_ps.proto.job import DEFAULT_BLOCK_LOG2, DEFAULT_ROTATION, DEFAULT_TAIL_LOG2, ROTATIONS   # the job's defaults, one definition
 from thc_ps.proto.packing import check_lane_capacity, pack_indices, packed_size, unpack_indices
 from thc_ps.proto.tables import Table, identity_table, lower_interval_index, parse_p, solve_table
 
@@ -60,11 +60,13 @@ class ThcConfig:
     block_log2: int = DEFAULT_BLOCK_LOG2
     seed: int = 0
     rotation: str = DEFAULT_ROTATION
+    tail_log2: int = DEFAULT_TAIL_LOG2
 
     def __post_init__(self):
         object.__setattr__(self, "p", parse_p(self.p))
-        if not 0 <= self.block_log2 <= 30:
-            raise ValueError(f"block_log2 must be in 0..30, got {self.block_log2}")
+        for name in ("block_log2", "tail_log2"):
+            if not 0 <= getattr(self, name) <= 30:
+                raise ValueError(f"{name} must be in 0..30, got {getattr(self, name)}")
         if self.rotation not in ROTATIONS:
             raise ValueError(f"rotation must be one of {', '.join(ROTATIONS)}, got {self.rotation!r}")
         _ = self.table  # validates (b, g)
@@ -86,7 +88,11 @@ class ThcConfig:
     def of_job(cls, job) -> ThcConfig:
         """The THC parameters of a job (proto/job.py JobConfig)."""
         return cls(bits=job.bits, granularity=job.granularity, p=job.p, lane_bits=job.lane_bits,
-                   block_log2=job.block_log2, seed=job.seed, rotation=job.rotation)
+                   block_log2=job.block_log2, seed=job.seed, rotation=job.rotation, tail_log2=job.tail_log2)
+
+    def layout(self, dim: int) -> Layout:
+        """How this job cuts a tensor of `dim` coordinates into RHT blocks (`make_layout`)."""
+        return make_layout(dim, self.block_log2, self.tail_log2)
 
 
 @dataclass(frozen=True)
@@ -110,17 +116,35 @@ class Layout:
         return out
 
 
-def make_layout(dim: int, block_log2: int = DEFAULT_BLOCK_LOG2) -> Layout:
-    """Blocks of 2^block_log2 coordinates; the last one padded to its next power of two."""
+def make_layout(dim: int, block_log2: int = DEFAULT_BLOCK_LOG2, tail_log2: int = DEFAULT_TAIL_LOG2) -> Layout:
+    """Blocks of 2^block_log2 coordinates, then the rest r < 2^block_log2 in power-of-two blocks
+    (docs/protocol.md §4 step 1): r rounded up to a multiple of 2^tail_log2 and cut at its binary
+    digits, largest block first, the last one padded with zeros; a rest of at most 2^tail_log2
+    is one block, padded to its next power of two.  So a tensor carries fewer than 2^tail_log2
+    coordinates of padding where one block of next_pow2(r) could nearly double it (a DDP bucket
+    of 570,112 floats: 573,440 coordinates instead of 1,048,576)."""
     if dim <= 0:
         raise ValueError(f"dimension must be positive, got {dim}")
     cap = 1 << block_log2
     starts, lengths, padded = [], [], []
-    for s in range(0, dim, cap):
-        n = min(cap, dim - s)
+    for s in range(0, dim - dim % cap, cap):
         starts.append(s)
-        lengths.append(n)
-        padded.append(next_pow2(n))
+        lengths.append(cap)
+        padded.append(cap)
+    s, rest = dim - dim % cap, dim % cap
+    if 0 < rest <= 1 << tail_log2:
+        starts.append(s)
+        lengths.append(rest)
+        padded.append(next_pow2(rest))
+    elif rest:
+        grain = 1 << tail_log2
+        covered = -(-rest // grain) * grain          # < cap: tail_log2 < block_log2 here
+        for k in range(block_log2 - 1, tail_log2 - 1, -1):
+            if covered >> k & 1:
+                starts.append(s)
+                lengths.append(min(1 << k, dim - s))
+                padded.append(1 << k)
+                s += 1 << k
     return Layout(dim, tuple(starts), tuple(lengths), tuple(padded))
 
 
@@ -676,7 +700,7 @@ class WorkerRound:
 
     def __init__(self, cfg: ThcConfig, grad, memory=None, key=None, *, compensate: bool = True):
         self.cfg, self.memory, self.key = cfg, memory, key
-        self.layout = make_layout(grad.size if isinstance(grad, (np.ndarray, Pieces)) else grad.numel(), cfg.block_log2)
+        self.layout = cfg.layout(grad.size if isinstance(grad, (np.ndarray, Pieces)) else grad.numel())
         self.max_norms = self.z = self.round_no = None
         self.packed = False
         self._uniforms = self._residual = None

@@ -28,8 +28,7 @@ def _timed(fn, repeat=2):
 def _ps_time_thc(codec, ups, ctx) -> float:
     """THC at the PS is the C engine's lookup-and-sum over the packed payloads."""
     from thc_ps.ps_server._fastpath import lookup_accumulate
-    from thc_ps.compression.thc import make_layout
-    count = make_layout(ctx.dim, codec.cfg.block_log2).padded_dim
+    count = codec.cfg.layout(ctx.dim).padded_dim
     acc = np.zeros(count, np.uint8)
     table = list(codec.cfg.table.values)
     t = time.perf_counter()

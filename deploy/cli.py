@@ -12,7 +12,8 @@ from thc_ps.deploy import experiments
 from thc_ps.deploy import train as train_mod
 from thc_ps.p4.control import CONTROLS as SWITCH_CONTROLS
 from thc_ps.p4.control import SWITCH_LEASE_S
-from thc_ps.proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, DEFAULT_ROTATION, LANE_AUTO, MAX_BLOCK_LOG2, ROTATIONS
+from thc_ps.proto.job import (AUTO_GROUP, DEFAULT_BLOCK_LOG2, DEFAULT_ROTATION, DEFAULT_TAIL_LOG2, LANE_AUTO,
+                              MAX_BLOCK_LOG2, ROTATIONS)
 
 
 def _p_arg(value: str):
@@ -45,6 +46,7 @@ _rounds = _int_in(1, 1 << 30, "a round count")
 _any_port = _int_in(0, 65535, "a port number (0: any)")
 _seed = _int_in(0, (1 << 63) - 1, "a seed")
 _block_log2 = _int_in(0, MAX_BLOCK_LOG2, "log2 of the RHT block")
+_tail_log2 = _int_in(0, MAX_BLOCK_LOG2, "log2 of the finest RHT block of a tensor's tail")
 _count = _int_in(0, 1 << 31, "a count")
 
 
@@ -159,6 +161,10 @@ JOB_OPTIONS = {
     "seed": dict(type=None, help="the job's seed (RHT signs; test gradients)"),
     "block-log2": dict(type=None, help="log2 of the RHT block: a tensor is rotated in blocks of "
                                        "2^k coordinates (THC's artifact: 23; docs/bench.md \"RHT block size\")"),
+    "tail-log2": dict(type=None, help="log2 of the finest RHT block: what a tensor has beyond its whole blocks "
+                                      "is cut into power-of-two blocks of at least 2^k coordinates, so it is "
+                                      "padded by less than 2^k (a value >= --block-log2: one block padded to "
+                                      "the next power of two; docs/protocol.md section 4 step 1)"),
     "rotation": dict(type=None, help="round: a fresh RHT sign diagonal every round (THC's Alg. 3); job: one "
                                      "for the whole job, so error feedback stays rotated and a worker's step "
                                      "runs two transforms instead of three (docs/design.md \"One rotation per job\")"),
@@ -170,12 +176,14 @@ JOB_OPTIONS = {
 LOCAL_GROUP = dict(result_group=AUTO_GROUP, helps={"result_group": JOB_OPTIONS["result-group"]["help"] + (
     "; auto: a fresh group on loopback when this command starts the PS, none with --ps")})
 JOB_DEFAULTS = {"workers": 4, "bits": 4, "granularity": 30, "p": "1/32", "lane-bits": "auto", "quorum": 1.0,
-                "seed": 0, "block-log2": DEFAULT_BLOCK_LOG2, "rotation": DEFAULT_ROTATION, "result-group": ""}
+                "seed": 0, "block-log2": DEFAULT_BLOCK_LOG2,
+                "tail-log2": DEFAULT_TAIL_LOG2, "rotation": DEFAULT_ROTATION, "result-group": ""}
 
 
 def _job_types() -> dict:
     return {"workers": _workers, "bits": _bits, "granularity": _granularity, "p": _p_arg, "lane-bits": _lane_bits,
-            "quorum": _quorum, "seed": _seed, "block-log2": _block_log2, "rotation": _rotation,
+            "quorum": _quorum, "seed": _seed, "block-log2": _block_log2, "tail-log2": _tail_log2,
+            "rotation": _rotation,
             "result-group": result_group_arg}
 
 
@@ -253,8 +261,8 @@ def _policies():
 
 def _model_arg(p):
     p.add_argument("--model", choices=("cnn", "mlp", "mlp-wide"), default="cnn",
-                   help="model (mlp-wide: 784-2600-10, 2.07 M parameters, just under 2^21 so the RHT pads "
-                        "it by 1.5%%)")
+                   help="model (mlp-wide: 784-2600-10, 2.07 M parameters, padded by the RHT to "
+                        "2,068,480 coordinates)")
 
 
 def _policy_arg(p):
@@ -643,7 +651,7 @@ def _add_cluster_commands(sub):
                  description="Connects to a running `thc ps`, registers as --rank, runs rounds. The "
                              "job options given are what it insists on.",
                  parents=[job_parent("workers", "bits", "granularity", "p", "lane-bits", "quorum",
-                                     "block-log2", "rotation", "result-group", stated=True)])
+                                     "block-log2", "tail-log2", "rotation", "result-group", stated=True)])
     _codec_arg(w, stated=True)
     _running_ps_args(w, "the PS data address HOST:PORT, or a comma list of S shards (a DATA phase's chunks go "
                         "in runs of up to 64, run j to shard j mod S; NORM phases and barriers to the first; "

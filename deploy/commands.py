@@ -52,7 +52,7 @@ def _job(args, **more):
     return JobConfig(num_workers=args.workers, codec=args.codec, bits=args.bits,
                      granularity=args.granularity, p=args.p, lane_bits=args.lane_bits,
                      quorum=args.quorum, seed=args.seed, block_log2=args.block_log2,
-                     rotation=args.rotation,
+                     tail_log2=args.tail_log2, rotation=args.rotation,
                      result_group=one_host_group(args.result_group, own_ps=not getattr(args, "ps", None)),
                      **more)
 
@@ -151,6 +151,7 @@ def _stated_job(args) -> dict:
     stated = {"num_workers": args.workers, "codec": args.codec, "bits": args.bits,
               "granularity": args.granularity, "p": None if args.p is None else str(args.p),
               "lane_bits": args.lane_bits, "quorum": args.quorum, "block_log2": args.block_log2,
+              "tail_log2": args.tail_log2,
               "rotation": args.rotation, "result_group": args.result_group}
     return {k: v for k, v in stated.items() if v is not None}
 
@@ -290,7 +291,8 @@ def cmd_launch(args):
     if args.ps is not None:
         # insist on the options given explicitly; the PS announces the rest
         # (and a result group only when one was named: "auto" takes the running PS's)
-        insist = ("num_workers", "codec", "bits", "granularity", "p", "quorum", "block_log2", "rotation") \
+        insist = ("num_workers", "codec", "bits", "granularity", "p", "quorum", "block_log2", "tail_log2",
+                  "rotation") \
             + (("result_group",) if args.result_group != AUTO_GROUP else ()) \
             + (("lane_bits",) if args.lane_bits != LANE_AUTO else ())
         expect = {k: v for k, v in job.to_msg().items() if k in insist}
@@ -308,7 +310,8 @@ def cmd_launch(args):
                      expect=expect, keys=args.keys, lease_s=args.lease_s, rejoin_grace_s=args.rejoin_grace_s,
                      stall_s=args.stall_s, kill=(args.kill_rank, kill_at) if args.kill_rank is not None else None,
                      restart=args.restart_killed, job_name=args.job, fixed_timeout=args.fixed_timeout,
-                     block_log2=args.block_log2, rotation=args.rotation, result_group=job.result_group,
+                     block_log2=args.block_log2, tail_log2=args.tail_log2, rotation=args.rotation,
+                     result_group=job.result_group,
                      serve_shard=args.serve_shard,
                      ps_wait_s=args.ps_wait_s, error_feedback=args.error_feedback)
     if args.json:

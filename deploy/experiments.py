@@ -144,7 +144,8 @@ def ps_in_namespace(net, job, port: int, env: dict, host: int | None = None, wai
                                    "--bits", str(job.bits), "--granularity", str(job.granularity),
                                    "--p", job.p, "--lane-bits", str(job.lane_bits),
                                    "--quorum", str(job.quorum), "--rotation", job.rotation,
-                                   "--block-log2", str(job.block_log2), "--stats-every", "0"]
+                                   "--block-log2", str(job.block_log2),
+                                   "--tail-log2", str(job.tail_log2), "--stats-every", "0"]
     if job.result_group:
         cmd += ["--result-group", job.result_group]
     ps = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)

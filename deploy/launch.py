@@ -22,7 +22,7 @@ from thc_ps.deploy.procs import (die_with_parent, leave_on_sigterm, process_stat
 
 from thc_ps.compression import thc
 from thc_ps.proto.addresses import parse_ps
-from thc_ps.proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, DEFAULT_ROTATION, LANE_AUTO, JobConfig
+from thc_ps.proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, DEFAULT_ROTATION, DEFAULT_TAIL_LOG2, LANE_AUTO, JobConfig
 from thc_ps.proto.packing import LANE_DTYPES
 
 
@@ -480,7 +480,8 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
                ps_control_port=None, check=True, shards=1, batched=True, rank_base=0,
                local_workers=None, expect=None, keys=None, kill=None, restart=False,
                lease_s=None, rejoin_grace_s=None, stall_s=180.0, job_name=None,
-               fixed_timeout=False, block_log2=DEFAULT_BLOCK_LOG2, rotation=DEFAULT_ROTATION, result_group=AUTO_GROUP,
+               fixed_timeout=False, block_log2=DEFAULT_BLOCK_LOG2, tail_log2=DEFAULT_TAIL_LOG2,
+               rotation=DEFAULT_ROTATION, result_group=AUTO_GROUP,
                serve_shard=None, ps_wait_s=None, error_feedback=False) -> dict:
     """Start a PS with `shards` shards (unless `ps` = "host:port[,host:port…]") and worker
     processes for ranks rank_base … rank_base + local_workers − 1 of an n = `workers` job;
@@ -521,7 +522,7 @@ def run_launch(*, workers=4, rounds=10, dim=1 << 16, codec="thc", bits=4, granul
                          f"{workers} workers")
     job = JobConfig(num_workers=workers, codec=codec, bits=bits, granularity=granularity, p=p,
                     quorum=quorum, seed=seed, slots=slots, lane_bits=lane_bits, block_log2=block_log2,
-                    rotation=rotation, result_group=one_host_group(result_group, own_ps=ps is None))
+                    tail_log2=tail_log2, rotation=rotation, result_group=one_host_group(result_group, own_ps=ps is None))
     servers, servers_here = [], []
     if serve_shard is not None and ps is None:
         raise ValueError("--serve-shard needs --ps listing every host's shard (this one's included)")

@@ -165,7 +165,9 @@ JOB_FIELDS = {
     "mtu": "the path MTU the packet geometry is computed for",
     "elems_per_packet": "elements a DATA/RESULT (or BLOB bytes a fragment) carries at most",
     "quorum": "q: a slot's result goes out once ⌈q·n⌉ ranks contributed",
-    "block_log2": "RHT blocks are 2^block_log2 coordinates (the last one padded to a power of two)",
+    "block_log2": "RHT blocks are 2^block_log2 coordinates (a tensor's rest in smaller ones: `tail_log2`)",
+    "tail_log2": "what a tensor has beyond its whole blocks is cut into power-of-two blocks of at least "
+                 "2^tail_log2 coordinates (§4 step 1)",
     "table": "THC: the 2^b table values T[0..2^b−1] (must equal the solver's for (b, g, p))",
     "codec_params": "keyword parameters of a BLOB codec",
     "rotation": "`round`: the RHT sign diagonals of allreduce r are drawn for r (§4 step 3, THC's Alg. 3); "

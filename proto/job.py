@@ -26,11 +26,17 @@ CODECS = ("thc", "uhc", "topk", "terngrad", "none", "3lc", "skcompress", "fastsg
 DATA_PLANE_CODECS = ("thc", "none")
 
 #: log2 of the RHT block: tensors are cut into blocks of 2^20 coordinates, each transformed
-#: and scaled on its own (the last one padded to a power of two).  The authors cap a block at
+#: and scaled on its own (a tensor's rest in smaller ones: DEFAULT_TAIL_LOG2).  The authors cap a block at
 #: 2^23 (docs/prior-art.md §1.2); on CPU workers a 4 MiB block stays in the last-level cache
 #: and the three transforms of a round cost 15–20% less, with the same NMSE at the same
 #: bytes and less padding (docs/bench.md, "RHT block size").
 DEFAULT_BLOCK_LOG2 = 20
+#: log2 of the finest block a tensor's tail is cut into: what is left after the whole blocks
+#: is rounded up to a multiple of 2^12 coordinates and cut into power-of-two blocks (its binary
+#: digits), so the padding stays under 2^12 coordinates a tensor, where one block of the next
+#: power of two padded a DDP bucket of 570,112 floats to 2^20 (docs/protocol.md §4 step 1;
+#: docs/bench.md, "The tail in power-of-two blocks").  A value ≥ block_log2 keeps one tail block.
+DEFAULT_TAIL_LOG2 = 12
 #: How the RHT's sign diagonal D changes (docs/protocol.md §4 step 3).  "round": a fresh D^r
 #: every round, as THC's Alg. 3 line 9 draws it.  "job": one D for the whole job, so that
 #: R(∇ + e) = R∇ + Re and the error feedback can stay in the rotated domain: a worker's step
@@ -107,6 +113,7 @@ class JobConfig:
     codec_params: dict = field(default_factory=dict)   # keyword parameters of a BLOB codec
     result_group: str = ""             # "A.B.C.D:PORT": results multicast there (parse_group)
     rotation: str = DEFAULT_ROTATION   # ROTATIONS: a sign diagonal per round, or one per job
+    tail_log2: int = DEFAULT_TAIL_LOG2  # the finest block of a tensor's tail (2^tail_log2 coordinates)
 
     def __post_init__(self):
         self.validate()
@@ -118,6 +125,7 @@ class JobConfig:
         if self.codec not in CODECS:
             raise ValueError(f"unknown codec {self.codec!r}; choose from {', '.join(CODECS)}")
         for name, lo, hi in (("bits", 1, 8), ("granularity", 1, 1 << 16), ("block_log2", 0, MAX_BLOCK_LOG2),
+                             ("tail_log2", 0, MAX_BLOCK_LOG2),
                              ("mtu", 128, 65535), ("seed", 0, (1 << 63) - 1),
                              ("elems_per_packet", 0, 65535)):
             v = getattr(self, name)

@@ -181,32 +181,42 @@ def test_grace_and_stall_say_what_they_do():
     assert "naming the ranks behind" in launch
 
 
-def test_block_log2_reaches_the_job_and_a_worker_stating_another_is_refused():
-    """`--block-log2` is a job option: `thc launch` runs exact rounds with it, and they are a
-    different layout (d = 100 000 in blocks of 2^14 pads to 100 352 coordinates, in one block
-    of 2^20 to 131 072, so fewer bytes go up); a worker that states another block size is
-    refused by the PS, naming the field."""
+def test_block_and_tail_log2_reach_the_job_and_a_worker_stating_another_is_refused():
+    """`--block-log2` and `--tail-log2` are job options: `thc launch` runs exact rounds with
+    them, and they are different layouts (d = 100 000 in blocks of 2^14 pads to 100 352
+    coordinates; in 2^16 + 2^15 + 2^12 to 102 400 with the default tail; in one block of 2^20
+    to 131 072 with --tail-log2 20, so more bytes go up); a worker that states another block
+    size or tail is refused by the PS, naming the field."""
     import json
-    docs = {}
-    for k in ("14", "20"):
-        proc = thc("launch", "--workers", "2", "--rounds", "2", "--dim", "100000", "--block-log2", k, "--json")
+    up = {}
+    for k, tail in (("14", "12"), ("20", "12"), ("20", "20")):
+        proc = thc("launch", "--workers", "2", "--rounds", "2", "--dim", "100000", "--block-log2", k,
+                   "--tail-log2", tail, "--json")
         assert proc.returncode == 0, proc.stderr
-        docs[k] = json.loads(proc.stdout)
-        assert docs[k]["exact_rounds"] == 2 and docs[k]["mismatched_chunks"] == 0
-    assert docs["14"]["bytes_up_per_round"] < docs["20"]["bytes_up_per_round"]
+        doc = json.loads(proc.stdout)
+        assert doc["exact_rounds"] == 2 and doc["mismatched_chunks"] == 0
+        up[k, tail] = doc["bytes_up_per_round"]
+    assert up["14", "12"] < up["20", "12"] < up["20", "20"]
+    assert 1.25 < up["20", "20"] / up["20", "12"] < 1.30          # 131 072 / 102 400 = 1.28, headers aside
     from thc_ps.ps_server.server import PSServer
     from thc_ps.proto.job import JobConfig
     server = PSServer(JobConfig(num_workers=1, block_log2=14), ("127.0.0.1", 0), control_port=0).start()
     try:
-        proc = thc("worker", "--ps", f"127.0.0.1:{server.data_addr[1]}", "--control-port",
-                   str(server.control_port), "--rank", "0", "--rounds", "1", "--dim", "1000", "--block-log2", "16")
-        assert proc.returncode != 0 and "block_log2: PS has 14, worker expects 16" in proc.stderr, proc.stderr
+        for option, value, why in (("--block-log2", "16", "block_log2: PS has 14, worker expects 16"),
+                                   ("--tail-log2", "8", "tail_log2: PS has 12, worker expects 8")):
+            proc = thc("worker", "--ps", f"127.0.0.1:{server.data_addr[1]}", "--control-port",
+                       str(server.control_port), "--rank", "0", "--rounds", "1", "--dim", "1000", option, value)
+            assert proc.returncode != 0 and why in proc.stderr, proc.stderr
     finally:
         server.stop()
 
 
 @pytest.mark.parametrize("command", ["ps", "launch", "train", "worker"])
-def test_block_log2_is_range_checked(capsys, command):
+def test_block_and_tail_log2_are_range_checked(capsys, command):
     with pytest.raises(SystemExit) as exc:
         cli.main([command, "--block-log2", "27"])
     assert exc.value.code == 2 and "expected log2 of the RHT block in 0..26, got '27'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main([command, "--tail-log2", "-1"])
+    assert exc.value.code == 2 and "expected log2 of the finest RHT block of a tensor's tail in 0..26, got '-1'" \
+        in capsys.readouterr().err

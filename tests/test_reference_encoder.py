@@ -68,12 +68,21 @@ def ref_uniforms(key: int, count: int) -> np.ndarray:
     return bits.astype(np.float32) * np.float32(2.0 ** -24)
 
 
-def ref_blocks(d: int, block_log2: int) -> list:
+def ref_blocks(d: int, block_log2: int, tail_log2: int) -> list:
     """(start, length, padded length) of each RHT block (§4 step 1)."""
-    cap, out = 1 << block_log2, []
-    for start in range(0, d, cap):
-        n = min(cap, d - start)
-        out.append((start, n, 1 << (n - 1).bit_length()))
+    cap = 1 << block_log2
+    whole = d - d % cap
+    out = [(start, cap, cap) for start in range(0, whole, cap)]
+    r = d - whole
+    if 0 < r <= 1 << tail_log2:
+        out.append((whole, r, 1 << (r - 1).bit_length()))
+    elif r:
+        big_r = -(-r // (1 << tail_log2)) << tail_log2
+        start = whole
+        for k in reversed(range(big_r.bit_length())):
+            if big_r >> k & 1:
+                out.append((start, min(1 << k, d - start), 1 << k))
+                start += 1 << k
     return out
 
 
@@ -180,7 +189,7 @@ class RefWorker:
     def allreduce(self, x: np.ndarray, r: int, others_max) -> tuple:
         """(NORM packet, DATA packets) of allreduce r; `others_max(j, l)` is L_j given ℓ_j."""
         job = self.job
-        blocks = ref_blocks(x.size, job["block_log2"])
+        blocks = ref_blocks(x.size, job["block_log2"], job["tail_log2"])
         rots = []
         for j, (s, n, p) in enumerate(blocks):
             rot = ref_rotate(x[s:s + n], p, ref_signs(job["seed"], 0 if self.fixed else r, j, p))
@@ -276,14 +285,17 @@ def _gradient(r: int, d: int) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("bits,per_round,rotation", [(4, True, "round"), (2, False, "round"), (4, True, "job"),
-                                                    (2, False, "job")])
-def test_reference_encoder_sends_the_real_workers_packets(bits, per_round, rotation):
+@pytest.mark.parametrize("bits,per_round,rotation,tail_log2", [(4, True, "round", 11), (2, False, "round", 6),
+                                                              (4, True, "job", 6), (2, False, "job", 11)])
+def test_reference_encoder_sends_the_real_workers_packets(bits, per_round, rotation, tail_log2):
     """Under `rotation` `job` the worker keeps error feedback (§4 step 8): its residuals reach
-    the later rounds' norms and indices, so the packets check them too."""
+    the later rounds' norms and indices, so the packets check them too.  d = 5000 in blocks of
+    2^11 leaves a rest of 904: one block of 1024 with tail_log2 11, four of 512, 256, 128 and
+    64 with tail_log2 6 (§4 step 1)."""
     from thc_ps.worker.client import Worker
     from thc_ps.worker.transport import Transport
-    job = JobConfig(num_workers=2, bits=bits, seed=11, block_log2=11, slots=3, norm_slots=3, rotation=rotation)
+    job = JobConfig(num_workers=2, bits=bits, seed=11, block_log2=11, tail_log2=tail_log2, slots=3, norm_slots=3,
+                    rotation=rotation)
     feedback = rotation == "job"
     rank, worker_seed, d, rounds = 1, 5, 5000, 3
     server = PSServer(job, ("127.0.0.1", 0), control_port=0).start()
@@ -311,7 +323,9 @@ def test_reference_encoder_sends_the_real_workers_packets(bits, per_round, rotat
     assert set(got) == set(want), sorted(set(got) ^ set(want))
     for key in sorted(want):
         assert got[key] == want[key], f"packet (type, slot, round) {key} differs from the document's"
-    assert len(want) == rounds * (1 + -(-5120 // announced["elems_per_packet"]))
+    padded = {11: 5120, 6: 5056}[tail_log2]
+    assert sum(p for _, _, p in ref_blocks(d, 11, tail_log2)) == padded
+    assert len(want) == rounds * (1 + -(-padded // announced["elems_per_packet"]))
 
 
 def test_the_end_to_end_data_would_show_each_former_ambiguity():
@@ -322,7 +336,7 @@ def test_the_end_to_end_data_would_show_each_former_ambiguity():
     blas, drawn = 0, 0
     for r in range(3):
         x = _gradient(r, 5000)
-        for j, (s, n, p) in enumerate(ref_blocks(x.size, job["block_log2"])):
+        for j, (s, n, p) in enumerate(ref_blocks(x.size, job["block_log2"], job["tail_log2"])):
             blk = x[s:s + n]
             own = ref_norm(blk)
             blas += int(own != np.float32(math.sqrt(float(np.dot(blk, blk)))))

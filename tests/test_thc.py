@@ -18,6 +18,36 @@ def _round(grads, cfg, rng, round_no=0):
     return layout, norms, zs
 
 
+def test_a_tensors_rest_goes_in_power_of_two_blocks():
+    """docs/protocol.md §4 step 1: whole blocks, then the rest rounded up to a multiple of
+    2^tail_log2 and cut at its binary digits, largest first; a small rest is one block."""
+    assert thc.make_layout(570_112).padded == (1 << 19, 1 << 15, 1 << 14)           # DDP's LM bucket
+    assert thc.make_layout(297_216).padded == (1 << 18, 1 << 15, 1 << 12)
+    assert thc.make_layout(2_067_010).padded_dim == 2_068_480                        # the WideMLP
+    assert thc.make_layout(4097).padded == (8192,) and thc.make_layout(8193).padded == (8192, 4096)
+    assert thc.make_layout(5000, 11, 11).padded == (2048, 2048, 1024)                # the old rule
+    assert thc.make_layout(5000, 11, 6).padded == (2048, 2048, 512, 256, 128, 64)
+    assert thc.make_layout(100, 20, 12).padded == (128,)
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        block, tail = int(rng.integers(4, 22)), int(rng.integers(0, 24))
+        d = int(rng.integers(1, 5 << block))
+        lay = thc.make_layout(d, block, tail)
+        assert lay.starts[0] == 0 and sum(lay.lengths) == d
+        assert all(a + n == b for a, n, b in zip(lay.starts, lay.lengths, lay.starts[1:]))
+        assert all(p & (p - 1) == 0 and 0 < n <= p for n, p in zip(lay.lengths, lay.padded))
+        assert all(n == p for n, p in zip(lay.lengths[:-1], lay.padded[:-1]))     # only the last one pads
+        assert list(lay.padded) == sorted(lay.padded, reverse=True) and max(lay.padded) <= 1 << block
+        rest = d % (1 << block)
+        if rest > 1 << tail:
+            assert lay.padded_dim - d < 1 << tail
+        elif rest:
+            assert lay.padded[-1] == 1 << (rest - 1).bit_length()
+    assert thc.ThcConfig(tail_log2=6).layout(5000) == thc.make_layout(5000, 20, 6)
+    with pytest.raises(ValueError, match="tail_log2"):
+        thc.ThcConfig(tail_log2=31)
+
+
 @pytest.mark.parametrize("dim,block_log2", [(1000, 23), (5000, 10)])
 def test_homomorphism(dim, block_log2):
     cfg = thc.ThcConfig(block_log2=block_log2, seed=3)
@@ -116,10 +146,12 @@ def test_a_job_rotation_keeps_the_residual_rotated():
     assert np.array_equal(own, thc.decode_own(z, norms, cfg, layout, 0))        # D of round 0 in round 7
 
 
-def test_a_job_rotation_round_block_by_block_equals_the_whole_round():
+@pytest.mark.parametrize("tail_log2", [10, 6])
+def test_a_job_rotation_round_block_by_block_equals_the_whole_round(tail_log2):
     """The pipelined calls (start_packed, encode_blocks, residual_blocks) of a rotated round
-    make the bytes and the residual of encode(packed=True) + residual(), bit for bit."""
-    cfg = thc.ThcConfig(seed=2, block_log2=10, rotation="job")
+    make the bytes and the residual of encode(packed=True) + residual(), bit for bit (3500 in
+    blocks of 2^10: a rest of 428 in one block of 512, or in 256 + 128 + 64 with tail_log2 6)."""
+    cfg = thc.ThcConfig(seed=2, block_log2=10, rotation="job", tail_log2=tail_log2)
     dim = 3500
     rng = np.random.default_rng(3)
     g = (rng.standard_normal(dim) * rng.lognormal(0, 1, dim)).astype(np.float32)
@@ -136,12 +168,13 @@ def test_a_job_rotation_round_block_by_block_equals_the_whole_round():
     assert np.array_equal(res.view(np.uint32), whole.residual().view(np.uint32))
 
 
-def test_a_job_rotation_numpy_reference_equals_the_kernels(monkeypatch):
-    cfg = thc.ThcConfig(seed=9, block_log2=11, rotation="job", bits=4)
+@pytest.mark.parametrize("tail_log2", [11, 6])
+def test_a_job_rotation_numpy_reference_equals_the_kernels(monkeypatch, tail_log2):
+    cfg = thc.ThcConfig(seed=9, block_log2=11, rotation="job", bits=4, tail_log2=tail_log2)
     dim = 5000
     rng = np.random.default_rng(11)
     g = (rng.standard_normal(dim) * rng.lognormal(0, 2, dim)).astype(np.float32)
-    carry = rng.standard_normal(thc.make_layout(dim, 11).padded_dim).astype(np.float32)
+    carry = rng.standard_normal(cfg.layout(dim).padded_dim).astype(np.float32)
 
     def run():
         memory = ErrorFeedback()

@@ -36,7 +36,7 @@ from thc_ps.worker.transport import Transport
 
 #: The job options `connect` takes, as JobConfig names them (None: the default, not insisted on).
 JOB_OPTIONS = ("codec", "bits", "granularity", "p", "lane_bits", "quorum", "seed", "rotation", "block_log2",
-               "slots", "result_group", "codec_params")
+               "tail_log2", "slots", "result_group", "codec_params")
 #: The transport options `connect` takes, as Transport names them (None: its default).
 TRANSPORT_OPTIONS = ("loss_policy", "timeout_ms", "ps_wait_s", "queue_s", "window")
 #: A transport option's name on Transport where it differs (`thc train`'s --loss-policy is its `policy`).
@@ -262,7 +262,7 @@ def connect(model=None, ps: str | None = None, *, keys: str | None = None, job_n
     $THC_PS_KEYS).  `job_name`: the job's name on the PS (default: from torchrun's run id,
     restart count and a launch token; `default_job_name`).  `process_group`: the group whose
     ranks form the job (default the world).  Job options (JOB_OPTIONS: codec, bits,
-    granularity, p, lane_bits, quorum, seed, rotation, block_log2, slots, result_group,
+    granularity, p, lane_bits, quorum, seed, rotation, block_log2, tail_log2, slots, result_group,
     codec_params) and transport options (TRANSPORT_OPTIONS: loss_policy, timeout_ms,
     ps_wait_s, queue_s, window) default to `thc train`'s; the job options given are ones this
     launch insists on.  `keep_reports`: keep every round's report until `take_reports()`

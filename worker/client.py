@@ -152,7 +152,7 @@ class Worker:
     #: The job fields a checkpoint's codec state depends on: the residuals and the random
     #: streams mean nothing under another codec, table, seed, rotation or block size.
     STATE_FIELDS = ("num_workers", "codec", "bits", "granularity", "p", "seed", "rotation", "block_log2",
-                    "codec_params")
+                    "tail_log2", "codec_params")
 
     def state_dict(self) -> dict:
         """What a resumed run needs of this rank's codec to go on as if never stopped: the
@@ -196,7 +196,7 @@ class Worker:
         if e is None:
             return
         rotated = self.cfg is not None and self.cfg.rotation == "job"
-        layout = thc.make_layout(dim, self.cfg.block_log2) if rotated else None
+        layout = self.cfg.layout(dim) if rotated else None
         flat = thc.unrotate(e, self.cfg, layout) if rotated else np.asarray(e).reshape(-1)
         if flat.size != dim:            # not a residual of this tensor: it would not be applied anyway
             return
@@ -270,7 +270,7 @@ class Worker:
         """Chunks of an allreduce's DATA phase of `dim` coordinates (thc and none)."""
         per = self.job.elems_per_packet
         if self.job.codec == "thc":
-            return -(-thc.make_layout(dim, self.cfg.block_log2).padded_dim // per)
+            return -(-self.cfg.layout(dim).padded_dim // per)
         return -(-dim // per)
 
     def rejoin(self) -> None:
@@ -285,7 +285,7 @@ class Worker:
         padded to whole RHT blocks) must be addressable by the header's 32-bit offset."""
         padded = dim
         if self.cfg is not None and 1 <= dim <= H.MAX_COORDS:
-            padded = thc.make_layout(dim, self.cfg.block_log2).padded_dim
+            padded = self.cfg.layout(dim).padded_dim
         if dim < 1 or padded > H.MAX_COORDS:
             raise ValueError(f"a tensor of {dim:,} coordinates ({padded:,} on the wire) does not fit a "
                              f"round: a round carries 1 to {H.MAX_COORDS:,} (the header's 32-bit offset); "

@@ -45,8 +45,8 @@ class MLP(nn.Module):
 class WideMLP(MLP):
     """784-2600-10 MLP, 2 067 010 parameters (8.3 MB of float32 gradients): large enough that
     the link dominates a round at 100 Mbit/s and 1 Gbit/s (the bandwidth experiment), and
-    98.6% of 2^21, so THC's RHT pads the bucket by only 1.5% and the bytes on the wire are
-    the ones the 4-bit/8-bit limit counts."""
+    RHT blocks of 2^20 and its tail in smaller ones pad it by 1,470 coordinates (0.07%), so the
+    bytes on the wire are the ones the 4-bit/8-bit limit counts."""
 
     def __init__(self, classes: int = 10):
         super().__init__(classes, hidden=2600)
