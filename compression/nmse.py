@@ -40,7 +40,8 @@ def workload(dist: str, workers: int, dim: int, copies: bool, rng) -> list[np.nd
 
 
 def one_round(codec: str, grads, rng, *, bits=4, granularity=30, p="1/32", topk=0.1,
-              lane_bits=None, seed=0, round_no=0):
+              lane_bits=None, seed=0, round_no=0, block_log2=thc.DEFAULT_BLOCK_LOG2,
+              tail_log2=thc.DEFAULT_TAIL_LOG2):
     """Estimate of the mean of `grads` after one round of `codec`, and its (bits_up, bits_down)."""
     n, d = len(grads), grads[0].size
     if codec == "none":
@@ -48,7 +49,8 @@ def one_round(codec: str, grads, rng, *, bits=4, granularity=30, p="1/32", topk=
     if codec == "thc":
         from thc_ps.proto.packing import lane_bits_for
         lanes = lane_bits or lane_bits_for(n, granularity)
-        cfg = thc.ThcConfig(bits=bits, granularity=granularity, p=p, lane_bits=lanes, seed=seed)
+        cfg = thc.ThcConfig(bits=bits, granularity=granularity, p=p, lane_bits=lanes, seed=seed,
+                            block_log2=block_log2, tail_log2=tail_log2)
         cfg.check_workers(n)
         rounds = [thc.WorkerRound(cfg, g) for g in grads]
         norms = np.max([r.norms() for r in rounds], axis=0)

@@ -44,7 +44,8 @@ try:   # fused C kernels for the numpy path; the numpy code below stays the refe
     from thc_ps.compression import _kernels
 except ImportError:  # pragma: no cover - source checkout without a build
     _kernels = None
-from thc_ps.proto.job import DEFAULT_BLOCK_LOG2, DEFAULT_ROTATION, DEFAULT_TAIL_LOG2, ROTATIONS   # the job's defaults, one definition
+# the job's defaults, one definition
+from thc_ps.proto.job import DEFAULT_BLOCK_LOG2, DEFAULT_ROTATION, DEFAULT_TAIL_LOG2, ROTATIONS
 from thc_ps.proto.packing import check_lane_capacity, pack_indices, packed_size, unpack_indices
 from thc_ps.proto.tables import Table, identity_table, lower_interval_index, parse_p, solve_table
 

@@ -296,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     n = _command(sub, "nmse", help="NMSE of one aggregation round of a codec, as JSON",
                  description="NMSE = ||x_hat - x_mean||^2 / ||x_mean||^2 averaged over trials "
                              "(THC paper App. C.1 method with --copies).",
-                 parents=[job_parent("workers", "bits", "granularity", "p", "seed", workers=2)])
+                 parents=[job_parent("workers", "bits", "granularity", "p", "seed", "block-log2", "tail-log2",
+                                     workers=2)])
     n.add_argument("--codec", default="thc", choices=commands.nmse_codecs(), help="codec")
     n.add_argument("--dim", type=_dim, default=1 << 20, help="gradient dimension d")
     n.add_argument("--dist", default="lognormal", choices=("lognormal", "normal", "laplace"),

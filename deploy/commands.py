@@ -26,7 +26,7 @@ def cmd_nmse(args) -> dict:
     if args.codec in ("thc", "uhc", "casq"):
         params["bits"] = args.bits
     if args.codec == "thc":
-        params.update(granularity=args.granularity, p=args.p)
+        params.update(granularity=args.granularity, p=args.p, block_log2=args.block_log2, tail_log2=args.tail_log2)
     if args.codec == "topk":
         params["topk"] = args.topk
     return nmse.run(args.codec, workers=args.workers, dim=args.dim, dist=args.dist,

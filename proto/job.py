@@ -35,7 +35,7 @@ DEFAULT_BLOCK_LOG2 = 20
 #: is rounded up to a multiple of 2^12 coordinates and cut into power-of-two blocks (its binary
 #: digits), so the padding stays under 2^12 coordinates a tensor, where one block of the next
 #: power of two padded a DDP bucket of 570,112 floats to 2^20 (docs/protocol.md §4 step 1;
-#: docs/bench.md, "The tail in power-of-two blocks").  A value ≥ block_log2 keeps one tail block.
+#: docs/bench.md, "A tensor's rest in power-of-two blocks").  A value ≥ block_log2 keeps one tail block.
 DEFAULT_TAIL_LOG2 = 12
 #: How the RHT's sign diagonal D changes (docs/protocol.md §4 step 3).  "round": a fresh D^r
 #: every round, as THC's Alg. 3 line 9 draws it.  "job": one D for the whole job, so that

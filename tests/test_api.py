@@ -199,6 +199,11 @@ def test_a_saved_state_of_another_launch_is_refused(group, ps):
             state.load_state_dict({**saved, "ranks": saved["ranks"] * 2})
         with pytest.raises(ValueError, match=r"no rank passed a saved THC-PS state"):
             state.load_state_dict(None)
+        # saved before the job had tail_log2 (its residuals are of another block layout)
+        older = [{**r, "worker": {**r["worker"], "job": {k: v for k, v in r["worker"]["job"].items()
+                                                         if k != "tail_log2"}}} for r in saved["ranks"]]
+        with pytest.raises(ValueError, match=r"another job configuration: tail_log2: saved None, this job 12"):
+            state.load_state_dict({**saved, "ranks": older})
     with thc_ps.connect(ps=_addr(ps), bits=2) as other:
         with pytest.raises(ValueError, match=r"another job configuration: bits: saved 4, this job 2"):
             other.load_state_dict(saved)
