@@ -139,8 +139,8 @@ def make_layout(dim: int, block_log2: int = DEFAULT_BLOCK_LOG2, tail_log2: int =
         padded.append(next_pow2(rest))
     elif rest:
         grain = 1 << tail_log2
-        covered = -(-rest // grain) * grain          # < cap: tail_log2 < block_log2 here
-        for k in range(block_log2 - 1, tail_log2 - 1, -1):
+        covered = -(-rest // grain) * grain          # ≤ cap: tail_log2 < block_log2 here
+        for k in range(block_log2, tail_log2 - 1, -1):
             if covered >> k & 1:
                 starts.append(s)
                 lengths.append(min(1 << k, dim - s))

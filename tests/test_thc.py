@@ -28,6 +28,7 @@ def test_a_tensors_rest_goes_in_power_of_two_blocks():
     assert thc.make_layout(5000, 11, 11).padded == (2048, 2048, 1024)                # the old rule
     assert thc.make_layout(5000, 11, 6).padded == (2048, 2048, 512, 256, 128, 64)
     assert thc.make_layout(100, 20, 12).padded == (128,)
+    assert thc.make_layout((2 << 20) - 100).padded == (1 << 20, 1 << 20)             # the rest rounds up to a block
     rng = np.random.default_rng(5)
     for _ in range(300):
         block, tail = int(rng.integers(4, 22)), int(rng.integers(0, 24))
