@@ -396,7 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
                     default=0.8, help="peers, bandwidth: the test accuracy whose time is compared")
     ex.add_argument("--eval-every", type=_int_in(0, 1 << 20, "steps"), default=0,
                     help="peers: test accuracy every N steps as well as at each epoch's end (0: epochs only), "
-                         "so that the time to --target is not rounded up to an epoch")
+                         "so that the time to --target is not rounded up to an epoch; lm: rank 0's validation "
+                         "loss every N steps (0: every 25), so that the time to --target-loss is not rounded "
+                         "up to N steps")
     ex.add_argument("--per-tensor", action="store_true",
                     help="one PS round per parameter tensor (as 3LC and CASQ are meant to run)")
     ex.add_argument("--out", default=None, metavar="DIR",
