@@ -8,6 +8,7 @@ communication hook, thc_ps.lightning.HookOnCPU does."""
 import argparse
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -65,3 +66,6 @@ def main():
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)             # as examples/char_lm.py: no exit-time teardown under gloo's threads
