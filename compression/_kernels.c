@@ -681,19 +681,48 @@ static void rht_avx2(float *w, size_t n, const in_t *in, const epi_t *e) {
     rht_level(w, 0, bounds, k, k, in, e);
 }
 
-/* quantize_ef on 8 coordinates at a time (n a multiple of 8): quant8, the indices as
- * epi8 stores them, then x − (T[z]·c − m) in the scalar loop's operations. */
+/* 32 indices (four int32 vectors, coordinates i .. i+31 in order, each < 16 when packed) into
+ * out as store_idx8 writes them: one saturating pack to bytes, the 128-bit halves' dwords put
+ * back in coordinate order, then (packed) each pair 2k, 2k+1 -> z0·16 + z1 by one byte
+ * multiply-add: the nibble pairs of store_idx8 in one 16-byte store instead of four. */
+static inline void store_idx32(uint8_t *out, int packed, size_t i, __m256i z0, __m256i z1, __m256i z2, __m256i z3) {
+    __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(z0, z1), _mm256_packus_epi32(z2, z3));
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (packed) {
+        __m256i w = _mm256_maddubs_epi16(b, _mm256_set1_epi16(0x0110));
+        w = _mm256_permute4x64_epi64(_mm256_packus_epi16(w, w), 0x08);
+        _mm_storeu_si128((__m128i *)(out + (i >> 1)), _mm256_castsi256_si128(w));
+    } else {
+        _mm256_storeu_si256((__m256i *)(out + i), b);
+    }
+}
+
+/* quant8 on coordinates i .. i+7 of x, and their residual x − (T[z]·c − m) (in place when
+ * resid is x: the 8 values are read before they are written). */
+static AI __m256i quant_ef8(const float *x, size_t i, const qtab_t *q, const qef_t *f, __m256 c, __m256 m) {
+    __m256 v = _mm256_loadu_ps(x + i);
+    __m256i z = quant8(q, v, f->u ? _mm256_loadu_ps(f->u + i) : cu8(f->ukey, f->ubase + i));
+    if (f->resid) {
+        __m256 t = f->levels <= 16 ? lookup16(f->tabf, z) : _mm256_i32gather_ps(f->tabf, z, 4);
+        _mm256_storeu_ps(f->resid + i, _mm256_sub_ps(v, _mm256_sub_ps(_mm256_mul_ps(t, c), m)));
+    }
+    return z;
+}
+
+/* quantize_ef on 8 coordinates at a time (n a multiple of 8): quant8, the indices as epi8
+ * stores them (32 to a store while 32 remain, for tables of <= 16 entries), then
+ * x − (T[z]·c − m) in the scalar loop's operations. */
 static void quant_ef_avx2(const float *x, size_t n, const qtab_t *q, const qef_t *f) {
     const __m256 c = _mm256_set1_ps(f->c), m = _mm256_set1_ps(f->m);
-    for (size_t i = 0; i < n; i += 8) {
-        __m256 v = _mm256_loadu_ps(x + i);
-        __m256i z = quant8(q, v, f->u ? _mm256_loadu_ps(f->u + i) : cu8(f->ukey, f->ubase + i));
-        store_idx8(f->out, f->packed, i, z);
-        if (f->resid) {
-            __m256 t = f->levels <= 16 ? lookup16(f->tabf, z) : _mm256_i32gather_ps(f->tabf, z, 4);
-            _mm256_storeu_ps(f->resid + i, _mm256_sub_ps(v, _mm256_sub_ps(_mm256_mul_ps(t, c), m)));
+    size_t i = 0;
+    if (f->levels <= 16)
+        for (; i + 32 <= n; i += 32) {
+            __m256i z0 = quant_ef8(x, i, q, f, c, m), z1 = quant_ef8(x, i + 8, q, f, c, m);
+            __m256i z2 = quant_ef8(x, i + 16, q, f, c, m), z3 = quant_ef8(x, i + 24, q, f, c, m);
+            store_idx32(f->out, f->packed, i, z0, z1, z2, z3);
         }
-    }
+    for (; i < n; i += 8)
+        store_idx8(f->out, f->packed, i, quant_ef8(x, i, q, f, c, m));
 }
 #pragma GCC pop_options
 #endif
