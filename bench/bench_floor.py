@@ -67,7 +67,7 @@ from thc_ps.proto import headers as H  # noqa: E402
 from thc_ps.proto.job import DEFAULT_BLOCK_LOG2, JobConfig  # noqa: E402
 
 
-def _codec_round(cfg, job, grad, memory, lanes, rng, r, meet=lambda: None, out=None) -> float:
+def _codec_round(cfg, job, grad, memory, lanes, rng, r, meet=lambda: None, out=None, stages=None) -> float:
     """One worker's codec work in a round, the steps of thc.WorkerRound that Worker._thc_round
     runs besides the transport, in its order: x = ∇ + e and block norms, (the norm phase),
     uniforms + fused encode, (the data phase: results need every rank's data), the
@@ -75,24 +75,29 @@ def _codec_round(cfg, job, grad, memory, lanes, rng, r, meet=lambda: None, out=N
     THC_OVERLAP_RESIDUAL the error-feedback decode comes before the data phase, as the worker
     then runs it).  `meet` stands for the two phases; `out`: where the average goes (the
     gradient's own vector unless given: `thc.Pieces` need one).  Returns this thread's CPU
-    seconds in the steps (not in `meet`)."""
+    seconds in the steps (not in `meet`); `stages`, a dict, gets each step's CPU seconds added
+    under "rotate and norms", "quantize" and "decode"."""
     from thc_ps.worker.client import OVERLAP_RESIDUAL
     c = time.thread_time()
     rnd = thc.WorkerRound(cfg, grad, memory, "grad")
     norms = rnd.norms().astype(np.float64)
-    cpu = time.thread_time() - c
+    cpu = [time.thread_time() - c]
     meet()
     c = time.thread_time()
     rnd.encode(norms, rng, r, packed=True)
     e = rnd.residual() if OVERLAP_RESIDUAL else None
-    cpu += time.thread_time() - c
+    cpu.append(time.thread_time() - c)
     meet()
     c = time.thread_time()
     if e is None:
         e = rnd.residual()
     rnd.decode_lanes(lanes, job.num_workers, out=grad if out is None else out)
     rnd.feedback(e)
-    return cpu + time.thread_time() - c
+    cpu.append(time.thread_time() - c)
+    if stages is not None:
+        for name, t in zip(("rotate and norms", "quantize", "decode"), cpu):
+            stages[name] = stages.get(name, 0.0) + t
+    return sum(cpu)
 
 
 def _codec_state(dim: int, job: JobConfig):

@@ -104,6 +104,7 @@ def main(argv=None) -> dict:
                       np.random.default_rng(1))
     src, dst = np.ones(layout.padded_dim, np.float32), np.empty(layout.padded_dim, np.float32)
     times = {way: ([], [], []) for way in WAYS}
+    stages = {}                                     # the job step's CPU by stage, per timed step
     copies = []
     for r in range(args.steps + 2):                 # two untimed steps: buffers and caches warm
         for way in WAYS:
@@ -116,7 +117,11 @@ def main(argv=None) -> dict:
             else:                                   # GradientSync's copy into its bucket
                 grad = np.concatenate(tensors, out=bucket)
             copy = time.thread_time() - c0
-            cpu = copy + _codec_round(cfg, job, grad, memory, lanes, rrng, r, out=bucket)
+            split = {}
+            cpu = copy + _codec_round(cfg, job, grad, memory, lanes, rrng, r, out=bucket, stages=split)
+            if r >= 2 and way == "job, pieces":
+                for name, t in split.items():
+                    stages.setdefault(name, []).append(1e3 * t)
             if r >= 2:
                 times[way][0].append(1e3 * cpu)
                 times[way][1].append(1e3 * (time.perf_counter() - w0))
@@ -135,13 +140,16 @@ def main(argv=None) -> dict:
            "copy_ms": {w: med[w][2] for w in WAYS},
            "vector_copy_ms": copy_ms, "copy_gb_s": bandwidth / 1e9,
            "job_sweeps": [{"sweep": n, "bytes": b} for n, b in sweeps], "job_floor_ms": floor_ms,
-           "job_step_over_floor": med["job, pieces"][0] / floor_ms}
+           "job_step_over_floor": med["job, pieces"][0] / floor_ms,
+           "job_stage_cpu_ms": {name: float(np.median(v)) for name, v in stages.items()}}
     res["cpu_ratio"] = res["cpu_ms"]["round"] / res["cpu_ms"]["job, pieces"]
     print(f"d = {args.dim:,}, blocks of 2^{args.block_log2}, {args.steps} steps each, codec threads: {args.codec_threads}")
     print(f"{'way':<14}{'CPU ms/step':>13}{'of it copy':>12}{'wall ms/step':>14}")
     for w in WAYS:
         print(f"{w:<14}{med[w][0]:>13.2f}{med[w][2]:>12.2f}{med[w][1]:>14.2f}")
     print(f"round / job, pieces CPU: {res['cpu_ratio']:.2f}x")
+    print("job, pieces by stage (median CPU ms): " +
+          ", ".join(f"{name} {ms:.2f}" for name, ms in res["job_stage_cpu_ms"].items()))
     print(f"the job step's sweeps over memory ({len(sweeps)}):")
     for n, b in sweeps:
         print(f"  {b / 1e6:8.2f} MB  {n}")
