@@ -432,9 +432,10 @@ static inline __m256 cu8(uint64_t key, uint64_t i) {
     z = _mm256_xor_si256(z, _mm256_srli_epi64(z, 27));
     z = mul64(z, _mm256_set1_epi64x(0x133111ebLL), _mm256_set1_epi64x(0x94d049bbLL));
     z = _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
-    /* 32-bit lanes 2k, 2k+1 <- the high and the next 24 bits of output k */
-    __m256i k24 = _mm256_or_si256(_mm256_srli_epi64(z, 40),
-                                  _mm256_slli_epi64(_mm256_and_si256(_mm256_srli_epi64(z, 8), _mm256_set1_epi64x(0xFFFFFF)), 32));
+    /* 32-bit lanes 2k, 2k+1 <- the high and the next 24 bits of output k: bytes 5-7 and 1-3 of
+     * the 64-bit lane, each with a zero byte above (one byte shuffle) */
+    __m256i k24 = _mm256_shuffle_epi8(z, _mm256_setr_epi8(5, 6, 7, -1, 1, 2, 3, -1, 13, 14, 15, -1, 9, 10, 11, -1,
+                                                           5, 6, 7, -1, 1, 2, 3, -1, 13, 14, 15, -1, 9, 10, 11, -1));
     return _mm256_mul_ps(_mm256_cvtepi32_ps(k24), _mm256_set1_ps(1.0f / 16777216.0f));
 }
 
