@@ -49,8 +49,9 @@ def load_build(path: str):
 
 
 def cases(p: int):
-    """(name, call(K, out)) per kernel on a block of p coordinates; `out` is a build's own
-    buffers (a dict), which the call fills."""
+    """(name, call(K, out), buffers()) per kernel on a block of p coordinates: `buffers()`
+    makes one set of output buffers (a dict; keys ending in "work" are scratch, not compared),
+    allocated before any call is timed, and `call` fills such a set with build K's kernel."""
     rng = np.random.default_rng(p)
     cfg = thc.ThcConfig.of_job(JobConfig(num_workers=4))
     tab, g = bytes(cfg.table.values), cfg.granularity
@@ -64,27 +65,27 @@ def cases(p: int):
     divided = (np.arange(256) / 4).astype(np.float32).tobytes()        # Y/k with k = 4
 
     def rotate(K, o):
-        K.rht_rotate(pieces, p, signs, carry, o.setdefault("r", np.empty(p, np.float32)))
+        K.rht_rotate(pieces, p, signs, carry, o["r"])
 
     def quantize(K, o):
-        r = o.setdefault("q_resid", np.empty(p, np.float32))
-        K.quantize_ef(rotated, big_m, g, tab, (12345, 0), o.setdefault("q_idx", np.empty(p // 2, np.uint8)),
-                      True, r)
+        K.quantize_ef(rotated, big_m, g, tab, (12345, 0), o["idx"], True, o["resid"])
 
     def decode(K, o):
-        K.rht_decode(lanes, 3, 2.0 * big_m / g, big_m, p, signs, divided,
-                     o.setdefault("d", np.empty(len(x), np.float32)), o.setdefault("d_work", np.empty(p, np.float32)))
+        K.rht_decode(lanes, 3, 2.0 * big_m / g, big_m, p, signs, divided, o["d"], o["work"])
 
-    return [("rotate (pieces + carry)", rotate), ("quantize_ef (packed + residual)", quantize),
-            ("decode (8-bit lanes / k)", decode)]
+    return [("rotate (pieces + carry)", rotate, lambda: {"r": np.zeros(p, np.float32)}),
+            ("quantize_ef (packed + residual)", quantize,
+             lambda: {"idx": np.zeros(p // 2, np.uint8), "resid": np.zeros(p, np.float32)}),
+            ("decode (8-bit lanes / k)", decode,
+             lambda: {"d": np.zeros(len(x), np.float32), "work": np.zeros(p, np.float32)})]
 
 
 def compare(base, dims, calls: int) -> list[dict]:
     rows = []
     for log2 in dims:
         p = 1 << log2
-        for name, call in cases(p):
-            sets = ({}, {})                                   # two sets of output buffers
+        for name, call, buffers in cases(p):
+            sets = (buffers(), buffers())                     # two sets of output buffers
             times = ([], [])
             for c in range(calls):
                 for k in ((0, 1) if c % 2 else (1, 0)):         # each build first in half the pairs

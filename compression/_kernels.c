@@ -711,17 +711,16 @@ static AI __m256i quant_ef8(const float *x, size_t i, const qtab_t *q, const qef
 }
 
 /* quantize_ef on 8 coordinates at a time (n a multiple of 8): quant8, the indices as epi8
- * stores them (32 to a store while 32 remain, for tables of <= 16 entries), then
+ * stores them (32 to a store while 32 remain: an index is < 256, and < 16 when packed), then
  * x − (T[z]·c − m) in the scalar loop's operations. */
 static void quant_ef_avx2(const float *x, size_t n, const qtab_t *q, const qef_t *f) {
     const __m256 c = _mm256_set1_ps(f->c), m = _mm256_set1_ps(f->m);
     size_t i = 0;
-    if (f->levels <= 16)
-        for (; i + 32 <= n; i += 32) {
-            __m256i z0 = quant_ef8(x, i, q, f, c, m), z1 = quant_ef8(x, i + 8, q, f, c, m);
-            __m256i z2 = quant_ef8(x, i + 16, q, f, c, m), z3 = quant_ef8(x, i + 24, q, f, c, m);
-            store_idx32(f->out, f->packed, i, z0, z1, z2, z3);
-        }
+    for (; i + 32 <= n; i += 32) {
+        __m256i z0 = quant_ef8(x, i, q, f, c, m), z1 = quant_ef8(x, i + 8, q, f, c, m);
+        __m256i z2 = quant_ef8(x, i + 16, q, f, c, m), z3 = quant_ef8(x, i + 24, q, f, c, m);
+        store_idx32(f->out, f->packed, i, z0, z1, z2, z3);
+    }
     for (; i < n; i += 8)
         store_idx8(f->out, f->packed, i, quant_ef8(x, i, q, f, c, m));
 }

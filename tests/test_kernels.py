@@ -261,7 +261,7 @@ def test_rht_rotate_equals_separate_passes_plus_carry(p, n):
             assert np.array_equal(bits_of(out), bits_of(ref if c is None else ref + carry))
 
 
-@pytest.mark.parametrize("bits,g", [(4, 30), (4, 63), (2, 36), (5, 120), (4, 255)])
+@pytest.mark.parametrize("bits,g", [(4, 30), (4, 63), (2, 36), (5, 120), (4, 255), (8, 255)])
 @pytest.mark.parametrize("n", [2, 128, 1000, 1040, 1048, 1 << 16])
 def test_quantize_ef_equals_quantize_and_own_decode(bits, g, n):
     """quantize_ef: the indices of the separate quantizer (and of the counter stream's C
