@@ -49,8 +49,11 @@
 #define THC_HAVE_AVX2 0
 #endif
 
-static int cpu_avx2 = 0;     /* the CPU has AVX2 */
-static int auto_simd = 0;    /* what simd=-1 means: cpu_avx2 unless THC_KERNELS=scalar */
+/* Paths: 0 scalar, 1 AVX2 (+FMA), 2 AVX-512 (F, BW, DQ, VL) where a kernel has such code and
+ * AVX2 elsewhere (a kernel without AVX-512 code takes its AVX2 path at level 2). */
+static int cpu_level = 0;    /* the best path this CPU (and build) runs */
+static int auto_simd = 0;    /* what simd=-1 means: cpu_level, or less when THC_KERNELS asks */
+static const char *const LEVEL_NAMES[] = {"scalar", "avx2", "avx512"};
 
 /* ------------------------------------------------------------------ quantizer tables */
 
@@ -71,6 +74,7 @@ static int qtab_init(qtab_t *q, double big_m, int g, const uint8_t *tab, Py_ssiz
     if (levels < 2 || levels > 256 || g < 1 || g > 255 || tab[0] != 0 || tab[levels - 1] != g) return -1;
     for (Py_ssize_t i = 1; i < levels; i++)
         if (tab[i] <= tab[i - 1]) return -1;
+    memset(q->iv, 0, sizeof q->iv);      /* the AVX-512 permutes load cells 0..63, whatever g */
     for (int c = 0, j = 0; c <= g; c++) {
         while (j < levels - 2 && tab[j + 1] <= c) j++;
         q->iv[c] = j;
@@ -727,6 +731,111 @@ static void quant_ef_avx2(const float *x, size_t n, const qtab_t *q, const qef_t
 #pragma GCC pop_options
 #endif
 
+/* ------------------------------------------------------------------ AVX-512 quantizer */
+
+static void quant_ef_scalar(const float *x, size_t n, const qtab_t *q, const qef_t *f);
+
+#if THC_HAVE_AVX2
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")
+
+/* cu_at for i..i+15 (i even): eight SplitMix64 outputs, one per even-odd pair, the 64-bit
+ * multiplies in one instruction each (AVX-512DQ), the halves taken as cu8 takes them. */
+static inline __m512 cu16(uint64_t key, uint64_t i) {
+    const uint64_t z0 = key + ((i >> 1) + 1) * SM64_GAMMA;
+    const __m512i steps = _mm512_setr_epi64(0, (long long)SM64_GAMMA, (long long)(2 * SM64_GAMMA),
+                                            (long long)(3 * SM64_GAMMA), (long long)(4 * SM64_GAMMA),
+                                            (long long)(5 * SM64_GAMMA), (long long)(6 * SM64_GAMMA),
+                                            (long long)(7 * SM64_GAMMA));
+    __m512i z = _mm512_add_epi64(_mm512_set1_epi64((long long)z0), steps);
+    z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 30));
+    z = _mm512_mullo_epi64(z, _mm512_set1_epi64((long long)0xbf58476d1ce4e5b9ULL));
+    z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 27));
+    z = _mm512_mullo_epi64(z, _mm512_set1_epi64((long long)0x94d049bb133111ebULL));
+    z = _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
+    const __m512i take = _mm512_broadcast_i32x4(_mm_setr_epi8(5, 6, 7, -1, 1, 2, 3, -1, 13, 14, 15, -1, 9, 10, 11, -1));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_shuffle_epi8(z, take)), _mm512_set1_ps(1.0f / 16777216.0f));
+}
+
+/* The 16 uniforms of coordinates i..i+15: from the buffer, the counter stream, or (i odd)
+ * cu_at one by one. */
+static inline __m512 u16(const qef_t *f, size_t i) {
+    if (f->u) return _mm512_loadu_ps(f->u + i);
+    const uint64_t at = f->ubase + i;
+    if (!(at & 1)) return cu16(f->ukey, at);
+    float t[16];
+    for (int k = 0; k < 16; k++) t[k] = cu_at(f->ukey, at + k);
+    return _mm512_loadu_ps(t);
+}
+
+/* quant8 on 16 lanes, operand for operand.  For tables of <= 16 levels and g <= 63 the
+ * interval of a cell comes from two-table permutes (32 cells each) and T[j], 1/(T[j+1]-T[j])
+ * from one 16-entry permute each; otherwise from gathers. */
+static inline __m512i quant16(const qtab_t *q, __m512 a, __m512 u) {
+    __m512 y;
+    if (q->zero) y = _mm512_set1_ps(q->yz);
+    else {
+        const __m512 m = _mm512_set1_ps(q->m);
+        a = _mm512_max_ps(a, _mm512_set1_ps(-q->m));
+        a = _mm512_min_ps(a, m);
+        y = _mm512_mul_ps(_mm512_add_ps(a, m), _mm512_set1_ps(q->s));
+        y = _mm512_max_ps(y, _mm512_setzero_ps());
+        y = _mm512_min_ps(y, _mm512_set1_ps(q->gf));
+    }
+    __m512i c = _mm512_cvttps_epi32(y), iv;
+    __m512 lo, inv;
+    if (q->shuffle) {
+        iv = _mm512_permutex2var_epi32(_mm512_loadu_si512(q->iv), c, _mm512_loadu_si512(q->iv + 16));
+        if (q->gf > 31.f) {
+            __m512i hi = _mm512_permutex2var_epi32(_mm512_loadu_si512(q->iv + 32), c, _mm512_loadu_si512(q->iv + 48));
+            iv = _mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(c, _mm512_set1_epi32(31)), iv, hi);
+        }
+        lo = _mm512_permutexvar_ps(iv, _mm512_loadu_ps(q->tabj));
+        inv = _mm512_permutexvar_ps(iv, _mm512_loadu_ps(q->invj));
+    } else {
+        lo = _mm512_i32gather_ps(c, q->lo, 4);
+        inv = _mm512_i32gather_ps(c, q->inv, 4);
+        iv = _mm512_i32gather_epi32(c, q->iv, 4);
+    }
+    __mmask16 up = _mm512_cmp_ps_mask(u, _mm512_mul_ps(_mm512_sub_ps(y, lo), inv), _CMP_LT_OQ);
+    return _mm512_mask_add_epi32(iv, up, iv, _mm512_set1_epi32(1));
+}
+
+/* quantize_ef on 16 coordinates at a time: quant16, the indices as store_idx8 writes them
+ * (packed: pair 2k, 2k+1 -> z0 << 4 | z1, one byte per 64-bit lane), then x − (T[z]·c − m)
+ * in the scalar loop's operations; the last n mod 16 coordinates go to the AVX2 loop (a
+ * multiple of 8) or the scalar one. */
+static void quant_ef_avx512(const float *x, size_t n, const qtab_t *q, const qef_t *f) {
+    const __m512 c = _mm512_set1_ps(f->c), m = _mm512_set1_ps(f->m);
+    const int small = f->levels <= 16;
+    const __m512 tab16 = _mm512_loadu_ps(f->tabf);
+    const size_t n16 = n & ~(size_t)15;
+    for (size_t i = 0; i < n16; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        const __m512i z = quant16(q, v, u16(f, i));
+        if (f->packed) {
+            __m512i t = _mm512_or_si512(_mm512_slli_epi64(z, 4), _mm512_srli_epi64(z, 32));
+            _mm_storel_epi64((__m128i *)(f->out + (i >> 1)), _mm512_cvtepi64_epi8(t));
+        } else {
+            _mm_storeu_si128((__m128i *)(f->out + i), _mm512_cvtepi32_epi8(z));
+        }
+        if (f->resid) {
+            __m512 t = small ? _mm512_permutexvar_ps(z, tab16) : _mm512_i32gather_ps(z, f->tabf, 4);
+            _mm512_storeu_ps(f->resid + i, _mm512_sub_ps(v, _mm512_sub_ps(_mm512_mul_ps(t, c), m)));
+        }
+    }
+    if (n16 == n) return;
+    qef_t rest = *f;        /* the same streams and sinks from coordinate n16 on */
+    if (rest.u) rest.u += n16;
+    rest.ubase += n16;
+    rest.out += f->packed ? n16 >> 1 : n16;
+    if (rest.resid) rest.resid += n16;
+    if ((n - n16) % 8 == 0) quant_ef_avx2(x + n16, n - n16, q, &rest);
+    else quant_ef_scalar(x + n16, n - n16, q, &rest);
+}
+#pragma GCC pop_options
+#endif
+
 /* One entry for both paths; n a power of two. */
 static void rht_run(int simd, float *w, size_t n, const in_t *in, epi_t *e) {
     e->scale = fwht_scale(n);
@@ -757,6 +866,10 @@ static void quant_ef_scalar(const float *x, size_t n, const qtab_t *q, const qef
 
 static void quant_ef_run(int simd, const float *x, size_t n, const qtab_t *q, const qef_t *f) {
 #if THC_HAVE_AVX2
+    if (simd >= 2) {
+        quant_ef_avx512(x, n, q, f);
+        return;
+    }
     if (simd && n % 8 == 0) {
         quant_ef_avx2(x, n, q, f);
         return;
@@ -819,11 +932,16 @@ static double sumsq_avx2(const float *x, size_t n) {
 
 static int pick_simd(int simd) {
     if (simd < 0) return auto_simd;
-    if (simd > 0 && !cpu_avx2) {
-        PyErr_SetString(PyExc_RuntimeError, "simd=1: this CPU (or build) has no AVX2");
+    if (simd > 2) {
+        PyErr_Format(PyExc_ValueError, "simd=%d: expected -1 (auto), 0 (scalar), 1 (AVX2) or 2 (AVX-512)", simd);
         return -1;
     }
-    return simd > 0;
+    if (simd > cpu_level) {
+        PyErr_Format(PyExc_RuntimeError, "simd=%d: this CPU (or build) has no %s", simd,
+                     simd == 2 ? "AVX-512 (F, BW, DQ, VL)" : "AVX2");
+        return -1;
+    }
+    return simd;
 }
 
 static int is_pow2(size_t n) { return n && !(n & (n - 1)); }
@@ -1147,8 +1265,9 @@ static PyObject *py_tune(PyObject *self, PyObject *args) {
 #endif
 }
 
-static PyObject *py_simd(PyObject *self, PyObject *args) { return PyUnicode_FromString(auto_simd ? "avx2" : "scalar"); }
-static PyObject *py_has_avx2(PyObject *self, PyObject *args) { return PyBool_FromLong(cpu_avx2); }
+static PyObject *py_simd(PyObject *self, PyObject *args) { return PyUnicode_FromString(LEVEL_NAMES[auto_simd]); }
+static PyObject *py_has_avx2(PyObject *self, PyObject *args) { return PyBool_FromLong(cpu_level >= 1); }
+static PyObject *py_has_avx512(PyObject *self, PyObject *args) { return PyBool_FromLong(cpu_level >= 2); }
 
 static PyMethodDef methods[] = {
     {"fwht", py_fwht, METH_VARARGS, "fwht(x, simd=-1): normalized in-place fast Walsh-Hadamard transform (deterministic)"},
@@ -1160,8 +1279,9 @@ static PyMethodDef methods[] = {
     {"sumsq", py_sumsq, METH_VARARGS, "sumsq(x, simd=-1): sum of squares of float32 values in 16 float64 lanes (the block norm)"},
     {"apply_signs", py_apply_signs, METH_VARARGS, "multiply by the Rademacher diagonal given as packed bits"},
     {"_tune", py_tune, METH_VARARGS, "benchmarks and tests: (L1 piece, low chunk, top level bits, strip floats) -> the previous"},
-    {"simd", py_simd, METH_NOARGS, "the path simd=-1 takes: 'avx2' or 'scalar'"},
+    {"simd", py_simd, METH_NOARGS, "the path simd=-1 takes: 'avx512', 'avx2' or 'scalar'"},
     {"has_avx2", py_has_avx2, METH_NOARGS, "whether simd=1 is available"},
+    {"has_avx512", py_has_avx512, METH_NOARGS, "whether simd=2 (AVX-512 where a kernel has it) is available"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_kernels", "THC worker kernels", -1, methods};
@@ -1169,9 +1289,29 @@ static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_kernels", "THC w
 PyMODINIT_FUNC PyInit__kernels(void) {
 #if THC_HAVE_AVX2
     __builtin_cpu_init();
-    cpu_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) cpu_level = 1;
+    if (cpu_level && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
+        cpu_level = 2;
 #endif
+    /* THC_KERNELS=scalar|avx2|avx512 forces a path; one this CPU lacks, or another word, is an
+     * error at import (not a silent fallback to the numpy code) */
     const char *env = getenv("THC_KERNELS");
-    auto_simd = cpu_avx2 && !(env && strcmp(env, "scalar") == 0);
+    auto_simd = cpu_level;
+    if (env && *env) {
+        int want = -1;
+        for (int k = 0; k < 3; k++)
+            if (strcmp(env, LEVEL_NAMES[k]) == 0) want = k;
+        if (want < 0) {
+            PyErr_Format(PyExc_ValueError, "THC_KERNELS=%s: expected scalar, avx2 or avx512", env);
+            return NULL;
+        }
+        if (want > cpu_level) {
+            PyErr_Format(PyExc_RuntimeError, "THC_KERNELS=%s: this CPU (or build) has no %s (its best path is %s)", env,
+                         want == 2 ? "AVX-512 (F, BW, DQ, VL)" : "AVX2", LEVEL_NAMES[cpu_level]);
+            return NULL;
+        }
+        auto_simd = want;
+    }
     return PyModule_Create(&moduledef);
 }

@@ -14,7 +14,7 @@ from thc_ps.compression.hadamard import fwht, rademacher_bits
 from thc_ps.proto.packing import pack_indices
 from thc_ps.proto.tables import solve_table
 
-SIMD = [0, 1] if K.has_avx2() else [0]
+SIMD = [0] + [1] * K.has_avx2() + [2] * K.has_avx512()   # scalar, AVX2, AVX-512
 needs_avx2 = pytest.mark.skipif(not K.has_avx2(), reason="CPU without AVX2: only the scalar path runs")
 
 
@@ -320,7 +320,12 @@ def test_kernel_argument_checks():
         K.quantize_ef(u, 1.0, 30, tab, u, np.empty(128, np.uint8), False, np.empty(100, np.float32))
     with pytest.raises(ValueError):      # packed needs an even count
         K.quantize_ef(u[:3], 1.0, 30, tab, u, np.empty(2, np.uint8), True, None)
-    assert K.simd() in ("avx2", "scalar")
+    assert K.simd() == ("avx512" if K.has_avx512() else "avx2" if K.has_avx2() else "scalar")
+    if not K.has_avx512():
+        with pytest.raises(RuntimeError, match="AVX-512"):
+            K.quantize_ef(u, 1.0, 30, tab, u, np.empty(128, np.uint8), False, None, 2)
+    with pytest.raises(ValueError, match="simd=3"):
+        K.quantize_ef(u, 1.0, 30, tab, u, np.empty(128, np.uint8), False, None, 3)
 
 
 @pytest.mark.parametrize("dim,block_log2,bits,g", [(1, 23, 4, 30), (3, 23, 4, 30), (1000, 23, 4, 30),
@@ -398,12 +403,29 @@ def _digest(env_kernels, threads="1"):
 
 
 def test_same_bytes_in_every_process_and_on_the_scalar_fallback():
-    """Two fresh processes on the default path, one forced to the scalar fallback and one
-    spreading the 4 RHT blocks over 3 codec threads produce the same packed indices, decoded
-    average and error-feedback term, byte for byte."""
+    """Two fresh processes on the default path, one forced to the scalar fallback, one to
+    AVX2 (a CPU without AVX-512, where this one has it) and one spreading the 4 RHT blocks
+    over 3 codec threads produce the same packed indices, decoded average and error-feedback
+    term, byte for byte."""
     a, b, s, t = _digest(None), _digest(None), _digest("scalar"), _digest(None, threads="3")
-    assert a[0] == ("avx2" if K.has_avx2() else "scalar") and s[0] == "scalar"
+    assert a[0] == K.simd() and s[0] == "scalar"
     assert a[1] == b[1] == s[1] == t[1]
+    if K.has_avx2():
+        v = _digest("avx2")
+        assert v == ["avx2", a[1]]
+
+
+@pytest.mark.parametrize("value,error", [("sse", "expected scalar, avx2 or avx512"),
+                                         ("avx512", "has no AVX-512"), ("avx2", "has no AVX2")])
+def test_a_kernel_path_that_cannot_be_had_fails_the_import(value, error):
+    """THC_KERNELS names the path; a word it does not know, or a path this CPU lacks, stops the
+    import with that reason (an ImportError would send thc.py to its numpy code silently)."""
+    if value == "avx512" and K.has_avx512() or value == "avx2" and K.has_avx2():
+        pytest.skip(f"this CPU has the {value} path")
+    env = dict(os.environ, THC_KERNELS=value)
+    out = subprocess.run([sys.executable, "-c", "from thc_ps.compression import thc"], capture_output=True,
+                         text=True, env=env)
+    assert out.returncode != 0 and error in out.stderr and "ImportError" not in out.stderr
 
 
 def test_codec_threads_setting(monkeypatch):

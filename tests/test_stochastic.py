@@ -10,7 +10,7 @@ from thc_ps.compression import thc
 from thc_ps.compression.hadamard import rademacher_bits
 from thc_ps.proto.tables import solve_table
 
-SIMD = [0, 1] if K.has_avx2() else [0]
+SIMD = [0] + [1] * K.has_avx2() + [2] * K.has_avx512()   # scalar, AVX2, AVX-512
 MASK = (1 << 64) - 1
 
 
