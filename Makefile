@@ -7,7 +7,7 @@ STAMP := $(VENV)/.thc-installed
 
 .PHONY: test-long run test bench clean dataset test-deps
 
-$(STAMP): pyproject.toml setup.py $(wildcard ps_server/*.c compression/*.c worker/*.c bench/*.c proto/*.h)
+$(STAMP): pyproject.toml setup.py $(wildcard ps_server/*.c compression/*.c compression/*.h worker/*.c bench/*.c proto/*.h)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,docs]'

@@ -7,5 +7,6 @@ setup(ext_modules=[Extension("thc_ps.ps_server._fastpath", ["ps_server/_fastpath
                    Extension("bench._udpbench", ["bench/_udpbench.c"], extra_compile_args=FLAGS),
                    Extension("thc_ps.compression._bitstream", ["compression/_bitstream.c"], extra_compile_args=FLAGS),
                    Extension("thc_ps.compression._kernels", ["compression/_kernels.c"],
+                             depends=["compression/_rht_passes.h"],
                              # exact float32 results in every build: no a*b+c contraction
                              extra_compile_args=FLAGS + ["-ffp-contract=off"])])

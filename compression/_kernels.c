@@ -280,6 +280,13 @@ static void rht_scalar(float *w, size_t n, const in_t *in, const epi_t *e) {
     }
 }
 
+static inline int log2_of(size_t v) {
+    int m = 0;
+    while (((size_t)1 << m) < v) m++;
+    return m;
+}
+
+
 /* ------------------------------------------------------------------ AVX2 FWHT */
 
 #if THC_HAVE_AVX2
@@ -313,16 +320,10 @@ static int TOP_BITS = 3;
 #define AI inline __attribute__((always_inline))
 #define SINK_NONE (-1)        /* a pass that is not the last: plain stores */
 
-static inline void bf(__m256 *a, __m256 *b) {
-    __m256 t = *a;
-    *a = _mm256_add_ps(t, *b);
-    *b = _mm256_sub_ps(t, *b);
-}
-
 /* Stages h = 1, 2, 4 inside one register: v·(±1) + permuted v in one FMA.  The product by
  * ±1 is exact, so the FMA rounds once exactly like the scalar a + b (lower lane, as b + a)
  * and a − b (upper lane, as −b + a): the same IEEE results, bit for bit. */
-static inline __m256 inreg3(__m256 v) {
+static inline __m256 inreg_avx2(__m256 v) {
     const __m256 s1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
     const __m256 s2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
     const __m256 s4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
@@ -332,15 +333,9 @@ static inline __m256 inreg3(__m256 v) {
     return v;
 }
 
-static inline void radix(__m256 *r, const int nst) {
-    if (nst >= 1) { bf(r + 0, r + 1); if (nst >= 2) { bf(r + 2, r + 3); } if (nst >= 3) { bf(r + 4, r + 5); bf(r + 6, r + 7); } }
-    if (nst >= 2) { bf(r + 0, r + 2); bf(r + 1, r + 3); if (nst >= 3) { bf(r + 4, r + 6); bf(r + 5, r + 7); } }
-    if (nst >= 3) { bf(r + 0, r + 4); bf(r + 1, r + 5); bf(r + 2, r + 6); bf(r + 3, r + 7); }
-}
-
-static inline __m256 signmask8(uint8_t byte) {
+static inline __m256 signmask_avx2(const uint8_t *bits) {
     const __m256i sel = _mm256_setr_epi32(128, 64, 32, 16, 8, 4, 2, 1);
-    __m256i m = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(byte), sel), sel);
+    __m256i m = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits[0]), sel), sel);
     return _mm256_castsi256_ps(_mm256_slli_epi32(m, 31));
 }
 
@@ -352,7 +347,7 @@ static inline __m256 lookup16(const float *tabf, __m256i idx) {
     return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(sel));
 }
 
-static AI __m256 in8(const in_t *in, const int kind, size_t i) {
+static AI __m256 in_avx2(const in_t *in, const int kind, size_t i) {
     const __m256 c = _mm256_set1_ps(in->c), m = _mm256_set1_ps(in->m);
     switch (kind) {
     case IN_VALUES:
@@ -463,7 +458,7 @@ static inline void store_idx8(uint8_t *out, int packed, size_t i, __m256i z) {
 }
 
 /* The sink of the last pass (kind a constant: SINK_NONE stores v at p). */
-static AI void epi8(const epi_t *e, const int kind, float *p, size_t i, __m256 v) {
+static AI void epi_avx2(const epi_t *e, const int kind, float *p, size_t i, __m256 v) {
     if (kind == SINK_NONE) {
         _mm256_storeu_ps(p, v);
         return;
@@ -474,7 +469,7 @@ static AI void epi8(const epi_t *e, const int kind, float *p, size_t i, __m256 v
         store_idx8(e->out, e->packed, i, quant8(e->q, v, e->u ? _mm256_loadu_ps(e->u + i) : cu8(e->ukey, e->ubase + i)));
         break;
     case EPI_DECODE:
-        v = _mm256_xor_ps(v, signmask8(e->signs[i >> 3]));
+        v = _mm256_xor_ps(v, signmask_avx2(e->signs + (i >> 3)));
         if (i + 8 <= e->ndst) _mm256_storeu_ps(e->dst + i, v);
         else if (i < e->ndst) {
             float t[8];
@@ -490,201 +485,29 @@ static AI void epi8(const epi_t *e, const int kind, float *p, size_t i, __m256 v
     }
 }
 
-/* Stages 1..32 of the 64 coordinates from i, read from the source (kind a constant), into dst. */
-static AI void leaf64(float *dst, size_t i, const in_t *in, const int kind) {
-    __m256 r[8];
-    if (kind == IN_SIGNS) {
-        float t[64];
-        const float *x = xspan(in, i, 64, t);
-        for (int k = 0; k < 8; k++)
-            r[k] = inreg3(_mm256_xor_ps(_mm256_loadu_ps(x + 8 * k), signmask8(in->signs[(i >> 3) + k])));
-    } else {
-        for (int k = 0; k < 8; k++) r[k] = inreg3(in8(in, kind, i + 8 * k));
-    }
-    radix(r, 3);
-    for (int k = 0; k < 8; k++) _mm256_storeu_ps(dst + 8 * k, r[k]);
-}
-
-/* nst (1..3) stages of strides h, 2h, ... on the `size` floats at src, written to dst (which
- * may be src) or to the sink (kind a constant), src[j] being coordinate ibase + j. */
-static AI void lpass_n(const float *src, float *dst, size_t ibase, size_t size, size_t h, const int nst,
-                       const epi_t *e, const int ek) {
-    const size_t span = h << nst;
-    for (size_t g = 0; g < size; g += span)
-        for (size_t j = g; j < g + h; j += 8) {
-            __m256 r[8];
-            for (int k = 0; k < (1 << nst); k++) r[k] = _mm256_loadu_ps(src + j + k * h);
-            radix(r, nst);
-            for (int k = 0; k < (1 << nst); k++) epi8(e, ek, dst + j + k * h, ibase + j + k * h, r[k]);
-        }
-}
-
-#define LPASS_EK(ek)                                                         \
-    do {                                                                     \
-        if (nst == 1) lpass_n(src, dst, ibase, size, h, 1, e, ek);           \
-        else if (nst == 2) lpass_n(src, dst, ibase, size, h, 2, e, ek);      \
-        else lpass_n(src, dst, ibase, size, h, 3, e, ek);                    \
-    } while (0)
-
-static void lpass(const float *src, float *dst, size_t ibase, size_t size, size_t h, int nst, const epi_t *e) {
-    switch (e ? e->kind : SINK_NONE) {
-    case EPI_ENCODE: LPASS_EK(EPI_ENCODE); break;
-    case EPI_DECODE: LPASS_EK(EPI_DECODE); break;
-    case EPI_ADD: LPASS_EK(EPI_ADD); break;
-    case EPI_SCALE: LPASS_EK(EPI_SCALE); break;
-    default: LPASS_EK(SINK_NONE); break;
-    }
-}
-
-static inline int log2_of(size_t v) {
-    int m = 0;
-    while (((size_t)1 << m) < v) m++;
-    return m;
-}
-
-/* Stages h .. size/2 of the `size` floats at buf (coordinates ibase on) in passes of <= 3
- * stages, the short one first, in place; the last pass writes dst, or the sink `e`. */
-static void lstages(float *buf, float *dst, size_t ibase, size_t size, size_t h, const epi_t *e) {
-    for (int m = log2_of(size / h); m > 0;) {
-        const int nst = m % 3 ? m % 3 : 3;
-        lpass(buf, m == nst ? dst : buf, ibase, size, h, nst, m == nst ? e : NULL);
-        h <<= nst;
-        m -= nst;
-    }
-}
-
-/* Every stage of the low chunk w[base, base + size) (size >= 128), in place: L1 piece by
- * L1 piece the leaves, which read the source, and the piece's stages; then the chunk's
- * stages above the piece.  `e`: the sink of the last pass, given when the chunk is the whole
- * block. */
-static AI void low_n(float *w, size_t base, size_t size, const in_t *in, const int ik, const epi_t *e, size_t n) {
-    const size_t piece = size < L1_FLOATS ? size : L1_FLOATS;
-    const int pf = LOW_PREFETCH && base + 2 * size <= n && ik != IN_SIGNS;
-    for (size_t s = base; s < base + size; s += piece) {
-        for (size_t i = s; i < s + piece; i += 64) {
-            if (pf) {       /* the next chunk's source, one chunk ahead, into L2 */
-                const char *q = ik == IN_BYTES ? (const char *)(in->idx + i + size)
-                                : ik == IN_NIBBLES ? (const char *)(in->idx + ((i + size) >> 1))
-                                                   : (const char *)(in->x + i + size);
-                const int lines = ik == IN_BYTES ? 1 : ik == IN_NIBBLES ? (i & 64) == 0 : 4;
-                for (int l = 0; l < lines; l++) _mm_prefetch(q + 64 * l, _MM_HINT_T1);
-            }
-            leaf64(w + i, i, in, ik);
-        }
-        lstages(w + s, w + s, s, piece, 64, piece == size ? e : NULL);
-    }
-    if (piece < size) lstages(w + base, w + base, base, size, piece, e);
-}
-
-static void low(float *w, size_t base, size_t size, const in_t *in, const epi_t *e, size_t n) {
-    switch (in->kind) {
-    case IN_SIGNS: low_n(w, base, size, in, IN_SIGNS, e, n); break;
-    case IN_VALUES: low_n(w, base, size, in, IN_VALUES, e, n); break;
-    case IN_NIBBLES: low_n(w, base, size, in, IN_NIBBLES, e, n); break;
-    case IN_BYTES: low_n(w, base, size, in, IN_BYTES, e, n); break;
-    default: low_n(w, base, size, in, IN_FLOATS, e, n); break;
-    }
-}
-
-/* The strip's rows of buf (cols floats each, aligned) out to xs (rows h0 apart) through the
- * sink, row by row (kind a constant); row r column j is coordinate ibase + r·h0 + j. */
-static AI void strip_out_n(const float *buf, float *xs, size_t ibase, size_t h0, size_t rows, size_t cols,
-                           const epi_t *e, const int ek) {
-    for (size_t r = 0; r < rows; r++)
-        for (size_t j = 0; j < cols; j += 8)
-            epi8(e, ek, xs + r * h0 + j, ibase + r * h0 + j, _mm256_load_ps(buf + r * cols + j));
-}
-
-static void strip_out(const float *buf, float *xs, size_t ibase, size_t h0, size_t rows, size_t cols,
-                      const epi_t *e) {
-    switch (e ? e->kind : SINK_NONE) {
-    case EPI_ENCODE: strip_out_n(buf, xs, ibase, h0, rows, cols, e, EPI_ENCODE); break;
-    case EPI_DECODE: strip_out_n(buf, xs, ibase, h0, rows, cols, e, EPI_DECODE); break;
-    case EPI_ADD: strip_out_n(buf, xs, ibase, h0, rows, cols, e, EPI_ADD); break;
-    case EPI_SCALE: strip_out_n(buf, xs, ibase, h0, rows, cols, e, EPI_SCALE); break;
-    default: strip_out_n(buf, xs, ibase, h0, rows, cols, e, SINK_NONE); break;
-    }
-}
-
-/* The first nst (1..3) stages of a strip (row strides 1, 2, 4 of `rows` rows h0 floats
- * apart in x, cols floats each) into the contiguous buf (rows cols apart), prefetching the
- * next strip's line of each row read (pf floats on) and of the carried vector pc, if any. */
-static AI void strip_in_n(const float *xs, size_t h0, float *buf, size_t rows, const int nst, size_t cols, size_t pf,
-                          const float *pc) {
-    for (size_t ihi = 0; ihi < rows; ihi += (size_t)1 << nst)
-        for (size_t j = 0; j < cols; j += 8) {
-            __m256 r[8];
-            if (pf && !(j & 15))
-                for (int k = 0; k < (1 << nst); k++) {
-                    _mm_prefetch((const char *)(xs + (ihi + k) * h0 + j + pf), _MM_HINT_T0);
-                    if (pc) _mm_prefetch((const char *)(pc + (ihi + k) * h0 + j + pf), _MM_HINT_T0);
-                }
-            for (int k = 0; k < (1 << nst); k++) r[k] = _mm256_loadu_ps(xs + (ihi + k) * h0 + j);
-            radix(r, nst);
-            for (int k = 0; k < (1 << nst); k++) _mm256_store_ps(buf + (ihi + k) * cols + j, r[k]);
-        }
-}
-
-/* Stages h0 <= h < h1 of x[0, n) (n a multiple of h1).  Up to 3 of them: one radix pass in
- * place, chunk by chunk (rows h0 apart, 8 vectors at once).  More, or a sink adding a carried
- * vector: strip by strip; the first pass of a strip (rows h0 apart x cols) reads its rows, at
- * most 8 at once, into a contiguous buffer, the strip's other stages run there in L1, and it
- * goes back row by row through the sink (if any).  Rows h0 apart share cache sets (all of
- * them in L1 and in L2 when h0 is a multiple of 64 KiB): a pass writing 8 rows at once beside
- * 8 rows of the carried vector evicts its own lines; row by row, the lines of a row are
- * consecutive. */
-static void run_stages(float *x, size_t ibase, size_t n, size_t h0, size_t h1, const epi_t *e) {
-    static __thread float buf[STRIP_MAX] __attribute__((aligned(64)));
-    const size_t rows = h1 / h0;
-    const int m = log2_of(rows), nst = m % 3 ? m % 3 : 3;
-    if (m <= 3 && !(e && e->kind == EPI_ADD && e->carry)) {
-        for (size_t b = 0; b < n; b += h1) lpass(x + b, x + b, ibase + b, h1, h0, m, e);
-        return;
-    }
-    size_t cols = (STRIP_FLOATS < STRIP_MAX ? STRIP_FLOATS : STRIP_MAX) / rows;
-    if (cols < 16) cols = 16;
-    if (cols > h0) cols = h0;
-    const float *carry = e && e->kind == EPI_ADD ? e->carry : NULL;
-    for (size_t b = 0; b < n; b += h1)
-        for (size_t c = 0; c < h0; c += cols) {
-            float *xs = x + b + c;
-            const size_t ib = ibase + b + c, pf = c + cols < h0 ? cols : 0;
-            const float *pc = carry ? carry + ib : NULL;
-            if (nst == 1) strip_in_n(xs, h0, buf, rows, 1, cols, pf, pc);
-            else if (nst == 2) strip_in_n(xs, h0, buf, rows, 2, cols, pf, pc);
-            else strip_in_n(xs, h0, buf, rows, 3, cols, pf, pc);
-            if (m > nst) lstages(buf, buf, 0, rows * cols, cols << nst, NULL);   /* strides cols·2^s */
-            strip_out(buf, xs, ib, h0, rows, cols, e);
-        }
-}
-
-/* All stages below bounds[k] of the chunk w[base, base + bounds[k]): the chunks of the level
- * below first, then this level's stages strip by strip.  Only the top level has a sink. */
-static void rht_level(float *w, size_t base, const size_t *bounds, int k, int top, const in_t *in, const epi_t *e) {
-    if (k == 0) {
-        low(w, base, bounds[0], in, e, bounds[top]);
-        return;
-    }
-    for (size_t b = base; b < base + bounds[k]; b += bounds[k - 1]) rht_level(w, b, bounds, k - 1, top, in, NULL);
-    run_stages(w + base, base, bounds[k], bounds[k - 1], bounds[k], e);
-}
-
-/* source -> FWHT of n >= 128 coordinates in w -> sink: low chunks of LOW_FLOATS, then as
- * few levels of <= TOP_BITS stages as cover the rest. */
-static void rht_avx2(float *w, size_t n, const in_t *in, const epi_t *e) {
-    size_t bounds[64];
-    int k = 0;
-    bounds[0] = n < LOW_FLOATS ? n : LOW_FLOATS;
-    int rest = log2_of(n / bounds[0]);
-    const int levels = (rest + TOP_BITS - 1) / TOP_BITS;
-    for (int i = 0; i < levels; i++) {
-        const int step = rest / (levels - i);
-        bounds[k + 1] = bounds[k] << step;
-        rest -= step;
-        k++;
-    }
-    rht_level(w, 0, bounds, k, k, in, e);
-}
+#define V __m256
+#define VW 8
+#define LEAF 64
+#define VLOADU _mm256_loadu_ps
+#define VLOADA _mm256_load_ps
+#define VSTOREU _mm256_storeu_ps
+#define VSTOREA _mm256_store_ps
+#define VADD _mm256_add_ps
+#define VSUB _mm256_sub_ps
+#define VXOR _mm256_xor_ps
+#define NS(name) name##_avx2
+#include "_rht_passes.h"
+#undef V
+#undef VW
+#undef LEAF
+#undef VLOADU
+#undef VLOADA
+#undef VSTOREU
+#undef VSTOREA
+#undef VADD
+#undef VSUB
+#undef VXOR
+#undef NS
 
 /* 32 indices (four int32 vectors, coordinates i .. i+31 in order, each < 16 when packed) into
  * out as store_idx8 writes them: one saturating pack to bytes, the 128-bit halves' dwords put
@@ -714,7 +537,7 @@ static AI __m256i quant_ef8(const float *x, size_t i, const qtab_t *q, const qef
     return z;
 }
 
-/* quantize_ef on 8 coordinates at a time (n a multiple of 8): quant8, the indices as epi8
+/* quantize_ef on 8 coordinates at a time (n a multiple of 8): quant8, the indices as epi_avx2
  * stores them (32 to a store while 32 remain: an index is < 256, and < 16 when packed), then
  * x − (T[z]·c − m) in the scalar loop's operations. */
 static void quant_ef_avx2(const float *x, size_t n, const qtab_t *q, const qef_t *f) {
@@ -731,7 +554,7 @@ static void quant_ef_avx2(const float *x, size_t n, const qtab_t *q, const qef_t
 #pragma GCC pop_options
 #endif
 
-/* ------------------------------------------------------------------ AVX-512 quantizer */
+/* ------------------------------------------------------------------ AVX-512: the quantizer and the FWHT */
 
 static void quant_ef_scalar(const float *x, size_t n, const qtab_t *q, const qef_t *f);
 
@@ -757,14 +580,14 @@ static inline __m512 cu16(uint64_t key, uint64_t i) {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_shuffle_epi8(z, take)), _mm512_set1_ps(1.0f / 16777216.0f));
 }
 
-/* The 16 uniforms of coordinates i..i+15: from the buffer, the counter stream, or (i odd)
- * cu_at one by one. */
-static inline __m512 u16(const qef_t *f, size_t i) {
-    if (f->u) return _mm512_loadu_ps(f->u + i);
-    const uint64_t at = f->ubase + i;
-    if (!(at & 1)) return cu16(f->ukey, at);
+/* The 16 uniforms of coordinates i..i+15: from the buffer u, or the counter stream `key`
+ * from base + i (cu_at one by one when that is odd). */
+static inline __m512 u16(const float *u, uint64_t key, uint64_t base, size_t i) {
+    if (u) return _mm512_loadu_ps(u + i);
+    const uint64_t at = base + i;
+    if (!(at & 1)) return cu16(key, at);
     float t[16];
-    for (int k = 0; k < 16; k++) t[k] = cu_at(f->ukey, at + k);
+    for (int k = 0; k < 16; k++) t[k] = cu_at(key, at + k);
     return _mm512_loadu_ps(t);
 }
 
@@ -801,6 +624,114 @@ static inline __m512i quant16(const qtab_t *q, __m512 a, __m512 u) {
     return _mm512_mask_add_epi32(iv, up, iv, _mm512_set1_epi32(1));
 }
 
+/* 16 indices (int32 lanes) into out at coordinate i as store_idx8 writes them: packed, pair
+ * (2k, 2k+1) -> z0 << 4 | z1 in the low byte of 64-bit lane k, narrowed to 8 bytes; else one
+ * byte each. */
+static inline void store_idx16(uint8_t *out, int packed, size_t i, __m512i z) {
+    if (packed) {
+        __m512i t = _mm512_or_si512(_mm512_slli_epi64(z, 4), _mm512_srli_epi64(z, 32));
+        _mm_storel_epi64((__m128i *)(out + (i >> 1)), _mm512_cvtepi64_epi8(t));
+    } else {
+        _mm_storeu_si128((__m128i *)(out + i), _mm512_cvtepi32_epi8(z));
+    }
+}
+
+/* Stages h = 1, 2, 4, 8 inside one register, as inreg_avx2 (one FMA by ±1 a stage, exact):
+ * the partners of stages 4 and 8 are the neighbouring 128- and 256-bit quarters. */
+static inline __m512 inreg_avx512(__m512 v) {
+    const __m512 s1 = _mm512_setr_ps(1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1);
+    const __m512 s2 = _mm512_setr_ps(1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1);
+    const __m512 s4 = _mm512_setr_ps(1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1);
+    const __m512 s8 = _mm512_setr_ps(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1);
+    v = _mm512_fmadd_ps(v, s1, _mm512_permute_ps(v, 0xB1));
+    v = _mm512_fmadd_ps(v, s2, _mm512_permute_ps(v, 0x4E));
+    v = _mm512_fmadd_ps(v, s4, _mm512_shuffle_f32x4(v, v, 0xB1));
+    v = _mm512_fmadd_ps(v, s8, _mm512_shuffle_f32x4(v, v, 0x4E));
+    return v;
+}
+
+/* The sign bits of 16 coordinates from bits (two bytes, the first coordinate in bit 7 of the
+ * first) as a float xor mask. */
+static inline __m512 signmask_avx512(const uint8_t *bits) {
+    const __m512i sel = _mm512_setr_epi32(0x80, 0x40, 0x20, 0x10, 0x8, 0x4, 0x2, 0x1, 0x8000, 0x4000, 0x2000, 0x1000,
+                                          0x800, 0x400, 0x200, 0x100);
+    __mmask16 k = _mm512_test_epi32_mask(_mm512_set1_epi32(bits[0] | bits[1] << 8), sel);
+    return _mm512_castsi512_ps(_mm512_maskz_mov_epi32(k, _mm512_set1_epi32((int)0x80000000)));
+}
+
+/* in_avx2 on 16 lanes: the same loads, lookups and multiply-subtract. */
+static AI __m512 in_avx512(const in_t *in, const int kind, size_t i) {
+    const __m512 c = _mm512_set1_ps(in->c), m = _mm512_set1_ps(in->m);
+    switch (kind) {
+    case IN_VALUES:
+        return _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(in->x + i), c), m);
+    case IN_NIBBLES: {      /* byte k/2 to lane k, the high nibble to even k */
+        __m128i b = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)(in->idx + (i >> 1))),
+                                     _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+        __m512i idx = _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(b),
+                                                         _mm512_setr_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0)),
+                                       _mm512_set1_epi32(15));
+        return _mm512_sub_ps(_mm512_mul_ps(_mm512_permutexvar_ps(idx, _mm512_loadu_ps(in->tabf)), c), m);
+    }
+    case IN_BYTES: {
+        __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(in->idx + i)));
+        __m512 v = in->divk > 0.f ? _mm512_div_ps(_mm512_cvtepi32_ps(idx), _mm512_set1_ps(in->divk))
+                                  : _mm512_i32gather_ps(idx, in->tabf, 4);
+        return _mm512_sub_ps(_mm512_mul_ps(v, c), m);
+    }
+    default:
+        return _mm512_loadu_ps(in->x + i);
+    }
+}
+
+/* epi_avx2 on 16 lanes. */
+static AI void epi_avx512(const epi_t *e, const int kind, float *p, size_t i, __m512 v) {
+    if (kind == SINK_NONE) {
+        _mm512_storeu_ps(p, v);
+        return;
+    }
+    v = _mm512_mul_ps(v, _mm512_set1_ps(e->scale));
+    switch (kind) {
+    case EPI_ENCODE:
+        store_idx16(e->out, e->packed, i, quant16(e->q, v, u16(e->u, e->ukey, e->ubase, i)));
+        break;
+    case EPI_DECODE:
+        v = _mm512_xor_ps(v, signmask_avx512(e->signs + (i >> 3)));
+        if (i + 16 <= e->ndst) _mm512_storeu_ps(e->dst + i, v);
+        else if (i < e->ndst) _mm512_mask_storeu_ps(e->dst + i, (__mmask16)((1u << (e->ndst - i)) - 1), v);
+        break;
+    case EPI_ADD:
+        _mm512_storeu_ps(e->dst + i, e->carry ? _mm512_add_ps(v, _mm512_loadu_ps(e->carry + i)) : v);
+        break;
+    default:
+        _mm512_storeu_ps(e->dst + i, v);
+    }
+}
+
+#define V __m512
+#define VW 16
+#define LEAF 128
+#define VLOADU _mm512_loadu_ps
+#define VLOADA _mm512_load_ps
+#define VSTOREU _mm512_storeu_ps
+#define VSTOREA _mm512_store_ps
+#define VADD _mm512_add_ps
+#define VSUB _mm512_sub_ps
+#define VXOR _mm512_xor_ps
+#define NS(name) name##_avx512
+#include "_rht_passes.h"
+#undef V
+#undef VW
+#undef LEAF
+#undef VLOADU
+#undef VLOADA
+#undef VSTOREU
+#undef VSTOREA
+#undef VADD
+#undef VSUB
+#undef VXOR
+#undef NS
+
 /* quantize_ef on 16 coordinates at a time: quant16, the indices as store_idx8 writes them
  * (packed: pair 2k, 2k+1 -> z0 << 4 | z1, one byte per 64-bit lane), then x − (T[z]·c − m)
  * in the scalar loop's operations; the last n mod 16 coordinates go to the AVX2 loop (a
@@ -812,13 +743,8 @@ static void quant_ef_avx512(const float *x, size_t n, const qtab_t *q, const qef
     const size_t n16 = n & ~(size_t)15;
     for (size_t i = 0; i < n16; i += 16) {
         const __m512 v = _mm512_loadu_ps(x + i);
-        const __m512i z = quant16(q, v, u16(f, i));
-        if (f->packed) {
-            __m512i t = _mm512_or_si512(_mm512_slli_epi64(z, 4), _mm512_srli_epi64(z, 32));
-            _mm_storel_epi64((__m128i *)(f->out + (i >> 1)), _mm512_cvtepi64_epi8(t));
-        } else {
-            _mm_storeu_si128((__m128i *)(f->out + i), _mm512_cvtepi32_epi8(z));
-        }
+        const __m512i z = quant16(q, v, u16(f->u, f->ukey, f->ubase, i));
+        store_idx16(f->out, f->packed, i, z);
         if (f->resid) {
             __m512 t = small ? _mm512_permutexvar_ps(z, tab16) : _mm512_i32gather_ps(z, f->tabf, 4);
             _mm512_storeu_ps(f->resid + i, _mm512_sub_ps(v, _mm512_sub_ps(_mm512_mul_ps(t, c), m)));
@@ -840,6 +766,10 @@ static void quant_ef_avx512(const float *x, size_t n, const qtab_t *q, const qef
 static void rht_run(int simd, float *w, size_t n, const in_t *in, epi_t *e) {
     e->scale = fwht_scale(n);
 #if THC_HAVE_AVX2
+    if (simd >= 2 && n >= 256) {     /* the sink is a pass after the leaves: two leaves at least */
+        rht_avx512(w, n, in, e);
+        return;
+    }
     if (simd && n >= 128) {
         rht_avx2(w, n, in, e);
         return;

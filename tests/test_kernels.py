@@ -32,12 +32,15 @@ def ugly(n, seed):
 
 
 @needs_avx2
+@pytest.mark.parametrize("simd", SIMD[1:])
 @pytest.mark.parametrize("n", [1, 2, 8, 64, 128, 256, 512, 1024, 4096, 1 << 13, 1 << 15, 1 << 17, 1 << 19])
-def test_fwht_avx2_equals_scalar_bitwise(n):
+def test_fwht_simd_equals_scalar_bitwise(simd, n):
+    """Each vector path (AVX2; AVX-512, whose leaves are 128 coordinates) against the scalar
+    FWHT, bit for bit."""
     x = ugly(n, n)
     a, b = x.copy(), x.copy()
     K.fwht(a, 0)
-    K.fwht(b, 1)
+    K.fwht(b, simd)
     assert np.array_equal(bits_of(a), bits_of(b))
 
 
@@ -113,14 +116,17 @@ def _every_kernel(p, n, simd, seed, scale=1.0, zero=False):
 @pytest.mark.parametrize("p,n", [(128, 128), (128, 77), (256, 255), (1024, 1000), (4096, 4096), (8192, 8191),
                                  (1 << 14, 12289), (1 << 15, 1 << 15)])
 def test_every_kernel_equals_the_scalar_path_in_every_level_layout(layout, p, n):
-    """Each fused kernel's AVX2 path (every blocking of the transform) and its scalar path give
-    the same bits, for blocks of odd and even lengths, with and without the carried residual,
-    an all-zero block (M = 0) and a huge-norm one (values ~1e28, finite throughout)."""
+    """Each fused kernel's vector paths (AVX2, and AVX-512 where the CPU has it; every blocking
+    of the transform) and its scalar path give the same bits, for blocks of odd and even
+    lengths, with and without the carried residual, an all-zero block (M = 0) and a huge-norm
+    one (values ~1e28, finite throughout)."""
     old = K._tune(*layout) if layout else None
     try:
         for seed, scale, zero in ((p + n, 1.0, False), (3, 1e28, False), (4, 1.0, True)):
-            a, b = _every_kernel(p, n, 1, seed, scale, zero), _every_kernel(p, n, 0, seed, scale, zero)
-            assert [k for k in a if a[k] != b[k]] == []
+            b = _every_kernel(p, n, 0, seed, scale, zero)
+            for simd in SIMD[1:]:
+                a = _every_kernel(p, n, simd, seed, scale, zero)
+                assert (simd, [k for k in a if a[k] != b[k]]) == (simd, [])
     finally:
         if old:
             K._tune(*old)
@@ -131,8 +137,10 @@ def test_every_kernel_equals_the_scalar_path_in_every_level_layout(layout, p, n)
 def test_every_kernel_equals_the_scalar_path_at_full_size(p, n):
     """The shipped blocking at a codec block of 2^20 (one level above the low chunks) and 2^21
     (two levels), the WideMLP's last block (1,018,434 of 2^20) among them."""
-    a, b = _every_kernel(p, n, 1, 11), _every_kernel(p, n, 0, 11)
-    assert [k for k in a if a[k] != b[k]] == []
+    b = _every_kernel(p, n, 0, 11)
+    for simd in SIMD[1:]:
+        a = _every_kernel(p, n, simd, 11)
+        assert (simd, [k for k in a if a[k] != b[k]]) == (simd, [])
 
 
 def test_lanes_over_k_take_the_table_values():
