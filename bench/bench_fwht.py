@@ -1,4 +1,4 @@
-"""FWHT speed: the project's kernel (AVX2 and its scalar fallback) vs the `fht-cpu` library vs a copy.
+"""FWHT speed: the project's kernel (AVX-512, AVX2 and the scalar fallback) vs the `fht-cpu` library vs a copy.
 
 All rows transform the same float32 array in place, one process, each row once per repetition in
 turn (so the host's drift hits every row alike), best of --repeat:
@@ -7,7 +7,8 @@ turn (so the host's drift hits every row alike), best of --repeat:
 
 `fht-cpu` (pip install '.[bench]') computes the unnormalized transform; its row is skipped,
 with a line saying so, when it is not installed.  The project's scalar row is the kernel of
-the previous version (the same butterflies, which the AVX2 path equals bit for bit).
+the previous version (the same butterflies, which the vector paths equal bit for bit); the
+AVX-512 row is there when the CPU has it (it is the default path then).
 """
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ def main():
         rows = [("np.copyto", lambda: np.copyto(dst, x))]
         if fht_cpu is not None:
             rows.append(("fht-cpu", lambda: fht_cpu.fht(x)))
+        if _kernels.has_avx512():
+            rows.append(("project AVX-512", lambda: _kernels.fwht(x, 2)))
         if _kernels.has_avx2():
             rows.append(("project AVX2", lambda: _kernels.fwht(x, 1)))
         rows.append(("project scalar (before)", lambda: _kernels.fwht(x, 0)))

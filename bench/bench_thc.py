@@ -9,7 +9,7 @@ same run, so the ratio survives a noisy shared machine.
 "before" is the pipeline of commit d92a8a5, rebuilt here from the kernels it used (which
 _kernels.c keeps): copy + apply_signs + scalar FWHT + quantize passes, numpy 4-bit packing;
 decode: numpy affine map + scalar FWHT + apply_signs.  "after" is thc.encode_packed /
-thc.decode (one fused C call per RHT block, AVX2 when the CPU has it).  "lanes decode" is
+thc.decode (one fused C call per RHT block, AVX-512 or AVX2 when the CPU has it).  "lanes decode" is
 what the worker now runs on a complete round: 8-bit sum lanes → Y/k → RHT⁻¹ in the fused
 call (thc.decode_lanes).  "own decode" is the error-feedback term RHT⁻¹(X) from the packed
 indices (thc.decode_own).  "u+compress" is an encode with its uniforms: before, numpy's

@@ -27,12 +27,16 @@
  * the same order: the FWHT applies its radix-2 stages h = 1, 2, 4, ... in increasing order
  * (a + b to the lower index, a - b to the upper), whatever the blocking; the scale is one
  * multiply after the last stage; no FMA contraction (-ffp-contract=off), and the AVX2 code's
- * one explicit FMA multiplies by ±1, which is exact.  So the AVX2 path is bit-identical to the scalar one and
- * both are single-threaded: a worker's encode is the same bytes in every process, which the
- * exact end-to-end checks (every chunk of every round against an in-process reference) need.
+ * explicit FMAs multiply by ±1, which is exact.  So the AVX-512 and AVX2 paths are bit-identical
+ * to the scalar one and all are single-threaded: a worker's encode is the same bytes in every
+ * process, which the exact end-to-end checks (every chunk of every round against an
+ * in-process reference) need.
  *
- * Dispatch: AVX2 when __builtin_cpu_supports("avx2") and THC_KERNELS is not "scalar" in the
- * environment at import; every entry point also takes simd=0 (scalar) / 1 (AVX2) / -1 (auto).
+ * Dispatch: the best path the CPU has (__builtin_cpu_supports: AVX-512 F+BW+DQ+VL, else
+ * AVX2+FMA, else scalar), or the one THC_KERNELS=scalar|avx2|avx512 names at import; every
+ * entry point also takes simd=0 (scalar) / 1 (AVX2) / 2 (AVX-512) / -1 (auto).  A kernel
+ * without AVX-512 code (the norms' sum of squares) runs its AVX2 code at level 2.  The FWHT's
+ * passes are written once (_rht_passes.h) and included for each vector width.
  * compression/thc.py holds the numpy reference these must match.
  */
 #define PY_SSIZE_T_CLEAN
