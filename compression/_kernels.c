@@ -375,18 +375,23 @@ static AI __m256 in_avx2(const in_t *in, const int kind, size_t i) {
     }
 }
 
+/* quant1's clamp and grid map on one vector a of any width into y (P: the intrinsics' prefix,
+ * _mm256 or _mm512), operand for operand: y = clamp((clamp(a, −M, M) + M)·s, 0, g). */
+#define GRID_MAP(P, q, a, y)                                                    \
+    do {                                                                        \
+        if ((q)->zero) {                                                        \
+            y = P##_set1_ps((q)->yz);                                           \
+        } else {                                                                \
+            a = P##_min_ps(P##_max_ps(a, P##_set1_ps(-(q)->m)), P##_set1_ps((q)->m)); \
+            y = P##_mul_ps(P##_add_ps(a, P##_set1_ps((q)->m)), P##_set1_ps((q)->s)); \
+            y = P##_min_ps(P##_max_ps(y, P##_setzero_ps()), P##_set1_ps((q)->gf)); \
+        }                                                                       \
+    } while (0)
+
 /* quant1 on 8 lanes: the same max/min/add/mul/sub/compare, indices as int32. */
 static inline __m256i quant8(const qtab_t *q, __m256 a, __m256 u) {
     __m256 y;
-    if (q->zero) y = _mm256_set1_ps(q->yz);
-    else {
-        const __m256 m = _mm256_set1_ps(q->m);
-        a = _mm256_max_ps(a, _mm256_set1_ps(-q->m));
-        a = _mm256_min_ps(a, m);
-        y = _mm256_mul_ps(_mm256_add_ps(a, m), _mm256_set1_ps(q->s));
-        y = _mm256_max_ps(y, _mm256_setzero_ps());
-        y = _mm256_min_ps(y, _mm256_set1_ps(q->gf));
-    }
+    GRID_MAP(_mm256, q, a, y);
     __m256i c = _mm256_cvttps_epi32(y), iv;
     __m256 lo, inv;
     if (q->shuffle) {     /* pshufb/permute lookups instead of three gathers */
@@ -461,57 +466,22 @@ static inline void store_idx8(uint8_t *out, int packed, size_t i, __m256i z) {
     }
 }
 
-/* The sink of the last pass (kind a constant: SINK_NONE stores v at p). */
-static AI void epi_avx2(const epi_t *e, const int kind, float *p, size_t i, __m256 v) {
-    if (kind == SINK_NONE) {
-        _mm256_storeu_ps(p, v);
-        return;
-    }
-    v = _mm256_mul_ps(v, _mm256_set1_ps(e->scale));
-    switch (kind) {
-    case EPI_ENCODE:
-        store_idx8(e->out, e->packed, i, quant8(e->q, v, e->u ? _mm256_loadu_ps(e->u + i) : cu8(e->ukey, e->ubase + i)));
-        break;
-    case EPI_DECODE:
-        v = _mm256_xor_ps(v, signmask_avx2(e->signs + (i >> 3)));
-        if (i + 8 <= e->ndst) _mm256_storeu_ps(e->dst + i, v);
-        else if (i < e->ndst) {
-            float t[8];
-            _mm256_storeu_ps(t, v);
-            memcpy(e->dst + i, t, (e->ndst - i) * 4);
-        }
-        break;
-    case EPI_ADD:
-        _mm256_storeu_ps(e->dst + i, e->carry ? _mm256_add_ps(v, _mm256_loadu_ps(e->carry + i)) : v);
-        break;
-    default:
-        _mm256_storeu_ps(e->dst + i, v);
-    }
+/* The encode sink's 8 lanes: quant8 with the uniforms of coordinates i.., stored as indices. */
+static AI void encode_avx2(const epi_t *e, size_t i, __m256 v) {
+    store_idx8(e->out, e->packed, i, quant8(e->q, v, e->u ? _mm256_loadu_ps(e->u + i) : cu8(e->ukey, e->ubase + i)));
+}
+
+static inline void store_first_avx2(float *dst, __m256 v, size_t k) {
+    float t[8];
+    _mm256_storeu_ps(t, v);
+    memcpy(dst, t, k * 4);
 }
 
 #define V __m256
 #define VW 8
-#define LEAF 64
-#define VLOADU _mm256_loadu_ps
-#define VLOADA _mm256_load_ps
-#define VSTOREU _mm256_storeu_ps
-#define VSTOREA _mm256_store_ps
-#define VADD _mm256_add_ps
-#define VSUB _mm256_sub_ps
-#define VXOR _mm256_xor_ps
+#define VP _mm256
 #define NS(name) name##_avx2
 #include "_rht_passes.h"
-#undef V
-#undef VW
-#undef LEAF
-#undef VLOADU
-#undef VLOADA
-#undef VSTOREU
-#undef VSTOREA
-#undef VADD
-#undef VSUB
-#undef VXOR
-#undef NS
 
 /* 32 indices (four int32 vectors, coordinates i .. i+31 in order, each < 16 when packed) into
  * out as store_idx8 writes them: one saturating pack to bytes, the 128-bit halves' dwords put
@@ -541,7 +511,7 @@ static AI __m256i quant_ef8(const float *x, size_t i, const qtab_t *q, const qef
     return z;
 }
 
-/* quantize_ef on 8 coordinates at a time (n a multiple of 8): quant8, the indices as epi_avx2
+/* quantize_ef on 8 coordinates at a time (n a multiple of 8): quant8, the indices as encode_avx2
  * stores them (32 to a store while 32 remain: an index is < 256, and < 16 when packed), then
  * x − (T[z]·c − m) in the scalar loop's operations. */
 static void quant_ef_avx2(const float *x, size_t n, const qtab_t *q, const qef_t *f) {
@@ -600,15 +570,7 @@ static inline __m512 u16(const float *u, uint64_t key, uint64_t base, size_t i) 
  * from one 16-entry permute each; otherwise from gathers. */
 static inline __m512i quant16(const qtab_t *q, __m512 a, __m512 u) {
     __m512 y;
-    if (q->zero) y = _mm512_set1_ps(q->yz);
-    else {
-        const __m512 m = _mm512_set1_ps(q->m);
-        a = _mm512_max_ps(a, _mm512_set1_ps(-q->m));
-        a = _mm512_min_ps(a, m);
-        y = _mm512_mul_ps(_mm512_add_ps(a, m), _mm512_set1_ps(q->s));
-        y = _mm512_max_ps(y, _mm512_setzero_ps());
-        y = _mm512_min_ps(y, _mm512_set1_ps(q->gf));
-    }
+    GRID_MAP(_mm512, q, a, y);
     __m512i c = _mm512_cvttps_epi32(y), iv;
     __m512 lo, inv;
     if (q->shuffle) {
@@ -688,53 +650,20 @@ static AI __m512 in_avx512(const in_t *in, const int kind, size_t i) {
     }
 }
 
-/* epi_avx2 on 16 lanes. */
-static AI void epi_avx512(const epi_t *e, const int kind, float *p, size_t i, __m512 v) {
-    if (kind == SINK_NONE) {
-        _mm512_storeu_ps(p, v);
-        return;
-    }
-    v = _mm512_mul_ps(v, _mm512_set1_ps(e->scale));
-    switch (kind) {
-    case EPI_ENCODE:
-        store_idx16(e->out, e->packed, i, quant16(e->q, v, u16(e->u, e->ukey, e->ubase, i)));
-        break;
-    case EPI_DECODE:
-        v = _mm512_xor_ps(v, signmask_avx512(e->signs + (i >> 3)));
-        if (i + 16 <= e->ndst) _mm512_storeu_ps(e->dst + i, v);
-        else if (i < e->ndst) _mm512_mask_storeu_ps(e->dst + i, (__mmask16)((1u << (e->ndst - i)) - 1), v);
-        break;
-    case EPI_ADD:
-        _mm512_storeu_ps(e->dst + i, e->carry ? _mm512_add_ps(v, _mm512_loadu_ps(e->carry + i)) : v);
-        break;
-    default:
-        _mm512_storeu_ps(e->dst + i, v);
-    }
+/* encode_avx2 on 16 lanes. */
+static AI void encode_avx512(const epi_t *e, size_t i, __m512 v) {
+    store_idx16(e->out, e->packed, i, quant16(e->q, v, u16(e->u, e->ukey, e->ubase, i)));
+}
+
+static inline void store_first_avx512(float *dst, __m512 v, size_t k) {
+    _mm512_mask_storeu_ps(dst, (__mmask16)((1u << k) - 1), v);
 }
 
 #define V __m512
 #define VW 16
-#define LEAF 128
-#define VLOADU _mm512_loadu_ps
-#define VLOADA _mm512_load_ps
-#define VSTOREU _mm512_storeu_ps
-#define VSTOREA _mm512_store_ps
-#define VADD _mm512_add_ps
-#define VSUB _mm512_sub_ps
-#define VXOR _mm512_xor_ps
+#define VP _mm512
 #define NS(name) name##_avx512
 #include "_rht_passes.h"
-#undef V
-#undef VW
-#undef LEAF
-#undef VLOADU
-#undef VLOADA
-#undef VSTOREU
-#undef VSTOREA
-#undef VADD
-#undef VSUB
-#undef VXOR
-#undef NS
 
 /* quantize_ef on 16 coordinates at a time: quant16, the indices as store_idx8 writes them
  * (packed: pair 2k, 2k+1 -> z0 << 4 | z1, one byte per 64-bit lane), then x − (T[z]·c − m)

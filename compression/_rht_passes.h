@@ -1,18 +1,56 @@
 /*
  * The SIMD FWHT's passes (compression/_kernels.c, "AVX2 FWHT" says the blocking), written
  * once for any vector width and included once per instruction set, inside that set's target
- * pragma.  The includer defines:
- *   V, VW            the float vector type and its lanes (8: AVX2, 16: AVX-512);
- *   LEAF             the coordinates of a leaf: 8 vectors (stages 1 .. LEAF/2 in registers);
- *   VLOADU, VLOADA, VSTOREU, VSTOREA, VADD, VSUB, VXOR   the vector operations;
+ * pragma.  The includer defines (the header undefines the macros at its end):
+ *   V, VW, VP        the float vector type, its lanes (8: AVX2, 16: AVX-512) and its
+ *                    intrinsics' prefix (_mm256, _mm512);
  *   NS(name)         the instruction set's suffix on every function here;
  *   NS(inreg)(v)     the stages h = 1 .. VW/2 inside one vector;
  *   NS(signmask)(bits)  VW sign bits (the packed diagonal from coordinate i) as a float xor mask;
  *   NS(in)(in, kind, i)  VW coordinates of the source from i;
- *   NS(epi)(e, kind, p, i, v)  the sink of the last pass.
- * Every width performs the same float32 operations on every coordinate in the same stage
- * order, so every instantiation is bit-identical to the scalar FWHT.
+ *   NS(encode)(e, i, v)  the indices of VW scaled coordinates into e's sink;
+ *   NS(store_first)(dst, v, k)  the first k < VW lanes of v to dst.
+ * A leaf is 8 vectors, LEAF coordinates (stages 1 .. LEAF/2 in registers).  Every width
+ * performs the same float32 operations on every coordinate in the same stage order, so every
+ * instantiation is bit-identical to the scalar FWHT.
  */
+
+#define VCAT_(a, b) a##b
+#define VCAT(a, b) VCAT_(a, b)
+#define VOP(op) VCAT(VP, op)          /* VOP(_add_ps): _mm256_add_ps or _mm512_add_ps */
+#define LEAF (8 * VW)
+#define VLOADU VOP(_loadu_ps)
+#define VLOADA VOP(_load_ps)
+#define VSTOREU VOP(_storeu_ps)
+#define VSTOREA VOP(_store_ps)
+#define VADD VOP(_add_ps)
+#define VSUB VOP(_sub_ps)
+#define VXOR VOP(_xor_ps)
+
+/* The sink of the last pass (kind a constant: SINK_NONE stores v at p): after the scale,
+ * indices, the decoded coordinates times D (the first ndst only), or + the carry. */
+static AI void NS(epi)(const epi_t *e, const int kind, float *p, size_t i, V v) {
+    if (kind == SINK_NONE) {
+        VSTOREU(p, v);
+        return;
+    }
+    v = VOP(_mul_ps)(v, VOP(_set1_ps)(e->scale));
+    switch (kind) {
+    case EPI_ENCODE:
+        NS(encode)(e, i, v);
+        break;
+    case EPI_DECODE:
+        v = VXOR(v, NS(signmask)(e->signs + (i >> 3)));
+        if (i + VW <= e->ndst) VSTOREU(e->dst + i, v);
+        else if (i < e->ndst) NS(store_first)(e->dst + i, v, e->ndst - i);
+        break;
+    case EPI_ADD:
+        VSTOREU(e->dst + i, e->carry ? VADD(v, VLOADU(e->carry + i)) : v);
+        break;
+    default:
+        VSTOREU(e->dst + i, v);
+    }
+}
 
 static inline void NS(bf)(V *a, V *b) {
     V t = *a;
@@ -218,3 +256,18 @@ static void NS(rht)(float *w, size_t n, const in_t *in, const epi_t *e) {
 }
 
 #undef LPASS_EK
+#undef VCAT_
+#undef VCAT
+#undef VOP
+#undef LEAF
+#undef VLOADU
+#undef VLOADA
+#undef VSTOREU
+#undef VSTOREA
+#undef VADD
+#undef VSUB
+#undef VXOR
+#undef V
+#undef VW
+#undef VP
+#undef NS
