@@ -227,9 +227,10 @@ def _cpu_delta(after: dict, before: dict) -> dict:
 
 
 def print_thread_cpu(label: str, by_kind: dict, rounds: int) -> None:
-    """CPU ms per round by thread kind, largest first."""
-    print(f"  {label}: " + ", ".join(f"{k} {1e3 * v / rounds:.1f}" for k, v in
-                                     sorted(by_kind.items(), key=lambda kv: -kv[1]) if 1e3 * v / rounds >= 0.05))
+    """CPU ms per round by thread kind, largest first, to 10 µs (a small round's helper threads
+    take tens of µs on a fast host)."""
+    print(f"  {label}: " + ", ".join(f"{k} {1e3 * v / rounds:.2f}" for k, v in
+                                     sorted(by_kind.items(), key=lambda kv: -kv[1]) if 1e3 * v / rounds >= 0.005))
 
 
 def _print_profile(prof, rounds: int, top: int) -> None:
