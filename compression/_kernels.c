@@ -297,9 +297,11 @@ static inline int log2_of(size_t v) {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
-/* Cache blocking (all in place in the block's buffer w):
+/* Cache blocking (all in place in the block's buffer w; the passes are in _rht_passes.h, for
+ * this path and the AVX-512 one alike):
  *  - low chunks of LOW_FLOATS (in L2): each L1 piece of L1_FLOATS gets stages 1..32 in
- *    registers (64-float leaves, which read the source), then radix-8 passes up to the piece;
+ *    registers (64-float leaves, which read the source; 128-float leaves and stages 1..64 on
+ *    AVX-512), then radix-8 passes up to the piece;
  *    then radix-8 passes over the chunk up to the chunk; the leaves prefetch the next chunk's
  *    source;
  *  - above the low chunks, levels of <= TOP_BITS stages, depth first (a level's chunks are
@@ -314,7 +316,8 @@ static inline int log2_of(size_t v) {
  * The last pass of the transform writes the sink (scale, then indices / decoded values /
  * + carry), so no pass over the block follows the transform.  Tuned on the 2-core EPYC
  * (Zen 3: 32 KiB L1d, 512 KiB L2, 32 MiB L3) against fht-cpu at 2^20 and 2^24
- * (docs/bench.md, "Walsh–Hadamard transform"). */
+ * (docs/bench.md, "Walsh–Hadamard transform"); on the Zen 5 host (48 KiB L1d, 1 MiB L2)
+ * larger pieces, chunks and strips did not pay (docs/bench-history.md, "2026-11-29, evening"). */
 static size_t L1_FLOATS = 1 << 12, LOW_FLOATS = 1 << 15, STRIP_FLOATS = 1 << 11;
 static int TOP_BITS = 3;
 #define STRIP_MAX (1 << 14)
