@@ -533,8 +533,6 @@ static void quant_ef_avx2(const float *x, size_t n, const qtab_t *q, const qef_t
 
 /* ------------------------------------------------------------------ AVX-512: the quantizer and the FWHT */
 
-static void quant_ef_scalar(const float *x, size_t n, const qtab_t *q, const qef_t *f);
-
 #if THC_HAVE_AVX2
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")
@@ -668,16 +666,14 @@ static inline void store_first_avx512(float *dst, __m512 v, size_t k) {
 #define NS(name) name##_avx512
 #include "_rht_passes.h"
 
-/* quantize_ef on 16 coordinates at a time: quant16, the indices as store_idx8 writes them
- * (packed: pair 2k, 2k+1 -> z0 << 4 | z1, one byte per 64-bit lane), then x − (T[z]·c − m)
- * in the scalar loop's operations; the last n mod 16 coordinates go to the AVX2 loop (a
- * multiple of 8) or the scalar one. */
+/* quantize_ef on 16 coordinates at a time (n a multiple of 16): quant16, the indices as
+ * store_idx8 writes them (packed: pair 2k, 2k+1 -> z0 << 4 | z1, one byte per 64-bit lane),
+ * then x − (T[z]·c − m) in the scalar loop's operations. */
 static void quant_ef_avx512(const float *x, size_t n, const qtab_t *q, const qef_t *f) {
     const __m512 c = _mm512_set1_ps(f->c), m = _mm512_set1_ps(f->m);
     const int small = f->levels <= 16;
     const __m512 tab16 = _mm512_loadu_ps(f->tabf);
-    const size_t n16 = n & ~(size_t)15;
-    for (size_t i = 0; i < n16; i += 16) {
+    for (size_t i = 0; i < n; i += 16) {
         const __m512 v = _mm512_loadu_ps(x + i);
         const __m512i z = quant16(q, v, u16(f->u, f->ukey, f->ubase, i));
         store_idx16(f->out, f->packed, i, z);
@@ -686,19 +682,11 @@ static void quant_ef_avx512(const float *x, size_t n, const qtab_t *q, const qef
             _mm512_storeu_ps(f->resid + i, _mm512_sub_ps(v, _mm512_sub_ps(_mm512_mul_ps(t, c), m)));
         }
     }
-    if (n16 == n) return;
-    qef_t rest = *f;        /* the same streams and sinks from coordinate n16 on */
-    if (rest.u) rest.u += n16;
-    rest.ubase += n16;
-    rest.out += f->packed ? n16 >> 1 : n16;
-    if (rest.resid) rest.resid += n16;
-    if ((n - n16) % 8 == 0) quant_ef_avx2(x + n16, n - n16, q, &rest);
-    else quant_ef_scalar(x + n16, n - n16, q, &rest);
 }
 #pragma GCC pop_options
 #endif
 
-/* One entry for both paths; n a power of two. */
+/* One entry for every path; n a power of two. */
 static void rht_run(int simd, float *w, size_t n, const in_t *in, epi_t *e) {
     e->scale = fwht_scale(n);
 #if THC_HAVE_AVX2
@@ -730,18 +718,23 @@ static void quant_ef_scalar(const float *x, size_t n, const qtab_t *q, const qef
     }
 }
 
+/* The widest path the level allows on the longest prefix it takes (a multiple of its 16 or 8
+ * lanes), the rest on the next narrower one, from that coordinate on (the same streams and
+ * sinks, offset). */
 static void quant_ef_run(int simd, const float *x, size_t n, const qtab_t *q, const qef_t *f) {
+    size_t done = 0;
 #if THC_HAVE_AVX2
-    if (simd >= 2) {
-        quant_ef_avx512(x, n, q, f);
-        return;
-    }
-    if (simd && n % 8 == 0) {
-        quant_ef_avx2(x, n, q, f);
-        return;
-    }
+    if (simd >= 2) quant_ef_avx512(x, done = n & ~(size_t)15, q, f);
+    else if (simd) quant_ef_avx2(x, done = n & ~(size_t)7, q, f);
 #endif
-    quant_ef_scalar(x, n, q, f);
+    if (!simd) quant_ef_scalar(x, done = n, q, f);
+    if (done == n) return;
+    qef_t rest = *f;
+    if (rest.u) rest.u += done;
+    rest.ubase += done;
+    rest.out += f->packed ? done >> 1 : done;
+    if (rest.resid) rest.resid += done;
+    quant_ef_run(simd >= 2 ? 1 : 0, x + done, n - done, q, &rest);
 }
 
 /* ------------------------------------------------------------------ block norm (sum of squares) */

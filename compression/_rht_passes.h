@@ -80,6 +80,8 @@ static AI void NS(leaf)(float *dst, size_t i, const in_t *in, const int kind) {
     for (int k = 0; k < 8; k++) VSTOREU(dst + VW * k, r[k]);
 }
 
+/* nst (1..3) stages of strides h, 2h, ... on the `size` floats at src, written to dst (which
+ * may be src) or to the sink (kind a constant), src[j] being coordinate ibase + j. */
 static AI void NS(lpass_n)(const float *src, float *dst, size_t ibase, size_t size, size_t h, const int nst,
                        const epi_t *e, const int ek) {
     const size_t span = h << nst;
@@ -92,11 +94,11 @@ static AI void NS(lpass_n)(const float *src, float *dst, size_t ibase, size_t si
         }
 }
 
-#define LPASS_EK(ek)                                                         \
-    do {                                                                     \
-        if (nst == 1) NS(lpass_n)(src, dst, ibase, size, h, 1, e, ek);           \
-        else if (nst == 2) NS(lpass_n)(src, dst, ibase, size, h, 2, e, ek);      \
-        else NS(lpass_n)(src, dst, ibase, size, h, 3, e, ek);                    \
+#define LPASS_EK(ek)                                                          \
+    do {                                                                      \
+        if (nst == 1) NS(lpass_n)(src, dst, ibase, size, h, 1, e, ek);        \
+        else if (nst == 2) NS(lpass_n)(src, dst, ibase, size, h, 2, e, ek);   \
+        else NS(lpass_n)(src, dst, ibase, size, h, 3, e, ek);                 \
     } while (0)
 
 static void NS(lpass)(const float *src, float *dst, size_t ibase, size_t size, size_t h, int nst, const epi_t *e) {
@@ -120,7 +122,7 @@ static void NS(lstages)(float *buf, float *dst, size_t ibase, size_t size, size_
     }
 }
 
-/* Every stage of the low chunk w[base, base + size) (size >= 128), in place: L1 piece by
+/* Every stage of the low chunk w[base, base + size) (size >= LEAF), in place: L1 piece by
  * L1 piece the leaves, which read the source, and the piece's stages; then the chunk's
  * stages above the piece.  `e`: the sink of the last pass, given when the chunk is the whole
  * block. */
