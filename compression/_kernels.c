@@ -474,7 +474,7 @@ static AI void encode_avx2(const epi_t *e, size_t i, __m256 v) {
     store_idx8(e->out, e->packed, i, quant8(e->q, v, e->u ? _mm256_loadu_ps(e->u + i) : cu8(e->ukey, e->ubase + i)));
 }
 
-static inline void store_first_avx2(float *dst, __m256 v, size_t k) {
+static AI void store_first_avx2(float *dst, __m256 v, size_t k) {
     float t[8];
     _mm256_storeu_ps(t, v);
     memcpy(dst, t, k * 4);
@@ -656,7 +656,7 @@ static AI void encode_avx512(const epi_t *e, size_t i, __m512 v) {
     store_idx16(e->out, e->packed, i, quant16(e->q, v, u16(e->u, e->ukey, e->ubase, i)));
 }
 
-static inline void store_first_avx512(float *dst, __m512 v, size_t k) {
+static AI void store_first_avx512(float *dst, __m512 v, size_t k) {
     _mm512_mask_storeu_ps(dst, (__mmask16)((1u << k) - 1), v);
 }
 
