@@ -670,6 +670,26 @@ def quantize_rotated(xr: np.ndarray, max_norms, cfg: ThcConfig, layout: Layout, 
     return out
 
 
+def quantize_span(xr: np.ndarray, max_norms, cfg: ThcConfig, layout: Layout, uniforms: CounterUniforms,
+                  j: int, lo: int, hi: int, out: np.ndarray, resid: np.ndarray | None = None) -> None:
+    """`quantize_rotated(..., packed=True, blocks=range(j, j + 1))` for coordinates [lo, hi)
+    of RHT block j only (even offsets inside the block): the same bytes and residuals, since
+    the clamp and scale are the block's and a coordinate's uniform is the counter stream's
+    value at its own index (§5.1; compression/stochastic.py).  A pipelined round sends the
+    first chunks of a big block while the rest of it is quantized (worker/client.py)."""
+    p = layout.padded[j]
+    if not (0 <= lo < hi <= p and lo % 2 == 0 and hi % 2 == 0):
+        raise ValueError(f"a span of block {j} ({p} coordinates) must be even offsets 0 <= lo < hi <= {p}, "
+                         f"got [{lo}, {hi})")
+    if not (_kernel_ok(xr, cfg) and _packs_per_block(cfg, layout) and isinstance(uniforms, CounterUniforms)):
+        raise ValueError("quantizing part of a block needs the C kernels, 4-bit indices and the counter stream")
+    table = cfg.table
+    a, b = layout.padded_offsets()[j] + lo, layout.padded_offsets()[j] + hi
+    big_m = _scale(float(max_norms[j]), p, table.t_p)
+    _kernels.quantize_ef(xr[a:b], big_m, cfg.granularity, bytes(table.values), (uniforms.key, a),
+                         out[a // 2:b // 2], True, resid[a:b] if resid is not None else None)
+
+
 class WorkerRound:
     """One worker's THC round (Alg. 3), the steps every caller shares; only the exchange of
     norms and of indices/sums (PS over UDP, torch all-reduce, in-process sum) differs:
@@ -783,6 +803,14 @@ class WorkerRound:
             return
         _encode_kernels(self.x, self.max_norms, self.cfg, self.layout, self.round_no, self._uniforms,
                         packed=True, blocks=blocks, out=self.z)
+
+    def encode_span(self, j: int, lo: int, hi: int) -> None:
+        """Z of coordinates [lo, hi) of RHT block j into the buffer of `start_packed`, with
+        their residuals (a rotated round only: `quantize_span`)."""
+        if not self.rotated:
+            raise ValueError("a round with a rotation per round encodes whole blocks (the transform is part of it)")
+        quantize_span(self.x, self.max_norms, self.cfg, self.layout, self._uniforms, j, lo, hi, self.z,
+                      self._residual_vector())
 
     def residual_blocks(self, blocks: range) -> np.ndarray:
         """`residual()` for these blocks (their Z made), into the round's residual vector,

@@ -45,8 +45,19 @@ def cluster(n, pipeline, rounds=3, quorum=1.0, straggle=None, seed=7):
     return out
 
 
-def test_pipelined_rounds_equal_plain_rounds_bit_for_bit():
+@pytest.mark.parametrize("span", [None, 1000])
+def test_pipelined_rounds_equal_plain_rounds_bit_for_bit(monkeypatch, span):
+    """Whole blocks, and (span 1000) each block quantized in spans, chunks (1,432 coordinates
+    here) straddling two spans, the first span made before the phase."""
+    spans = []
+    if span is not None:
+        from thc_ps.worker import client
+        monkeypatch.setattr(client, "SEND_SPAN", span)
+        real = thc.WorkerRound.encode_span
+        monkeypatch.setattr(thc.WorkerRound, "encode_span",
+                            lambda self, j, lo, hi: (spans.append(hi - lo), real(self, j, lo, hi))[1])
     piped, plain = cluster(3, True), cluster(3, False)
+    assert (1000 in spans) == (span is not None) and all(n % 2 == 0 for n in spans)
     for r in range(3):
         for (a, e, rep), (a0, e0, rep0) in zip(piped[r], plain[r]):
             assert rep.pipelined and not rep0.pipelined

@@ -169,6 +169,43 @@ def test_a_job_rotation_round_block_by_block_equals_the_whole_round(tail_log2):
     assert np.array_equal(res.view(np.uint32), whole.residual().view(np.uint32))
 
 
+@pytest.mark.parametrize("cuts", [(0, 2, 18, 512, 994, 1024), (0, 256, 1024), (0, 1024)])
+def test_a_job_rotation_block_quantized_in_spans_equals_the_whole_block(cuts):
+    """encode_span over cuts of each block (spans of 2, 16, 494 coordinates: starts that are
+    not a multiple of any vector width) makes the bytes and residual of encode(packed=True),
+    bit for bit; the rest of the blocks whole."""
+    cfg = thc.ThcConfig(seed=3, block_log2=10, rotation="job", tail_log2=6)
+    dim = 3500
+    rng = np.random.default_rng(4)
+    g = (rng.standard_normal(dim) * rng.lognormal(0, 1, dim)).astype(np.float32)
+    whole = thc.WorkerRound(cfg, g, ErrorFeedback(), "w")
+    piece = thc.WorkerRound(cfg, g, ErrorFeedback(), "w")
+    norms = whole.norms() * 0.7
+    z = whole.encode(norms, np.random.default_rng(6), 2, packed=True)
+    buf = piece.start_packed(norms, np.random.default_rng(6), 2)
+    for j, p in enumerate(piece.layout.padded):
+        if p == 1024:
+            for lo, hi in zip(cuts, cuts[1:]):
+                piece.encode_span(j, lo, hi)
+        else:
+            piece.encode_blocks(range(j, j + 1))
+    assert np.array_equal(buf, z)
+    assert np.array_equal(piece.residual_blocks(range(0, 1)).view(np.uint32), whole.residual().view(np.uint32))
+
+
+def test_a_span_outside_its_block_or_at_an_odd_offset_is_refused():
+    cfg = thc.ThcConfig(seed=3, block_log2=10, rotation="job")
+    g = np.ones(2048, np.float32)
+    rnd = thc.WorkerRound(cfg, g, ErrorFeedback(), "w")
+    rnd.start_packed(rnd.norms(), np.random.default_rng(0), 0)
+    for lo, hi in ((1, 8), (0, 1026), (8, 8)):
+        with pytest.raises(ValueError, match="even offsets"):
+            rnd.encode_span(0, lo, hi)
+    per_round = thc.WorkerRound(thc.ThcConfig(seed=3, block_log2=10, rotation="round"), g, ErrorFeedback(), "w")
+    with pytest.raises(ValueError, match="encodes whole blocks"):
+        per_round.encode_span(0, 0, 8)
+
+
 @pytest.mark.parametrize("tail_log2", [11, 6])
 def test_a_job_rotation_numpy_reference_equals_the_kernels(monkeypatch, tail_log2):
     cfg = thc.ThcConfig(seed=9, block_log2=11, rotation="job", bits=4, tail_log2=tail_log2)

@@ -73,6 +73,11 @@ OVERLAP_RESIDUAL = os.environ.get("THC_OVERLAP_RESIDUAL", "0") == "1"
 #: "auto" (the default) when the host's cores sat idle during the last DATA phase, "1" always,
 #: "0" never ($THC_PIPELINE; docs/design.md, "A round as a pipeline").
 PIPELINE = os.environ.get("THC_PIPELINE", "auto")
+#: A pipelined round with one rotation per job quantizes an RHT block in spans of this many
+#: coordinates, the chunks of each span sent as soon as it is made: the wire starts after
+#: 2^16 coordinates' quantizer instead of a whole 2^20 block's (docs/bench.md, "The first
+#: chunk sooner").  Even, so that 4-bit pairs never straddle two spans.
+SEND_SPAN = 1 << 16
 #: Under "auto": pipeline when at least this share of the host's CPU was idle during the last
 #: plain DATA phase, and keep it while at least STAY_IDLE was idle during a pipelined one.
 START_IDLE, STAY_IDLE = 0.25, 0.10
@@ -408,8 +413,9 @@ class Worker:
 
     def _pipelined_round(self, rnd: thc.WorkerRound, norms, rn: int, report: RoundReport, out=None):
         """The DATA phase of `_thc_round` as a pipeline over the RHT blocks: a helper thread
-        encodes block after block and the phase sends each block's chunks as soon as they are
-        made (worker/chunks.py ChunkStream), then the helper computes the error-feedback
+        encodes block after block (a rotated round's big blocks in spans of SEND_SPAN, the
+        first span in this thread before the phase starts) and the phase sends each block's
+        or span's chunks as soon as they are made (worker/chunks.py ChunkStream), then the helper computes the error-feedback
         residual block by block while the chunks are on the wire; this thread runs the phase,
         and a second helper decodes each block as soon as all its results are back.  Every
         byte on the wire and every value decoded is what the plain round gives (the same
@@ -430,15 +436,25 @@ class Worker:
         lo = [o // per for o in offs]
         hi = [min(-(-e // per), len(chunks)) for e in ends]
         stream = ChunkStream(len(chunks))
+        # a rotated round quantizes a big block in spans, so that its first chunks go out while
+        # the rest is made (the block's transform is done already: only the quantizer remains)
+        step = SEND_SPAN if rnd.rotated else max(layout.padded)
+        spans = [(j, a, min(a + step, p)) for j, p in enumerate(layout.padded) for a in range(0, p, step)]
         made = [threading.Event() for _ in range(nblocks)]       # block j's residual done too
         residual = [None]
         shares = rnd.memory is not None and np.shares_memory(flat, rnd.x)
 
+        def make(j: int, a: int, b: int) -> None:
+            if b - a == layout.padded[j]:
+                rnd.encode_blocks(range(j, j + 1))
+            else:
+                rnd.encode_span(j, a, b)
+            stream.advance((offs[j] + b) // per if j < nblocks - 1 or b < layout.padded[j] else len(chunks))
+
         def produce():
             try:
-                for j in range(nblocks):
-                    rnd.encode_blocks(range(j, j + 1))
-                    stream.advance(ends[j] // per if j < nblocks - 1 else len(chunks))
+                for span in spans[1:]:
+                    make(*span)
                 if rnd.memory is not None:
                     for j in range(nblocks):
                         residual[0] = rnd.residual_blocks(range(j, j + 1))
@@ -462,6 +478,11 @@ class Worker:
                 done[j] = True
             return done
 
+        try:                    # the first span here: the phase starts with chunks to send
+            make(*spans[0])     # rather than after a helper thread's wake-up
+        except BaseException:
+            stream.close()
+            raise
         producer = self._in_background(produce)
         decoder = self._decoder().submit(consume)
         try:
