@@ -352,7 +352,7 @@ def _each_block(fn, blocks: int) -> None:
     cores than workers a 2^24 compress takes 26 ms on two threads against 42 on one
     (docs/bench.md, "Codec threads share the RHT blocks"); with more workers than cores it lets the last worker of a round use
     every core."""
-    threads = min(blocks, codec_threads())
+    threads = min(blocks, codec_threads()) if blocks > 1 else 1     # one block: nothing to share
     if threads <= 1:
         for j in range(blocks):
             fn(j)
