@@ -316,3 +316,18 @@ def test_a_norm_phase_waiting_for_a_late_rank_is_not_timed_out_by_the_data_phase
             t.close()
         server.stop()
 
+
+
+def test_the_timer_s_quantile_is_numpy_s_bit_for_bit():
+    """rto.quantile against np.quantile (linear) on samples of every size the timer sees,
+    ties and one sample included, at the quartile, the median and the NORM floor's 1 − 1/n."""
+    from thc_ps.worker.rto import quantile
+    rng = np.random.default_rng(5)
+    qs = [0.0, 0.25, 0.5, 0.75, 1.0] + [1 - 1 / n for n in range(2, 17)]
+    for size in list(range(1, 40)) + [255, 1000]:
+        for a in (rng.lognormal(-7, 1, size), np.round(rng.random(size) * 4) / 1e3):
+            for q in qs:
+                assert quantile(a, q) == float(np.quantile(a, q)), (size, q)
+    assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0        # a list (the meetings' deque) as well
+    with pytest.raises(ValueError, match="no samples"):
+        quantile([], 0.5)

@@ -73,11 +73,33 @@ class _Pending:
     fast: float = 0.0           # the order rule's due time (0: not found lost; -1: used; HELD: held)
 
 
+def quantile(values, q: float) -> float:
+    """`np.quantile(values, q)` (its default, linear method) bit for bit, at a fifth of its
+    cost on the timer's few dozen samples (about 6 µs against 27: the timer takes one per
+    shard and one of the meetings at the end of every phase).  The same float64 steps as
+    numpy's: the virtual index (n − 1)·q, the two order statistics around it (a
+    partition, not a sort), and numpy's two-sided interpolation between them."""
+    a = np.asarray(values, dtype=np.float64).ravel()
+    n = a.size
+    if n == 0:
+        raise ValueError("the quantile of no samples")
+    v = (n - 1) * q
+    if v >= n - 1:
+        return float(a.max())
+    if v < 0:
+        return float(a.min())
+    lo = math.floor(v)
+    part = np.partition(a, (lo, lo + 1))
+    x, y = float(part[lo]), float(part[lo + 1])
+    g, d = v - lo, y - x
+    return y - d * (1 - g) if g >= 0.5 else x + d * g
+
+
 def rto_scale(per_chunk: np.ndarray) -> float:
     """The timeout per chunk in flight, from samples of round trip / chunks in flight
     (seconds): three times their lower quartile (RetransmitTimer says why not a mean, nor
     a median)."""
-    return 3 * float(np.quantile(per_chunk, 0.25))
+    return 3 * quantile(per_chunk, 0.25)
 
 
 class RetransmitTimer:
@@ -193,7 +215,7 @@ class RetransmitTimer:
             return
         first = np.flatnonzero(ok)[np.argmin(sent[ok])]
         self._meets.append(float(done[first] - sent[first]))
-        self.T[0] = max(self.minimum, FLOOR_RTTS * float(np.quantile(self._meets, self.meeting_q)))
+        self.T[0] = max(self.minimum, FLOOR_RTTS * quantile(self._meets, self.meeting_q))
         for s in np.unique(shard[ok]).tolist():
             mine = ok & (shard == s)
             if np.count_nonzero(mine) >= self.MIN_SAMPLES:
