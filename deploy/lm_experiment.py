@@ -203,6 +203,7 @@ def _link(rate) -> str:
 
 def _table(rows: list, cfg: LMConfig, command: str, target: float) -> str:
     params = rows[0]["params"] if rows else 0
+    every = "after every step" if cfg.eval_every == 1 else f"every {cfg.eval_every} steps"
     lines = ["# The library example under link caps\n", f"Command: `{command}`\n",
              f"examples/char_lm.py's transformer language model ({params:,} parameters, {cfg.layers} layers of "
              f"width {cfg.dim}, context {cfg.context}) on {cfg.text_mb:g} MB of the Python standard library's "
@@ -211,18 +212,20 @@ def _table(rows: list, cfg: LMConfig, command: str, target: float) -> str:
              f"link of the rate, both ways; THC-PS runs through `thc_ps.connect` (rotation "
              f"`{cfg.rotation or 'the default'}`) with a PS shard on every rank's host (`colocated`) or one PS on a host "
              f"of its own (`ps-host`). \"time to {target:g}\" is the training time (evaluations left "
-             f"out) until rank 0's validation loss, measured every {cfg.eval_every} steps, first reaches "
-             f"{target:g}; \"up/down bytes/step\" are per rank: for DDP what a ring all-reduce puts on a "
-             f"rank's link (2(n−1)/n × the payload), for THC-PS the datagrams to and from the shards.\n",
+             f"out) until rank 0's validation loss, measured {every}, first reaches "
+             f"{target:g}, and \"steps to {target:g}\" the step it did so at; \"up/down bytes/step\" are per "
+             f"rank: for DDP what a ring all-reduce puts on a rank's link (2(n−1)/n × the payload), for "
+             f"THC-PS the datagrams to and from the shards.\n",
              f"| link | method | layout | final val loss | up bytes/step | down bytes/step | step ms | in rounds ms | "
-             f"time to {target:g} (s) | replicas identical |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"steps to {target:g} | time to {target:g} (s) | replicas identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ttt = "-" if r["time_to_target"] is None else f"{r['time_to_target']:.1f}"
+        reached = "-" if r.get("steps_to_target") is None else f"{r['steps_to_target']}"
         rounds = "-" if r["round_ms"] is None else f"{r['round_ms']:.1f}"
         lines.append(f"| {_link(r['rate_mbit'])} | {r['method']} | {r['layout']} | {r['final_val_loss']:.4f} | "
                      f"{r['up_per_step']:,.0f} | {r['down_per_step']:,.0f} | {r['step_ms']:.0f} | {rounds} | "
-                     f"{ttt} | {r['replicas_identical']} |")
+                     f"{reached} | {ttt} | {r['replicas_identical']} |")
     lines.append("")
     for rate in sorted({r["rate_mbit"] for r in rows}):
         at = {r["method"]: r for r in rows if r["rate_mbit"] == rate and r["method"] != "thc-ps"}

@@ -42,4 +42,6 @@ def test_ddp_and_thc_ps_rows_under_a_cap(tmp_path):
         assert r["time_to_target"] is not None           # a loss of 9 is met at the first evaluation
     assert rows["thc-ps"]["layout"] == "colocated" and rows["thc-ps"]["round_ms"] > 0
     assert rows["thc-ps"]["up_per_step"] < rows["ddp-fp16"]["up_per_step"]
-    assert "| 100 Mbit/s | thc-ps | colocated |" in path.read_text()
+    assert rows["thc-ps"]["steps_to_target"] == 3                # the first evaluation, after step 3
+    row = next(line for line in path.read_text().splitlines() if line.startswith("| 100 Mbit/s | thc-ps | colocated |"))
+    assert row.split(" | ")[-3:-1] == ["3", f"{rows['thc-ps']['time_to_target']:.1f}"]     # steps to, time to
