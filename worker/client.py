@@ -390,12 +390,14 @@ class Worker:
         chunks = self._chunks(packed, n, cfg.bits)
         report.bytes_up = chunks.wire_bytes
         # e = x − RHT⁻¹(X) needs only this worker's own Z; a helper thread computes it beside the
-        # lanes decode, or beside the phase with OVERLAP_RESIDUAL
-        residual = self._in_background(rnd.residual) if rnd.memory is not None and OVERLAP_RESIDUAL else None
+        # lanes decode, or beside the phase with OVERLAP_RESIDUAL (a rotated round made R − X
+        # as it quantized: nothing to hand over)
+        own = rnd.memory is not None and not rnd.rotated
+        residual = self._in_background(rnd.residual) if own and OVERLAP_RESIDUAL else None
         try:
             self._maybe_straggle()
             results = self._timed_phase(chunks, False, measure=can)
-            if rnd.memory is not None and residual is None:
+            if own and residual is None:
                 residual = self._in_background(rnd.residual)
             self._collect(results, report)
             whole = joined_lanes(chunks, results, layout.padded_dim, job.lane_bits)
@@ -415,9 +417,10 @@ class Worker:
         """The DATA phase of `_thc_round` as a pipeline over the RHT blocks: a helper thread
         encodes block after block (a rotated round's big blocks in spans of SEND_SPAN, the
         first span in this thread before the phase starts) and the phase sends each block's
-        or span's chunks as soon as they are made (worker/chunks.py ChunkStream), then the helper computes the error-feedback
-        residual block by block while the chunks are on the wire; this thread runs the phase,
-        and a second helper decodes each block as soon as all its results are back.  Every
+        or span's chunks as soon as they are made (worker/chunks.py ChunkStream), then the
+        helper computes the error-feedback residual block by block while the chunks are on
+        the wire; this thread runs the phase, and a second helper decodes each block as soon
+        as all its results are back.  Every
         byte on the wire and every value decoded is what the plain round gives (the same
         chunks, slots and rounds; per-block kernels, each block decoded with its own k, which
         is the round's k when every chunk came back with it); the codec's CPU just overlaps
