@@ -651,12 +651,10 @@ def quantize_rotated(xr: np.ndarray, max_norms, cfg: ThcConfig, layout: Layout, 
     def block(j):
         off, p = offsets[j], layout.padded[j]
         big_m = _scale(float(max_norms[j]), p, table.t_p)
-        r = resid[off:off + p] if resid is not None else None
         if fused:
-            o = z[off // 2:(off + p) // 2] if packed else z[off:off + p]
-            u = (uniforms.key, off) if stream else np.ascontiguousarray(uniforms[off:off + p], dtype=np.float32)
-            _kernels.quantize_ef(xr[off:off + p], big_m, g, tab8, u, o, packed, r)
+            _quantize_ef(xr, off, off + p, big_m, g, tab8, uniforms, z, packed, resid)
             return
+        r = resid[off:off + p] if resid is not None else None
         u = uniforms.take(off, p) if stream else uniforms[off:off + p]
         zj = z[off:off + p] = stochastic_round(_grid(xr[off:off + p], big_m, g), tab32, iv, u)
         if r is not None:
@@ -684,10 +682,19 @@ def quantize_span(xr: np.ndarray, max_norms, cfg: ThcConfig, layout: Layout, uni
     if not (_kernel_ok(xr, cfg) and _packs_per_block(cfg, layout) and isinstance(uniforms, CounterUniforms)):
         raise ValueError("quantizing part of a block needs the C kernels, 4-bit indices and the counter stream")
     table = cfg.table
-    a, b = layout.padded_offsets()[j] + lo, layout.padded_offsets()[j] + hi
-    big_m = _scale(float(max_norms[j]), p, table.t_p)
-    _kernels.quantize_ef(xr[a:b], big_m, cfg.granularity, bytes(table.values), (uniforms.key, a),
-                         out[a // 2:b // 2], True, resid[a:b] if resid is not None else None)
+    off = layout.padded_offsets()[j]
+    _quantize_ef(xr, off + lo, off + hi, _scale(float(max_norms[j]), p, table.t_p), cfg.granularity,
+                 bytes(table.values), uniforms, out, True, resid)
+
+
+def _quantize_ef(xr, a: int, b: int, big_m: float, g: int, tab8: bytes, uniforms, z, packed: bool, resid) -> None:
+    """The C quantizer over padded coordinates [a, b) of one RHT block (scale `big_m`): Z into
+    z (packed: two to a byte from a // 2), R − X into resid; the uniforms from the counter
+    stream at a, or the caller's."""
+    o = z[a // 2:b // 2] if packed else z[a:b]
+    u = (uniforms.key, a) if isinstance(uniforms, CounterUniforms) else \
+        np.ascontiguousarray(uniforms[a:b], dtype=np.float32)
+    _kernels.quantize_ef(xr[a:b], big_m, g, tab8, u, o, packed, resid[a:b] if resid is not None else None)
 
 
 class WorkerRound:
