@@ -35,10 +35,14 @@ from thc_ps.proto.job import JobConfig  # noqa: E402
 THC = [sys.executable, "-m", "thc_ps.deploy.cli"]
 #: (pause s, quorum, rounds, compute ms per round) of the standard run and of
 #: tests/test_stragglers.py: a quorum job outlasts its pause, so the paused rank can come back
-#: into it; a quorum-1 job waits for it (lease 5 s, rejoin grace 30 s, d = 4096).
+#: into it; a quorum-1 job waits for it (lease 5 s, rejoin grace 30 s, d = 4096).  A quorum
+#: job outlasts it on its pacing alone (the rounds after the stop × the compute ms, whatever
+#: the rounds themselves take): the pause, and past the lease the lease and a second more.  On
+#: a fast host 4000 rounds of 2 ms did not: the survivors of the 10 s partition ran them in
+#: 2.6 ms each and ended the job before the victim was back (docs/reliability.md).
 CASES = [(3, 1.0, 600, 2.0), (10, 1.0, 600, 2.0), (40, 1.0, 600, 2.0),
-         (3, 0.66, 3000, 2.0), (10, 0.66, 4000, 2.0), (40, 0.66, 3500, 12.0)]
-PARTITION_CASES = [(10, 1.0, 600, 2.0), (10, 0.66, 4000, 2.0)]
+         (3, 0.66, 3000, 2.0), (10, 0.66, 4500, 4.0), (40, 0.66, 4000, 12.0)]
+PARTITION_CASES = [(10, 1.0, 600, 2.0), (10, 0.66, 4500, 4.0)]
 DIM = 4096
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -253,6 +253,18 @@ def test_a_rank_behind_skips_only_a_round_whose_every_chunk_it_saw_finished():
         server.stop()
 
 
+def test_each_quorum_case_outlasts_its_pause_on_its_pacing_alone():
+    """A quorum case's survivors are still running when the paused rank comes back, however
+    fast the host runs the rounds themselves: the rounds after the stop, at their compute ms,
+    cover the pause, and past the 5 s lease the lease and a second more (bench/pauses.py)."""
+    import inspect
+    stop = inspect.signature(run_pause).parameters["stop_at_round"].default
+    for pause, quorum, rounds, compute_ms in CASES + PARTITION_CASES:
+        if quorum < 1:
+            need = pause + 1.0 if pause <= 5.0 else pause + 5.0 + 1.0
+            assert (rounds - stop) * compute_ms / 1e3 >= need, (pause, quorum, rounds, compute_ms)
+
+
 @pytest.mark.skipif(netns.unavailable(need_nft=True) is not None,
                     reason=netns.unavailable(need_nft=True) or "")
 @pytest.mark.parametrize("pause,quorum,rounds,compute_ms", PARTITION_CASES)
