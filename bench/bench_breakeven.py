@@ -3,7 +3,7 @@
 For each d, in one run: N processes time a gloo all-reduce of d float32 (what DDP runs,
 a ring: each rank sends and receives 2(N−1)/N · 4d bytes), and a PS + N worker processes
 time a THC-PS round of d coordinates (`bench/bench_floor.py`'s rounds: 4-bit indices up,
-8-bit lanes down, measured bytes).  Both are timed alike: the ranks meet at a barrier, the
+the job's lanes down — 7 bits for 4 ranks —, measured bytes).  Both are timed alike: the ranks meet at a barrier, the
 collective is timed, a round's time is its slowest rank's; the median of R rounds is kept.
 
 On a link of rate B (bits/s) each rank's round costs its compute-and-protocol time t plus

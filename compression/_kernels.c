@@ -52,6 +52,7 @@
 #else
 #define THC_HAVE_AVX2 0
 #endif
+#include "../proto/lanes.h"
 
 /* Paths: 0 scalar, 1 AVX2 (+FMA), 2 AVX-512 (F, BW, DQ, VL) where a kernel has such code and
  * AVX2 elsewhere (a kernel without AVX-512 code takes its AVX2 path at level 2). */
@@ -1103,6 +1104,35 @@ static PyObject *py_sumsq(PyObject *self, PyObject *args) {
     return PyFloat_FromDouble(s);
 }
 
+/* widen_lanes(src, roff, coff, lo, hi, bits, out, simd=-1): chunks lo..hi-1 of a phase's
+ * sub-byte RESULT lanes (chunk c's payload at src[roff[c]:], its coff[c+1] - coff[c] lanes)
+ * widened to one byte a lane at out[coff[c]:] (proto/lanes.h), for the lanes decode.  The
+ * path follows the kernel level: AVX-512 with VBMI, else BMI2 at level 1 and up, else scalar. */
+static PyObject *py_widen_lanes(PyObject *self, PyObject *args) {
+    Py_buffer src = {0}, roff = {0}, coff = {0}, out = {0};
+    Py_ssize_t lo, hi;
+    int bits, simd = -1;
+    if (!PyArg_ParseTuple(args, "y*y*y*nniw*|i", &src, &roff, &coff, &lo, &hi, &bits, &out, &simd)) return NULL;
+    Py_buffer *bufs[] = {&src, &roff, &coff, &out};
+    if ((simd = pick_simd(simd)) < 0) return fail(bufs, 4, NULL);
+    const int64_t *ro = roff.buf, *co = coff.buf;
+    Py_ssize_t n = roff.len / 8 - 1;
+    if (bits < 1 || bits > 7 || coff.len != roff.len || lo < 0 || hi > n || lo > hi)
+        return fail(bufs, 4, "widen_lanes: bits must be 1..7 and lo..hi chunks of roff/coff");
+    for (Py_ssize_t c = lo; c < hi; c++)
+        if (co[c] < 0 || co[c + 1] < co[c] || co[c + 1] > out.len || ro[c] < 0 ||
+            ro[c] + (int64_t)lanes_size((size_t)(co[c + 1] - co[c]), bits) > src.len)
+            return fail(bufs, 4, "widen_lanes: a chunk lies outside its buffer");
+    int best = lanes_best_path(), path = simd >= 2 ? best : (simd == 1 && best >= 1 ? 1 : 0);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t c = lo; c < hi; c++)
+        lanes_widen((uint8_t *)out.buf + co[c], (const uint8_t *)src.buf + ro[c], (size_t)(co[c + 1] - co[c]),
+                    bits, path);
+    Py_END_ALLOW_THREADS
+    release(bufs, 4);
+    Py_RETURN_NONE;
+}
+
 /* _tune(l1, low, top_bits, strip) -> the previous (l1, low, top_bits, strip): the AVX2 FWHT's
  * blocking, for benchmarks and for the tests that run every level layout at small sizes. */
 static PyObject *py_tune(PyObject *self, PyObject *args) {
@@ -1135,6 +1165,7 @@ static PyMethodDef methods[] = {
     {"rht_rotate", py_rht_rotate, METH_VARARGS, "signs + FWHT + scale, plus a carried vector (the rotated residual)"},
     {"quantize_ef", py_quantize_ef, METH_VARARGS, "quantize a rotated block to table indices, with its rotated-domain residual"},
     {"quantize", py_quantize, METH_VARARGS, "clamp + grid map + stochastic rounding to table indices (separate pass)"},
+    {"widen_lanes", py_widen_lanes, METH_VARARGS, "widen_lanes(src, roff, coff, lo, hi, bits, out, simd=-1): sub-byte RESULT lanes to bytes"},
     {"sumsq", py_sumsq, METH_VARARGS, "sumsq(x, simd=-1): sum of squares of float32 values in 16 float64 lanes (the block norm)"},
     {"apply_signs", py_apply_signs, METH_VARARGS, "multiply by the Rademacher diagonal given as packed bits"},
     {"_tune", py_tune, METH_VARARGS, "benchmarks and tests: (L1 piece, low chunk, top level bits, strip floats) -> the previous"},

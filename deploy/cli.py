@@ -14,6 +14,7 @@ from thc_ps.p4.control import CONTROLS as SWITCH_CONTROLS
 from thc_ps.p4.control import SWITCH_LEASE_S
 from thc_ps.proto.job import (AUTO_GROUP, DEFAULT_BLOCK_LOG2, DEFAULT_ROTATION, DEFAULT_TAIL_LOG2, LANE_AUTO,
                               MAX_BLOCK_LOG2, ROTATIONS)
+from thc_ps.proto.packing import LANE_WIDTHS
 
 
 def _p_arg(value: str):
@@ -51,11 +52,11 @@ _count = _int_in(0, 1 << 31, "a count")
 
 
 def _lane_bits(value: str) -> int:
-    """argparse type for JobConfig.lane_bits: 8, 16, 32, or auto (LANE_AUTO)."""
+    """argparse type for JobConfig.lane_bits: 1..8, 16, 32, or auto (LANE_AUTO)."""
     if value == "auto":
         return LANE_AUTO
-    if value not in ("8", "16", "32"):
-        raise argparse.ArgumentTypeError(f"{value!r} is not a lane width: choose 8, 16, 32 or auto")
+    if value not in {str(w) for w in LANE_WIDTHS}:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a lane width: choose 1..8, 16, 32 or auto")
     return int(value)
 
 
@@ -154,8 +155,9 @@ JOB_OPTIONS = {
     "bits": dict(type=None, help="bits b per table index"),
     "granularity": dict(type=None, help="granularity g: the table's values lie on the grid 0..g"),
     "p": dict(type=None, help="support fraction p (the table covers all but p of the normal), e.g. 1/32"),
-    "lane-bits": dict(type=None, metavar="{8,16,32,auto}",
-                      help="bits per aggregated value; n*g must fit (auto: the narrowest lane that holds it)"),
+    "lane-bits": dict(type=None, metavar="{1..8,16,32,auto}",
+                      help="bits per aggregated value; n*g must fit (auto: the narrowest lane that holds it, "
+                           "7 bits for 4 workers at g=30)"),
     "quorum": dict(type=None, help="fraction of the workers after which a slot's result is sent "
                                    "(partial aggregation)"),
     "seed": dict(type=None, help="the job's seed (RHT signs; test gradients)"),

@@ -23,7 +23,7 @@ from thc_ps.deploy.procs import (die_with_parent, leave_on_sigterm, process_stat
 from thc_ps.compression import thc
 from thc_ps.proto.addresses import parse_ps
 from thc_ps.proto.job import AUTO_GROUP, DEFAULT_BLOCK_LOG2, DEFAULT_ROTATION, DEFAULT_TAIL_LOG2, LANE_AUTO, JobConfig
-from thc_ps.proto.packing import LANE_DTYPES
+from thc_ps.proto.packing import pack_lanes
 
 
 def gradient(seed: int, round_no: int, worker: int, dim: int) -> np.ndarray:
@@ -272,7 +272,6 @@ def reference_digests(job: JobConfig, seed: int, round_no: int, dim: int, report
             rnd = thc.WorkerRound(cfg, grads[i], None if memory is None else memory[i], "grad")
             payloads.append(tab[rnd.encode(norms[i], round_rng(seed, i, round_no), round_no)])
             rnd.feedback()          # nothing without a memory
-    lane = LANE_DTYPES[job.lane_bits]
     results = []
     total_len = payloads[0].size if payloads is not None else dim
     for c, off in enumerate(range(0, total_len, per)):
@@ -292,7 +291,7 @@ def reference_digests(job: JobConfig, seed: int, round_no: int, dim: int, report
                 by_bitmap[bm] = zlib.crc32(s.astype(">f4").tobytes())
             else:
                 s = sum(payloads[w][off:off + count] for w in members)
-                by_bitmap[bm] = zlib.crc32(s.astype(lane).tobytes())
+                by_bitmap[bm] = zlib.crc32(pack_lanes(s, job.lane_bits))
         results.append(by_bitmap)
     return results
 

@@ -157,8 +157,9 @@ JOB_FIELDS = {
     "bits": "b, bits per THC table index",
     "granularity": "g: the table's values lie on 0..g",
     "p": "the table's support fraction, a fraction in text (`1/32`)",
-    "lane_bits": "width of one aggregated THC value in RESULT: 8, 16 or 32; n·g must fit (a job "
-                 "built with 0 gets the narrowest that does: the wire only ever carries the width)",
+    "lane_bits": "width of one aggregated THC value in RESULT: 1..8 (packed like indices), 16 or 32; "
+                 "n·g must fit (a job built with 0 gets the narrowest that does, 7 bits for 4 ranks at "
+                 "g = 30: the wire only ever carries the width)",
     "seed": "the job's seed: the RHT sign diagonals, and the test gradients of `thc launch`",
     "slots": "S, data slots: what the job asks for; the PS's config reply has what admission granted",
     "norm_slots": "S_norm, norm slots (numbered S..S+S_norm−1)",
@@ -207,8 +208,8 @@ def constants() -> str:
 
 def geometry() -> str:
     rows = []
-    for codec, bits, lanes in (("thc", 4, 8), ("thc", 4, 16), ("thc", 4, 32), ("thc", 2, 8), ("none", 4, 8),
-                               ("topk", 4, 8)):
+    for codec, bits, lanes in (("thc", 4, 7), ("thc", 4, 8), ("thc", 4, 16), ("thc", 4, 32), ("thc", 2, 8),
+                               ("none", 4, 8), ("topk", 4, 8)):
         job = JobConfig(num_workers=2, codec=codec, bits=bits, lane_bits=lanes,
                         granularity=min(30, (1 << lanes) // 2 - 1))
         per = job.elems_per_packet

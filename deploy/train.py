@@ -18,7 +18,7 @@ import numpy as np
 
 from thc_ps.deploy.procs import (die_with_parent, leave_on_sigterm, single_threaded_children, start_shielded,
                           stop_children)
-from thc_ps.proto.job import JobConfig
+from thc_ps.proto.job import LANE_AUTO, JobConfig
 
 
 #: TrainConfig.grad_sync's choices (`thc train --grad-sync`).
@@ -96,8 +96,10 @@ class TrainConfig:
 
     def with_job(self, **changes) -> TrainConfig:
         """A copy whose job has `changes` (JobConfig's field names); its derived fields (table,
-        elems_per_packet) are derived again unless given."""
-        return replace(self, job=replace(self.job, **{"table": (), "elems_per_packet": 0, **changes}))
+        elems_per_packet, and the lane: the narrowest that holds the new n·g) are derived again
+        unless given."""
+        return replace(self, job=replace(self.job, **{"table": (), "elems_per_packet": 0, "lane_bits": LANE_AUTO,
+                                                      **changes}))
 
 
 @functools.cache

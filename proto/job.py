@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from thc_ps.proto import headers
-from thc_ps.proto.packing import check_lane_capacity, lane_bits_for, packed_size
+from thc_ps.proto.packing import LANE_WIDTHS, check_lane_capacity, packed_size, result_lane_bits
 from thc_ps.proto.tables import parse_p, solve_table
 
 #: Fields the PS assigns when it admits a job (its id among the running jobs, the data slots
@@ -42,7 +42,7 @@ DEFAULT_TAIL_LOG2 = 12
 #: R(∇ + e) = R∇ + Re and the error feedback can stay in the rotated domain: a worker's step
 #: then runs two transforms instead of three (docs/design.md, "One rotation per job").
 ROTATIONS = ("round", "job")
-#: JobConfig.lane_bits asking for the narrowest lane (8, 16 or 32 bits) that holds the job's
+#: JobConfig.lane_bits asking for the narrowest lane (1..8, 16 or 32 bits) that holds the job's
 #: largest sum n·g: what a job gets unless it names a width (a torchrun job's size is whatever
 #: torchrun says, so the lane follows it).  Resolved when the job is built: the wire, the
 #: PS and every worker only ever see the width itself.
@@ -131,11 +131,11 @@ class JobConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ValueError(f"{name} must be an integer in {lo}..{hi}, got {v!r}")
-        if self.lane_bits not in (LANE_AUTO, 8, 16, 32):
-            raise ValueError(f"lane_bits must be 8, 16 or 32 (or {LANE_AUTO}: the narrowest that holds "
+        if isinstance(self.lane_bits, bool) or self.lane_bits not in (LANE_AUTO, *LANE_WIDTHS):
+            raise ValueError(f"lane_bits must be 1..8, 16 or 32 (or {LANE_AUTO}: the narrowest that holds "
                              f"n·g), got {self.lane_bits!r}")
         if self.lane_bits == LANE_AUTO:
-            self.lane_bits = lane_bits_for(n, self.granularity) if self.codec == "thc" else 8
+            self.lane_bits = result_lane_bits(n, self.granularity) if self.codec == "thc" else 8
         if not 0 < self.quorum <= 1:
             raise ValueError(f"quorum must lie in (0, 1], got {self.quorum}")
         if not 0 <= self.job_id <= 0xFFFF:
@@ -189,7 +189,7 @@ class JobConfig:
         return packed_size(count, self.up_bits)
 
     def down_payload_len(self, count: int) -> int:
-        return count * self.down_bits // 8
+        return packed_size(count, self.down_bits)
 
     def to_msg(self) -> dict:
         d = asdict(self)

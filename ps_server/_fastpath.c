@@ -46,6 +46,7 @@
 #define BATCH 64
 #define OUT_CAP 256        /* output packets queued before a flush: 44-segment GSO runs of RESULTs */
 #include "../proto/udpio.h"
+#include "../proto/lanes.h"
 
 enum { C_PACKETS_IN, C_BYTES_IN, C_PACKETS_OUT, C_BYTES_OUT, C_ROUNDS, C_PARTIAL, C_RESENT,
        C_STRAGGLERS, C_NOTICES, N_COUNTERS };
@@ -134,6 +135,7 @@ typedef struct {
     int gso;                 /* send runs of equal-size datagrams to one worker as one GSO message */
     uint64_t io[N_IO];
     int avx2;
+    int lanes_path;        /* proto/lanes.h: how sub-byte lanes are packed (0 scalar, 1+ BMI2) */
 } Engine;
 
 /* ------------------------------------------------------------------ kernels */
@@ -198,12 +200,12 @@ static void lookup_add4_avx2(uint8_t *acc, const uint8_t *in, int count, const u
 
 static void lookup_add(Engine *e, uint8_t *acc, const uint8_t *in, int count, int set) {
 #if defined(__x86_64__)
-    if (e->avx2 && e->bits == 4 && e->lane_bits == 8) {
+    if (e->avx2 && e->bits == 4 && e->lane_bits <= 8) {
         lookup_add4_avx2(acc, in, count, e->table8, set);
         return;
     }
 #endif
-    lookup_add_scalar(acc, e->lane_bits / 8, in, count, e->bits, e->table, set);
+    lookup_add_scalar(acc, e->lane_bits <= 8 ? 1 : e->lane_bits / 8, in, count, e->bits, e->table, set);
 }
 
 static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return ntohl(v); }
@@ -280,6 +282,10 @@ static void make_result(Engine *e, slot_t *st, int type) {
          * the next round's first contribution overwrites the old payload buffer */
         uint8_t *t = r->payload; r->payload = st->acc; st->acc = t;
         r->len = n;
+    } else if (e->lane_bits < 8) {
+        /* sub-byte lanes (proto/lanes.h): the byte accumulator packed into the payload */
+        lanes_pack(r->payload, st->acc, (size_t)n, e->lane_bits, e->lanes_path);
+        r->len = (int)lanes_size((size_t)n, e->lane_bits);
     } else if (e->lane_bits == 16) {
         for (int i = 0; i < n; i++) wr16(r->payload + 2 * i, ((uint16_t *)st->acc)[i]);
         r->len = 2 * n;
@@ -572,7 +578,7 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
     e->nonce = (uint32_t)nonce;
     if (e->n < 1 || e->n > MAX_WORKERS || e->slots < 1 || e->norm_slots < 1 || e->elems < 1 ||
         e->elems > 65535 || e->bits < 1 || e->bits > 8 ||
-        (e->lane_bits != 8 && e->lane_bits != 16 && e->lane_bits != 32) || e->quorum < 1 ||
+        e->lane_bits < 1 || (e->lane_bits > 8 && e->lane_bits != 16 && e->lane_bits != 32) || e->quorum < 1 ||
         e->quorum > e->n || (e->op != OP_LOOKUP_SUM && e->op != OP_FLOAT_SUM)) {
         PyErr_SetString(PyExc_ValueError, "invalid engine parameters");
         return -1;
@@ -628,6 +634,7 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     e->avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    e->lanes_path = lanes_best_path();
 #endif
     return 0;
 }
@@ -1412,6 +1419,27 @@ static PyObject *lookup_accumulate(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* pack_lanes(lanes: uint8 values, bits, path=-1) -> bytes: the RESULT payload of sub-byte lanes
+ * (proto/lanes.h) as the engine packs it; path 0 scalar, 1 BMI2, -1 the engine's (the tests
+ * hold every path to proto/packing.py's bytes). */
+static PyObject *py_pack_lanes(PyObject *self, PyObject *args) {
+    Py_buffer in;
+    int bits, path = -1;
+    if (!PyArg_ParseTuple(args, "y*i|i", &in, &bits, &path)) return NULL;
+    int best = lanes_best_path();
+    if (bits < 1 || bits > 7 || path > best || path < -1) {
+        PyBuffer_Release(&in);
+        PyErr_Format(PyExc_ValueError, "pack_lanes: bits must be 1..7 and path -1..%d, got %d and %d", best, bits, path);
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)lanes_size((size_t)in.len, bits));
+    if (out) lanes_pack((uint8_t *)PyBytes_AS_STRING(out), in.buf, (size_t)in.len, bits, path < 0 ? best : path);
+    PyBuffer_Release(&in);
+    return out;
+}
+
+static PyObject *py_lanes_path(PyObject *self, PyObject *noargs) { return PyLong_FromLong(lanes_best_path()); }
+
 static PyObject *has_avx2(PyObject *self, PyObject *noargs) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
@@ -1424,6 +1452,8 @@ static PyObject *has_avx2(PyObject *self, PyObject *noargs) {
 static PyMethodDef module_methods[] = {
     {"lookup_accumulate", lookup_accumulate, METH_VARARGS, "acc += table[unpack(packed)] (kernel benchmark hook)"},
     {"has_avx2", has_avx2, METH_NOARGS, "whether the AVX2 kernel is used"},
+    {"pack_lanes", py_pack_lanes, METH_VARARGS, "pack_lanes(lanes, bits, path=-1): sub-byte RESULT lanes as the engine packs them"},
+    {"lanes_path", py_lanes_path, METH_NOARGS, "the best sub-byte lane path here: 0 scalar, 1 BMI2, 2 AVX-512 VBMI"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_fastpath", "THC-PS C hot path", -1, module_methods};

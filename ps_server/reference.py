@@ -44,7 +44,7 @@ import numpy as np
 from thc_ps.proto import blob as B
 from thc_ps.proto import headers as H
 from thc_ps.proto.job import JobConfig, parse_group
-from thc_ps.proto.packing import LANE_DTYPES, unpack_indices
+from thc_ps.proto.packing import pack_lanes, unpack_indices
 from thc_ps.ps_server.engine import serve_by_process
 
 DROP_REASONS = ("malformed", "wrong_version", "unknown_job", "slot_out_of_range",
@@ -267,7 +267,7 @@ class ReferencePS:
             return acc.astype(">u4").tobytes()
         if self.job.op == H.OP_FLOAT_SUM:
             return acc.astype(">f4").tobytes()
-        return acc.astype(LANE_DTYPES[self.job.lane_bits]).tobytes()
+        return pack_lanes(acc, self.job.lane_bits)
 
     def _result_packet(self, slot: int, res: _Result, data_type: int, dest: int | None) -> bytes:
         norm = data_type == H.NORM

@@ -149,7 +149,7 @@ def test_close_leaves_no_thread_handler_or_job_behind(group, ps):
 def test_job_and_transport_options_reach_the_job(group, ps):
     with thc_ps.connect(ps=_addr(ps), bits=2, granularity=40, rotation="job", loss_policy="zero",
                         timeout_ms=20, job_name="opts") as state:
-        assert (state.job.bits, state.job.granularity, state.job.rotation, state.job.lane_bits) == (2, 40, "job", 8)
+        assert (state.job.bits, state.job.granularity, state.job.rotation, state.job.lane_bits) == (2, 40, "job", 6)
         assert state.transport.policy == "zero" and state.job_name == "opts"
         job = next(j for j in ps.status()["jobs"] if j["job_name"] == "opts")
         assert job["num_workers"] == 1

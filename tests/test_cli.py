@@ -173,11 +173,11 @@ def test_log_level_reaches_the_loggers(capsys):
 
 def test_the_lane_follows_the_job_unless_given(capsys):
     """A job's size is whatever torchrun says: left unset, the lane is the narrowest that holds
-    n·g (8 bits to 8 ranks at g = 30, 16 beyond); a width too narrow is refused naming the
-    options that fix it."""
+    n·g (its bit length to 8 ranks at g = 30: 5 bits for 1 rank, 7 for 4; 16 beyond 8 ranks);
+    a width too narrow is refused naming the options that fix it."""
     from thc_ps.deploy.cli import build_parser
     from thc_ps.proto.job import JobConfig
-    assert [JobConfig(num_workers=n).lane_bits for n in (1, 8, 9, 32)] == [8, 8, 16, 16]
+    assert [JobConfig(num_workers=n).lane_bits for n in (1, 4, 5, 8, 9, 32)] == [5, 7, 8, 8, 16, 16]
     assert JobConfig(num_workers=32, granularity=3000).lane_bits == 32
     assert JobConfig(num_workers=9, lane_bits=32).lane_bits == 32
     with pytest.raises(ValueError, match=r"lower the granularity to at most 7 \(--granularity, granularity=\) "
@@ -187,4 +187,5 @@ def test_the_lane_follows_the_job_unless_given(capsys):
     assert build_parser().parse_args(["train", "--lane-bits", "16"]).lane_bits == 16
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["train", "--lane-bits", "12"])
-    assert exc.value.code == 2 and "'12' is not a lane width: choose 8, 16, 32 or auto" in capsys.readouterr().err
+    assert exc.value.code == 2 and "'12' is not a lane width: choose 1..8, 16, 32 or auto" in capsys.readouterr().err
+    assert build_parser().parse_args(["train", "--lane-bits", "7"]).lane_bits == 7

@@ -25,7 +25,8 @@ def check_exact(doc, lost_ok=False):
 def test_clean_rounds_exact():
     doc = run_launch(workers=4, rounds=ROUNDS, dim=DIM)
     check_exact(doc)
-    assert doc["ps"]["rounds_completed"] == ROUNDS * (1 + 46)   # a NORM chunk + 46 DATA chunks
+    # a NORM chunk + ⌈2^16 / 1632⌉ = 41 DATA chunks (7-bit lanes for 4·30)
+    assert doc["ps"]["rounds_completed"] == ROUNDS * (1 + 41)
     # without injected faults, duplicates can only come from timeouts on a busy machine
     assert doc["drops"]["duplicate"] <= doc["retransmissions"]
     assert sum(v for k, v in doc["drops"].items() if k != "duplicate") == 0
@@ -118,8 +119,9 @@ def test_sharded_ps_splits_chunks_and_stays_exact():
     doc = run_launch(workers=3, rounds=10, dim=DIM, shards=3, loss=0.02)
     assert doc["exact_rounds"] == 10 and doc["mismatched_chunks"] == 0
     assert doc["ps"]["shards"] == 3
-    # 46 data chunks per round over 3 shards, plus one norm chunk on shard 0
-    assert doc["ps"]["rounds_completed"] == 10 * (46 + 1)
+    # 41 data chunks per round (2^16 / 1632, 7-bit lanes for 3·30) over 3 shards, plus one
+    # norm chunk on shard 0
+    assert doc["ps"]["rounds_completed"] == 10 * (41 + 1)
 
 
 def _free_port_pair():

@@ -69,7 +69,7 @@ def run_job(server: PSServer, faults: dict, order_wait: float | None = None, pol
 def exact(out, want) -> bool:
     """Every rank's every chunk is the sum of the N ranks' table values."""
     for res, _ in out.values():
-        got = np.concatenate([unpack_lanes(bytes(p), 8) for _, p in res])
+        got = np.concatenate([unpack_lanes(bytes(p), h.elem_bits, h.count) for h, p in res])
         if not np.array_equal(got, want):
             return False
     return True
@@ -209,7 +209,8 @@ class NoticingPS(threading.Thread):
 
 @pytest.mark.parametrize("engine", ["c", "python"])
 def test_a_notice_is_authenticated_and_a_forged_one_changes_nothing_but_a_resend(engine):
-    server = PSServer(JobConfig(num_workers=1, slots=16), ("127.0.0.1", 0), control_port=0).start()
+    # 8-bit lanes: the fake PS answers a 16-element chunk with 16 bytes
+    server = PSServer(JobConfig(num_workers=1, slots=16, lane_bits=8), ("127.0.0.1", 0), control_port=0).start()
     t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port, phase_engine=engine,
                   timeout_ms=SLOW_MS, max_timeout_ms=2 * SLOW_MS, heartbeat=False)
     fake = NoticingPS(t.sessions[0]["nonce"])

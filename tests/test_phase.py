@@ -77,7 +77,8 @@ class ScriptedPS(threading.Thread):
 
 def run_script(engine: str, offload: bool, monkeypatch, policy="retransmit"):
     monkeypatch.setenv("THC_UDP_OFFLOAD", "1" if offload else "0")
-    server = PSServer(JobConfig(num_workers=1, slots=10), ("127.0.0.1", 0), control_port=0).start()
+    # 8-bit lanes: the scripted PS answers each 16-element chunk with 16 bytes
+    server = PSServer(JobConfig(num_workers=1, slots=10, lane_bits=8), ("127.0.0.1", 0), control_port=0).start()
     t = Transport("127.0.0.1", server.data_addr[1], 0, control_port=server.control_port,
                   phase_engine=engine, timeout_ms=300, max_timeout_ms=600, policy=policy)
     fake = ScriptedPS(t.sessions[0]["nonce"], gso=offload)
@@ -139,7 +140,8 @@ def test_c_phase_results_as_one_lanes_vector(monkeypatch):
         chunks = PackedChunks(pack_indices(z, 4), total, 4, per)
         res = t.run_phase(H.DATA, chunks)
         assert isinstance(res, PhaseResults) and res.ok().all()
-        assert res.lanes.tolist() == np.asarray(job.table)[z].tolist()     # n = 1: Y = T[Z]
+        assert job.lane_bits == 5 and res.lanes.size == 5 * per * 5 // 8 + 15     # as sent: 5-bit lanes
+        assert res.byte_lanes().tolist() == np.asarray(job.table)[z].tolist()     # n = 1: Y = T[Z]
         assert res.contributors.tolist() == [1] * 6 and res.bitmaps.tolist() == [1] * 6
         assert [bytes(r[1]) for r in res] == [res.payload(c).tobytes() for c in range(6)]
     finally:

@@ -17,9 +17,9 @@ from thc_ps.worker.transport import PackedChunks, Transport
 DIM = 5 * 4096 + 1000          # block_log2 = 12: five whole blocks and a padded sixth
 
 
-def cluster(n, pipeline, rounds=3, quorum=1.0, straggle=None, seed=7):
+def cluster(n, pipeline, rounds=3, quorum=1.0, straggle=None, seed=7, lane_bits=0):
     """n workers in threads against the C PS; per rank, per round: (average, residual, report)."""
-    job = JobConfig(num_workers=n, block_log2=12, quorum=quorum, seed=seed)
+    job = JobConfig(num_workers=n, block_log2=12, quorum=quorum, seed=seed, lane_bits=lane_bits)
     server = PSServer(job, ("127.0.0.1", 0), control_port=0, engine="c").start()
     out = {r: [] for r in range(n)}
 
@@ -70,6 +70,24 @@ def test_pipelined_rounds_equal_plain_rounds_bit_for_bit(monkeypatch, span):
             np.testing.assert_array_equal(a, a_0)
 
 
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_seven_bit_lanes_decode_to_the_eight_bit_lanes_average_bit_for_bit(pipeline):
+    """3 ranks at g = 30 (n·g = 90) get 7-bit result lanes by default: 1,632 coordinates a
+    datagram instead of 1,432, an eighth fewer RESULT bytes, and the same averages and
+    residuals, bit for bit, as a job that names 8-bit lanes."""
+    narrow, wide = cluster(3, pipeline), cluster(3, pipeline, lane_bits=8)
+    padded = 5 * 4096 + 1024            # the sixth block's 1,000 coordinates padded to 2^10
+    for r in range(3):
+        for (a, e, rep), (a8, e8, rep8) in zip(narrow[r], wide[r]):
+            assert rep.pipelined == rep8.pipelined == pipeline
+            np.testing.assert_array_equal(a, a8)
+            np.testing.assert_array_equal(e, e8)
+            assert (rep.chunks, rep8.chunks) == (-(-padded // 1632), -(-padded // 1432))
+            counts = [min(1632, padded - o) for o in range(0, padded, 1632)]
+            assert rep.bytes_down - 40 * rep.chunks == sum(-(-7 * c // 8) for c in counts) == 18816
+            assert rep8.bytes_down - 40 * rep8.chunks == padded
+
+
 def test_partial_aggregation_each_block_with_its_own_k():
     """Quorum 2 of 3 with rank 2 late every other round: chunks come back with k = 2 or 3;
     the average must be the plain decode of exactly those results (Y/k per chunk)."""
@@ -85,7 +103,7 @@ def test_partial_aggregation_each_block_with_its_own_k():
             cfg = thc.ThcConfig.of_job(job)
             geometry = PackedChunks(np.zeros(layout.padded_dim // 2, np.uint8), layout.padded_dim, 4,
                                     job.elems_per_packet)
-            ref = thc.decode(average_lanes(geometry, res, layout.padded_dim, cfg.granularity, 8), 1,
+            ref = thc.decode(average_lanes(geometry, res, layout.padded_dim, cfg.granularity, job.lane_bits), 1,
                              np.asarray(rep.norms), cfg, layout, k)
             np.testing.assert_array_equal(avg, ref)
     assert 2 in ks

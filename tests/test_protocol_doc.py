@@ -255,7 +255,17 @@ def test_a_worker_written_from_the_doc_joins_a_real_job():
     assert np.isclose(real_out["norms"][0], 1e6)
     z_real = rnd.encode(np.array([1e6]), round_rng(3, 0, 0), 0)
     table = np.asarray(spec.job["table"])
-    lanes = np.concatenate([np.frombuffer(p, np.uint8) for _, _, p in results])
+    # RESULT lanes as §2 says: L = lane_bits (6 for n·g = 60) bits each, MSB first, every
+    # chunk's payload ⌈count·L/8⌉ bytes with its own zero padding
+    L = spec.job["lane_bits"]
+    assert L == 6
+    lanes = []
+    for (_, count, _), (_, _, p) in zip(chunks, results):
+        assert len(p) == -(-count * L // 8)
+        bits = np.unpackbits(np.frombuffer(p, np.uint8))
+        assert not bits[count * L:].any()
+        lanes.append(bits[:count * L].reshape(count, L) @ (1 << np.arange(L - 1, -1, -1)))
+    lanes = np.concatenate(lanes)
     assert all(b == 0b11 and k == 2 for b, k, _ in results)
     assert np.array_equal(lanes, table[mine] + table[z_real])
     assert real_out["avg"].shape == (dim,) and np.isfinite(real_out["avg"]).all()

@@ -88,9 +88,11 @@ def test_sharded_control_flow_as_documented():
         assert sess[0]["session"] != sess[1]["session"] and sess[0]["incarnation"] != sess[1]["incarnation"]
         assert sess[0]["job"]["job_id"] == sess[1]["job"]["job_id"]
         t.barrier("start")
-        d = 1432 * 150                  # RHT blocks of 2^17, 2^16, 2^14, 2^12: 152 chunks of 1432
+        per = sess[0]["job"]["elems_per_packet"]   # 2288: 5-bit lanes for 1·30
+        d = 1432 * 150                  # RHT blocks of 2^17, 2^16, 2^14, 2^12: 95 chunks of 2288
         Worker(t).allreduce(np.random.default_rng(1).standard_normal(d).astype(np.float32))
-        nchunks = -(-((1 << 17) + (1 << 16) + (1 << 14) + (1 << 12)) // 1432)
+        nchunks = -(-((1 << 17) + (1 << 16) + (1 << 14) + (1 << 12)) // per)
+        assert (per, nchunks) == (2288, 95)
         want = _doc_placement(nchunks, 2, 40)
         for h, server in enumerate(shards):
             j = next(iter(server.jobs.values()))

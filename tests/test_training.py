@@ -199,7 +199,10 @@ def test_train_config_holds_its_job():
     cfg = TrainConfig()
     assert cfg.job == JobConfig(num_workers=4)
     with pytest.raises(ValueError, match="lane"):
-        cfg.with_job(num_workers=16)                       # 16·30 overflows an 8-bit lane
+        cfg.with_job(num_workers=16, lane_bits=8)          # 16·30 overflows an 8-bit lane
+    # the lane is derived again: 7 bits for 4·30, 8 for 8·30, 16 for 16·30, 8 for another codec
+    assert [cfg.with_job(num_workers=n).job.lane_bits for n in (4, 8, 16)] == [7, 8, 16]
+    assert cfg.with_job(num_workers=10, granularity=16).job.lane_bits == 8
     for codec in ("none", "topk"):
         assert cfg.with_job(codec=codec).job == JobConfig(num_workers=4, codec=codec)
     assert cfg.job.codec == "thc"

@@ -79,9 +79,20 @@ def test_parse_rejects(mutate, reason):
 
 def test_job_contract_validation():
     job = JobConfig(num_workers=4)
-    # 1500 − 28 (IPv4 + UDP) − 40 (THC header) = 1432 one-byte lanes; 716 bytes of 4-bit indices up
-    assert job.elems_per_packet == 1432 and job.up_payload_len(1432) == 716
+    # 1500 − 28 (IPv4 + UDP) − 40 (THC header) = 1432 payload bytes.  n·g = 120 takes 7-bit lanes:
+    # ⌊1432·8/7⌋ = 1636, cut to a multiple of 8: 1632 lanes in 1428 bytes, 816 bytes of indices up
+    assert job.lane_bits == 7 and job.elems_per_packet == 1632
+    assert job.down_payload_len(1632) == 1428 and job.up_payload_len(1632) == 816
+    assert job.down_payload_len(5) == 5          # 35 bits: ⌈35/8⌉ bytes, not ⌊⌋
+    eight = JobConfig(num_workers=4, lane_bits=8)
+    assert eight.elems_per_packet == 1432 and eight.down_payload_len(1432) == 1432
+    assert [JobConfig(num_workers=n).lane_bits for n in (1, 2, 3, 5, 8, 9)] == [5, 6, 7, 8, 8, 16]
     assert JobConfig.from_msg(job.to_msg()) == job
+    with pytest.raises(LaneOverflowError, match="widen the lane to 8 bits"):
+        JobConfig(num_workers=5, granularity=30, lane_bits=7)
+    for bad in (0.5, 9, 12, 64, True):
+        with pytest.raises(ValueError, match="lane_bits must be 1..8, 16 or 32"):
+            JobConfig(num_workers=2, lane_bits=bad)
     with pytest.raises(LaneOverflowError):
         JobConfig(num_workers=9, granularity=30, lane_bits=8)
     assert JobConfig(num_workers=9, granularity=30, lane_bits=16).elems_per_packet == 712

@@ -63,15 +63,34 @@ class PackedChunks(Sequence):
 
 class PhaseResults(Sequence):
     """A C phase's results: chunk c's result is (Header, payload) or None when lost, and the
-    payloads lie back to back in `lanes` (chunk c at roff[c]) for whole-vector use."""
+    payloads lie back to back in `lanes` (chunk c at roff[c]) for whole-vector use; sub-byte
+    lanes as they came (`byte_lanes` widens them for the decode)."""
 
     def __init__(self, chunks: PackedChunks, down_bits: int):
         n = len(chunks)
+        self.bits = down_bits
         self.state = np.zeros(n, np.int8)
         self.headers = np.zeros(n * H.HEADER_SIZE, np.uint8)
         self.roff = np.concatenate([[0], np.cumsum((chunks.counts * down_bits + 7) // 8)]).astype(np.int64)
+        self.coff = np.concatenate([[0], np.cumsum(chunks.counts)]).astype(np.int64)   # lanes before chunk c
         self.lanes = np.empty(int(self.roff[-1]), np.uint8)
         self.lengths = np.zeros(n, np.int32)
+        self._wide: np.ndarray | None = None
+
+    def byte_lanes(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """The lanes of 8 bits or fewer as one byte each, chunk c's at coff[c]: `lanes` itself
+        for 8-bit lanes; narrower ones of chunks lo..hi-1 widened in C (proto/lanes.h) into a
+        vector kept for the others (a pipelined round widens block by block)."""
+        if self.bits == 8:
+            return self.lanes
+        if self.bits > 8:
+            raise ValueError(f"{self.bits}-bit lanes are not bytes")
+        if self._wide is None:
+            self._wide = np.empty(int(self.coff[-1]), np.uint8)
+        from thc_ps.compression import _kernels
+        _kernels.widen_lanes(self.lanes, self.roff, self.coff, lo, len(self) if hi is None else hi,
+                             self.bits, self._wide)
+        return self._wide
 
     def settle(self, c: int, h: H.Header, payload: bytes) -> None:
         """Chunk c's result found before sending (a stashed read-ahead result)."""

@@ -32,22 +32,26 @@ from thc_ps.worker.transport import ChunkStream, PackedChunks, PhaseResults, Tra
 
 
 def joined_lanes(chunks, results, total: int, lane_bits: int):
-    """(all 8-bit sum lanes Y as one uint8 vector, k) when every chunk came back with the same
-    number of contributors k — the common round, whose Y/k (Alg. 3 line 19) thc.decode_lanes
-    then computes inside the fused decode; None otherwise."""
-    if lane_bits != 8 or not len(results):
+    """(all sum lanes Y of 8 bits or fewer as one uint8 vector, k) when every chunk came back
+    with the same number of contributors k — the common round, whose Y/k (Alg. 3 line 19)
+    thc.decode_lanes then computes inside the fused decode; None otherwise."""
+    if lane_bits > 8 or not len(results):
         return None
     if isinstance(results, PhaseResults):      # the C phase: the lanes are already one vector
         k = results.contributors
-        if not results.ok().all() or (k != k[0]).any() or results.lanes.size != total \
+        if not results.ok().all() or (k != k[0]).any() or results.coff[-1] != total \
                 or (results.lengths != np.diff(results.roff)).any():
             return None
-        return results.lanes, int(k[0])
+        return results.byte_lanes(), int(k[0])
     if any(r is None for r in results):
         return None
     k = results[0][0].contributors
     if any(h.contributors != k for h, _ in results):
         return None
+    if lane_bits < 8:
+        lanes = np.concatenate([unpack_lanes(p, lane_bits, count).astype(np.uint8)
+                                for (_, count, _), (_, p) in zip(chunks, results)]) if len(chunks) else None
+        return (lanes, k) if lanes is not None and lanes.size == total else None
     lanes = np.frombuffer(b"".join(p if len(p) == count else memoryview(p)[:count]
                                    for (_, count, _), (_, p) in zip(chunks, results)), dtype=np.uint8)
     return (lanes, k) if lanes.size == total else None
@@ -381,7 +385,7 @@ class Worker:
         layout = rnd.layout
         norms = self._exchange_norms(rnd.norms())
         report.norms = norms.tolist()
-        can = len(layout.starts) > 1 and job.lane_bits == 8 and rnd.can_pipeline() \
+        can = len(layout.starts) > 1 and job.lane_bits <= 8 and rnd.can_pipeline() \
             and getattr(self.t, "streams", lambda: False)()
         if can and self._pipelines():
             return self._pipelined_round(rnd, norms, rn, report, out)
@@ -477,7 +481,7 @@ class Worker:
                     continue
                 if shares:
                     made[j].wait()          # the residual still reads x, which is `out`
-                rnd.decode_lanes(res.lanes, k, out=flat, blocks=range(j, j + 1))
+                rnd.decode_lanes(res.byte_lanes(lo[j], hi[j]), k, out=flat, blocks=range(j, j + 1))
                 done[j] = True
             return done
 
@@ -505,7 +509,7 @@ class Worker:
         ks = [results.common_k(lo[j], hi[j]) for j in rest] if isinstance(results, PhaseResults) else [None]
         if None not in ks:
             for j, k in zip(rest, ks):
-                rnd.decode_lanes(results.lanes, k, out=flat, blocks=range(j, j + 1))
+                rnd.decode_lanes(results.byte_lanes(lo[j], hi[j]), k, out=flat, blocks=range(j, j + 1))
         else:                                       # loss or mixed k within a block: Y/k per chunk
             np.copyto(flat, rnd.decode(average_lanes(chunks, results, n, cfg.granularity, job.lane_bits)))
         rnd.feedback(residual[0])
