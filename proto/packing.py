@@ -110,11 +110,6 @@ def pack_lanes(y: np.ndarray, lane_bits: int) -> bytes:
     return y.astype(LANE_DTYPES[lane_bits]).tobytes()
 
 
-def lanes_size(count: int, lane_bits: int) -> int:
-    """Bytes that `count` L-bit lanes occupy (a partial last byte padded with zero bits)."""
-    return packed_size(count, lane_bits)
-
-
 def unpack_lanes(buf, lane_bits: int, count: int | None = None) -> np.ndarray:
     """Inverse of :func:`pack_lanes` into native int64 (`count`: the first so many lanes;
     None: every whole lane the buffer holds)."""
