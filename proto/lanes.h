@@ -36,14 +36,17 @@ static void lanes_pack_scalar(uint8_t *dst, const uint8_t *src, size_t count, in
     if (nb) dst[o] = (uint8_t)(acc << (8 - nb));
 }
 
+/* Field i of L bits (1..8) of an MSB-first stream of nbytes bytes: DATA's indices and sub-byte
+ * lanes alike (the PS's generic index lookup reads them so too). */
+static inline uint32_t msb_field(const uint8_t *src, size_t nbytes, size_t i, int L) {
+    size_t bit = i * (size_t)L, byte = bit >> 3;
+    uint32_t w = ((uint32_t)src[byte] << 8) | (byte + 1 < nbytes ? src[byte + 1] : 0);
+    return (w >> (16 - (bit & 7) - (size_t)L)) & ((1u << L) - 1);
+}
+
 static void lanes_widen_scalar(uint8_t *dst, const uint8_t *src, size_t count, int L) {
-    const uint32_t m = (1u << L) - 1;
     const size_t nbytes = lanes_size(count, L);
-    for (size_t i = 0; i < count; i++) {
-        size_t bit = i * (size_t)L, byte = bit >> 3;
-        uint32_t w = ((uint32_t)src[byte] << 8) | (byte + 1 < nbytes ? src[byte + 1] : 0);
-        dst[i] = (uint8_t)((w >> (16 - (bit & 7) - (size_t)L)) & m);
-    }
+    for (size_t i = 0; i < count; i++) dst[i] = (uint8_t)msb_field(src, nbytes, i, L);
 }
 
 #if defined(__x86_64__)

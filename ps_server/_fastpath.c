@@ -154,14 +154,9 @@ static void lookup_add_scalar(uint8_t *acc, int lane_bytes, const uint8_t *in, i
         return;
     }
     if (set) memset(acc, 0, (size_t)count * (size_t)lane_bytes);
-    uint32_t mask = (1u << bits) - 1;
-    uint64_t bitpos = 0;
-    for (int i = 0; i < count; i++, bitpos += bits) {
-        /* MSB-first bitstream: read `bits` bits starting at bitpos */
-        uint32_t byte = (uint32_t)(bitpos >> 3), sh = (uint32_t)(bitpos & 7);
-        uint32_t window = ((uint32_t)in[byte] << 8) | (byte + 1 < (uint32_t)((count * bits + 7) / 8) ? in[byte + 1] : 0);
-        uint32_t z = (window >> (16 - sh - bits)) & mask;
-        uint32_t v = table[z];
+    const size_t nbytes = lanes_size((size_t)count, bits);
+    for (int i = 0; i < count; i++) {
+        uint32_t v = table[msb_field(in, nbytes, (size_t)i, bits)];   /* MSB-first indices */
         if (lane_bytes == 1) acc[i] += (uint8_t)v;
         else if (lane_bytes == 2) ((uint16_t *)acc)[i] += (uint16_t)v;
         else ((uint32_t *)acc)[i] += v;

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from thc_ps.compression import _kernels
 from thc_ps.proto import headers as H
 
 _SETTLED = 4                 # phase_run chunk state: settled by Python (a stashed result)
@@ -87,7 +88,6 @@ class PhaseResults(Sequence):
             raise ValueError(f"{self.bits}-bit lanes are not bytes")
         if self._wide is None:
             self._wide = np.empty(int(self.coff[-1]), np.uint8)
-        from thc_ps.compression import _kernels
         _kernels.widen_lanes(self.lanes, self.roff, self.coff, lo, len(self) if hi is None else hi,
                              self.bits, self._wide)
         return self._wide
