@@ -697,6 +697,28 @@ def _quantize_ef(xr, a: int, b: int, big_m: float, g: int, tab8: bytes, uniforms
     _kernels.quantize_ef(xr[a:b], big_m, g, tab8, u, o, packed, resid[a:b] if resid is not None else None)
 
 
+def prepare(cfg: ThcConfig, dim: int, memory=None, key=None) -> None:
+    """Make now what the first round of a `dim`-coordinate tensor would otherwise make inside
+    itself: the job's table, the sign diagonals of a job rotation (the rotation's D, drawn once
+    and kept), and two vectors for `memory`'s spare buffers under `key`, written once so that
+    their pages are mapped: all a job rotation's rounds use (x and the residual, handed back
+    and forth: `WorkerRound`); a rotation per round keeps a third, which its second round
+    makes.  Nothing on the wire or in the values changes; the first round of a training run
+    no longer faults in tens of MB nor draws the diagonals on the critical path (docs/bench.md,
+    "A first step like the others")."""
+    layout = cfg.layout(dim)
+    _ = cfg.table
+    if cfg.rotation == "job":
+        for j, p in enumerate(layout.padded):
+            rademacher_bits(cfg.seed, cfg.sign_round(0), j, p)
+    if memory is not None:
+        n = layout.padded_dim if cfg.rotation == "job" else dim
+        spare = [np.empty(n, dtype=np.float32) for _ in range(2)]
+        for b in spare:
+            b.fill(0.0)             # np.zeros would map its pages only when first written
+        memory.recycle(key, *spare)
+
+
 class WorkerRound:
     """One worker's THC round (Alg. 3), the steps every caller shares; only the exchange of
     norms and of indices/sums (PS over UDP, torch all-reduce, in-process sum) differs:

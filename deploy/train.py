@@ -312,8 +312,9 @@ class _GradPath:
     def __init__(self, cfg: TrainConfig, rank: int, model, worker, store_port: int):
         from thc_ps.worker.training import GradientSync
         self.worker, self.net, self.hook = worker, model, None
-        self.sync = GradientSync(worker, model, per_tensor=cfg.per_tensor)
-        if cfg.uses_hook:
+        if not cfg.uses_hook:
+            self.sync = GradientSync(worker, model, per_tensor=cfg.per_tensor)
+        else:
             import torch
 
             from thc_ps.worker.ps_hook import HookSync, PSHookState, merged_report, ps_hook

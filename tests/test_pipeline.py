@@ -161,3 +161,23 @@ def test_auto_pipelines_when_the_host_idled_through_the_last_phase(monkeypatch):
     monkeypatch.setattr(client, "PIPELINE", "sometimes")
     with pytest.raises(ValueError, match="THC_PIPELINE must be auto, 0 or 1"):
         Worker(transport=type("T", (), {"job": JobConfig(num_workers=1), "worker_id": 0})())
+
+
+def test_spans_start_small_grow_to_the_cap_and_cover_each_block_in_order():
+    """A rotated round's quantizer spans (`send_spans`): the first SEND_SPAN long, so the wire
+    starts early; each next twice the last up to SPAN_CAP, so a 2^20 block is six hand-offs
+    to the phase, not sixteen; no span crosses a block's end; every boundary even."""
+    from thc_ps.worker.client import SEND_SPAN, SPAN_CAP, send_spans
+    padded = [1 << 20, 1 << 19, 1 << 12, 4]
+    spans = send_spans(padded, SEND_SPAN, SPAN_CAP)
+    assert [b - a for j, a, b in spans if j == 0] == [1 << 16, 1 << 17, 1 << 18, 1 << 18, 1 << 18, 1 << 16]
+    assert [(a, b) for j, a, b in spans if j > 0] == [(0, 1 << 18), (1 << 18, 1 << 19), (0, 1 << 12), (0, 4)]
+    assert [j for j, _, _ in spans] == sorted(j for j, _, _ in spans)
+    for j, p in enumerate(padded):
+        mine = [(a, b) for k, a, b in spans if k == j]
+        assert mine[0][0] == 0 and mine[-1][1] == p
+        assert all(b == a2 for (_, b), (a2, _) in zip(mine, mine[1:]))     # back to back
+    assert all(a % 2 == 0 and b % 2 == 0 for _, a, b in spans)
+    # a cap of the first span gives the fixed spans of before
+    assert [b - a for _, a, b in send_spans([1 << 18], 1 << 16, 1 << 16)] == [1 << 16] * 4
+    assert SEND_SPAN % 2 == 0 and SPAN_CAP % SEND_SPAN == 0

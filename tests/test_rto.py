@@ -95,6 +95,37 @@ def test_the_norm_floor_is_the_wait_of_a_rank_that_comes_first():
         assert eng.norm_rtt.meeting_q == q and eng.rtt.meeting_q == 0.5
 
 
+def test_each_shard_with_enough_answers_gets_its_own_scale_and_no_other():
+    """Chunks of one phase spread over shards in runs: a shard answered MIN_SAMPLES times or
+    more is measured on its own answers, one answered fewer times and one not sent to keep
+    their scales, and a phase whose answers came from one shard only moves that one."""
+    t = RetransmitTimer(0.05, 1.0, shards=4)
+    m = RetransmitTimer.MIN_SAMPLES
+    shard = np.r_[np.zeros(m, np.int32), np.full(m - 1, 1, np.int32), np.full(m + 4, 3, np.int32)]
+    per = np.r_[np.full(m, 2e-3), np.full(m - 1, 5e-3), np.full(m + 4, 7e-3)]   # round trip per chunk in flight
+    sent, k = np.ones(shard.size), np.ones(shard.size, np.int32)
+    t.phase_done(shard, sent, sent + per * k, k)
+    assert t.T[T_SCALES:T_SCALES + 4].tolist() == pytest.approx([3 * 2e-3, 0, 0, 3 * 7e-3])
+    t.phase_done(np.full(m, 1, np.int32), np.ones(m), np.ones(m) + 4e-3, np.ones(m, np.int32))
+    assert t.T[T_SCALES:T_SCALES + 4].tolist() == pytest.approx([3 * 2e-3, 3 * 4e-3, 0, 3 * 7e-3])
+
+
+def test_a_job_s_first_phase_imports_nothing():
+    """The timer's end of a phase is numpy arithmetic only: a first call of np.unique imports
+    numpy.ma (6-16 ms), which landed inside every rank's first phase of a job."""
+    code = ("import sys, numpy as np\n"
+            "from thc_ps.worker.rto import RetransmitTimer\n"
+            "t = RetransmitTimer(0.05, 1.0, shards=2)\n"
+            "before = set(sys.modules)\n"
+            "n = 40\n"
+            "t.phase_done(np.arange(n, dtype=np.int32) % 2, np.ones(n), np.ones(n) + 1e-3, np.ones(n, np.int32))\n"
+            "print(sorted(set(sys.modules) - before))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 def test_phases_with_few_answers_and_the_fixed_rule_leave_the_timer_alone():
     t = RetransmitTimer(0.05, 1.0, shards=1)
     sent = np.full(RetransmitTimer.MIN_SAMPLES - 1, 1.0)

@@ -41,6 +41,9 @@ def train_through_ps(rotation="round", set_to_none=True):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         t = Transport("127.0.0.1", server.data_addr[1], rank, control_port=server.control_port)
         sync = GradientSync(Worker(t, seed=SEED), model)
+        # prepared at construction (Worker.prepare): the memory's two vectors, mapped already
+        prepared = list(sync.worker.errors._spare["model"])
+        assert len(prepared) == 2 and all(b.dtype == np.float32 and not b.any() for b in prepared)
         for step in range(STEPS):
             x, y = batches(rank, step)
             opt.zero_grad(set_to_none=set_to_none)
@@ -49,6 +52,9 @@ def train_through_ps(rotation="round", set_to_none=True):
             # the average is each .grad, a view of the sync's bucket (set_to_none=False: the
             # next backward accumulates into it in place)
             assert all(np.shares_memory(p.grad.numpy(), sync.bucket) for p in model.parameters())
+            # one rotation per job: the rounds' two vectors are the prepared ones, taken in turn
+            # (none made inside a round); a rotation per round keeps a third
+            assert any(sync.worker.errors.errors["model"] is b for b in prepared) or rotation == "round"
             opt.step()
         finals[rank] = flat_params(model)
         with pytest.raises(ValueError, match="needs out="):     # refused before any traffic

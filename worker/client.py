@@ -82,9 +82,27 @@ PIPELINE = os.environ.get("THC_PIPELINE", "auto")
 #: 2^16 coordinates' quantizer instead of a whole 2^20 block's (docs/bench.md, "The first
 #: chunk sooner").  Even, so that 4-bit pairs never straddle two spans.
 SEND_SPAN = 1 << 16
+#: ... and each later span twice the one before, up to this: the quantizer stays far ahead of
+#: the wire while a 2^20 block is six hand-offs to the phase instead of sixteen (docs/bench.md,
+#: "A first step like the others").
+SPAN_CAP = 1 << 18
 #: Under "auto": pipeline when at least this share of the host's CPU was idle during the last
 #: plain DATA phase, and keep it while at least STAY_IDLE was idle during a pipelined one.
 START_IDLE, STAY_IDLE = 0.25, 0.10
+
+
+def send_spans(padded, first: int, cap: int) -> list[tuple[int, int, int]]:
+    """The spans (block j, start, stop) a rotated round quantizes, in order, over blocks of
+    `padded` coordinates: the first `first` long, each next one twice the last up to `cap`,
+    none across a block's end (both even: every boundary is, as the blocks are)."""
+    spans, size = [], first
+    for j, p in enumerate(padded):
+        a = 0
+        while a < p:
+            b = min(a + size, p)
+            spans.append((j, a, b))
+            a, size = b, min(2 * size, cap)
+    return spans
 
 
 @dataclass
@@ -192,6 +210,15 @@ class Worker:
         self.rng.bit_generator.state = copy.deepcopy(state["rng"])
         self.errors.load_state_dict(state["errors"])
         self.codec_states = copy.deepcopy(state["codec_states"])
+
+    def prepare(self, dim: int, key: str = "grad") -> None:
+        """Ready this rank for allreduces of `dim` coordinates under `key` before the first:
+        a THC job's table, its rotation's sign diagonals and the error-feedback vectors
+        (thc.prepare); other codecs have nothing to make ahead.  Optional: a round that was
+        not prepared makes them itself."""
+        self.check_dim(dim)
+        if self.job.codec == "thc":
+            thc.prepare(self.cfg, dim, self.errors if self.error_feedback else None, key)
 
     def move_state(self, key: str, moves: list, dim: int) -> None:
         """The tensor under `key` keeps its coordinates but in another order (DDP rebuilt its
@@ -419,7 +446,7 @@ class Worker:
 
     def _pipelined_round(self, rnd: thc.WorkerRound, norms, rn: int, report: RoundReport, out=None):
         """The DATA phase of `_thc_round` as a pipeline over the RHT blocks: a helper thread
-        encodes block after block (a rotated round's big blocks in spans of SEND_SPAN, the
+        encodes block after block (a rotated round's big blocks in spans, `send_spans`, the
         first span in this thread before the phase starts) and the phase sends each block's
         or span's chunks as soon as they are made (worker/chunks.py ChunkStream), then the
         helper computes the error-feedback residual block by block while the chunks are on
@@ -445,8 +472,8 @@ class Worker:
         stream = ChunkStream(len(chunks))
         # a rotated round quantizes a big block in spans, so that its first chunks go out while
         # the rest is made (the block's transform is done already: only the quantizer remains)
-        step = SEND_SPAN if rnd.rotated else max(layout.padded)
-        spans = [(j, a, min(a + step, p)) for j, p in enumerate(layout.padded) for a in range(0, p, step)]
+        spans = send_spans(layout.padded, SEND_SPAN, SPAN_CAP) if rnd.rotated else \
+            [(j, 0, p) for j, p in enumerate(layout.padded)]
         made = [threading.Event() for _ in range(nblocks)]       # block j's residual done too
         residual = [None]
         shares = rnd.memory is not None and np.shares_memory(flat, rnd.x)

@@ -105,6 +105,8 @@ class GradientSync:
         if not per_tensor and self.params and all(p.dtype == torch.float32 and p.device.type == "cpu"
                                                   for p in self.params):
             self.bucket = np.empty(sum(p.numel() for p in self.params), dtype=np.float32)
+            self.bucket.fill(0.0)       # its pages mapped now, not by the first round's decode
+            worker.prepare(self.bucket.size, key)
             self.views, off = [], 0
             for p in self.params:
                 self.views.append(torch.from_numpy(self.bucket[off:off + p.numel()]).view_as(p))
