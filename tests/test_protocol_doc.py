@@ -108,6 +108,28 @@ def test_random_streams_as_documented():
     assert np.array_equal(want, gradient(seed, r, 2, 5000))
 
 
+def test_the_timer_scales_each_shard_as_section_3_says():
+    """§3's σ_h, read from the document: 3 × the lower quartile of (round trip / k) over a
+    phase's answered chunks to shard h, once that phase had at least N of them.  The code's
+    timer, fed a phase of N − 1 answers from one shard and N from another (and none from a
+    third), measures exactly the second, with the document's factor."""
+    import re
+
+    from thc_ps.worker.rto import T_SCALES, RetransmitTimer
+    text = " ".join(DOC.read_text().split())
+    m = re.search(r"σ_h = (\d+) × the lower quartile of \(round trip / k\) over a phase's answered chunks "
+                  r"to shard h, once a phase had at least (\d+) of them", text)
+    assert m, "§3 no longer states σ_h as this test reads it"
+    factor, least = int(m.group(1)), int(m.group(2))
+    per = np.r_[np.full(least - 1, 5e-3), np.linspace(1e-3, 4e-3, least)]   # round trip / k
+    shard = np.r_[np.zeros(least - 1, np.int32), np.ones(least, np.int32)]
+    k = np.arange(1, shard.size + 1, dtype=np.int32)
+    t = RetransmitTimer(0.05, 1.0, shards=3)
+    t.phase_done(shard, np.ones(shard.size), 1 + per * k, k)
+    quartile = np.percentile(per[least - 1:], 25)
+    assert t.T[T_SCALES:T_SCALES + 3].tolist() == pytest.approx([0, factor * quartile, 0])
+
+
 def test_every_drop_counter_is_documented():
     from thc_ps.ps_server.reference import DROP_REASONS
     text = DOC.read_text()
