@@ -67,7 +67,8 @@ from thc_ps.proto import headers as H  # noqa: E402
 from thc_ps.proto.job import DEFAULT_BLOCK_LOG2, JobConfig  # noqa: E402
 
 
-def _codec_round(cfg, job, grad, memory, lanes, rng, r, meet=lambda: None, out=None, stages=None) -> float:
+def _codec_round(cfg, job, grad, memory, lanes, rng, r, meet=lambda: None, out=None, stages=None,
+                 segments=None) -> float:
     """One worker's codec work in a round, the steps of thc.WorkerRound that Worker._thc_round
     runs besides the transport, in its order: x = ∇ + e and block norms, (the norm phase),
     uniforms + fused encode, (the data phase: results need every rank's data), the
@@ -76,10 +77,11 @@ def _codec_round(cfg, job, grad, memory, lanes, rng, r, meet=lambda: None, out=N
     then runs it).  `meet` stands for the two phases; `out`: where the average goes (the
     gradient's own vector unless given: `thc.Pieces` need one).  Returns this thread's CPU
     seconds in the steps (not in `meet`); `stages`, a dict, gets each step's CPU seconds added
-    under "rotate and norms", "quantize" and "decode"."""
+    under "rotate and norms", "quantize" and "decode"; `segments`: the tensors' sizes, each
+    cut into blocks of its own (`thc.Pieces` give theirs)."""
     from thc_ps.worker.client import OVERLAP_RESIDUAL
     c = time.thread_time()
-    rnd = thc.WorkerRound(cfg, grad, memory, "grad")
+    rnd = thc.WorkerRound(cfg, grad, memory, "grad", segments=segments)
     norms = rnd.norms().astype(np.float64)
     cpu = [time.thread_time() - c]
     meet()

@@ -93,9 +93,10 @@ def main(argv=None) -> dict:
         os.environ["THC_CODEC_THREADS"] = args.codec_threads
     rng = np.random.default_rng(0)
     grads = [(rng.standard_normal(args.dim) * rng.lognormal(0, 1, args.dim)).astype(np.float32) for _ in range(2)]
-    layout = thc.make_layout(args.dim, args.block_log2)
+    sizes = tensor_sizes(args.dim)                  # each tensor its own blocks, as a worker cuts them
+    layout = thc.make_layout(args.dim, args.block_log2, segments=sizes)
     lanes = rng.integers(0, 121, layout.padded_dim).astype(np.uint8)
-    cuts = np.cumsum([0, *tensor_sizes(args.dim)])
+    cuts = np.cumsum([0, *sizes])
     state = {}
     for way in WAYS:
         job = JobConfig(num_workers=4, block_log2=args.block_log2, rotation=way.split(",")[0])
@@ -118,7 +119,8 @@ def main(argv=None) -> dict:
                 grad = np.concatenate(tensors, out=bucket)
             copy = time.thread_time() - c0
             split = {}
-            cpu = copy + _codec_round(cfg, job, grad, memory, lanes, rrng, r, out=bucket, stages=split)
+            cpu = copy + _codec_round(cfg, job, grad, memory, lanes, rrng, r, out=bucket, stages=split,
+                                      segments=sizes)
             if r >= 2 and way == "job, pieces":
                 for name, t in split.items():
                     stages.setdefault(name, []).append(1e3 * t)

@@ -91,9 +91,10 @@ class ThcConfig:
         return cls(bits=job.bits, granularity=job.granularity, p=job.p, lane_bits=job.lane_bits,
                    block_log2=job.block_log2, seed=job.seed, rotation=job.rotation, tail_log2=job.tail_log2)
 
-    def layout(self, dim: int) -> Layout:
-        """How this job cuts a tensor of `dim` coordinates into RHT blocks (`make_layout`)."""
-        return make_layout(dim, self.block_log2, self.tail_log2)
+    def layout(self, dim: int, segments=None) -> Layout:
+        """How this job cuts a vector of `dim` coordinates (tensors of `segments` sizes back to
+        back, or one tensor) into RHT blocks (`make_layout`)."""
+        return make_layout(dim, self.block_log2, self.tail_log2, segments)
 
 
 @dataclass(frozen=True)
@@ -117,13 +118,41 @@ class Layout:
         return out
 
 
-def make_layout(dim: int, block_log2: int = DEFAULT_BLOCK_LOG2, tail_log2: int = DEFAULT_TAIL_LOG2) -> Layout:
+#: How a round's vector is cut into RHT blocks, as a saved state records it: "per-tensor", each
+#: tensor of a bucket its own blocks (`make_layout`'s segments).  A job rotation's residual is
+#: kept in those blocks, so a residual saved under another rule is not carried over.
+BLOCK_RULE = "per-tensor"
+
+
+def make_layout(dim: int, block_log2: int = DEFAULT_BLOCK_LOG2, tail_log2: int = DEFAULT_TAIL_LOG2,
+                segments=None) -> Layout:
     """Blocks of 2^block_log2 coordinates, then the rest r < 2^block_log2 in power-of-two blocks
     (docs/protocol.md §4 step 1): r rounded up to a multiple of 2^tail_log2 and cut at its binary
     digits, largest block first, the last one padded with zeros; a rest of at most 2^tail_log2
     is one block, padded to its next power of two.  So a tensor carries fewer than 2^tail_log2
     coordinates of padding where one block of next_pow2(r) could nearly double it (a DDP bucket
-    of 570,112 floats: 573,440 coordinates instead of 1,048,576)."""
+    of 570,112 floats: 573,440 coordinates instead of 1,048,576).
+
+    `segments`: the sizes of the tensors the vector holds back to back (a DDP bucket's
+    parameters, a model's gradients); each is cut by the rule on its own, its blocks after the
+    last one's.  A block then never mixes two tensors, so each tensor is quantized on its own
+    norm's scale: the error THC bounds by a block's norm (§5) stays in proportion to that
+    tensor's gradient instead of the bucket's largest (docs/design.md, "A block never spans
+    two tensors")."""
+    if segments is not None:
+        if sum(segments) != dim or min(segments, default=0) < 0:
+            raise ValueError(f"segments must be sizes adding up to {dim:,}, got {len(segments)} "
+                             f"adding up to {sum(segments):,}")
+        segments = [n for n in segments if n]           # an empty tensor has no blocks
+    if segments is not None and len(segments) > 1:
+        starts, lengths, padded, at = [], [], [], 0
+        for n in segments:
+            one = make_layout(n, block_log2, tail_log2)
+            starts += [at + s for s in one.starts]
+            lengths += one.lengths
+            padded += one.padded
+            at += n
+        return Layout(dim, tuple(starts), tuple(lengths), tuple(padded))
     if dim <= 0:
         raise ValueError(f"dimension must be positive, got {dim}")
     cap = 1 << block_log2
@@ -164,6 +193,11 @@ class Pieces:
                 raise ValueError(f"every piece must be a contiguous float32 array, got {a.dtype}")
         self.size = sum(a.size for a in self.arrays)
         self._ends = np.cumsum([a.size for a in self.arrays])
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Each piece's size, in order: the segments of the round's layout (`make_layout`)."""
+        return tuple(a.size for a in self.arrays)
 
     def span(self, start: int, stop: int) -> tuple:
         """The pieces' parts holding coordinates [start, stop), in order."""
@@ -697,7 +731,7 @@ def _quantize_ef(xr, a: int, b: int, big_m: float, g: int, tab8: bytes, uniforms
     _kernels.quantize_ef(xr[a:b], big_m, g, tab8, u, o, packed, resid[a:b] if resid is not None else None)
 
 
-def prepare(cfg: ThcConfig, dim: int, memory=None, key=None) -> None:
+def prepare(cfg: ThcConfig, dim: int, memory=None, key=None, segments=None) -> None:
     """Make now what the first round of a `dim`-coordinate tensor would otherwise make inside
     itself: the job's table, the sign diagonals of a job rotation (the rotation's D, drawn once
     and kept), and two vectors for `memory`'s spare buffers under `key`, written once so that
@@ -706,7 +740,7 @@ def prepare(cfg: ThcConfig, dim: int, memory=None, key=None) -> None:
     makes.  Nothing on the wire or in the values changes; the first round of a training run
     no longer faults in tens of MB nor draws the diagonals on the critical path (docs/bench.md,
     "A first step like the others")."""
-    layout = cfg.layout(dim)
+    layout = cfg.layout(dim, segments)
     _ = cfg.table
     if cfg.rotation == "job":
         for j, p in enumerate(layout.padded):
@@ -748,9 +782,12 @@ class WorkerRound:
     gradient may then be :class:`Pieces`, read where they lie (no copy into one vector).
     """
 
-    def __init__(self, cfg: ThcConfig, grad, memory=None, key=None, *, compensate: bool = True):
+    def __init__(self, cfg: ThcConfig, grad, memory=None, key=None, *, compensate: bool = True,
+                 segments=None):
         self.cfg, self.memory, self.key = cfg, memory, key
-        self.layout = cfg.layout(grad.size if isinstance(grad, (np.ndarray, Pieces)) else grad.numel())
+        if segments is None and isinstance(grad, Pieces):
+            segments = grad.sizes
+        self.layout = cfg.layout(grad.size if isinstance(grad, (np.ndarray, Pieces)) else grad.numel(), segments)
         self.max_norms = self.z = self.round_no = None
         self.packed = False
         self._uniforms = self._residual = None

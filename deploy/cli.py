@@ -264,7 +264,7 @@ def _policies():
 def _model_arg(p):
     p.add_argument("--model", choices=("cnn", "mlp", "mlp-wide"), default="cnn",
                    help="model (mlp-wide: 784-2600-10, 2.07 M parameters, padded by the RHT to "
-                        "2,068,480 coordinates)")
+                        "2,072,592 coordinates, each tensor in blocks of its own)")
 
 
 def _policy_arg(p):

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("script", ["bench_p4.py", "bench_breakeven.py", "pauses.py", "bench_jobs.py", "bench_rto.py",
-                                    "round_cpu.py", "bench_rotation.py", "bench_loss.py"])
+                                    "round_cpu.py", "bench_rotation.py", "bench_loss.py", "bench_tensor_error.py"])
 def test_script_help_runs_from_anywhere(script, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], cwd=tmp_path, env=env,
@@ -102,7 +102,9 @@ def test_bench_rotation_times_both_rotations_and_writes_its_json(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads((tmp_path / "rot.json").read_text())
     assert set(doc["cpu_ms"]) == {"round", "job, bucket", "job, pieces"} and all(v > 0 for v in doc["cpu_ms"].values())
-    p = 5120                                # 5000 in blocks of 2^11: 2048 + 2048 + 904 padded to 1024
+    # 5000 cut as the WideMLP's tensors (4931, 6, 62, 1), each in blocks of 2^11 of its own:
+    # 2048 + 2048 + 835 padded to 1024 | 8 | 64 | 1
+    p = 5120 + 8 + 64 + 1
     assert sum(s["bytes"] for s in doc["job_sweeps"]) == 4 * 5000 + 4 * p + 12 * p + 4 * p + 8 * p + p // 2 + 5 * p + 8 * p
     assert doc["job_floor_ms"] > 0 and "round / job, pieces CPU:" in proc.stdout and "floor" in proc.stdout
 
@@ -273,3 +275,18 @@ def test_bench_floor_makes_no_gradient_while_a_round_runs():
         assert first_made >= last_end, (r, first_made - last_end)
     for m in marks.values():
         assert all(made <= start < end for start, end, made in m)
+
+
+def test_bench_tensor_error_writes_a_row_per_tensor(tmp_path):
+    """bench_tensor_error.py without training steps, two workers: one row per parameter tensor
+    of the example LM, both errors finite and positive, the JSON where --out says."""
+    import json
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_tensor_error.py"), "--steps", "0",
+                           "--workers", "2", "--out", str(tmp_path / "e.json")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "e.json").read_text())["rows"]
+    assert len(rows) == 54 and rows[-1]["tensor"] == "head.bias"
+    assert all(0 < r["one_vector"] < 10 and 0 < r["per_tensor"] < 10 for r in rows)
+    assert "per tensor: relative error per tensor" in proc.stdout

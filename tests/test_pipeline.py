@@ -10,7 +10,7 @@ import pytest
 from thc_ps.compression import thc
 from thc_ps.proto.job import JobConfig
 from thc_ps.ps_server.server import PSServer
-from tests.helpers import run_threads
+from tests.helpers import ranks_against_ps
 from thc_ps.worker.client import Worker, average_lanes
 from thc_ps.worker.transport import PackedChunks, Transport
 
@@ -20,28 +20,20 @@ DIM = 5 * 4096 + 1000          # block_log2 = 12: five whole blocks and a padded
 def cluster(n, pipeline, rounds=3, quorum=1.0, straggle=None, seed=7, lane_bits=0):
     """n workers in threads against the C PS; per rank, per round: (average, residual, report)."""
     job = JobConfig(num_workers=n, block_log2=12, quorum=quorum, seed=seed, lane_bits=lane_bits)
-    server = PSServer(job, ("127.0.0.1", 0), control_port=0, engine="c").start()
     out = {r: [] for r in range(n)}
 
-    def rank(r):
-        t = Transport("127.0.0.1", server.data_addr[1], r, control_port=server.control_port, timeout_ms=200)
-        try:
-            w = Worker(t, seed=seed, per_round_rng=True)
-            w.pipeline = pipeline
-            rng = np.random.default_rng([seed, r])
-            for k in range(rounds):
-                g = rng.standard_normal(DIM).astype(np.float32)
-                if straggle is not None and r == straggle:
-                    w.straggler_delay = 0.03 if k % 2 else 0.0
-                avg = w.allreduce(g, key="g", round_no=k)
-                out[r].append((avg.copy(), w.errors.errors["g"].copy(), w.last))
-        finally:
-            t.close()
+    def rank(r, t):
+        w = Worker(t, seed=seed, per_round_rng=True)
+        w.pipeline = pipeline
+        rng = np.random.default_rng([seed, r])
+        for k in range(rounds):
+            g = rng.standard_normal(DIM).astype(np.float32)
+            if straggle is not None and r == straggle:
+                w.straggler_delay = 0.03 if k % 2 else 0.0
+            avg = w.allreduce(g, key="g", round_no=k)
+            out[r].append((avg.copy(), w.errors.errors["g"].copy(), w.last))
 
-    try:
-        assert run_threads(rank, n, timeout=120) == []
-    finally:
-        server.stop()
+    ranks_against_ps(job, n, rank)
     return out
 
 

@@ -130,6 +130,56 @@ def test_the_timer_scales_each_shard_as_section_3_says():
     assert t.T[T_SCALES:T_SCALES + 3].tolist() == pytest.approx([0, factor * quartile, 0])
 
 
+_BUCKETS = """
+import json, sys, torch, torch.distributed as dist, torch.nn.functional as F
+from thc_ps.deploy import lm_experiment as lm
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+torch.manual_seed(0)
+ddp = torch.nn.parallel.DistributedDataParallel(lm.example().CharLM(64, 128, 4, heads=4))
+seen = {}
+def hook(state, bucket):
+    seen[bucket.index()] = [p.numel() for p in bucket.parameters()]
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+ddp.register_comm_hook(None, hook)
+x = torch.randint(0, 256, (2, 64))
+for _ in range(3):                      # DDP settles its buckets after the first step
+    F.cross_entropy(ddp(x).reshape(-1, 256), x.reshape(-1)).backward()
+print(json.dumps(list(seen.values())))
+dist.destroy_process_group()
+"""
+
+
+def test_tensors_blocks_and_norm_chunks_as_section_4_says(tmp_path):
+    """§4 step 1's example (the example LM's DDP bucket: its tensors, blocks and D, cut tensor
+    by tensor and as one tensor) and step 2's norms per NORM packet, against the code: the
+    bucket as DDP makes it (a one-rank DDP in a fresh process), thc.make_layout, and
+    Worker.norms_per_chunk."""
+    import json
+    import re
+    import subprocess
+    import sys
+    import types
+
+    from thc_ps.compression import thc
+    from thc_ps.worker.client import Worker
+    flat = " ".join(DOC.read_text().split())
+    m = re.search(r"chunks of K = .*? norms \((\d[\d,]*) at MTU (\d[\d,]*)\)", flat)
+    k, mtu = (int(v.replace(",", "")) for v in m.groups())
+    assert Worker.norms_per_chunk.fget(types.SimpleNamespace(job=JobConfig(num_workers=4, mtu=mtu))) == k
+    m = re.search(r"bucket of ([\d,]+) floats in the example language model holds (\d+) tensors: (\d+) blocks, "
+                  r"D = ([\d,]+), against (\d+) blocks and ([\d,]+) cut as one tensor", flat)
+    dim, tensors, blocks, big_d, one_blocks, one_d = (int(v.replace(",", "")) for v in m.groups())
+    out = subprocess.run([sys.executable, "-c", _BUCKETS, str(tmp_path / "store")], capture_output=True,
+                         text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    sizes = next(b for b in json.loads(out.stdout.strip().splitlines()[-1]) if sum(b) == dim)
+    cut, whole = thc.make_layout(dim, segments=sizes), thc.make_layout(dim)
+    assert (len(sizes), len(cut.padded), cut.padded_dim) == (tensors, blocks, big_d)
+    assert (len(whole.padded), whole.padded_dim) == (one_blocks, one_d)
+
+
 def test_every_drop_counter_is_documented():
     from thc_ps.ps_server.reference import DROP_REASONS
     text = DOC.read_text()

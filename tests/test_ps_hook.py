@@ -238,7 +238,7 @@ class _FlakyWorker:
     def check_dim(self, dim):
         pass
 
-    def allreduce(self, x, key, out):
+    def allreduce(self, x, key, out, segments=None):
         if len(self.ran) == 1 and not getattr(self, "failed", False):
             self.failed = True
             raise RuntimeError("lease lost")
@@ -267,6 +267,38 @@ def test_a_failed_round_voids_the_rest_of_its_step_and_the_next_step_runs():
 
 
 @pytest.mark.parametrize("rotation", ["round", "job"])
+def test_each_parameter_of_a_bucket_gets_its_own_blocks(rotation):
+    """The hook hands the bucket's parameter sizes to the round (Worker.allreduce's segments):
+    parameters of 700 and 300 floats in blocks of 2^8 are cut 256 + 256 + 256 | 256 + 64 (five
+    norms a round), not as one vector of 1,000 (four); the hook's average is bit for bit a
+    worker's allreduce given those sizes, and not the one of the vector cut as one tensor."""
+    from thc_ps.compression import thc
+    a, b = torch.zeros(700), torch.zeros(300)
+    job = JobConfig(num_workers=1, seed=SEED, rotation=rotation, block_log2=8)
+    g = grads(0, 0, 1000)
+    assert thc.ThcConfig.of_job(job).layout(1000, (700, 300)).padded == (256, 256, 256, 256, 64)
+
+    def run(via_hook: bool, segments=None) -> np.ndarray:
+        server = ps(job)
+        t = transports(server, 1)[0]
+        try:
+            w = Worker(t, seed=SEED)
+            if not via_hook:
+                return w.allreduce(g.copy(), key="bucket0", segments=segments)
+            state = PSHookState(w, world_size=1, keep_reports=True)
+            out = ps_hook(state, FakeBucket(0, torch.from_numpy(g.copy()), [a, b])).wait().numpy().copy()
+            state.close()
+            assert [len(r.norms) for r in state.take_reports()] == [5]
+            return out
+        finally:
+            t.close()
+            server.stop()
+    hooked = run(True)
+    np.testing.assert_array_equal(hooked, run(False, (700, 300)))
+    assert not np.array_equal(hooked, run(False))
+
+
+@pytest.mark.parametrize("rotation", ["round", "job"])
 def test_a_rebuilt_bucket_takes_its_residual_along(rotation):
     """DDP rebuilds its buckets after the first step: the same parameters in another order.
     The hook moves the bucket's residual with its coordinates (Worker.move_state, once), and
@@ -281,18 +313,18 @@ def test_a_rebuilt_bucket_takes_its_residual_along(rotation):
         w = Worker(t, seed=SEED)
         state = PSHookState(w, world_size=1)
         calls, move = [], w.move_state
-        w.move_state = lambda key, moves, dim: (calls.append((key, moves, dim)), move(key, moves, dim))
+        w.move_state = lambda key, moves, dim, segs: (calls.append((key, moves, dim, segs)), move(key, moves, dim, segs))
         g = grads(0, 0, 1000)
         ps_hook(state, FakeBucket(0, torch.from_numpy(g.copy()), [a, b])).wait()
         ps_hook(state, FakeBucket(0, torch.from_numpy(g.copy()), [a, b])).wait()
         assert calls == []
         ps_hook(state, FakeBucket(0, torch.from_numpy(np.concatenate([g[700:], g[:700]])), [b, a])).wait()
         state.close()
-        assert calls == [("bucket0", [(700, 0, 300), (0, 300, 700)], 1000)]
+        assert calls == [("bucket0", [(700, 0, 300), (0, 300, 700)], 1000, ((700, 300), (300, 700)))]
         assert state._layouts[0] == ((1, 0), (300, 700))
         e = grads(0, 9, w.errors.errors["bucket0"].size)          # any residual: the move itself
         w.errors.update("k", e.copy())
-        move("k", [(700, 0, 300), (0, 300, 700)], 1000)
+        move("k", [(700, 0, 300), (0, 300, 700)], 1000, ((700, 300), (300, 700)))
     finally:
         t.close()
         server.stop()
@@ -300,10 +332,10 @@ def test_a_rebuilt_bucket_takes_its_residual_along(rotation):
     if rotation == "round":
         np.testing.assert_array_equal(got, np.concatenate([e[700:], e[:700]]))
     else:
-        cfg, layout = thc.ThcConfig.of_job(w.job), thc.make_layout(1000, 8)
-        flat = thc.unrotate(e, cfg, layout)
-        np.testing.assert_allclose(thc.unrotate(got, cfg, layout), np.concatenate([flat[700:], flat[:700]]),
-                                   atol=1e-5)
+        cfg = thc.ThcConfig.of_job(w.job)           # each parameter its blocks, in either order
+        flat = thc.unrotate(e, cfg, thc.make_layout(1000, 8, segments=(700, 300)))
+        np.testing.assert_allclose(thc.unrotate(got, cfg, thc.make_layout(1000, 8, segments=(300, 700))),
+                                   np.concatenate([flat[700:], flat[:700]]), atol=1e-5)
 
 
 def test_the_moves_between_two_layouts_carry_each_parameter():

@@ -68,8 +68,15 @@ def ref_uniforms(key: int, count: int) -> np.ndarray:
     return bits.astype(np.float32) * np.float32(2.0 ** -24)
 
 
-def ref_blocks(d: int, block_log2: int, tail_log2: int) -> list:
-    """(start, length, padded length) of each RHT block (§4 step 1)."""
+def ref_blocks(d: int, block_log2: int, tail_log2: int, tensors=None) -> list:
+    """(start, length, padded length) of each RHT block (§4 step 1); `tensors`: the sizes of
+    the tensors x holds back to back, each cut on its own (none: x is one tensor)."""
+    if tensors is not None:
+        out, at = [], 0
+        for n in tensors:
+            out += [(at + s, k, p) for s, k, p in ref_blocks(n, block_log2, tail_log2)] if n else []
+            at += n
+        return out
     cap = 1 << block_log2
     whole = d - d % cap
     out = [(start, cap, cap) for start in range(0, whole, cap)]
@@ -186,10 +193,11 @@ class RefWorker:
             return int(np.random.PCG64(np.random.SeedSequence([self.worker_seed, self.rank, r, TAG])).random_raw())
         return int(self.stream.random_raw())
 
-    def allreduce(self, x: np.ndarray, r: int, others_max) -> tuple:
-        """(NORM packet, DATA packets) of allreduce r; `others_max(j, l)` is L_j given ℓ_j."""
+    def allreduce(self, x: np.ndarray, r: int, others_max, tensors=None) -> tuple:
+        """(NORM packet, DATA packets) of allreduce r; `others_max(j, l)` is L_j given ℓ_j;
+        `tensors`: the sizes of the tensors x holds (§4 step 1)."""
         job = self.job
-        blocks = ref_blocks(x.size, job["block_log2"], job["tail_log2"])
+        blocks = ref_blocks(x.size, job["block_log2"], job["tail_log2"], tensors)
         rots = []
         for j, (s, n, p) in enumerate(blocks):
             rot = ref_rotate(x[s:s + n], p, ref_signs(job["seed"], 0 if self.fixed else r, j, p))
@@ -285,13 +293,17 @@ def _gradient(r: int, d: int) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("bits,per_round,rotation,tail_log2", [(4, True, "round", 11), (2, False, "round", 6),
-                                                              (4, True, "job", 6), (2, False, "job", 11)])
-def test_reference_encoder_sends_the_real_workers_packets(bits, per_round, rotation, tail_log2):
+@pytest.mark.parametrize("bits,per_round,rotation,tail_log2,tensors",
+                         [(4, True, "round", 11, None), (2, False, "round", 6, None), (4, True, "job", 6, None),
+                          (2, False, "job", 11, None), (4, False, "job", 6, (7, 0, 2100, 1000, 1893)),
+                          (4, True, "round", 11, (3000, 2000))])
+def test_reference_encoder_sends_the_real_workers_packets(bits, per_round, rotation, tail_log2, tensors):
     """Under `rotation` `job` the worker keeps error feedback (§4 step 8): its residuals reach
     the later rounds' norms and indices, so the packets check them too.  d = 5000 in blocks of
     2^11 leaves a rest of 904: one block of 1024 with tail_log2 11, four of 512, 256, 128 and
-    64 with tail_log2 6 (§4 step 1)."""
+    64 with tail_log2 6 (§4 step 1).  With `tensors` the worker is given the sizes of the
+    tensors x holds, and each is cut on its own: (7, 0, 2100, 1000, 1893) in 8 | – | 2048 + 64
+    | 1024 | 1024 + 512 + 256 + 128 (5064 coordinates); (3000, 2000) in 2048 + 1024 | 2048."""
     from thc_ps.worker.client import Worker
     from thc_ps.worker.transport import Transport
     job = JobConfig(num_workers=2, bits=bits, seed=11, block_log2=11, tail_log2=tail_log2, slots=3, norm_slots=3,
@@ -309,8 +321,8 @@ def test_reference_encoder_sends_the_real_workers_packets(bits, per_round, rotat
         want = {}
         for r in range(rounds):
             x = _gradient(r, d)
-            w.allreduce(x)
-            norm_pkt, data_pkts, _ = ref.allreduce(x, r, others_max)
+            w.allreduce(x, segments=tensors)
+            norm_pkt, data_pkts, _ = ref.allreduce(x, r, others_max, tensors)
             for pkt in [norm_pkt] + data_pkts:
                 h = HDR.unpack_from(pkt)
                 want[(h[2], h[8], h[9])] = pkt
@@ -323,8 +335,9 @@ def test_reference_encoder_sends_the_real_workers_packets(bits, per_round, rotat
     assert set(got) == set(want), sorted(set(got) ^ set(want))
     for key in sorted(want):
         assert got[key] == want[key], f"packet (type, slot, round) {key} differs from the document's"
-    padded = {11: 5120, 6: 5056}[tail_log2]
-    assert sum(p for _, _, p in ref_blocks(d, 11, tail_log2)) == padded
+    padded = {(11, None): 5120, (6, None): 5056, (6, (7, 0, 2100, 1000, 1893)): 5064,
+              (11, (3000, 2000)): 5120}[tail_log2, tensors]
+    assert sum(p for _, _, p in ref_blocks(d, 11, tail_log2, tensors)) == padded
     assert len(want) == rounds * (1 + -(-padded // announced["elems_per_packet"]))
 
 

@@ -49,6 +49,37 @@ def test_a_tensors_rest_goes_in_power_of_two_blocks():
         thc.ThcConfig(tail_log2=31)
 
 
+def test_tensors_back_to_back_are_cut_one_by_one_and_no_block_holds_two():
+    """docs/protocol.md §4 step 1: a vector of several tensors is cut tensor by tensor (each by
+    the one-tensor rule, its blocks after the last one's; an empty tensor has none), so every
+    block lies inside one tensor; one tensor given as its own segment is cut as before."""
+    assert thc.make_layout(5000, 11, 6, (7, 0, 2100, 1000, 1893)).padded == \
+        (8, 2048, 64, 1024, 1024, 512, 256, 128)
+    assert thc.make_layout(5000, 11, 6, (5000,)) == thc.make_layout(5000, 11, 6)
+    assert thc.ThcConfig(block_log2=11, tail_log2=6).layout(5000, (3000, 2000)) == \
+        thc.make_layout(5000, 11, 6, (3000, 2000))
+    rng = np.random.default_rng(8)
+    for _ in range(200):
+        block, tail = int(rng.integers(4, 16)), int(rng.integers(0, 18))
+        sizes = [int(n) for n in rng.integers(0, 3 << block, int(rng.integers(1, 9)))]
+        if not sum(sizes):
+            continue
+        lay = thc.make_layout(sum(sizes), block, tail, sizes)
+        want, at = [], 0
+        for n in sizes:
+            if n:
+                one = thc.make_layout(n, block, tail)
+                want += [(at + s, k, p) for s, k, p in zip(one.starts, one.lengths, one.padded)]
+            at += n
+        assert list(zip(lay.starts, lay.lengths, lay.padded)) == want
+        ends = np.cumsum(sizes)
+        for s, k in zip(lay.starts, lay.lengths):       # a block's first and last coordinate: one tensor
+            assert np.searchsorted(ends, s, side="right") == np.searchsorted(ends, s + k - 1, side="right")
+    for bad in ((3000, 1999), (3000, 2001), (5001, -1)):
+        with pytest.raises(ValueError, match="adding up to 5,000"):
+            thc.make_layout(5000, 11, 6, bad)
+
+
 @pytest.mark.parametrize("dim,block_log2", [(1000, 23), (5000, 10)])
 def test_homomorphism(dim, block_log2):
     cfg = thc.ThcConfig(block_log2=block_log2, seed=3)
@@ -230,21 +261,24 @@ def test_a_job_rotation_numpy_reference_equals_the_kernels(monkeypatch, tail_log
 
 @pytest.mark.parametrize("rotation", ["job", "round"])
 def test_a_gradient_in_pieces_is_the_gradient_concatenated(rotation):
-    """WorkerRound of thc.Pieces (empty ones among them, one across the blocks' border) and of
-    their concatenation: the same x, norms, indices, residual and next round, bit for bit.  A
-    job rotation reads the pieces in place: its norms are those of R taken right after the
-    transform, and R − X is written over R (the memory keeps that vector)."""
+    """WorkerRound of thc.Pieces (empty ones among them, one longer than a block) and of their
+    concatenation with the pieces' sizes as its segments: the same x, norms, indices, residual
+    and next round, bit for bit.  A job rotation reads the pieces in place: its norms are those
+    of R taken right after the transform, and R − X is written over R (the memory keeps that
+    vector)."""
     cfg = thc.ThcConfig(seed=4, block_log2=10, rotation=rotation)
     rng = np.random.default_rng(21)
     dim = 2500
     grads = [(rng.standard_normal(dim) * rng.lognormal(0, 1, dim)).astype(np.float32) for _ in range(2)]
     cuts = [0, 7, 7, 1000, 1030, 2500]
+    sizes = tuple(b - a for a, b in zip(cuts, cuts[1:]))
 
     def rounds(as_pieces):
         memory, out = ErrorFeedback(), []
         for r, g in enumerate(grads):
             rnd = thc.WorkerRound(cfg, thc.Pieces([g[a:b] for a, b in zip(cuts, cuts[1:])]) if as_pieces else g,
-                                  memory, "p")
+                                  memory, "p", segments=None if as_pieces else sizes)
+            assert rnd.layout.padded == (8, 1024, 32, 1024, 512)     # 7 | 993 | 30 | 1024 + 446
             x, norms = rnd.x.copy(), rnd.norms()
             if rotation == "job":
                 assert np.array_equal(norms, thc.rotated_norms(rnd.x, rnd.layout))

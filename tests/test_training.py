@@ -86,7 +86,8 @@ def train_reference(rotation="round"):
             opts[r].zero_grad()
             F.cross_entropy(models[r](x), y).backward()
             g = flat_grad(list(models[r].parameters())).numpy().astype(np.float32)
-            layout = thc.make_layout(g.size, cfg.block_log2)
+            layout = thc.make_layout(g.size, cfg.block_log2,     # each tensor its own blocks
+                                     segments=[p.numel() for p in models[r].parameters()])
             if rotation == "job":
                 xs.append(thc.rotate(g, cfg, layout, carry=errs[r]))
             else:

@@ -14,6 +14,7 @@ the raw lane values (which would decode to −M).
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -29,6 +30,8 @@ from thc_ps.compression.cores import cpu_times, idle_share
 from thc_ps.proto import headers as H
 from thc_ps.proto.packing import unpack_lanes
 from thc_ps.worker.transport import ChunkStream, PackedChunks, PhaseResults, Transport
+
+log = logging.getLogger("thc_ps.worker")
 
 
 def joined_lanes(chunks, results, total: int, lane_bits: int):
@@ -192,7 +195,7 @@ class Worker:
         return {"rank": self.t.worker_id, "round_no": self.round_no,
                 "rng": copy.deepcopy(self.rng.bit_generator.state),
                 "errors": self.errors.state_dict(), "codec_states": copy.deepcopy(self.codec_states),
-                "job": {k: job[k] for k in self.STATE_FIELDS}}
+                "job": {k: job[k] for k in self.STATE_FIELDS}, "blocks": thc.BLOCK_RULE}
 
     def load_state_dict(self, state: dict) -> None:
         """Go on from `state_dict()`'s state; refused, naming the fields, when it was saved by
@@ -209,38 +212,48 @@ class Worker:
                              f"{self.t.worker_id}: each rank loads its own")
         self.round_no = int(state["round_no"])
         self.rng.bit_generator.state = copy.deepcopy(state["rng"])
-        self.errors.load_state_dict(state["errors"])
+        if self.cfg is not None and self.cfg.rotation == "job" and state.get("blocks") != thc.BLOCK_RULE:
+            # rotated residuals of blocks cut by another rule: they would land on other blocks
+            log.warning("the saved error-feedback residuals were rotated in RHT blocks cut by an older rule "
+                        "(blocks across tensors); this rank starts its error feedback afresh")
+            self.errors.load_state_dict({})
+        else:
+            self.errors.load_state_dict(state["errors"])
         self.codec_states = copy.deepcopy(state["codec_states"])
 
-    def prepare(self, dim: int, key: str = "grad") -> None:
-        """Ready this rank for allreduces of `dim` coordinates under `key` before the first:
-        a THC job's table, its rotation's sign diagonals and the error-feedback vectors
-        (thc.prepare); other codecs have nothing to make ahead.  Optional: a round that was
-        not prepared makes them itself."""
-        self.check_dim(dim)
+    def prepare(self, dim: int, key: str = "grad", segments=None) -> None:
+        """Ready this rank for allreduces of `dim` coordinates under `key` (tensors of
+        `segments` sizes, as `allreduce` takes them) before the first: a THC job's table, its
+        rotation's sign diagonals and the error-feedback vectors (thc.prepare); other codecs
+        have nothing to make ahead.  Optional: a round that was not prepared makes them itself."""
+        self.check_dim(dim, segments)
         if self.job.codec == "thc":
-            thc.prepare(self.cfg, dim, self.errors if self.error_feedback else None, key)
+            thc.prepare(self.cfg, dim, self.errors if self.error_feedback else None, key, segments)
 
-    def move_state(self, key: str, moves: list, dim: int) -> None:
+    def move_state(self, key: str, moves: list, dim: int, segments=(None, None)) -> None:
         """The tensor under `key` keeps its coordinates but in another order (DDP rebuilt its
         buckets): its error-feedback residual follows them.  `moves` are (old offset, new
-        offset, count) runs covering all `dim` coordinates.  A job rotation's residual is
-        rotated (R − X): it is taken back to the gradient's coordinates, moved and rotated
-        again (its share in a block's padding is dropped).  A BLOB codec's per-tensor state
-        starts afresh."""
+        offset, count) runs covering all `dim` coordinates; `segments` the tensors' sizes in
+        the old order and in the new (`allreduce`'s).  A job rotation's residual is rotated
+        (R − X): it is taken back to the gradient's coordinates in the old layout, moved and
+        rotated again in the new (its share in a block's padding is dropped).  A BLOB codec's
+        per-tensor state starts afresh."""
         self.codec_states.pop(key, None)
         e = self.errors.errors.get(key)
         if e is None:
             return
         rotated = self.cfg is not None and self.cfg.rotation == "job"
-        layout = self.cfg.layout(dim) if rotated else None
+        layout = self.cfg.layout(dim, segments[0]) if rotated else None
+        if rotated and np.size(e) != layout.padded_dim:
+            return                      # not this tensor's residual (nor would it be applied)
         flat = thc.unrotate(e, self.cfg, layout) if rotated else np.asarray(e).reshape(-1)
         if flat.size != dim:            # not a residual of this tensor: it would not be applied anyway
             return
         moved = np.empty_like(flat)
         for old, new, count in moves:
             moved[new:new + count] = flat[old:old + count]
-        self.errors.update(key, thc.rotate(moved, self.cfg, layout) if rotated else moved.reshape(np.shape(e)))
+        self.errors.update(key, thc.rotate(moved, self.cfg, self.cfg.layout(dim, segments[1])) if rotated
+                           else moved.reshape(np.shape(e)))
 
     def close(self) -> None:
         """Stop this worker's helper threads (the transport is the caller's to close)."""
@@ -284,17 +297,19 @@ class Worker:
             return self.rng
         return round_rng(self.seed, self.t.worker_id, round_no)
 
-    def skip_rounds(self, count: int, dim: int) -> None:
-        """Fast-forward `count` allreduces of `dim` coordinates without sending anything: the
-        slot rounds advance exactly as the other ranks' did, so a rank that rejoins a running
-        job continues at their round (data-plane codecs: thc and none)."""
+    def skip_rounds(self, count: int, dim: int, segments=None) -> None:
+        """Fast-forward `count` allreduces of `dim` coordinates (tensors of `segments` sizes, as
+        `allreduce` takes them) without sending anything: the slot rounds advance exactly as
+        the other ranks' did, so a rank that rejoins a running job continues at their round
+        (data-plane codecs: thc and none)."""
         job = self.job
         if job.blob:
             raise ValueError(f"rejoining a running job is supported for thc and none, not {job.codec}")
         for _ in range(count):
             if job.codec == "thc":
-                self.t.skip_phase(H.NORM, 1)
-            self.t.skip_phase(H.DATA, self._data_chunks(dim))
+                blocks = len(self.cfg.layout(dim, segments).padded)
+                self.t.skip_phase(H.NORM, -(-blocks // self.norms_per_chunk))
+            self.t.skip_phase(H.DATA, self._data_chunks(dim, segments))
             self.round_no += 1
 
     def round_finished_elsewhere(self, seen: dict, dim: int) -> bool:
@@ -303,11 +318,11 @@ class Worker:
         what a rank behind checks before it skips a round."""
         return self.t.finished_elsewhere(seen, self._data_chunks(dim))
 
-    def _data_chunks(self, dim: int) -> int:
+    def _data_chunks(self, dim: int, segments=None) -> int:
         """Chunks of an allreduce's DATA phase of `dim` coordinates (thc and none)."""
         per = self.job.elems_per_packet
         if self.job.codec == "thc":
-            return -(-self.cfg.layout(dim).padded_dim // per)
+            return -(-self.cfg.layout(dim, segments).padded_dim // per)
         return -(-dim // per)
 
     def rejoin(self) -> None:
@@ -317,26 +332,46 @@ class Worker:
         self.t.rejoin()
         self.round_no = 0
 
-    def check_dim(self, dim: int) -> None:
+    def check_dim(self, dim: int, segments=None) -> None:
         """Refuse, before any traffic, a tensor this job cannot carry: its coordinates (THC's
         padded to whole RHT blocks) must be addressable by the header's 32-bit offset."""
-        padded = dim
+        padded, blocks = dim, 1
         if self.cfg is not None and 1 <= dim <= H.MAX_COORDS:
-            padded = self.cfg.layout(dim).padded_dim
+            layout = self.cfg.layout(dim, segments)
+            padded, blocks = layout.padded_dim, len(layout.padded)
+        most = self.norms_per_chunk * self.job.norm_slots
+        if blocks > most:
+            raise ValueError(f"a round of {len(segments) if segments else 1} tensor(s) makes {blocks:,} RHT blocks, more "
+                             f"norms than a NORM phase carries ({self.job.norm_slots} norm slots × "
+                             f"{self.norms_per_chunk} a packet = {most:,}); split the bucket (e.g. a smaller DDP "
+                             f"bucket_cap_mb) or give the job more norm_slots")
         if dim < 1 or padded > H.MAX_COORDS:
             raise ValueError(f"a tensor of {dim:,} coordinates ({padded:,} on the wire) does not fit a "
                              f"round: a round carries 1 to {H.MAX_COORDS:,} (the header's 32-bit offset); "
                              f"split it (e.g. a smaller DDP bucket_cap_mb)")
 
     def _exchange_norms(self, norms: np.ndarray) -> np.ndarray:
-        """Preliminary stage: elementwise max over workers of float statistics (NORM phase)."""
+        """Preliminary stage: elementwise max over workers of float statistics (NORM phase), in
+        chunks of at most `norms_per_chunk` values (one chunk unless a round has that many
+        RHT blocks: a bucket of many tensors); a chunk whose result was lost keeps this
+        worker's own values."""
         payload = H.float_to_ordered(norms).astype(">u4").tobytes()
-        res = self._run_phase(H.NORM, [(0, norms.size, payload)])[0]
-        if res is None:
-            return np.asarray(norms, dtype=np.float32).astype(np.float64)
-        return H.ordered_to_float(np.frombuffer(res[1], dtype=">u4")).astype(np.float64)
+        per = self.norms_per_chunk
+        chunks = [(a, min(per, norms.size - a), payload[4 * a:4 * min(a + per, norms.size)])
+                  for a in range(0, norms.size, per)]
+        out = np.asarray(norms, dtype=np.float32).astype(np.float64)
+        for (a, n, _), res in zip(chunks, self._run_phase(H.NORM, chunks)):
+            if res is not None:
+                out[a:a + n] = H.ordered_to_float(np.frombuffer(res[1], dtype=">u4"))
+        return out
 
-    def allreduce(self, x, key: str = "grad", round_no: int | None = None, out=None):
+    @property
+    def norms_per_chunk(self) -> int:
+        """Norms one NORM packet carries: as many float32 as fit the job's MTU (docs/protocol.md
+        §4 step 2), and no more than a DATA packet's elements (what the PS accepts)."""
+        return max(1, min(H.payload_budget(self.job.mtu) // 4, self.job.elems_per_packet))
+
+    def allreduce(self, x, key: str = "grad", round_no: int | None = None, out=None, segments=None):
         """Average of x over the workers (numpy array or torch tensor in, same kind out).
 
         `out`: a float32 numpy array of x's size the average is written into and returned
@@ -345,8 +380,12 @@ class Worker:
 
         x may be `thc.Pieces` (a model's gradients tensor by tensor; `out` needed): a THC job
         with one rotation reads them where they lie, any other round first copies them into
-        `out`."""
+        `out`.  `segments`: the sizes of the tensors x holds back to back (a DDP bucket's
+        parameters; Pieces give their own): THC cuts each into RHT blocks of its own
+        (thc.make_layout), so every rank of the job must give the same."""
         pieces = isinstance(x, thc.Pieces)
+        if pieces and segments is None:
+            segments = x.sizes
         torch_in = not pieces and not isinstance(x, np.ndarray)
         if out is not None and torch_in:
             raise ValueError("out must be a contiguous float32 numpy array of x's size (numpy x)")
@@ -357,7 +396,7 @@ class Worker:
         else:
             arr = x.detach().cpu().numpy().astype(np.float32, copy=False).ravel() if torch_in else \
                 np.ascontiguousarray(x, dtype=np.float32).ravel()
-        self.check_dim(arr.size)
+        self.check_dim(arr.size, segments)
         flat = None if out is None else thc.result_vector(out, arr.size)
         if pieces and not (self.job.codec == "thc" and self.cfg.rotation == "job"):
             arr = x.concatenate(out=flat)
@@ -365,7 +404,7 @@ class Worker:
         rn = self.round_no if round_no is None else round_no
         report = self._report = RoundReport(rn, 0, 0)
         if self.job.codec == "thc":
-            est = self._thc_round(arr, key, rn, report, flat)
+            est = self._thc_round(arr, key, rn, report, flat, segments)
         elif self.job.blob:
             est = self._blob_round(arr, key, report)
         else:
@@ -407,9 +446,10 @@ class Worker:
                 report.digests.append(zlib.crc32(payload))
                 report.bytes_down += len(payload) + H.HEADER_SIZE
 
-    def _thc_round(self, grad: np.ndarray, key: str, rn: int, report: RoundReport, out=None) -> np.ndarray:
+    def _thc_round(self, grad: np.ndarray, key: str, rn: int, report: RoundReport, out=None,
+                   segments=None) -> np.ndarray:
         cfg, job = self.cfg, self.job
-        rnd = thc.WorkerRound(cfg, grad, self.errors if self.error_feedback else None, key)
+        rnd = thc.WorkerRound(cfg, grad, self.errors if self.error_feedback else None, key, segments=segments)
         layout = rnd.layout
         norms = self._exchange_norms(rnd.norms())
         report.norms = norms.tolist()

@@ -47,11 +47,13 @@ def _lane_dtype(lane_bits: int):
     return {8: torch.uint8, 16: torch.int16, 32: torch.int32}[lane_bits]
 
 
-def allreduce_thc(state: THCHookState, flat: torch.Tensor, key) -> torch.Tensor:
-    """Average of `flat` over the ranks by one THC round over torch.distributed."""
+def allreduce_thc(state: THCHookState, flat: torch.Tensor, key, segments=None) -> torch.Tensor:
+    """Average of `flat` over the ranks by one THC round over torch.distributed (`segments`:
+    the sizes of the tensors it holds, each cut into RHT blocks of its own, as
+    `Worker.allreduce` takes them)."""
     cfg, pg = state.cfg, state.process_group
     grad = flat.detach().cpu().numpy().astype(np.float32).ravel()
-    rnd = thc.WorkerRound(cfg, grad, state.errors if state.error_feedback else None, key)
+    rnd = thc.WorkerRound(cfg, grad, state.errors if state.error_feedback else None, key, segments=segments)
     norms = torch.from_numpy(rnd.norms().astype(np.float32))
     dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=pg)            # preliminary stage
     rn = state.round_no
@@ -67,5 +69,6 @@ def allreduce_thc(state: THCHookState, flat: torch.Tensor, key) -> torch.Tensor:
 def thc_hook(state: THCHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: replaces the bucket's float all-reduce with a THC round."""
     fut = torch.futures.Future()
-    fut.set_result(allreduce_thc(state, bucket.buffer(), key=bucket.index()))
+    fut.set_result(allreduce_thc(state, bucket.buffer(), key=bucket.index(),
+                                 segments=tuple(p.numel() for p in bucket.parameters())))
     return fut

@@ -137,13 +137,15 @@ class PSHookState:
                 host = self._host(index, buffer)
                 arr = host.numpy()
                 moves = self._plan(index, layout, step, arr.size)
+                # each parameter its own RHT blocks, in the order of the layout the round runs in
+                segments = self._layouts[index][1] if layout is not None else None
                 if moves is None:
-                    self.worker.allreduce(arr, key=f"{self.key_prefix}{index}", out=arr)
+                    self.worker.allreduce(arr, key=f"{self.key_prefix}{index}", out=arr, segments=segments)
                 else:                       # the round runs in the loaded layout, and back
                     work = np.empty_like(arr)
                     for src, dst, n in moves:
                         work[dst:dst + n] = arr[src:src + n]
-                    self.worker.allreduce(work, key=f"{self.key_prefix}{index}", out=work)
+                    self.worker.allreduce(work, key=f"{self.key_prefix}{index}", out=work, segments=segments)
                     for src, dst, n in moves:
                         arr[src:src + n] = work[dst:dst + n]
                 if host is not buffer:
@@ -174,7 +176,7 @@ class PSHookState:
             return None
         if step == self._pinned:
             return _moves(layout, have)
-        self.worker.move_state(f"{self.key_prefix}{index}", _moves(have, layout), dim)
+        self.worker.move_state(f"{self.key_prefix}{index}", _moves(have, layout), dim, (have[1], layout[1]))
         self._layouts[index] = layout
         return None
 
@@ -247,8 +249,9 @@ class HookSync:
         if not dims:
             raise RuntimeError("cannot fast-forward through the PS hook before a step has run here: "
                                "the buckets' sizes are not known yet")
-        for d in dims:
-            self.worker.skip_rounds(1, d)
+        layouts = self.state._layouts
+        for i, d in enumerate(dims):
+            self.worker.skip_rounds(1, d, layouts[i][1] if i in layouts else None)
 
 
 def ps_hook(state: PSHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -97,6 +97,8 @@ class GradientSync:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.key = key
         self.per_tensor = per_tensor
+        # each tensor its own RHT blocks in the one round (thc.make_layout's segments)
+        self.sizes = tuple(p.numel() for p in self.params)
         # one float32 bucket kept across steps; after a step each .grad is a view of it (as
         # DDP's gradient_as_bucket_view), and the average is decoded into it: no new vector of d
         # and no copy back.  The gradients go to the round as pieces (thc.Pieces): a job with
@@ -106,7 +108,7 @@ class GradientSync:
                                                   for p in self.params):
             self.bucket = np.empty(sum(p.numel() for p in self.params), dtype=np.float32)
             self.bucket.fill(0.0)       # its pages mapped now, not by the first round's decode
-            worker.prepare(self.bucket.size, key)
+            worker.prepare(self.bucket.size, key, self.sizes)
             self.views, off = [], 0
             for p in self.params:
                 self.views.append(torch.from_numpy(self.bucket[off:off + p.numel()]).view_as(p))
@@ -126,7 +128,8 @@ class GradientSync:
                 p.grad = v
             return
         if not self.per_tensor:
-            write_flat_grad(self.params, self.worker.allreduce(flat_grad(self.params), key=self.key))
+            write_flat_grad(self.params, self.worker.allreduce(flat_grad(self.params), key=self.key,
+                                                               segments=self.sizes))
             return
         last, averages = None, []
         for i, p in enumerate(self.params):
@@ -140,9 +143,11 @@ class GradientSync:
 
     def skip_step(self) -> None:
         """Advance the slot rounds as one step's allreduces would, sending nothing."""
-        dims = [p.numel() for p in self.params] if self.per_tensor else [sum(p.numel() for p in self.params)]
-        for d in dims:
-            self.worker.skip_rounds(1, d)
+        if self.per_tensor:
+            for d in self.sizes:
+                self.worker.skip_rounds(1, d)
+        else:
+            self.worker.skip_rounds(1, sum(self.sizes), self.sizes)
 
     @staticmethod
     def _merge(acc, rep):
