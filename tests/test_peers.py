@@ -40,8 +40,9 @@ def test_each_method_moves_the_bytes_it_should(runs):
     assert pay["ddp-fp32"] == 4 * params                     # one float32 per parameter
     assert pay["ddp-fp16"] == 2 * params
     assert runs["ddp-fp32"]["epochs"][0]["wire_per_step"] == 4 * params   # ring, n = 2: 2(n−1)/n = 1
-    # 8-bit lanes of the bucket's RHT blocks (101,770 in 2^16 + 2^15 + 2^12), plus a float32 norm each
-    assert params == 101_770 and pay["thc-hook"] == (1 << 16) + (1 << 15) + (1 << 12) + 3 * 4
+    # 8-bit lanes of each tensor's own RHT blocks (100,352 in 2^16 + 2^15 + 2^12; 1,280 in 2^11;
+    # 128; 10 in 16), plus a float32 norm each
+    assert params == 101_770 and pay["thc-hook"] == (1 << 16) + (1 << 15) + (1 << 12) + 2048 + 128 + 16 + 6 * 4
     assert pay["powersgd-1"] < pay["powersgd-4"] < pay["ddp-fp32"]
 
 
