@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from functools import lru_cache
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from fractions import Fraction
@@ -93,8 +94,10 @@ class ThcConfig:
 
     def layout(self, dim: int, segments=None) -> Layout:
         """How this job cuts a vector of `dim` coordinates (tensors of `segments` sizes back to
-        back, or one tensor) into RHT blocks (`make_layout`)."""
-        return make_layout(dim, self.block_log2, self.tail_log2, segments)
+        back, or one tensor) into RHT blocks (`make_layout`).  Kept per (dim, segments): a
+        round asks for its layout more than once (the size check, the round, its chunk
+        count), and a bucket of tens of tensors takes ~50 µs to cut."""
+        return _layout(dim, self.block_log2, self.tail_log2, None if segments is None else tuple(segments))
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,11 @@ def make_layout(dim: int, block_log2: int = DEFAULT_BLOCK_LOG2, tail_log2: int =
                 padded.append(1 << k)
                 s += 1 << k
     return Layout(dim, tuple(starts), tuple(lengths), tuple(padded))
+
+
+@lru_cache(maxsize=256)
+def _layout(dim: int, block_log2: int, tail_log2: int, segments: tuple | None) -> Layout:
+    return make_layout(dim, block_log2, tail_log2, segments)
 
 
 # ----------------------------------------------------------------------------- helpers

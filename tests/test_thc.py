@@ -56,8 +56,10 @@ def test_tensors_back_to_back_are_cut_one_by_one_and_no_block_holds_two():
     assert thc.make_layout(5000, 11, 6, (7, 0, 2100, 1000, 1893)).padded == \
         (8, 2048, 64, 1024, 1024, 512, 256, 128)
     assert thc.make_layout(5000, 11, 6, (5000,)) == thc.make_layout(5000, 11, 6)
-    assert thc.ThcConfig(block_log2=11, tail_log2=6).layout(5000, (3000, 2000)) == \
-        thc.make_layout(5000, 11, 6, (3000, 2000))
+    cfg = thc.ThcConfig(block_log2=11, tail_log2=6)
+    assert cfg.layout(5000, (3000, 2000)) == thc.make_layout(5000, 11, 6, (3000, 2000))
+    assert cfg.layout(5000, [3000, 2000]) is cfg.layout(5000, (3000, 2000))     # cut once, kept
+    assert cfg.layout(5000) != cfg.layout(5000, (3000, 2000))
     rng = np.random.default_rng(8)
     for _ in range(200):
         block, tail = int(rng.integers(4, 16)), int(rng.integers(0, 18))
