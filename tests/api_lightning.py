@@ -46,7 +46,7 @@ def main():
     args = ap.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    state = thc_ps.connect(ps=args.ps)
+    state = thc_ps.connect(ps=args.ps, warmup_steps=2)
     module = Module(text_bytes(0.2))
     trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), max_steps=args.steps,
                         strategy=DDPStrategy(ddp_comm_state=state, ddp_comm_hook=thc_ps.hook),

@@ -32,6 +32,10 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--codec", default=None)
     ap.add_argument("--rotation", default=None)
+    ap.add_argument("--error-feedback", choices=("on", "off"), default=None,
+                    help="connect(error_feedback=...) (default: the library's)")
+    ap.add_argument("--warmup-steps", default=None,
+                    help="connect(warmup_steps=...), one number or one per rank (A,B,...) (default: the library's)")
     ap.add_argument("--dtype", default="float32", choices=DTYPES)
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--job-name", default=None)
@@ -49,6 +53,9 @@ def main():
     model = torch.nn.Sequential(torch.nn.Linear(32, args.width), torch.nn.LayerNorm(args.width), torch.nn.ReLU(),
                                 torch.nn.Linear(args.width, 8)).to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if args.warmup_steps is not None:
+        each = [int(v) for v in args.warmup_steps.split(",")]
+        args.warmup_steps = each[rank] if len(each) > 1 else each[0]
     ckpt = Path(args.ckpt) / "last.pt" if args.ckpt else None
     saved = torch.load(ckpt, weights_only=False) if ckpt and ckpt.exists() else None
     if saved:
@@ -56,7 +63,9 @@ def main():
         opt.load_state_dict(saved["opt"])
     ddp = DDP(model)
     state = thc_ps.connect(ddp, ps=args.ps, job_name=args.job_name,
-                           **{k: v for k, v in (("codec", args.codec), ("rotation", args.rotation)) if v})
+                           **{k: v for k, v in (("codec", args.codec), ("rotation", args.rotation),
+                                                ("warmup_steps", args.warmup_steps)) if v is not None},
+                           **({"error_feedback": args.error_feedback == "on"} if args.error_feedback else {}))
     if saved:
         state.load_state_dict(saved["thc"])
     rss, checked, first = {}, None, saved["step"] if saved else 0

@@ -21,6 +21,7 @@ import thc_ps
 from bench.pauses import free_port_pair
 from thc_ps.proto.job import JobConfig
 from thc_ps.ps_server.server import PSServer
+from thc_ps.torch import WARMUP_STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK_SCRIPT = ROOT / "tests" / "api_rank.py"
@@ -163,6 +164,49 @@ def test_the_job_name_comes_from_torchrun_and_a_launch_token():
     assert len(long) <= 64
 
 
+def test_the_first_steps_warm_up_over_the_process_group(group, ps):
+    """connect(warmup_steps=2): the first two steps' buckets never reach the PS; each comes
+    back as PyTorch's fp16_compress_hook leaves it (over this one-rank group: the gradient
+    rounded to float16), and the bytes are the float16 payload's.  The third step is a PS
+    round.  The step count is in state_dict: a state saved after one step, loaded into a
+    fresh launch, warms up one step more, not two."""
+    import numpy as np
+
+    from tests.test_ps_hook import FakeBucket
+    rng = np.random.default_rng(3)
+    g = [torch.from_numpy(rng.normal(0, 1, 5000).astype(np.float32)) for _ in range(3)]
+    with thc_ps.connect(ps=_addr(ps), warmup_steps=2) as state:
+        for s in range(2):
+            out = thc_ps.hook(state, FakeBucket(0, g[s].clone())).wait()
+            assert torch.equal(out, g[s].half().float())
+            assert state.totals["rounds"] == 0 and state.totals["warmup_steps"] == s + 1
+        assert state.totals["bytes_up"] == state.totals["bytes_down"] == 0    # one rank: a ring moves nothing
+        out = thc_ps.hook(state, FakeBucket(0, g[2].clone())).wait()
+        assert state.totals["rounds"] == 1 and state.totals["warmup_steps"] == 2
+        assert state.totals["bytes_up"] > 5000 * 4 // 8 and not torch.equal(out, g[2].half().float())
+    with thc_ps.connect(ps=_addr(ps), warmup_steps=2) as state:
+        thc_ps.hook(state, FakeBucket(0, g[0].clone())).wait()
+        saved = state.state_dict()
+    with thc_ps.connect(ps=_addr(ps), warmup_steps=2) as state:
+        state.load_state_dict(saved)
+        assert torch.equal(thc_ps.hook(state, FakeBucket(0, g[1].clone())).wait(), g[1].half().float())
+        thc_ps.hook(state, FakeBucket(0, g[2].clone())).wait()
+        assert state.totals["rounds"] == 1 and state.totals["warmup_steps"] == 2
+    with pytest.raises(ValueError, match=r"warmup_steps=\.\.\.\) takes an integer 0 or more, got -1"):
+        thc_ps.connect(ps=_addr(ps), warmup_steps=-1)
+
+
+def test_ranks_that_warm_up_for_different_steps_are_refused(ps, tmp_path):
+    """Two ranks giving connect() different warmup_steps would all-reduce against a PS round:
+    both are refused before any traffic, each naming both ranks' numbers."""
+    res = torchrun(RANK_SCRIPT, "--ps", _addr(ps), "--warmup-steps", "3,4", "--steps", "2",
+                   "--out", tmp_path / "r.json")
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and not (tmp_path / "r.json").exists()
+    assert out.count("different warmup_steps: rank 0 3, rank 1 4") >= 2, out[-3000:]
+    assert ps.status()["jobs"] == [] or all(j["stats"]["rounds_completed"] == 0 for j in ps.status()["jobs"])
+
+
 def test_memory_stays_flat_over_many_steps(group, ps):
     """The hook keeps no per-round record unless asked: RSS after 2,000 steps within 8 MiB of
     RSS after 200 (a report per step kept grows 1 byte per parameter per step: 18 MB here;
@@ -185,7 +229,9 @@ def test_memory_stays_flat_over_many_steps(group, ps):
             opt.step()
             if step in (200, 2000):
                 marks[step] = rss()
-        assert state.totals["rounds"] == 2000 and state.take_reports() == []
+        warm = state.warmup_steps
+        assert warm == WARMUP_STEPS > 0 and state.totals["warmup_steps"] == warm
+        assert state.totals["rounds"] == 2000 - warm and state.take_reports() == []
         assert state.totals["bytes_up"] > 2000 * 10_100 * 4 // 8       # 4-bit indices went out
     assert marks[2000] - marks[200] < 8 * 1024, marks
     assert np.isfinite(model.weight.detach().numpy()).all()
@@ -220,22 +266,27 @@ def test_the_example_trains_through_the_ps_like_plain_ddp(ps, tmp_path):
     _ok(torchrun(*args, "--no-thc", "--out", tmp_path / "ddp.json"))
     a, b = (json.loads((tmp_path / f).read_text()) for f in ("thc.json", "ddp.json"))
     assert "replicas identical: True" in thc and a["replicas_identical"] and b["replicas_identical"]
-    assert a["thc"]["rounds"] == 100                # one bucket (the model is under 1 MiB): a round a step
+    # one bucket (the model is under 1 MiB): a round a step once the warm-up's steps are done
+    assert a["thc"]["warmup_steps"] == WARMUP_STEPS and a["thc"]["rounds"] == 100 - WARMUP_STEPS
     assert abs(a["val_loss"] - b["val_loss"]) < 0.05 * b["val_loss"], (a, b)
     assert b["thc"] is None
 
 
-@pytest.mark.parametrize("rotation", ["round", "job"])
-def test_a_checkpoint_round_trip_is_bit_for_bit(ps, tmp_path, rotation):
+@pytest.mark.parametrize("rotation,warmup,feedback", [("round", 0, "on"), ("job", 0, "on"), ("job", 8, "off")])
+def test_a_checkpoint_round_trip_is_bit_for_bit(ps, tmp_path, rotation, warmup, feedback):
     """k steps, a checkpoint, k more in fresh processes: the same parameters, bit for bit, as
     2k steps without a stop (the error feedback, the random stream and the round count
-    carry over; the first resumed step runs in the saved bucket layout)."""
-    common = [RANK_SCRIPT, "--ps", _addr(ps), "--rotation", rotation, "--ckpt-every", "6"]
+    carry over; the first resumed step runs in the saved bucket layout).  With a warm-up
+    of 8 steps the checkpoint falls inside it: the resumed launch warms up 2 steps more, not 8."""
+    common = [RANK_SCRIPT, "--ps", _addr(ps), "--rotation", rotation, "--ckpt-every", "6",
+              "--warmup-steps", str(warmup), "--error-feedback", feedback]
     _ok(torchrun(*common, "--steps", "12", "--out", tmp_path / "whole.json"))
     _ok(torchrun(*common, "--steps", "6", "--ckpt", tmp_path / "ck", "--out", tmp_path / "first.json"))
     _ok(torchrun(*common, "--steps", "12", "--ckpt", tmp_path / "ck", "--out", tmp_path / "rest.json"))
     whole, rest = (json.loads((tmp_path / f).read_text()) for f in ("whole.json", "rest.json"))
     assert rest["first"] == 6 and rest["rotation"] == rotation
+    assert whole["totals"]["warmup_steps"] == warmup and rest["totals"]["warmup_steps"] == warmup
+    assert rest["totals"]["rounds"] == whole["totals"]["rounds"] == 12 - warmup
     assert whole["identical"] and rest["identical"]
     assert rest["digest"] == whole["digest"]
 
@@ -246,7 +297,7 @@ def test_half_precision_buckets_are_averaged_exactly(ps, tmp_path, dtype):
     (codec none) the averaged gradients equal the average of the ranks' own, rounded once."""
     out = tmp_path / "r.json"
     _ok(torchrun(RANK_SCRIPT, "--ps", _addr(ps), "--codec", "none", "--dtype", dtype, "--steps", "3",
-                 "--check-average", "--out", out))
+                 "--check-average", "--warmup-steps", "0", "--out", out))
     doc = json.loads(out.read_text())
     assert doc["checked"]["equal"], doc["checked"]
     assert doc["identical"]
@@ -257,7 +308,7 @@ def test_half_precision_buckets_are_averaged_exactly(ps, tmp_path, dtype):
 def test_cuda_buckets_go_through_pinned_host_memory(group, ps):
     model = torch.nn.Linear(16, 4).cuda()
     ddp = DDP(model)
-    with thc_ps.connect(ddp, ps=_addr(ps), codec="none") as state:
+    with thc_ps.connect(ddp, ps=_addr(ps), codec="none", warmup_steps=0) as state:
         ddp(torch.randn(4, 16, device="cuda")).sum().backward()
         assert all(t.is_pinned() for t in state._staging.values())
 
@@ -382,7 +433,7 @@ def test_lightning_trains_through_the_ps(ps, tmp_path):
     out = tmp_path / "l.json"
     _ok(torchrun(script, "--ps", _addr(ps), "--steps", "8", "--out", out))
     doc = json.loads(out.read_text())
-    assert doc["identical"] and doc["rounds"] >= 8 and doc["bytes_up"] > 0
+    assert doc["identical"] and doc["warmup_steps"] == 2 and doc["rounds"] >= 6 and doc["bytes_up"] > 0
 
 
 def test_two_nodes_in_namespaces_join_one_ps_job(tmp_path):
@@ -448,6 +499,11 @@ def test_the_api_reference_states_the_options_and_defaults_the_code_has():
         want = defaults[name]
         got = said.get(cell, cell.strip("`"))
         assert str(got) == str(want), (name, cell, want)
+    args = table("argument")
+    params = inspect.signature(thc_ps.connect).parameters
+    assert list(args) == [n for n in params if n != "options"]
+    for name in ("error_feedback", "warmup_steps", "keep_reports", "notes"):
+        assert args[name] == f"`{params[name].default}`", (name, args[name])
     transports = table("transport option")
     assert list(transports) == list(TRANSPORT_OPTIONS)
     from thc_ps.torch import TRANSPORT_NAMES

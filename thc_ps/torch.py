@@ -43,6 +43,15 @@ TRANSPORT_OPTIONS = ("loss_policy", "timeout_ms", "ps_wait_s", "queue_s", "windo
 TRANSPORT_NAMES = {"loss_policy": "policy"}
 #: Where a script's defaults for `ps` and `keys` may come from instead of arguments.
 PS_ENV, KEYS_ENV = "THC_PS", "THC_PS_KEYS"
+#: The job's first steps that all-reduce over the process group in float16 before the PS takes
+#: over (`connect(warmup_steps=)`), and whether a rank keeps THC's error feedback unless told
+#: (`connect(error_feedback=)`).  Both from the example language model under AdamW, five seeds
+#: against float16 DDP: Adam's first updates are near sign steps, and error feedback doubles
+#: each step's noise for a telescoping sum that a per-coordinate RMS does not use (docs/design.md,
+#: "Warm-up steps, and error feedback under Adam"; docs/bench.md).  `thc train`'s SGD keeps
+#: error feedback.
+WARMUP_STEPS = 10
+ERROR_FEEDBACK = False
 #: The format of `State.state_dict()`: bumped when its layout changes.
 STATE_FORMAT = 1
 
@@ -57,13 +66,14 @@ class State(PSHookState):
     `thc_ps.hook`), the rank's transport, and what the launch agreed on (`job`, `job_name`,
     `rank`, `world_size`).  `totals` counts what the rounds did; `close()` leaves the job."""
 
-    def __init__(self, worker: Worker, *, process_group, rank: int, world_size: int, keep_reports: bool):
-        super().__init__(worker, world_size=world_size, keep_reports=keep_reports)
+    def __init__(self, worker: Worker, *, process_group, rank: int, world_size: int, keep_reports: bool,
+                 warmup_steps: int = 0):
+        super().__init__(worker, world_size=world_size, keep_reports=keep_reports, warmup_steps=warmup_steps,
+                         process_group=process_group)
         self.transport = worker.t
         self.job = worker.job
         self.job_name = worker.t.job_name
         self.rank, self.world_size = rank, world_size
-        self.process_group = process_group
         self._closed = False
         self._old_sigterm = None
         self._old_excepthook = None
@@ -252,8 +262,8 @@ def _agree(ok: bool, why: str, rank: int, world: int, process_group) -> None:
 
 
 def connect(model=None, ps: str | None = None, *, keys: str | None = None, job_name: str | None = None,
-            process_group=None, error_feedback: bool = True, keep_reports: bool = False,
-            notes: bool = True, **options) -> State:
+            process_group=None, error_feedback: bool = ERROR_FEEDBACK, warmup_steps: int = WARMUP_STEPS,
+            keep_reports: bool = False, notes: bool = True, **options) -> State:
     """Join this rank to a THC-PS job and return the hook's state.
 
     `model`: a DistributedDataParallel model; given, its parameters' dtypes are checked and
@@ -261,7 +271,11 @@ def connect(model=None, ps: str | None = None, *, keys: str | None = None, job_n
     (default $THC_PS).  `keys`: the PS's CURVE key directory (`thc keys`; default
     $THC_PS_KEYS).  `job_name`: the job's name on the PS (default: from torchrun's run id,
     restart count and a launch token; `default_job_name`).  `process_group`: the group whose
-    ranks form the job (default the world).  Job options (JOB_OPTIONS: codec, bits,
+    ranks form the job (default the world).  `error_feedback`: keep each bucket's residual
+    (THC Alg. 3 line 22; off unless asked, ERROR_FEEDBACK).  `warmup_steps`: the job's first steps, whose
+    buckets are all-reduced over the process group in float16 (PyTorch's fp16_compress_hook)
+    before the PS takes over (WARMUP_STEPS; 0: the PS from the first step); every rank must
+    give the same number.  Job options (JOB_OPTIONS: codec, bits,
     granularity, p, lane_bits, quorum, seed, rotation, block_log2, tail_log2, slots, result_group,
     codec_params) and transport options (TRANSPORT_OPTIONS: loss_policy, timeout_ms,
     ps_wait_s, queue_s, window) default to `thc train`'s; the job options given are ones this
@@ -277,6 +291,8 @@ def connect(model=None, ps: str | None = None, *, keys: str | None = None, job_n
         raise TypeError(f"connect() got unknown option(s) {', '.join(unknown)}; job options: "
                         f"{', '.join(JOB_OPTIONS)}; transport options: {', '.join(TRANSPORT_OPTIONS)}")
     rank, world = _group_of(process_group)
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"connect(warmup_steps=...) takes an integer 0 or more, got {warmup_steps!r}")
     if model is not None:
         _check_model(model)
     ps = ps or os.environ.get(PS_ENV)
@@ -288,6 +304,11 @@ def connect(model=None, ps: str | None = None, *, keys: str | None = None, job_n
     proposal = JobConfig(num_workers=world, **given)        # bad values refused here, in their names
     expect = {k: v for k, v in proposal.to_msg().items() if k in {"num_workers", *given}}
     transport = {TRANSPORT_NAMES.get(k, k): v for k, v in options.items() if k in TRANSPORT_OPTIONS and v is not None}
+    warmups = [None] * world
+    dist.all_gather_object(warmups, warmup_steps, group=process_group)
+    if len(set(warmups)) > 1:
+        raise Refused("the ranks gave connect() different warmup_steps: " + ", ".join(
+            f"rank {r} {w}" for r, w in enumerate(warmups)) + "; every rank must warm up as long")
     box = [secrets.token_hex(8) if rank == 0 else None]
     dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0) if process_group else 0,
                                group=process_group)
@@ -306,7 +327,8 @@ def connect(model=None, ps: str | None = None, *, keys: str | None = None, job_n
         if worker is not None:      # connected, but another rank was refused: leave again
             worker.t.close()
         raise
-    state = State(worker, process_group=process_group, rank=rank, world_size=world, keep_reports=keep_reports)
+    state = State(worker, process_group=process_group, rank=rank, world_size=world, keep_reports=keep_reports,
+                  warmup_steps=warmup_steps)
     if model is not None:
         model.register_comm_hook(state, hook)
     atexit.register(state.close)

@@ -21,6 +21,13 @@ transport's slot rounds assume (worker/phases.py: a slot's round advances identi
 every worker): two buckets never share a slot's round, and a later bucket's chunks wait in
 the window until the earlier bucket's are answered.
 
+A job's first `warmup_steps` steps (counted across checkpoints) do not go to the PS: their
+buckets are all-reduced over the process group in float16 by PyTorch's own
+`fp16_compress_hook`, as PowerSGD's hook all-reduces before `start_powerSGD_iter`.  Adam's
+first updates are near sign steps, m/√v ≈ ±1 on every coordinate, so the quantization noise
+the RHT spreads over coordinates whose gradient is zero or tiny moves them by a full step;
+with the exact average those first steps are what DDP's are (docs/design.md, "Warm-up steps").
+
 Error feedback is kept per bucket index (key ``bucket<i>``), as PyTorch's PowerSGD keeps its
 per-bucket state: DDP rebuilds its buckets once, after the first iteration, and a residual
 whose size no longer matches its bucket starts again from zero (thc_ps.compression.codec's
@@ -33,6 +40,7 @@ import threading
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from thc_ps.worker.client import RoundReport, Worker
 
@@ -50,11 +58,15 @@ class PSHookState:
     `keep_reports` (and then until `take_reports()` drains them); `totals` always counts."""
 
     def __init__(self, worker: Worker, world_size: int | None = None, *, key_prefix: str = "bucket",
-                 keep_reports: bool = False):
+                 keep_reports: bool = False, warmup_steps: int = 0, process_group=None):
         """`world_size` (the process group's) must be the PS job's number of workers: the
         PS averages over the job's ranks, and a DDP group of another size would mix models
-        that are not in the job.  Checked here, before any traffic."""
+        that are not in the job.  Checked here, before any traffic.  `warmup_steps`: the
+        job's first steps whose buckets are all-reduced in float16 over `process_group` (the
+        world when None) instead of going to the PS; every rank must give the same number."""
         job = worker.job
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer 0 or more, got {warmup_steps!r}")
         if world_size is not None and world_size != job.num_workers:
             raise ValueError(f"the DDP process group has {world_size} ranks but the PS job "
                              f"'{worker.t.job_name or 'default'}' has {job.num_workers} workers; "
@@ -64,7 +76,12 @@ class PSHookState:
         self.key_prefix = key_prefix
         self.keep_reports = keep_reports
         self.reports: list[RoundReport] = []
-        self.totals = {"rounds": 0, "seconds": 0.0, "bytes_up": 0, "bytes_down": 0, "lost_chunks": 0}
+        self.warmup_steps = warmup_steps
+        self.process_group = process_group
+        # bytes_up/bytes_down: what this rank put on and took off its link, the warm-up's ring
+        # all-reduce included; warmup_steps: the steps that went over the process group
+        self.totals = {"rounds": 0, "seconds": 0.0, "bytes_up": 0, "bytes_down": 0, "lost_chunks": 0,
+                       "warmup_steps": 0}
         self.bucket_dims: list[int] = []          # sizes of the buckets of the latest step, in order
         self.error: BaseException | None = None
         self._staging: dict = {}                  # bucket index -> float32 CPU tensor (other dtypes, CUDA)
@@ -109,6 +126,28 @@ class PSHookState:
             layout = (numbers, tuple(p.numel() for p in params))
         self._q.put((index, buffer, layout, self._steps, fut))
         return fut
+
+    def warmup(self, bucket: dist.GradBucket) -> torch.futures.Future | None:
+        """Bucket `bucket`'s average over the process group in float16 when it belongs to one
+        of the job's first `warmup_steps` steps (that step is counted here), else None: the
+        bucket goes to the PS.  Its bytes are the ring all-reduce's, 2(n−1)/n of the float16
+        payload each way."""
+        index = bucket.index()
+        if self._steps + (index == 0) > self.warmup_steps:
+            return None
+        if self.error is not None:
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_exception(self.error)
+            return fut
+        n = self.worker.job.num_workers
+        ring = 2 * (n - 1) * 2 * bucket.buffer().numel() // n
+        with self._lock:
+            if index == 0:
+                self._steps += 1
+                self.totals["warmup_steps"] += 1
+            self.totals["bytes_up"] += ring
+            self.totals["bytes_down"] += ring
+        return default_hooks.fp16_compress_hook(self.process_group, bucket)
 
     def _host(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
         """The float32 CPU tensor bucket `index`'s round runs on: the bucket itself when it is
@@ -207,7 +246,7 @@ class PSHookState:
         self._q.join()
         with self._lock:
             return {"worker": self.worker.state_dict(), "bucket_dims": list(self.bucket_dims),
-                    "totals": dict(self.totals), "layouts": dict(self._layouts)}
+                    "totals": dict(self.totals), "layouts": dict(self._layouts), "steps": self._steps}
 
     def load_state_dict(self, state: dict) -> None:
         """Go on from `state_dict()`'s state (before the first step, or between steps)."""
@@ -217,6 +256,8 @@ class PSHookState:
             self.bucket_dims = list(state.get("bucket_dims", []))
             self.totals.update(state.get("totals", {}))
             self._layouts = dict(state.get("layouts", {}))
+            # a state saved before steps were counted is past any warm-up
+            self._steps = int(state.get("steps", self.warmup_steps))
             self._pinned = self._steps + 1
 
     def raise_error(self) -> None:
@@ -255,8 +296,12 @@ class HookSync:
 
 
 def ps_hook(state: PSHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: the bucket's average over the job's ranks, through the PS."""
+    """DDP comm hook: the bucket's average over the job's ranks, through the PS (over the
+    process group in float16 in the job's first `warmup_steps` steps)."""
     # (annotated without `from __future__ import annotations`: DDP checks the annotation)
+    fut = state.warmup(bucket)
+    if fut is not None:
+        return fut
     return state.submit(bucket.index(), bucket.buffer(), bucket.parameters())
 
 
