@@ -215,7 +215,8 @@ def _table(rows: list, cfg: LMConfig, command: str, target: float) -> str:
              f"out) until rank 0's validation loss, measured {every}, first reaches "
              f"{target:g}, and \"steps to {target:g}\" the step it did so at; \"up/down bytes/step\" are per "
              f"rank: for DDP what a ring all-reduce puts on a rank's link (2(n−1)/n × the payload), for "
-             f"THC-PS the datagrams to and from the shards.\n",
+             f"THC-PS the datagrams to and from the shards and, in the library's warm-up steps (the first "
+             f"10, float16 over the process group), the ring's bytes.\n",
              f"| link | method | layout | final val loss | up bytes/step | down bytes/step | step ms | in rounds ms | "
              f"steps to {target:g} | time to {target:g} (s) | replicas identical |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

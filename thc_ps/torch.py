@@ -31,7 +31,7 @@ import torch.distributed as dist
 from thc_ps.proto.addresses import parse_ps
 from thc_ps.proto.job import JobConfig
 from thc_ps.worker.client import Worker
-from thc_ps.worker.ps_hook import PSHookState, ps_hook
+from thc_ps.worker.ps_hook import PSHookState, check_warmup_steps, ps_hook
 from thc_ps.worker.transport import Transport
 
 #: The job options `connect` takes, as JobConfig names them (None: the default, not insisted on).
@@ -291,8 +291,7 @@ def connect(model=None, ps: str | None = None, *, keys: str | None = None, job_n
         raise TypeError(f"connect() got unknown option(s) {', '.join(unknown)}; job options: "
                         f"{', '.join(JOB_OPTIONS)}; transport options: {', '.join(TRANSPORT_OPTIONS)}")
     rank, world = _group_of(process_group)
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"connect(warmup_steps=...) takes an integer 0 or more, got {warmup_steps!r}")
+    check_warmup_steps(warmup_steps, "connect(warmup_steps=...)")
     if model is not None:
         _check_model(model)
     ps = ps or os.environ.get(PS_ENV)

@@ -26,7 +26,8 @@ buckets are all-reduced over the process group in float16 by PyTorch's own
 `fp16_compress_hook`, as PowerSGD's hook all-reduces before `start_powerSGD_iter`.  Adam's
 first updates are near sign steps, m/√v ≈ ±1 on every coordinate, so the quantization noise
 the RHT spreads over coordinates whose gradient is zero or tiny moves them by a full step;
-with the exact average those first steps are what DDP's are (docs/design.md, "Warm-up steps").
+with the exact average those first steps are what DDP's are (docs/design.md, "Warm-up steps,
+and error feedback under Adam").
 
 Error feedback is kept per bucket index (key ``bucket<i>``), as PyTorch's PowerSGD keeps its
 per-bucket state: DDP rebuilds its buckets once, after the first iteration, and a residual
@@ -50,6 +51,13 @@ from thc_ps.worker.client import RoundReport, Worker
 BUCKET_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
+def check_warmup_steps(value, what: str = "warmup_steps") -> int:
+    """`value` as a number of warm-up steps (an int, 0 or more), else ValueError naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} takes an integer 0 or more, got {value!r}")
+    return value
+
+
 class PSHookState:
     """The hook's explicit state: the rank's Worker, the communication thread, running totals
     of what the rounds did (for progress output) and the first error a round raised.
@@ -65,8 +73,7 @@ class PSHookState:
         job's first steps whose buckets are all-reduced in float16 over `process_group` (the
         world when None) instead of going to the PS; every rank must give the same number."""
         job = worker.job
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an integer 0 or more, got {warmup_steps!r}")
+        check_warmup_steps(warmup_steps)
         if world_size is not None and world_size != job.num_workers:
             raise ValueError(f"the DDP process group has {world_size} ranks but the PS job "
                              f"'{worker.t.job_name or 'default'}' has {job.num_workers} workers; "
