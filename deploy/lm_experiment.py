@@ -45,6 +45,7 @@ class LMConfig:
     text_mb: float = 4.0
     eval_every: int = 25
     rotation: str | None = None     # THC-PS's job rotation (None: the library's default)
+    warmup_steps: int | None = None  # THC-PS's float16 warm-up steps (None: the library's default)
     layout: str = "colocated"       # where THC-PS's shards run (LAYOUTS)
 
 
@@ -78,7 +79,8 @@ def _rank_main(method: str, cfg: LMConfig, rank: int, port: int, q, net, ps: str
         counter = AllReduceCounter()
         if method == "thc-ps":
             import thc_ps
-            state = thc_ps.connect(ddp, ps=ps, **({"rotation": cfg.rotation} if cfg.rotation else {}))
+            state = thc_ps.connect(ddp, ps=ps, **({"rotation": cfg.rotation} if cfg.rotation else {}),
+                                   **({} if cfg.warmup_steps is None else {"warmup_steps": cfg.warmup_steps}))
         else:
             hook_state, hook = make_hook(method, cfg.ranks, rank, cfg.seed, 0)
             ddp.register_comm_hook(hook_state, hook)

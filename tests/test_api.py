@@ -272,12 +272,15 @@ def test_the_example_trains_through_the_ps_like_plain_ddp(ps, tmp_path):
     assert b["thc"] is None
 
 
-@pytest.mark.parametrize("rotation,warmup,feedback", [("round", 0, "on"), ("job", 0, "on"), ("job", 8, "off")])
+@pytest.mark.parametrize("rotation,warmup,feedback", [("round", 0, "on"), ("job", 0, "on"), ("job", 8, "off"),
+                                                      ("job", 6, "on")])
 def test_a_checkpoint_round_trip_is_bit_for_bit(ps, tmp_path, rotation, warmup, feedback):
     """k steps, a checkpoint, k more in fresh processes: the same parameters, bit for bit, as
     2k steps without a stop (the error feedback, the random stream and the round count
     carry over; the first resumed step runs in the saved bucket layout).  With a warm-up
-    of 8 steps the checkpoint falls inside it: the resumed launch warms up 2 steps more, not 8."""
+    of 8 steps the checkpoint falls inside it: the resumed launch warms up 2 steps more, not 8;
+    with 6, on its last step: the resumed launch's first round runs in the bucket layout the
+    warm-up's last step had (DDP's rebuilt one), as the launch without a stop does."""
     common = [RANK_SCRIPT, "--ps", _addr(ps), "--rotation", rotation, "--ckpt-every", "6",
               "--warmup-steps", str(warmup), "--error-feedback", feedback]
     _ok(torchrun(*common, "--steps", "12", "--out", tmp_path / "whole.json"))

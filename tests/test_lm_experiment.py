@@ -5,7 +5,8 @@ import pytest
 
 from thc_ps.deploy import lm_experiment as lm
 
-TINY = lm.LMConfig(ranks=2, steps=6, batch=2, context=16, dim=16, layers=1, text_mb=0.2, eval_every=3)
+# one warm-up step (the library's 10 would leave no PS round in 6 steps)
+TINY = lm.LMConfig(ranks=2, steps=6, batch=2, context=16, dim=16, layers=1, text_mb=0.2, eval_every=3, warmup_steps=1)
 
 
 def test_bad_methods_layouts_and_rates_are_refused_before_any_run(tmp_path):

@@ -127,12 +127,14 @@ class PSHookState:
             return fut
         if index == 0:
             self._steps += 1
-        layout = None
-        if params is not None:
-            numbers = tuple(self._number.setdefault(p.data_ptr(), len(self._number)) for p in params)
-            layout = (numbers, tuple(p.numel() for p in params))
+        layout = None if params is None else self._layout_of(params)
         self._q.put((index, buffer, layout, self._steps, fut))
         return fut
+
+    def _layout_of(self, params) -> tuple:
+        """A bucket's layout: its parameters' numbers (in the order first seen) and sizes."""
+        numbers = tuple(self._number.setdefault(p.data_ptr(), len(self._number)) for p in params)
+        return numbers, tuple(p.numel() for p in params)
 
     def warmup(self, bucket: dist.GradBucket) -> torch.futures.Future | None:
         """Bucket `bucket`'s average over the process group in float16 when it belongs to one
@@ -148,6 +150,9 @@ class PSHookState:
             return fut
         n = self.worker.job.num_workers
         ring = 2 * (n - 1) * 2 * bucket.buffer().numel() // n
+        # the layout a checkpoint saves and a resumed launch's first round runs in (`_plan`):
+        # the bucket's as DDP last built it, no residual yet to move with it
+        self._layouts[index] = self._layout_of(bucket.parameters())
         with self._lock:
             if index == 0:
                 self._steps += 1
