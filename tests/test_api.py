@@ -181,8 +181,10 @@ def test_the_first_steps_warm_up_over_the_process_group(group, ps):
             assert torch.equal(out, g[s].half().float())
             assert state.totals["rounds"] == 0 and state.totals["warmup_steps"] == s + 1
         assert state.totals["bytes_up"] == state.totals["bytes_down"] == 0    # one rank: a ring moves nothing
+        assert state.worker.round_no == 0                   # the warm-up used no allreduce number
         out = thc_ps.hook(state, FakeBucket(0, g[2].clone())).wait()
         assert state.totals["rounds"] == 1 and state.totals["warmup_steps"] == 2
+        assert state.worker.round_no == 1 and state.worker.error_feedback is False   # docs/protocol.md §4 step 8
         assert state.totals["bytes_up"] > 5000 * 4 // 8 and not torch.equal(out, g[2].half().float())
     with thc_ps.connect(ps=_addr(ps), warmup_steps=2) as state:
         thc_ps.hook(state, FakeBucket(0, g[0].clone())).wait()
@@ -192,6 +194,10 @@ def test_the_first_steps_warm_up_over_the_process_group(group, ps):
         assert torch.equal(thc_ps.hook(state, FakeBucket(0, g[1].clone())).wait(), g[1].half().float())
         thc_ps.hook(state, FakeBucket(0, g[2].clone())).wait()
         assert state.totals["rounds"] == 1 and state.totals["warmup_steps"] == 2
+    step8 = " ".join((ROOT / "docs" / "protocol.md").read_text().split("8. **Error feedback in the rotated")[1]
+                     .split("\n\n")[0].split())
+    assert ("keeps none unless given `error_feedback=True`" in step8) == (not thc_ps.torch.ERROR_FEEDBACK)
+    assert f"first `warmup_steps` steps ({WARMUP_STEPS}) send nothing to the PS" in step8
     with pytest.raises(ValueError, match=r"warmup_steps=\.\.\.\) takes an integer 0 or more, got -1"):
         thc_ps.connect(ps=_addr(ps), warmup_steps=-1)
 
