@@ -30,6 +30,37 @@ def one_round(cfg, vectors, segments, seed: int) -> np.ndarray:
     return thc.decode(thc.lookup_sum(zs, cfg.table.values), len(vectors), norms, cfg, layout, 0)
 
 
+def lm_gradients(steps: int, workers: int, seed: int) -> tuple[list, list]:
+    """The example LM (examples/char_lm.py's defaults) trained `steps` steps with AdamW on one
+    process, then each of `workers` ranks' gradient on its own batch: (tensor names, per rank
+    the list of its tensors' gradients as float32 arrays)."""
+    import torch
+    import torch.nn.functional as F
+
+    from thc_ps.deploy import lm_experiment as lm
+    torch.manual_seed(seed)
+    torch.set_num_threads(1)
+    ex = lm.example()
+    data = ex.text_bytes(4.0)
+    train = data[:len(data) * 9 // 10]
+    model = ex.CharLM(64, 128, 4, heads=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
+    for step in range(steps):
+        x, y = ex.batch(train, 16 * workers, 64, seed=seed * 1_000_003 + step)
+        opt.zero_grad()
+        F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)).backward()
+        opt.step()
+        if (step + 1) % 10 == 0:
+            print(f"  trained {step + 1}/{steps} steps", file=sys.stderr, flush=True)
+    grads = []
+    for r in range(workers):
+        x, y = ex.batch(train, 16, 64, seed=10 ** 6 + r)
+        model.zero_grad()
+        F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)).backward()
+        grads.append([p.grad.detach().numpy().reshape(-1).astype(np.float32) for p in model.parameters()])
+    return [n for n, _ in model.named_parameters()], grads
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=50, help="training steps before the gradients are taken")
@@ -39,32 +70,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 0 or args.workers < 1:
         ap.error("--steps must be 0 or more and --workers 1 or more")
-    import torch
-    import torch.nn.functional as F
-
     from thc_ps.compression import thc
-    from thc_ps.deploy import lm_experiment as lm
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(1)
-    ex = lm.example()
-    data = ex.text_bytes(4.0)
-    train = data[:len(data) * 9 // 10]
-    model = ex.CharLM(64, 128, 4, heads=4)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
-    for step in range(args.steps):
-        x, y = ex.batch(train, 16 * args.workers, 64, seed=args.seed * 1_000_003 + step)
-        opt.zero_grad()
-        F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)).backward()
-        opt.step()
-        if (step + 1) % 10 == 0:
-            print(f"  trained {step + 1}/{args.steps} steps", file=sys.stderr, flush=True)
-    grads = []
-    for r in range(args.workers):
-        x, y = ex.batch(train, 16, 64, seed=10 ** 6 + r)
-        model.zero_grad()
-        F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)).backward()
-        grads.append([p.grad.detach().numpy().reshape(-1).astype(np.float32) for p in model.parameters()])
-    names = [n for n, _ in model.named_parameters()]
+    names, grads = lm_gradients(args.steps, args.workers, args.seed)
     sizes = [g.size for g in grads[0]]
     mean = np.mean([np.concatenate(g) for g in grads], axis=0)
     cfg = thc.ThcConfig()

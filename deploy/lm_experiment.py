@@ -143,9 +143,10 @@ def run_method(method: str, cfg: LMConfig, net=None, ps: str = "", timeout_s: fl
 def _ps_shards(net, cfg: LMConfig) -> tuple[list, str]:
     """THC-PS's shards in the star (started, not yet waited for) and the `ps` text they make."""
     from thc_ps.deploy.experiments import ps_in_namespace
-    from thc_ps.proto.job import JobConfig
+    from thc_ps.torch import ERROR_FEEDBACK, job_proposal
     hosts = list(range(cfg.ranks)) if cfg.layout == "colocated" else [cfg.ranks]
-    job = JobConfig(num_workers=cfg.ranks, **({"rotation": cfg.rotation} if cfg.rotation else {}))
+    # the job the ranks' connect() would propose to a PS without a fixed job (the library's defaults)
+    job = job_proposal(cfg.ranks, {"rotation": cfg.rotation} if cfg.rotation else {}, ERROR_FEEDBACK)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     servers = [ps_in_namespace(net, job, PS_PORT, env, host=h, wait=False) for h in hosts]
     return servers, ",".join(f"{net.ips[h]}:{PS_PORT}" for h in hosts)

@@ -504,6 +504,9 @@ def test_the_api_reference_states_the_options_and_defaults_the_code_has():
     defaults = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
                 for f in dataclasses.fields(JobConfig) if f.name != "num_workers"}
     said = {"none": "", "{}": {}, "narrowest that fits": 0}
+    from thc_ps.torch import P_WITHOUT_FEEDBACK
+    assert jobs["p"] == f"`{defaults['p']}`, `{P_WITHOUT_FEEDBACK}` without error feedback"
+    jobs["p"] = jobs["p"].split(",")[0]
     for name, cell in jobs.items():
         want = defaults[name]
         got = said.get(cell, cell.strip("`"))

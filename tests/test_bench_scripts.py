@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("script", ["bench_p4.py", "bench_breakeven.py", "pauses.py", "bench_jobs.py", "bench_rto.py",
-                                    "round_cpu.py", "bench_rotation.py", "bench_loss.py", "bench_tensor_error.py"])
+                                    "round_cpu.py", "bench_rotation.py", "bench_loss.py", "bench_tensor_error.py",
+                                    "bench_support.py"])
 def test_script_help_runs_from_anywhere(script, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], cwd=tmp_path, env=env,
@@ -275,6 +276,26 @@ def test_bench_floor_makes_no_gradient_while_a_round_runs():
         assert first_made >= last_end, (r, first_made - last_end)
     for m in marks.values():
         assert all(made <= start < end for start, end, made in m)
+
+
+def test_bench_support_finds_the_narrow_support_biased(tmp_path):
+    """bench_support.py at the example LM's first gradients, two p's, four draws each: a row
+    per p where --out says, the wider support with the smaller bias and a mean closer to
+    the average's scale; a bad p is refused naming it."""
+    import json
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    script = str(ROOT / "bench" / "bench_support.py")
+    proc = subprocess.run([sys.executable, script, "--steps", "0", "--draws", "4", "--p", "1/32,1/512",
+                           "--out", str(tmp_path / "s.json")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    narrow, wide = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert (narrow["p"], wide["p"]) == ("1/32", "1/512")
+    assert wide["bias2"] < narrow["bias2"] / 4 and narrow["scale"] < wide["scale"] <= 1.01
+    assert all(0 < r["noise"] < 1 for r in (narrow, wide))
+    bad = subprocess.run([sys.executable, script, "--p", "2"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--p '2'" in bad.stderr
 
 
 def test_bench_tensor_error_writes_a_row_per_tensor(tmp_path):

@@ -1,4 +1,6 @@
 """THC math: homomorphism, unbiasedness, error feedback, torch/numpy agreement, NMSE trends."""
+from fractions import Fraction
+
 import numpy as np
 import pytest
 import torch
@@ -127,6 +129,44 @@ def test_encode_decode_unbiased_without_clamping(rotation):
     mean, se = acc.mean(axis=0), acc.std(axis=0) / np.sqrt(trials)
     assert np.all(np.abs(mean - x) < 5 * se + 1e-6)
     assert np.abs(mean - x).max() > 0  # a real estimate, not the input
+
+
+def _clamp_bias(p: str, draws: int = 200) -> tuple[float, float, float]:
+    """Four ranks' heavy-tailed vectors (a shared part and each rank's own) through rounds of
+    one rotation that differ only in their uniforms: (bias², the bias estimate's own sampling
+    variance, one round's noise), all relative to ‖x̄‖²."""
+    rng = np.random.default_rng(11)
+    d = 4096
+    common = rng.standard_normal(d) * rng.lognormal(0, 1, d)
+    xs = [(common + rng.standard_normal(d) * rng.lognormal(0, 1, d)).astype(np.float32) for _ in range(4)]
+    cfg = thc.ThcConfig(p=p, rotation="job")
+    layout = cfg.layout(d, None)
+    norms = np.max([thc.block_norms(v, layout) for v in xs], axis=0)
+    mean = np.mean(xs, axis=0, dtype=np.float64)
+    ests = np.empty((draws, d))
+    for k in range(draws):
+        zs = [thc.encode(v, norms, cfg, layout, 0, rng.random(layout.padded_dim, dtype=np.float32)) for v in xs]
+        ests[k] = thc.decode(thc.lookup_sum(zs, cfg.table.values), 4, norms, cfg, layout, 0)
+    scale, avg = float(np.sum(mean ** 2)), ests.mean(axis=0)
+    sampling = float(np.sum((ests - avg) ** 2)) / (draws - 1) / scale / draws
+    noise = float(np.mean(np.sum((ests - mean) ** 2, axis=1))) / scale
+    return float(np.sum((avg - mean) ** 2)) / scale - sampling, sampling, noise
+
+
+def test_the_library_support_without_error_feedback_leaves_almost_no_clamp_bias():
+    """At 1/32 the clamp's error is a bias far above its sampling error (error feedback carries
+    it; without, one rotation per job repeats it every round).  At the support the library
+    proposes without error feedback it is a tenth of that or less, and under what an average
+    over rounds with Adam's β₁ = 0.9 leaves of the rounding noise (noise · 0.1/1.9)."""
+    from thc_ps.torch import P_WITHOUT_FEEDBACK, job_proposal
+    narrow, sampling, _ = _clamp_bias("1/32")
+    assert narrow > 20 * sampling
+    wide, sampling, noise = _clamp_bias(P_WITHOUT_FEEDBACK)
+    assert wide < narrow / 10
+    assert wide < noise * 0.1 / 1.9
+    assert Fraction(job_proposal(4, {}, error_feedback=False).p) == Fraction(P_WITHOUT_FEEDBACK) < Fraction(1, 32)
+    assert Fraction(job_proposal(4, {}, error_feedback=True).p) == thc.ThcConfig().p == Fraction(1, 32)
+    assert Fraction(job_proposal(4, {"p": "1/64"}, error_feedback=False).p) == Fraction(1, 64)
 
 
 @pytest.mark.parametrize("rotation", ["round", "job"])

@@ -52,6 +52,15 @@ PS_ENV, KEYS_ENV = "THC_PS", "THC_PS_KEYS"
 #: error feedback.
 WARMUP_STEPS = 10
 ERROR_FEEDBACK = False
+#: The support fraction p a launch without error feedback proposes when it gives none (with
+#: error feedback, JobConfig's 1/32).  The clamp to [−t_p, t_p] (THC §5.3, "bounding the
+#: support") moves the extreme rotated coordinates toward zero; error feedback carries that
+#: error into the next step, and without it the error is a bias that, under one rotation per
+#: job, falls the same way every step while Adam's momentum averages the rounding noise away.
+#: At 1/512 (THC §7's loss and straggler runs) the clamp's bias on the example LM's gradients
+#: was a tenth of 1/32's, for 19% more rounding noise (docs/design.md, "The support without
+#: error feedback").
+P_WITHOUT_FEEDBACK = "1/512"
 #: The format of `State.state_dict()`: bumped when its layout changes.
 STATE_FORMAT = 1
 
@@ -261,6 +270,14 @@ def _agree(ok: bool, why: str, rank: int, world: int, process_group) -> None:
         raise Refused(w if r == rank else f"rank {r} could not connect: {w}")
 
 
+def job_proposal(world: int, given: dict, error_feedback: bool) -> JobConfig:
+    """The job a launch proposes: the options `given`, else `thc train`'s defaults, except the
+    support fraction p, which without error feedback is P_WITHOUT_FEEDBACK.  Only the given
+    options are insisted on: a PS with a fixed job keeps its own for the rest."""
+    defaults = {} if error_feedback else {"p": P_WITHOUT_FEEDBACK}
+    return JobConfig(num_workers=world, **{**defaults, **given})
+
+
 def connect(model=None, ps: str | None = None, *, keys: str | None = None, job_name: str | None = None,
             process_group=None, error_feedback: bool = ERROR_FEEDBACK, warmup_steps: int = WARMUP_STEPS,
             keep_reports: bool = False, notes: bool = True, **options) -> State:
@@ -278,8 +295,8 @@ def connect(model=None, ps: str | None = None, *, keys: str | None = None, job_n
     give the same number.  Job options (JOB_OPTIONS: codec, bits,
     granularity, p, lane_bits, quorum, seed, rotation, block_log2, tail_log2, slots, result_group,
     codec_params) and transport options (TRANSPORT_OPTIONS: loss_policy, timeout_ms,
-    ps_wait_s, queue_s, window) default to `thc train`'s; the job options given are ones this
-    launch insists on.  `keep_reports`: keep every round's report until `take_reports()`
+    ps_wait_s, queue_s, window) default to `thc train`'s (but p without error feedback:
+    P_WITHOUT_FEEDBACK, `job_proposal`); the job options given are ones this launch insists on.  `keep_reports`: keep every round's report until `take_reports()`
     (off: memory stays flat; `totals` always counts).  `notes`: when an uncaught error or a
     SIGTERM (torchrun stopping the ranks after one failed) ends the script, say on stderr
     where this rank was (job, round, the ranks the PS waited for); on SIGTERM leave the job.
@@ -300,7 +317,7 @@ def connect(model=None, ps: str | None = None, *, keys: str | None = None, job_n
     shards = parse_ps(ps)
     keys = keys or os.environ.get(KEYS_ENV) or None
     given = {k: v for k, v in options.items() if k in JOB_OPTIONS and v is not None}
-    proposal = JobConfig(num_workers=world, **given)        # bad values refused here, in their names
+    proposal = job_proposal(world, given, error_feedback)   # bad values refused here, in their names
     expect = {k: v for k, v in proposal.to_msg().items() if k in {"num_workers", *given}}
     transport = {TRANSPORT_NAMES.get(k, k): v for k, v in options.items() if k in TRANSPORT_OPTIONS and v is not None}
     warmups = [None] * world
