@@ -289,15 +289,16 @@ def connect(model=None, ps: str | None = None, *, keys: str | None = None, job_n
     $THC_PS_KEYS).  `job_name`: the job's name on the PS (default: from torchrun's run id,
     restart count and a launch token; `default_job_name`).  `process_group`: the group whose
     ranks form the job (default the world).  `error_feedback`: keep each bucket's residual
-    (THC Alg. 3 line 22; off unless asked, ERROR_FEEDBACK).  `warmup_steps`: the job's first steps, whose
-    buckets are all-reduced over the process group in float16 (PyTorch's fp16_compress_hook)
-    before the PS takes over (WARMUP_STEPS; 0: the PS from the first step); every rank must
-    give the same number.  Job options (JOB_OPTIONS: codec, bits,
-    granularity, p, lane_bits, quorum, seed, rotation, block_log2, tail_log2, slots, result_group,
-    codec_params) and transport options (TRANSPORT_OPTIONS: loss_policy, timeout_ms,
-    ps_wait_s, queue_s, window) default to `thc train`'s (but p without error feedback:
-    P_WITHOUT_FEEDBACK, `job_proposal`); the job options given are ones this launch insists on.  `keep_reports`: keep every round's report until `take_reports()`
-    (off: memory stays flat; `totals` always counts).  `notes`: when an uncaught error or a
+    (THC Alg. 3 line 22; off unless asked, ERROR_FEEDBACK).  `warmup_steps`: the job's first
+    steps, whose buckets are all-reduced over the process group in float16 (PyTorch's
+    fp16_compress_hook) before the PS takes over (WARMUP_STEPS; 0: the PS from the first
+    step); every rank must give the same number.  Job options (JOB_OPTIONS: codec, bits,
+    granularity, p, lane_bits, quorum, seed, rotation, block_log2, tail_log2, slots,
+    result_group, codec_params) and transport options (TRANSPORT_OPTIONS: loss_policy,
+    timeout_ms, ps_wait_s, queue_s, window) default to `thc train`'s (but p without error
+    feedback: P_WITHOUT_FEEDBACK, `job_proposal`); the job options given are ones this launch
+    insists on.  `keep_reports`: keep every round's report until `take_reports()` (off:
+    memory stays flat; `totals` always counts).  `notes`: when an uncaught error or a
     SIGTERM (torchrun stopping the ranks after one failed) ends the script, say on stderr
     where this rank was (job, round, the ranks the PS waited for); on SIGTERM leave the job.
 
