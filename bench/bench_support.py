@@ -18,14 +18,13 @@ in units of ‖x̄‖² (x̄ the exact average):
     with Adam's β₁ = 0.9 if the rounds' noise is independent and the gradient steady.
 """
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `bench` is not installed: run from a checkout
-from bench.bench_tensor_error import lm_gradients, one_round  # noqa: E402
+from bench.bench_tensor_error import lm_gradients, one_round, write_rows  # noqa: E402
 
 #: Adam's default first-moment decay, for the "in momentum" column.
 BETA1 = 0.9
@@ -73,10 +72,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"{p:>8s} {row['noise']:9.5f} {row['bias2']:9.5f} {row['in_momentum']:12.5f} {row['scale']:14.4f}",
               flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"steps": args.steps, "draws": args.draws, "seed": args.seed,
-                                              "rows": rows}, indent=1))
-        print(f"wrote {args.out}")
+    write_rows(args.out, {"steps": args.steps, "draws": args.draws, "seed": args.seed}, rows)
     return 0
 
 

@@ -92,11 +92,15 @@ def main(argv=None) -> int:
         errs = [r[key] for r in rows]
         print(f"{key.replace('_', ' ')}: relative error per tensor {min(errs):.3f}–{max(errs):.3f}, median "
               f"{float(np.median(errs)):.3f}")
-    if args.out:
-        Path(args.out).write_text(json.dumps({"steps": args.steps, "workers": args.workers, "seed": args.seed,
-                                              "rows": rows}, indent=1))
-        print(f"wrote {args.out}")
+    write_rows(args.out, {"steps": args.steps, "workers": args.workers, "seed": args.seed}, rows)
     return 0
+
+
+def write_rows(out: str | None, meta: dict, rows: list) -> None:
+    """The run's settings and rows as JSON where --out says (nothing without it)."""
+    if out:
+        Path(out).write_text(json.dumps({**meta, "rows": rows}, indent=1))
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":
