@@ -140,13 +140,18 @@ def run_method(method: str, cfg: LMConfig, net=None, ps: str = "", timeout_s: fl
     return {**done[0], "replicas_identical": len({d["digest"] for d in done.values()}) == 1}
 
 
+def thc_job(cfg: LMConfig):
+    """THC-PS's job: the one the ranks' connect() would propose to a PS without a fixed job
+    (the library's defaults, the rotation if given)."""
+    from thc_ps.torch import ERROR_FEEDBACK, job_proposal
+    return job_proposal(cfg.ranks, {"rotation": cfg.rotation} if cfg.rotation else {}, ERROR_FEEDBACK)
+
+
 def _ps_shards(net, cfg: LMConfig) -> tuple[list, str]:
     """THC-PS's shards in the star (started, not yet waited for) and the `ps` text they make."""
     from thc_ps.deploy.experiments import ps_in_namespace
-    from thc_ps.torch import ERROR_FEEDBACK, job_proposal
     hosts = list(range(cfg.ranks)) if cfg.layout == "colocated" else [cfg.ranks]
-    # the job the ranks' connect() would propose to a PS without a fixed job (the library's defaults)
-    job = job_proposal(cfg.ranks, {"rotation": cfg.rotation} if cfg.rotation else {}, ERROR_FEEDBACK)
+    job = thc_job(cfg)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     servers = [ps_in_namespace(net, job, PS_PORT, env, host=h, wait=False) for h in hosts]
     return servers, ",".join(f"{net.ips[h]}:{PS_PORT}" for h in hosts)
@@ -207,6 +212,8 @@ def _link(rate) -> str:
 def _table(rows: list, cfg: LMConfig, command: str, target: float) -> str:
     params = rows[0]["params"] if rows else 0
     every = "after every step" if cfg.eval_every == 1 else f"every {cfg.eval_every} steps"
+    from thc_ps.torch import ERROR_FEEDBACK, WARMUP_STEPS
+    job, warmup = thc_job(cfg), WARMUP_STEPS if cfg.warmup_steps is None else cfg.warmup_steps
     lines = ["# The library example under link caps\n", f"Command: `{command}`\n",
              f"examples/char_lm.py's transformer language model ({params:,} parameters, {cfg.layers} layers of "
              f"width {cfg.dim}, context {cfg.context}) on {cfg.text_mb:g} MB of the Python standard library's "
@@ -219,7 +226,8 @@ def _table(rows: list, cfg: LMConfig, command: str, target: float) -> str:
              f"{target:g}, and \"steps to {target:g}\" the step it did so at; \"up/down bytes/step\" are per "
              f"rank: for DDP what a ring all-reduce puts on a rank's link (2(n−1)/n × the payload), for "
              f"THC-PS the datagrams to and from the shards and, in the library's warm-up steps (the first "
-             f"10, float16 over the process group), the ring's bytes.\n",
+             f"{warmup}, float16 over the process group), the ring's bytes. THC-PS's job: b = {job.bits}, "
+             f"g = {job.granularity}, p = {job.p}, {'' if ERROR_FEEDBACK else 'no '}error feedback.\n",
              f"| link | method | layout | final val loss | up bytes/step | down bytes/step | step ms | in rounds ms | "
              f"steps to {target:g} | time to {target:g} (s) | replicas identical |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
