@@ -68,7 +68,7 @@ def cases(p: int):
         K.rht_rotate(pieces, p, signs, carry, o["r"])
 
     def quantize(K, o):
-        K.quantize_ef(rotated, big_m, g, tab, (12345, 0), o["idx"], True, o["resid"])
+        K.quantize_ef(rotated, big_m, g, tab, (12345, 0), o["idx"], 4, o["resid"])
 
     def decode(K, o):
         K.rht_decode(lanes, 3, 2.0 * big_m / g, big_m, p, signs, divided, o["d"], o["work"])

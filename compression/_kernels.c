@@ -5,7 +5,7 @@
  *   fwht:        normalized Walsh-Hadamard transform in place (§5.1, H of RHT = H·D·x).
  *   rht_encode:  signs D (packed random bits) + FWHT + 1/sqrt(p) + clamp to [-M, M] + grid map
  *                y = (R + M) g / 2M + unbiased stochastic rounding to table indices (App. B),
- *                written as bytes or packed 4-bit (high nibble first).  Lines 9-16.
+ *                written as bytes or packed b-bit, MSB first (4 bits: high nibble first).  Lines 9-16.
  *   rht_decode:  table-domain values (float Y/k, or own indices looked up in T) -> affine map
  *                m + v (M - m)/g -> FWHT + 1/sqrt(p) -> signs D.  Lines 19-22.  The 8-bit
  *                lanes' Y/k: a table of float32(b/k), divided on the AVX2 path (same values).
@@ -68,11 +68,11 @@ typedef struct {
     float lo[256], inv[256];
     float m, s, gf, yz;      /* M, g/2M, g; yz = g/2 for an all-zero round (M = 0) */
     int zero;
-    /* for the shuffle path (<= 16 levels, g <= 63): iv[c] as bytes, 16 per 128-bit half and
+    /* for the shuffle path (<= 32 levels, g <= 63): iv[c] as bytes, 16 per 128-bit half and
      * each half repeated (pshufb looks up within a half); T[j] and 1/(T[j+1]-T[j]) by j */
-    int shuffle;
+    int shuffle, levels;
     uint8_t ivb[4][32];
-    float tabj[16], invj[16];
+    float tabj[32], invj[32];
 } qtab_t;
 
 static int qtab_init(qtab_t *q, double big_m, int g, const uint8_t *tab, Py_ssize_t levels) {
@@ -86,12 +86,13 @@ static int qtab_init(qtab_t *q, double big_m, int g, const uint8_t *tab, Py_ssiz
         q->lo[c] = tab[j];
         q->inv[c] = 1.0f / (float)(tab[j + 1] - tab[j]);
     }
-    q->shuffle = levels <= 16 && g <= 63;
+    q->shuffle = levels <= 32 && g <= 63;
+    q->levels = (int)levels;
     memset(q->ivb, 0, sizeof q->ivb);
     memset(q->tabj, 0, sizeof q->tabj);
     memset(q->invj, 0, sizeof q->invj);
     for (int c = 0; c <= g && q->shuffle; c++) q->ivb[c >> 4][c & 15] = q->ivb[c >> 4][16 + (c & 15)] = (uint8_t)q->iv[c];
-    for (Py_ssize_t j = 0; j + 1 < levels && j < 16; j++) {
+    for (Py_ssize_t j = 0; j + 1 < levels && j < 32; j++) {
         q->tabj[j] = tab[j];
         q->invj[j] = 1.0f / (float)(tab[j + 1] - tab[j]);
     }
@@ -187,7 +188,7 @@ typedef struct {
     const float *u;
     uint64_t ukey, ubase;
     uint8_t *out;
-    int packed;
+    int packed;              /* 0: a byte an index; b in 1..8: b-bit indices MSB first (4: nibbles) */
     float *resid;            /* NULL: no residual */
     float tabf[256];
     int levels;
@@ -355,6 +356,12 @@ static inline __m256 lookup16(const float *tabf, __m256i idx) {
     return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(sel));
 }
 
+/* lookup16 over 32 entries: bit 4 of the index picks the upper half (5-bit indices). */
+static inline __m256 lookup32(const float *tabf, __m256i idx) {
+    __m256i sel = _mm256_slli_epi32(idx, 27);          /* bit 4 -> sign bit for blendv */
+    return _mm256_blendv_ps(lookup16(tabf, idx), lookup16(tabf + 16, idx), _mm256_castsi256_ps(sel));
+}
+
 static AI __m256 in_avx2(const in_t *in, const int kind, size_t i) {
     const __m256 c = _mm256_set1_ps(in->c), m = _mm256_set1_ps(in->m);
     switch (kind) {
@@ -408,11 +415,8 @@ static inline __m256i quant8(const qtab_t *q, __m256 a, __m256 u) {
                                             _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)q->ivb[3]), idx), b4);
             iv = _mm256_blendv_epi8(iv, hi, b5);
         }
-        __m256 j8 = _mm256_castsi256_ps(_mm256_slli_epi32(iv, 28));                 /* bit 3 -> sign */
-        lo = _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(q->tabj), iv),
-                              _mm256_permutevar8x32_ps(_mm256_loadu_ps(q->tabj + 8), iv), j8);
-        inv = _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(q->invj), iv),
-                               _mm256_permutevar8x32_ps(_mm256_loadu_ps(q->invj + 8), iv), j8);
+        lo = q->levels <= 16 ? lookup16(q->tabj, iv) : lookup32(q->tabj, iv);
+        inv = q->levels <= 16 ? lookup16(q->invj, iv) : lookup32(q->invj, iv);
     } else {
         lo = _mm256_i32gather_ps(q->lo, c, 4);
         inv = _mm256_i32gather_ps(q->inv, c, 4);
@@ -509,7 +513,8 @@ static AI __m256i quant_ef8(const float *x, size_t i, const qtab_t *q, const qef
     __m256 v = _mm256_loadu_ps(x + i);
     __m256i z = quant8(q, v, f->u ? _mm256_loadu_ps(f->u + i) : cu8(f->ukey, f->ubase + i));
     if (f->resid) {
-        __m256 t = f->levels <= 16 ? lookup16(f->tabf, z) : _mm256_i32gather_ps(f->tabf, z, 4);
+        __m256 t = f->levels <= 16 ? lookup16(f->tabf, z) : f->levels <= 32 ? lookup32(f->tabf, z)
+                                                                            : _mm256_i32gather_ps(f->tabf, z, 4);
         _mm256_storeu_ps(f->resid + i, _mm256_sub_ps(v, _mm256_sub_ps(_mm256_mul_ps(t, c), m)));
     }
     return z;
@@ -567,9 +572,9 @@ static inline __m512 u16(const float *u, uint64_t key, uint64_t base, size_t i) 
     return _mm512_loadu_ps(t);
 }
 
-/* quant8 on 16 lanes, operand for operand.  For tables of <= 16 levels and g <= 63 the
+/* quant8 on 16 lanes, operand for operand.  For tables of <= 32 levels and g <= 63 the
  * interval of a cell comes from two-table permutes (32 cells each) and T[j], 1/(T[j+1]-T[j])
- * from one 16-entry permute each; otherwise from gathers. */
+ * from one two-table permute each (bit 4 of j picks the table); otherwise from gathers. */
 static inline __m512i quant16(const qtab_t *q, __m512 a, __m512 u) {
     __m512 y;
     GRID_MAP(_mm512, q, a, y);
@@ -581,8 +586,8 @@ static inline __m512i quant16(const qtab_t *q, __m512 a, __m512 u) {
             __m512i hi = _mm512_permutex2var_epi32(_mm512_loadu_si512(q->iv + 32), c, _mm512_loadu_si512(q->iv + 48));
             iv = _mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(c, _mm512_set1_epi32(31)), iv, hi);
         }
-        lo = _mm512_permutexvar_ps(iv, _mm512_loadu_ps(q->tabj));
-        inv = _mm512_permutexvar_ps(iv, _mm512_loadu_ps(q->invj));
+        lo = _mm512_permutex2var_ps(_mm512_loadu_ps(q->tabj), iv, _mm512_loadu_ps(q->tabj + 16));
+        inv = _mm512_permutex2var_ps(_mm512_loadu_ps(q->invj), iv, _mm512_loadu_ps(q->invj + 16));
     } else {
         lo = _mm512_i32gather_ps(c, q->lo, 4);
         inv = _mm512_i32gather_ps(c, q->inv, 4);
@@ -672,14 +677,14 @@ static AI void store_first_avx512(float *dst, __m512 v, size_t k) {
  * then x − (T[z]·c − m) in the scalar loop's operations. */
 static void quant_ef_avx512(const float *x, size_t n, const qtab_t *q, const qef_t *f) {
     const __m512 c = _mm512_set1_ps(f->c), m = _mm512_set1_ps(f->m);
-    const int small = f->levels <= 16;
-    const __m512 tab16 = _mm512_loadu_ps(f->tabf);
+    const int small = f->levels <= 32;
+    const __m512 tab_lo = _mm512_loadu_ps(f->tabf), tab_hi = _mm512_loadu_ps(f->tabf + 16);
     for (size_t i = 0; i < n; i += 16) {
         const __m512 v = _mm512_loadu_ps(x + i);
         const __m512i z = quant16(q, v, u16(f->u, f->ukey, f->ubase, i));
         store_idx16(f->out, f->packed, i, z);
         if (f->resid) {
-            __m512 t = small ? _mm512_permutexvar_ps(z, tab16) : _mm512_i32gather_ps(z, f->tabf, 4);
+            __m512 t = small ? _mm512_permutex2var_ps(tab_lo, z, tab_hi) : _mm512_i32gather_ps(z, f->tabf, 4);
             _mm512_storeu_ps(f->resid + i, _mm512_sub_ps(v, _mm512_sub_ps(_mm512_mul_ps(t, c), m)));
         }
     }
@@ -719,10 +724,44 @@ static void quant_ef_scalar(const float *x, size_t n, const qtab_t *q, const qef
     }
 }
 
+/* The sub-byte packing path of a kernel level: BMI2 from AVX2 up where the CPU has it, scalar
+ * at level 0 (THC_KERNELS=scalar runs no instruction beyond the base ISA). */
+static int pack_path(int simd) {
+    const int best = lanes_best_path();
+    return simd >= 2 ? best : (simd == 1 && best >= 1 ? 1 : 0);
+}
+
+static void quant_ef_run(int simd, const float *x, size_t n, const qtab_t *q, const qef_t *f);
+
+/* Indices of b bits other than nibbles (f->packed = b, b != 4): a tile of them as bytes, then
+ * packed MSB first (proto/lanes.h, the wire's index packing); each tile but the last is a
+ * multiple of 8 coordinates, so its bytes are whole and the next tile starts on a byte. */
+#define QEF_TILE 2048
+static void quant_ef_bits(int simd, const float *x, size_t n, const qtab_t *q, const qef_t *f) {
+    uint8_t z[QEF_TILE];
+    const int b = f->packed, path = pack_path(simd);
+    qef_t t = *f;
+    t.packed = 0;
+    t.out = z;
+    for (size_t i = 0; i < n; i += QEF_TILE) {
+        const size_t len = n - i < QEF_TILE ? n - i : QEF_TILE;
+        quant_ef_run(simd, x + i, len, q, &t);
+        if (b == 8) memcpy(f->out + i, z, len);
+        else lanes_pack(f->out + i / 8 * (size_t)b, z, len, b, path);
+        if (t.u) t.u += len;
+        t.ubase += len;
+        if (t.resid) t.resid += len;
+    }
+}
+
 /* The widest path the level allows on the longest prefix it takes (a multiple of its 16 or 8
  * lanes), the rest on the next narrower one, from that coordinate on (the same streams and
  * sinks, offset). */
 static void quant_ef_run(int simd, const float *x, size_t n, const qtab_t *q, const qef_t *f) {
+    if (f->packed && f->packed != 4) {
+        quant_ef_bits(simd, x, n, q, f);
+        return;
+    }
     size_t done = 0;
 #if THC_HAVE_AVX2
     if (simd >= 2) quant_ef_avx512(x, done = n & ~(size_t)15, q, f);
@@ -895,11 +934,22 @@ static PyObject *py_fwht(PyObject *self, PyObject *args) {
     return run_released(simd, x.buf, n, &in, &e, bufs, 1);
 }
 
+/* The `packed` argument of rht_encode and quantize_ef: 0 (a byte an index) or b in 1..8
+ * (b-bit indices MSB first) for n indices of a table of `levels`, into `out_len` bytes; the
+ * packed indices must end on a byte (the next block or span starts on one). */
+static int packing_ok(int packed, size_t n, Py_ssize_t levels, Py_ssize_t out_len) {
+    if (packed == 0) return (size_t)out_len >= n;
+    return packed >= 1 && packed <= 8 && levels <= (1 << packed) && (n * (size_t)packed) % 8 == 0 &&
+           (size_t)out_len >= n * (size_t)packed / 8;
+}
+
 /* rht_encode(x: float32 buf (n <= p values, zero-padded to p), p, signs: bytes, M, g,
- *            table: bytes, uniforms, out: uint8 buf, packed: bool,
+ *            table: bytes, uniforms, out: uint8 buf, packed: 0 or bits,
  *            work: float32 writable buf (>= p), simd=-1)
  * uniforms: a float32 buf of >= p values, or (key, base): the counter stream `key` from its
- * uniform number `base` on (the block's offset in the round's padded vector). */
+ * uniform number `base` on (the block's offset in the round's padded vector).  Indices of b
+ * bits other than 4 are quantized from the scaled transform in the work buffer by the
+ * quantize_ef pass (the same operations on the same values as the fused sink). */
 static PyObject *py_rht_encode(PyObject *self, PyObject *args) {
     Py_buffer x = {0}, sg = {0}, t = {0}, u = {0}, o = {0}, w = {0};
     Py_ssize_t p;
@@ -907,13 +957,13 @@ static PyObject *py_rht_encode(PyObject *self, PyObject *args) {
     int g, packed, simd = -1;
     PyObject *uobj;
     unsigned long long ukey = 0, ubase = 0;
-    if (!PyArg_ParseTuple(args, "y*ny*diy*Ow*pw*|i", &x, &p, &sg, &big_m, &g, &t, &uobj, &o, &packed, &w, &simd))
+    if (!PyArg_ParseTuple(args, "y*ny*diy*Ow*iw*|i", &x, &p, &sg, &big_m, &g, &t, &uobj, &o, &packed, &w, &simd))
         return NULL;
     Py_buffer *bufs[] = {&x, &sg, &t, &u, &o, &w};
     if (get_uniforms(uobj, &u, &ukey, &ubase) < 0) return fail(bufs, 6, NULL);
     size_t n = (size_t)p;
     if (!is_pow2(n) || (size_t)x.len / 4 > n || (size_t)sg.len * 8 < n || (u.obj && (size_t)u.len / 4 < n) ||
-        (size_t)w.len / 4 < n || (size_t)o.len < (packed ? (n + 1) / 2 : n) || (packed && (t.len > 16 || n < 2)))
+        (size_t)w.len / 4 < n || !packing_ok(packed, n, t.len, o.len))
         return fail(bufs, 6, "rht_encode: inconsistent buffer sizes");
     qtab_t q;
     if (qtab_init(&q, big_m, g, t.buf, t.len) < 0) return fail(bufs, 6, "rht_encode: bad table");
@@ -921,9 +971,19 @@ static PyObject *py_rht_encode(PyObject *self, PyObject *args) {
     piece_t one = {.p = x.buf, .start = 0, .end = (size_t)x.len / 4};
     size_t cur = 0;
     in_t in = {.kind = IN_SIGNS, .pc = &one, .npc = 1, .cur = &cur, .signs = sg.buf};
-    epi_t e = {.kind = EPI_ENCODE, .q = &q, .u = u.obj ? u.buf : NULL, .ukey = ukey, .ubase = ubase,
-               .out = o.buf, .packed = packed};
-    return run_released(simd, w.buf, n, &in, &e, bufs, 6);
+    if (packed == 0 || packed == 4) {
+        epi_t e = {.kind = EPI_ENCODE, .q = &q, .u = u.obj ? u.buf : NULL, .ukey = ukey, .ubase = ubase,
+                   .out = o.buf, .packed = packed};
+        return run_released(simd, w.buf, n, &in, &e, bufs, 6);
+    }
+    epi_t e = {.kind = EPI_SCALE, .dst = w.buf};
+    qef_t f = {.u = u.obj ? u.buf : NULL, .ukey = ukey, .ubase = ubase, .out = o.buf, .packed = packed};
+    Py_BEGIN_ALLOW_THREADS
+    rht_run(simd, w.buf, n, &in, &e);
+    quant_ef_run(simd, w.buf, n, &q, &f);
+    Py_END_ALLOW_THREADS
+    release(bufs, 6);
+    Py_RETURN_NONE;
 }
 
 /* k when tab[b] == float32(b) / float32(k) for every byte b (the 8-bit lanes' Y/k of
@@ -1014,7 +1074,7 @@ static PyObject *py_rht_rotate(PyObject *self, PyObject *args) {
 }
 
 /* quantize_ef(x: float32 buf (n values, already rotated), M, g, table: bytes, uniforms,
- *             out: uint8 buf, packed: bool, resid: float32 writable buf (>= n) or None, simd=-1)
+ *             out: uint8 buf, packed: 0 or bits, resid: float32 writable buf (>= n) or None, simd=-1)
  * uniforms as rht_encode's.  Indices as rht_encode writes them for the same rotated values;
  * resid[i] = x[i] − (T[z_i]·c − m), c = float32(2M/g), m = float32(M). */
 static PyObject *py_quantize_ef(PyObject *self, PyObject *args) {
@@ -1023,13 +1083,13 @@ static PyObject *py_quantize_ef(PyObject *self, PyObject *args) {
     int g, packed, simd = -1;
     PyObject *uobj, *robj;
     unsigned long long ukey = 0, ubase = 0;
-    if (!PyArg_ParseTuple(args, "y*diy*Ow*pO|i", &x, &big_m, &g, &t, &uobj, &o, &packed, &robj, &simd)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*diy*Ow*iO|i", &x, &big_m, &g, &t, &uobj, &o, &packed, &robj, &simd)) return NULL;
     Py_buffer *bufs[] = {&x, &t, &u, &o, &r};
     if (get_uniforms(uobj, &u, &ukey, &ubase) < 0) return fail(bufs, 5, NULL);
     if (robj != Py_None && PyObject_GetBuffer(robj, &r, PyBUF_WRITABLE) < 0) return fail(bufs, 5, NULL);
     size_t n = (size_t)x.len / 4;
-    if (n == 0 || (u.obj && (size_t)u.len / 4 < n) || (size_t)o.len < (packed ? (n + 1) / 2 : n) ||
-        (packed && (t.len > 16 || n % 2)) || (r.obj && (size_t)r.len / 4 < n))
+    if (n == 0 || (u.obj && (size_t)u.len / 4 < n) || !packing_ok(packed, n, t.len, o.len) ||
+        (r.obj && (size_t)r.len / 4 < n))
         return fail(bufs, 5, "quantize_ef: inconsistent buffer sizes");
     qtab_t q;
     if (qtab_init(&q, big_m, g, t.buf, t.len) < 0) return fail(bufs, 5, "quantize_ef: bad table");
@@ -1123,7 +1183,7 @@ static PyObject *py_widen_lanes(PyObject *self, PyObject *args) {
         if (co[c] < 0 || co[c + 1] < co[c] || co[c + 1] > out.len || ro[c] < 0 ||
             ro[c] + (int64_t)lanes_size((size_t)(co[c + 1] - co[c]), bits) > src.len)
             return fail(bufs, 4, "widen_lanes: a chunk lies outside its buffer");
-    int best = lanes_best_path(), path = simd >= 2 ? best : (simd == 1 && best >= 1 ? 1 : 0);
+    const int path = pack_path(simd);
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t c = lo; c < hi; c++)
         lanes_widen((uint8_t *)out.buf + co[c], (const uint8_t *)src.buf + ro[c], (size_t)(co[c + 1] - co[c]),
@@ -1160,7 +1220,7 @@ static PyObject *py_has_avx512(PyObject *self, PyObject *args) { return PyBool_F
 
 static PyMethodDef methods[] = {
     {"fwht", py_fwht, METH_VARARGS, "fwht(x, simd=-1): normalized in-place fast Walsh-Hadamard transform (deterministic)"},
-    {"rht_encode", py_rht_encode, METH_VARARGS, "fused signs + FWHT + clamp + stochastic quantization (+ 4-bit packing)"},
+    {"rht_encode", py_rht_encode, METH_VARARGS, "fused signs + FWHT + clamp + stochastic quantization (+ b-bit packing)"},
     {"rht_decode", py_rht_decode, METH_VARARGS, "fused table-domain values + inverse RHT"},
     {"rht_rotate", py_rht_rotate, METH_VARARGS, "signs + FWHT + scale, plus a carried vector (the rotated residual)"},
     {"quantize_ef", py_quantize_ef, METH_VARARGS, "quantize a rotated block to table indices, with its rotated-domain residual"},

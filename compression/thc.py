@@ -443,21 +443,27 @@ def _kernel_ok(x, cfg: ThcConfig) -> bool:
 
 
 def _packs_per_block(cfg: ThcConfig, layout: Layout) -> bool:
-    """4-bit indices whose nibble pairs never straddle two RHT blocks (every block even)."""
-    return cfg.bits == 4 and all(p % 2 == 0 for p in layout.padded)
+    """Packed indices whose bytes never straddle two RHT blocks (every block's b·P_j bits whole
+    bytes: even blocks at 4 bits, multiples of 8 at 5): the C kernels pack block by block."""
+    return all(p * cfg.bits % 8 == 0 for p in layout.padded)
+
+
+def _bytes_of(cfg: ThcConfig, a: int, b: int) -> slice:
+    """The bytes of packed coordinates [a, b) (both on a byte: `_packs_per_block`)."""
+    return slice(a * cfg.bits // 8, b * cfg.bits // 8)
 
 
 def _encode_kernels(x: np.ndarray, max_norms, cfg: ThcConfig, layout: Layout, round_no: int,
                     uniforms: np.ndarray, packed: bool = False, blocks: range | None = None,
                     out: np.ndarray | None = None) -> np.ndarray:
     """Alg. 3 lines 9-16 per RHT block in one C call (§5.1 signs + FWHT, clamp, stochastic
-    rounding, optional 4-bit packing); equal to the reference below.  `blocks`: only those
+    rounding, optional b-bit packing); equal to the reference below.  `blocks`: only those
     RHT blocks, into their part of `out` (a block's signs and uniforms depend on its index and
     offset only, so encoding the blocks piece by piece gives the same bytes)."""
     table = cfg.table
     tab8 = bytes(table.values)
     if out is None:
-        out = np.empty(layout.padded_dim // 2 if packed else layout.padded_dim, dtype=np.uint8)
+        out = np.empty(packed_size(layout.padded_dim, cfg.bits) if packed else layout.padded_dim, dtype=np.uint8)
     stream = isinstance(uniforms, CounterUniforms)
     u = None if stream else np.ascontiguousarray(uniforms, dtype=np.float32)
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -466,10 +472,10 @@ def _encode_kernels(x: np.ndarray, max_norms, cfg: ThcConfig, layout: Layout, ro
     def block(j):
         off, p, s, n = offsets[j], layout.padded[j], layout.starts[j], layout.lengths[j]
         big_m = _scale(float(max_norms[j]), p, table.t_p)
-        o = out[off // 2:(off + p) // 2] if packed else out[off:off + p]
+        o = out[_bytes_of(cfg, off, off + p)] if packed else out[off:off + p]
         _kernels.rht_encode(x[s:s + n], p, rademacher_bits(cfg.seed, cfg.sign_round(round_no), j, p), big_m,
                             cfg.granularity, tab8, (uniforms.key, off) if stream else u[off:off + p], o,
-                            packed, _workspace(p))
+                            cfg.bits if packed else 0, _workspace(p))
     _each_of(block, range(len(offsets)) if blocks is None else blocks)
     return out
 
@@ -504,7 +510,7 @@ def encode(x, max_norms, cfg: ThcConfig, layout: Layout, round_no: int, uniforms
 def encode_packed(x, max_norms, cfg: ThcConfig, layout: Layout, round_no: int, uniforms) -> np.ndarray:
     """The wire form of :func:`encode`: b-bit indices packed MSB first (thc_ps.proto.packing), uint8.
 
-    For b = 4 on numpy input the packing happens in the same C pass as the quantization.
+    On numpy input the C kernels pack block by block as they quantize (`_packs_per_block`).
     """
     if _kernel_ok(x, cfg) and _packs_per_block(cfg, layout):
         return _encode_kernels(x, max_norms, cfg, layout, round_no, uniforms, packed=True)
@@ -528,9 +534,10 @@ def _decode_kernels(src, kind: int, contributors: int, max_norms, cfg: ThcConfig
                     round_no: int, lut: np.ndarray | None = None, out=None,
                     blocks: range | None = None) -> np.ndarray:
     """Alg. 3 lines 19-21 per RHT block in one C call: a = v·2M/(g·k) − M from the source
-    (kind 0: float32 values, 1: packed 4-bit indices, 2: byte indices, v = T[z]; 3: bytes,
+    (kind 0: float32 values, 1: packed b-bit indices, 2: byte indices, v = T[z]; 3: bytes,
     v = lut[byte]), then the inverse RHT of §5.1 (FWHT, then the signs D); into `out` if
-    given.  `blocks`: only those RHT blocks (the rest of `out` is left as it is)."""
+    given.  `blocks`: only those RHT blocks (the rest of `out` is left as it is).  Packed
+    indices of b != 4 bits are widened to bytes block by block first (C, proto/lanes.h)."""
     g, table = cfg.granularity, cfg.table
     tab8 = lut.tobytes() if lut is not None else bytes(table.values) if kind else b""
     out = result_vector(out, layout.dim)
@@ -539,11 +546,25 @@ def _decode_kernels(src, kind: int, contributors: int, max_norms, cfg: ThcConfig
     def block(j):
         off, p, s, n = offsets[j], layout.padded[j], layout.starts[j], layout.lengths[j]
         big_m = _scale(float(max_norms[j]), p, table.t_p)
-        seg = src[off // 2:(off + p) // 2] if kind == 1 else src[off:off + p]
-        _kernels.rht_decode(seg, kind, 2.0 * big_m / (g * contributors), big_m, p,
+        seg, kd = src[off:off + p], kind
+        if kind == 1:
+            seg = src[_bytes_of(cfg, off, off + p)]
+            if cfg.bits != 4:
+                seg, kd = _widen(seg, cfg.bits, p), 2
+        _kernels.rht_decode(seg, kd, 2.0 * big_m / (g * contributors), big_m, p,
                             rademacher_bits(cfg.seed, cfg.sign_round(round_no), j, p), tab8, out[s:s + n],
                             None if n == p else _workspace(p))
     _each_of(block, range(len(offsets)) if blocks is None else blocks)
+    return out
+
+
+def _widen(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """`count` packed b-bit indices (b in 1..8) as one byte each, by the C lane widening."""
+    if bits == 8:
+        return packed[:count]
+    out = np.empty(count, dtype=np.uint8)
+    _kernels.widen_lanes(packed, np.array([0, packed.size], dtype=np.int64), np.array([0, count], dtype=np.int64),
+                         0, 1, bits, out)
     return out
 
 
@@ -694,7 +715,7 @@ def quantize_rotated(xr: np.ndarray, max_norms, cfg: ThcConfig, layout: Layout, 
         off, p = offsets[j], layout.padded[j]
         big_m = _scale(float(max_norms[j]), p, table.t_p)
         if fused:
-            _quantize_ef(xr, off, off + p, big_m, g, tab8, uniforms, z, packed, resid)
+            _quantize_ef(xr, off, off + p, big_m, g, tab8, uniforms, z, cfg.bits if packed else 0, resid)
             return
         r = resid[off:off + p] if resid is not None else None
         u = uniforms.take(off, p) if stream else uniforms[off:off + p]
@@ -705,7 +726,7 @@ def quantize_rotated(xr: np.ndarray, max_norms, cfg: ThcConfig, layout: Layout, 
     _each_of(block, range(len(offsets)) if blocks is None else blocks)
     if z is not out:
         if blocks is not None:
-            raise ValueError("packing some blocks only needs the C kernels and 4-bit indices")
+            raise ValueError("packing some blocks only needs the C kernels and blocks of whole bytes")
         out[:] = pack_indices(z, cfg.bits)
     return out
 
@@ -718,25 +739,25 @@ def quantize_span(xr: np.ndarray, max_norms, cfg: ThcConfig, layout: Layout, uni
     value at its own index (§5.1; compression/stochastic.py).  A pipelined round sends the
     first chunks of a big block while the rest of it is quantized (worker/client.py)."""
     p = layout.padded[j]
-    if not (0 <= lo < hi <= p and lo % 2 == 0 and hi % 2 == 0):
-        raise ValueError(f"a span of block {j} ({p} coordinates) must be even offsets 0 <= lo < hi <= {p}, "
-                         f"got [{lo}, {hi})")
+    if not (0 <= lo < hi <= p and lo * cfg.bits % 8 == 0 and hi * cfg.bits % 8 == 0):
+        raise ValueError(f"a span of block {j} ({p} coordinates) must be offsets 0 <= lo < hi <= {p} on whole "
+                         f"bytes of {cfg.bits}-bit indices, got [{lo}, {hi})")
     if not (_kernel_ok(xr, cfg) and _packs_per_block(cfg, layout) and isinstance(uniforms, CounterUniforms)):
-        raise ValueError("quantizing part of a block needs the C kernels, 4-bit indices and the counter stream")
+        raise ValueError("quantizing part of a block needs the C kernels, blocks of whole bytes and the counter stream")
     table = cfg.table
     off = layout.padded_offsets()[j]
     _quantize_ef(xr, off + lo, off + hi, _scale(float(max_norms[j]), p, table.t_p), cfg.granularity,
-                 bytes(table.values), uniforms, out, True, resid)
+                 bytes(table.values), uniforms, out, cfg.bits, resid)
 
 
-def _quantize_ef(xr, a: int, b: int, big_m: float, g: int, tab8: bytes, uniforms, z, packed: bool, resid) -> None:
+def _quantize_ef(xr, a: int, b: int, big_m: float, g: int, tab8: bytes, uniforms, z, bits: int, resid) -> None:
     """The C quantizer over padded coordinates [a, b) of one RHT block (scale `big_m`): Z into
-    z (packed: two to a byte from a // 2), R − X into resid; the uniforms from the counter
-    stream at a, or the caller's."""
-    o = z[a // 2:b // 2] if packed else z[a:b]
+    z (bits 0: a byte each from a; else packed b-bit from byte a·b/8), R − X into resid; the
+    uniforms from the counter stream at a, or the caller's."""
+    o = z[a * bits // 8:b * bits // 8] if bits else z[a:b]
     u = (uniforms.key, a) if isinstance(uniforms, CounterUniforms) else \
         np.ascontiguousarray(uniforms[a:b], dtype=np.float32)
-    _kernels.quantize_ef(xr[a:b], big_m, g, tab8, u, o, packed, resid[a:b] if resid is not None else None)
+    _kernels.quantize_ef(xr[a:b], big_m, g, tab8, u, o, bits, resid[a:b] if resid is not None else None)
 
 
 def prepare(cfg: ThcConfig, dim: int, memory=None, key=None, segments=None) -> None:
@@ -856,7 +877,7 @@ class WorkerRound:
     # -- the same round a block at a time (a pipelined round: worker/client.py) --------------
     def can_pipeline(self) -> bool:
         """Whether encode, decode and residual can go block by block here: the C kernels,
-        a float32 numpy x and 4-bit indices packed within each block."""
+        a float32 numpy x and indices packed within each block (`_packs_per_block`)."""
         return (_kernel_ok(self.x, self.cfg) and isinstance(self.x, np.ndarray) and self.x.dtype == np.float32
                 and self.x.flags.c_contiguous and _packs_per_block(self.cfg, self.layout))
 
@@ -865,7 +886,7 @@ class WorkerRound:
         uniforms' key is drawn from `rng` now, as `encode` draws it)."""
         self.max_norms, self.round_no, self.packed = max_norms, round_no, True
         self._uniforms = CounterUniforms(key_from(rng))
-        self.z = np.empty(self.layout.padded_dim // 2, dtype=np.uint8)
+        self.z = np.empty(packed_size(self.layout.padded_dim, self.cfg.bits), dtype=np.uint8)
         return self.z
 
     def encode_blocks(self, blocks: range) -> None:

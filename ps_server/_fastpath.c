@@ -111,7 +111,7 @@ typedef struct {
     uint32_t nonce;
     int n, slots, norm_slots, elems, bits, lane_bits, op, quorum;
     uint32_t table[256];
-    uint8_t table8[16];
+    uint8_t table8[256];     /* the table as bytes (byte lanes: every entry <= g <= 255) */
     slot_t *slot;
     uint32_t w_ip[MAX_WORKERS + 1];     /* [GROUP]: the result group, when `group` */
     uint16_t w_port[MAX_WORKERS + 1];
@@ -193,6 +193,45 @@ static void lookup_add4_avx2(uint8_t *acc, const uint8_t *in, int count, const u
 }
 #endif
 
+/* acc[i] (+)= table8[z[i]] for byte indices z: 64 a step by one byte permute (AVX-512 VBMI,
+ * a table of at most 64 entries), the tail under a mask. */
+#if defined(__x86_64__)
+__attribute__((target("avx512f,avx512bw,avx512vbmi")))
+static void lookup_bytes_vbmi(uint8_t *acc, const uint8_t *z, int count, const uint8_t *table8, int set) {
+    const __m512i tab = _mm512_loadu_si512(table8);
+    for (int i = 0; i < count; i += 64) {
+        const __mmask64 m = count - i >= 64 ? ~0ull : (1ull << (count - i)) - 1;
+        __m512i v = _mm512_permutexvar_epi8(_mm512_maskz_loadu_epi8(m, z + i), tab);
+        if (!set) v = _mm512_add_epi8(v, _mm512_maskz_loadu_epi8(m, acc + i));
+        _mm512_mask_storeu_epi8(acc + i, m, v);
+    }
+}
+#endif
+
+/* Byte lanes from indices of b bits other than 4 (5-bit indices at g = 31, say): a tile widened
+ * to one byte an index (proto/lanes.h: VBMI, BMI2 or scalar by `path`), then looked up, by
+ * vpermb where the path is VBMI and the table has at most 64 entries.  Tiles are multiples of
+ * 8 indices, so each starts on a byte of the payload. */
+#define WIDE_TILE 512
+static void lookup_add_wide(uint8_t *acc, const uint8_t *in, int count, int bits, const uint8_t *table8,
+                            int set, int path) {
+    uint8_t z[WIDE_TILE];
+    for (int i = 0; i < count; i += WIDE_TILE) {
+        const int len = count - i < WIDE_TILE ? count - i : WIDE_TILE;
+        const uint8_t *src = in + (size_t)i / 8 * (size_t)bits;
+        if (bits == 8) memcpy(z, src, (size_t)len);
+        else lanes_widen(z, src, (size_t)len, bits, path);
+#if defined(__x86_64__)
+        if (path >= 2 && bits <= 6) {
+            lookup_bytes_vbmi(acc + i, z, len, table8, set);
+            continue;
+        }
+#endif
+        uint8_t keep = set ? 0 : 0xFF;
+        for (int k = 0; k < len; k++) acc[i + k] = (uint8_t)((acc[i + k] & keep) + table8[z[k]]);
+    }
+}
+
 static void lookup_add(Engine *e, uint8_t *acc, const uint8_t *in, int count, int set) {
 #if defined(__x86_64__)
     if (e->avx2 && e->bits == 4 && e->lane_bits <= 8) {
@@ -200,6 +239,10 @@ static void lookup_add(Engine *e, uint8_t *acc, const uint8_t *in, int count, in
         return;
     }
 #endif
+    if (e->bits != 4 && e->lane_bits <= 8) {
+        lookup_add_wide(acc, in, count, e->bits, e->table8, set, e->lanes_path);
+        return;
+    }
     lookup_add_scalar(acc, e->lane_bits <= 8 ? 1 : e->lane_bits / 8, in, count, e->bits, e->table, set);
 }
 
@@ -592,7 +635,7 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw) {
         e->table[i] = (uint32_t)PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(seq, i));
     Py_DECREF(seq);
     if (PyErr_Occurred()) return -1;
-    for (int i = 0; i < 16; i++) e->table8[i] = (uint8_t)e->table[i];
+    for (int i = 0; i < 256; i++) e->table8[i] = (uint8_t)e->table[i];
     pthread_mutex_init(&e->lock, NULL);
     int total = e->slots + e->norm_slots;
     if (space != Py_None) {
@@ -1377,27 +1420,30 @@ static PyMethodDef Mux_methods[] = {
 
 FASTPATH_TYPE(Mux, "Mux(): the jobs of one PS socket, each datagram to its job's engine");
 
-/* lookup_accumulate(acc, packed, table, bits, force_scalar=False, set=False): acc[i] += table[z_i]
- * (with set: acc[i] = table[z_i], a round's first contribution) for the indices packed in
- * `packed`; acc is a writable buffer of uint8/16/32 lanes (itemsize = lane). */
+/* lookup_accumulate(acc, packed, table, bits, force_scalar=False, set=False, path=-1): acc[i] +=
+ * table[z_i] (with set: acc[i] = table[z_i], a round's first contribution) for the indices
+ * packed in `packed`; acc is a writable buffer of uint8/16/32 lanes (itemsize = lane).  The
+ * engine's kernels: AVX2 nibbles for 4 bits, the widened tiles for other widths into byte lanes
+ * (`path` as pack_lanes', -1 the engine's), the generic loop with force_scalar. */
 static PyObject *lookup_accumulate(PyObject *self, PyObject *args) {
     Py_buffer acc, in;
     PyObject *table;
-    int bits, force_scalar = 0, set = 0;
-    if (!PyArg_ParseTuple(args, "w*y*Oi|pp", &acc, &in, &table, &bits, &force_scalar, &set)) return NULL;
+    int bits, force_scalar = 0, set = 0, path = -1;
+    if (!PyArg_ParseTuple(args, "w*y*Oi|ppi", &acc, &in, &table, &bits, &force_scalar, &set, &path)) return NULL;
     uint32_t t[256] = {0};
-    uint8_t t8[16];
+    uint8_t t8[256];
     PyObject *seq = PySequence_Fast(table, "table must be a sequence");
     if (!seq) { PyBuffer_Release(&acc); PyBuffer_Release(&in); return NULL; }
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq) && i < 256; i++)
         t[i] = (uint32_t)PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(seq, i));
     Py_DECREF(seq);
-    for (int i = 0; i < 16; i++) t8[i] = (uint8_t)t[i];
-    int lane = (int)acc.itemsize;
+    for (int i = 0; i < 256; i++) t8[i] = (uint8_t)t[i];
+    int lane = (int)acc.itemsize, best = lanes_best_path();
     Py_ssize_t count = acc.len / lane;
-    if ((lane != 1 && lane != 2 && lane != 4) || bits < 1 || bits > 8 || in.len * 8 < count * bits) {
+    if ((lane != 1 && lane != 2 && lane != 4) || bits < 1 || bits > 8 || in.len * 8 < count * bits ||
+        path < -1 || path > best) {
         PyBuffer_Release(&acc); PyBuffer_Release(&in);
-        PyErr_SetString(PyExc_ValueError, "bad lane width, bits or input length");
+        PyErr_SetString(PyExc_ValueError, "bad lane width, bits, input length or path");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
@@ -1407,6 +1453,9 @@ static PyObject *lookup_accumulate(PyObject *self, PyObject *args) {
         lookup_add4_avx2(acc.buf, in.buf, (int)count, t8, set);
     else
 #endif
+    if (!force_scalar && bits != 4 && lane == 1)
+        lookup_add_wide(acc.buf, in.buf, (int)count, bits, t8, set, path < 0 ? best : path);
+    else
         lookup_add_scalar(acc.buf, lane, in.buf, (int)count, bits, t, set);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&acc);

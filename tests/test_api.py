@@ -256,8 +256,9 @@ def test_a_saved_state_of_another_launch_is_refused(group, ps):
                                                          if k != "tail_log2"}}} for r in saved["ranks"]]
         with pytest.raises(ValueError, match=r"another job configuration: tail_log2: saved None, this job 12"):
             state.load_state_dict({**saved, "ranks": older})
-    with thc_ps.connect(ps=_addr(ps), bits=2) as other:
-        with pytest.raises(ValueError, match=r"another job configuration: bits: saved 4, this job 2"):
+    with thc_ps.connect(ps=_addr(ps), bits=2) as other:      # saved: the library's 5 bits at g = 31
+        with pytest.raises(ValueError, match=r"another job configuration: bits: saved 5, this job 2; "
+                                             r"granularity: saved 31, this job 30"):
             other.load_state_dict(saved)
 
 
@@ -504,9 +505,12 @@ def test_the_api_reference_states_the_options_and_defaults_the_code_has():
     defaults = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
                 for f in dataclasses.fields(JobConfig) if f.name != "num_workers"}
     said = {"none": "", "{}": {}, "narrowest that fits": 0}
-    from thc_ps.torch import P_WITHOUT_FEEDBACK
+    from thc_ps.torch import P_WITHOUT_FEEDBACK, TABLE_WITHOUT_FEEDBACK
     assert jobs["p"] == f"`{defaults['p']}`, `{P_WITHOUT_FEEDBACK}` without error feedback"
-    jobs["p"] = jobs["p"].split(",")[0]
+    for name in ("bits", "granularity"):
+        assert jobs[name] == f"{defaults[name]}, {TABLE_WITHOUT_FEEDBACK[name]} without error feedback", name
+    for name in ("p", "bits", "granularity"):
+        jobs[name] = jobs[name].split(",")[0]
     for name, cell in jobs.items():
         want = defaults[name]
         got = said.get(cell, cell.strip("`"))

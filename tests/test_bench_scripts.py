@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("script", ["bench_p4.py", "bench_breakeven.py", "pauses.py", "bench_jobs.py", "bench_rto.py",
                                     "round_cpu.py", "bench_rotation.py", "bench_loss.py", "bench_tensor_error.py",
-                                    "bench_support.py"])
+                                    "bench_support.py", "bench_widths.py"])
 def test_script_help_runs_from_anywhere(script, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--help"], cwd=tmp_path, env=env,
@@ -279,23 +279,46 @@ def test_bench_floor_makes_no_gradient_while_a_round_runs():
 
 
 def test_bench_support_finds_the_narrow_support_biased(tmp_path):
-    """bench_support.py at the example LM's first gradients, two p's, four draws each: a row
-    per p where --out says, the wider support with the smaller bias and a mean closer to
-    the average's scale; a bad p is refused naming it."""
+    """bench_support.py at the example LM's first gradients, two p's and two tables, four
+    draws each: a row per table and p where --out says, the wider support with the smaller
+    bias and a mean closer to the average's scale, 5-bit indices with less noise; a bad p or
+    table is refused naming it."""
     import json
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     script = str(ROOT / "bench" / "bench_support.py")
     proc = subprocess.run([sys.executable, script, "--steps", "0", "--draws", "4", "--p", "1/32,1/512",
-                           "--out", str(tmp_path / "s.json")], cwd=tmp_path, env=env,
+                           "--tables", "4:30,5:31", "--out", str(tmp_path / "s.json")], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    narrow, wide = json.loads((tmp_path / "s.json").read_text())["rows"]
-    assert (narrow["p"], wide["p"]) == ("1/32", "1/512")
+    narrow, wide, _, five = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert (narrow["p"], wide["p"], five["p"]) == ("1/32", "1/512", "1/512")
+    assert (wide["bits"], five["bits"], five["granularity"]) == (4, 5, 31)
     assert wide["bias2"] < narrow["bias2"] / 4 and narrow["scale"] < wide["scale"] <= 1.01
-    assert all(0 < r["noise"] < 1 for r in (narrow, wide))
-    bad = subprocess.run([sys.executable, script, "--p", "2"], cwd=tmp_path, env=env,
+    assert all(0 < r["noise"] < 1 for r in (narrow, wide, five))
+    assert five["noise"] < 0.6 * wide["noise"]
+    for args, said in ((["--p", "2"], "--p '2'"), (["--tables", "5:20"], "'5:20'")):
+        bad = subprocess.run([sys.executable, script, *args], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and said in bad.stderr, bad.stderr
+
+
+def test_bench_widths_runs_both_widths_block_by_block(tmp_path):
+    """bench_widths.py, two rounds a width: a row per width where --out says, 5-bit indices
+    a quarter more bytes than 4-bit ones and pipelined as they are (the C kernels pack them
+    block by block); a bad width is refused naming it."""
+    import json
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    script = str(ROOT / "bench" / "bench_widths.py")
+    proc = subprocess.run([sys.executable, script, "--rounds", "2", "--out", str(tmp_path / "w.json")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    four, five = json.loads((tmp_path / "w.json").read_text())["rows"]
+    assert (four["bits"], four["granularity"], five["bits"], five["granularity"]) == (4, 30, 5, 31)
+    assert five["bytes_up"] * 4 == four["bytes_up"] * 5 and four["pipelines"] and five["pipelines"]
+    assert all(r["worker_ms"] > 0 and r["ps_ms"] > 0 for r in (four, five))
+    bad = subprocess.run([sys.executable, script, "--widths", "4:30,9:300"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--p '2'" in bad.stderr
+    assert bad.returncode == 2 and "'9:300'" in bad.stderr, bad.stderr
 
 
 def test_bench_tensor_error_writes_a_row_per_tensor(tmp_path):

@@ -11,7 +11,7 @@ import torch
 from thc_ps.compression import _kernels as K
 from thc_ps.compression import thc
 from thc_ps.compression.hadamard import fwht, rademacher_bits
-from thc_ps.proto.packing import pack_indices
+from thc_ps.proto.packing import pack_indices, packed_size
 from thc_ps.proto.tables import solve_table
 
 SIMD = [0] + [1] * K.has_avx2() + [2] * K.has_avx512()   # scalar, AVX2, AVX-512
@@ -68,13 +68,15 @@ LAYOUTS = [None, (128, 128, 1, 16), (128, 256, 2, 32), (128, 512, 3, 64), (256, 
 def _every_kernel(p, n, simd, seed, scale=1.0, zero=False):
     """Every fused kernel of a block of p (x of n <= p values) on one path, as {name: bytes}:
     fwht, rht_rotate with and without a carry and from pieces, rht_encode (bytes, packed,
-    counter stream), rht_decode from values, nibbles, bytes and 8-bit lanes / k, quantize_ef
-    with its residual apart and over its input."""
+    counter stream; 5-bit indices of a 32-level table too), rht_decode from values, nibbles,
+    bytes and 8-bit lanes / k, quantize_ef (bytes, nibbles, 5 bits) with its residual apart
+    and over its input."""
     rng = np.random.default_rng(seed)
     x = np.zeros(n, np.float32) if zero else ugly(n, seed) * np.float32(scale)
     carry = ugly(p, seed + 1) * np.float32(scale)
     signs = rademacher_bits(seed, 1, 2, p)
     tab = bytes(solve_table(4, 30, "1/32").values)
+    tab5 = bytes(solve_table(5, 31, "1/512").values)
     big_m = 0.0 if zero else 2.5 * float(np.linalg.norm(x.astype(np.float64))) / np.sqrt(p)
     out = {}
     w = np.zeros(p, np.float32)
@@ -88,9 +90,11 @@ def _every_kernel(p, n, simd, seed, scale=1.0, zero=False):
         K.rht_rotate(src, p, signs, c, r, simd)
         out[name] = r
     u = rng.random(p, dtype=np.float32)
-    for name, uu, packed in (("encode", u, False), ("encode packed", u, True), ("encode stream", (99, 64), True)):
-        z = np.empty(p // 2 if packed else p, np.uint8)
-        K.rht_encode(x, p, signs, big_m, 30, tab, uu, z, packed, np.empty(p, np.float32), simd)
+    for name, uu, packed, t, g in (("encode", u, 0, tab, 30), ("encode packed", u, 4, tab, 30),
+                                   ("encode stream", (99, 64), 4, tab, 30), ("encode 5 bits", u, 5, tab5, 31),
+                                   ("encode 5 bits stream", (99, 64), 5, tab5, 31)):
+        z = np.empty(packed_size(p, packed) if packed else p, np.uint8)
+        K.rht_encode(x, p, signs, big_m, g, t, uu, z, packed, np.empty(p, np.float32), simd)
         out[name] = z
     zi = rng.integers(0, 16, p).astype(np.uint8)
     lanes = rng.integers(0, 121, p).astype(np.uint8)
@@ -101,11 +105,11 @@ def _every_kernel(p, n, simd, seed, scale=1.0, zero=False):
         K.rht_decode(src, kind, 2.0 * big_m / 90, big_m, p, signs, t, d, None if n == p else np.empty(p, np.float32),
                      simd)
         out[name] = d
-    for packed in (False, True):
-        z, r = np.empty(p // 2 if packed else p, np.uint8), np.full(p, np.nan, np.float32)
-        K.quantize_ef(out["rotate+carry"], big_m, 30, tab, (5, 0), z, packed, r, simd)
+    for packed, t, g in ((0, tab, 30), (4, tab, 30), (5, tab5, 31)):
+        z, r = np.empty(packed_size(p, packed) if packed else p, np.uint8), np.full(p, np.nan, np.float32)
+        K.quantize_ef(out["rotate+carry"], big_m, g, t, (5, 0), z, packed, r, simd)
         inplace = out["rotate+carry"].copy()
-        K.quantize_ef(inplace, big_m, 30, tab, (5, 0), z, packed, inplace, simd)
+        K.quantize_ef(inplace, big_m, g, t, (5, 0), z, packed, inplace, simd)
         out[f"quantize_ef {packed}"], out[f"quantize_ef residual {packed}"] = z, r
         out[f"quantize_ef over its input {packed}"] = inplace
         assert np.array_equal(bits_of(inplace), bits_of(r))
@@ -199,15 +203,17 @@ def test_tune_refuses_blockings_it_cannot_run():
 
 
 def _encode_both(x, p, signs, big_m, g, tab, u, packed, simd):
-    out = np.empty(p // 2 if packed else p, np.uint8)
+    out = np.empty(packed_size(p, packed) if packed else p, np.uint8)
     K.rht_encode(x, p, signs, big_m, g, tab, u, out, packed, np.empty(p, np.float32), simd)
     return out
 
 
-@pytest.mark.parametrize("bits,g", [(4, 30), (4, 51), (4, 63), (3, 36), (2, 36), (4, 100), (5, 120), (4, 255)])
+@pytest.mark.parametrize("bits,g", [(4, 30), (4, 51), (4, 63), (3, 36), (2, 36), (4, 100), (5, 31), (5, 63),
+                                    (5, 120), (4, 255), (8, 255)])
 @pytest.mark.parametrize("p,n", [(128, 128), (1 << 14, 1 << 14), (1 << 14, 9000), (1 << 17, 1 << 17), (64, 5)])
 def test_rht_encode_paths_equal_separate_passes(bits, g, p, n):
-    """Fused encode (AVX2 and scalar) == apply_signs + fwht + quantize, every index."""
+    """Fused encode (every path) == apply_signs + fwht + quantize, every index, and packed
+    b-bit as proto/packing.py packs them (5 bits at g = 31 and 63: the 32-level permutes)."""
     tab = bytes(solve_table(bits, g, "1/32").values)
     rng = np.random.default_rng(p + n + g)
     x = ugly(n, g)
@@ -225,8 +231,7 @@ def test_rht_encode_paths_equal_separate_passes(bits, g, p, n):
     for simd in SIMD:
         got = _encode_both(x, p, signs, big_m, g, tab, u, False, simd)
         assert np.array_equal(got, ref)
-        if bits == 4:
-            assert np.array_equal(_encode_both(x, p, signs, big_m, g, tab, u, True, simd), pack_indices(ref, 4))
+        assert np.array_equal(_encode_both(x, p, signs, big_m, g, tab, u, bits, simd), pack_indices(ref, bits))
         # an all-zero round (M = 0): every coordinate at y = g/2
         zero = _encode_both(x, p, signs, 0.0, g, tab, u, False, simd)
         K.quantize(padded, 0.0, g, tab, u, ref)
@@ -270,7 +275,7 @@ def test_rht_rotate_equals_separate_passes_plus_carry(p, n):
             assert np.array_equal(bits_of(out), bits_of(ref if c is None else ref + carry))
 
 
-@pytest.mark.parametrize("bits,g", [(4, 30), (4, 63), (2, 36), (5, 120), (4, 255), (8, 255)])
+@pytest.mark.parametrize("bits,g", [(4, 30), (4, 63), (2, 36), (5, 31), (5, 63), (5, 120), (4, 255), (8, 255)])
 @pytest.mark.parametrize("n", [2, 128, 1000, 1002, 1040, 1048, 1 << 16])
 def test_quantize_ef_equals_quantize_and_own_decode(bits, g, n):
     """quantize_ef: the indices of the separate quantizer (and of the counter stream's C
@@ -288,13 +293,14 @@ def test_quantize_ef_equals_quantize_and_own_decode(bits, g, n):
         want = x - (np.asarray(tab, np.float32)[ref] * c - m)
         for simd in SIMD:
             z, r = np.empty(n, np.uint8), np.full(n, np.nan, np.float32)
-            K.quantize_ef(x, big_m, g, bytes(tab), u, z, False, r, simd)
+            K.quantize_ef(x, big_m, g, bytes(tab), u, z, 0, r, simd)
             assert np.array_equal(z, ref)
             assert np.array_equal(bits_of(r), bits_of(want))
-            if bits == 4:
-                zp = np.empty(n // 2, np.uint8)
-                K.quantize_ef(x, big_m, g, bytes(tab), u, zp, True, None, simd)
-                assert np.array_equal(zp, pack_indices(ref, 4))
+            if n * bits % 8 == 0:       # packed b-bit: whole bytes only (n = 1000: 625 at 5 bits)
+                zp, rp = np.empty(n * bits // 8, np.uint8), np.full(n, np.nan, np.float32)
+                K.quantize_ef(x, big_m, g, bytes(tab), u, zp, bits, rp, simd)
+                assert np.array_equal(zp, pack_indices(ref, bits))
+                assert np.array_equal(bits_of(rp), bits_of(want))
     # the counter stream: the same indices as the fused encode of an unrotated block
     p = 1 << 12
     signs = rademacher_bits(1, 0, 0, p)
@@ -303,9 +309,9 @@ def test_quantize_ef_equals_quantize_and_own_decode(bits, g, n):
     big_m = 2.2 * float(np.linalg.norm(y)) / np.sqrt(p)
     for simd in SIMD:
         fused, alone = np.empty(p, np.uint8), np.empty(p, np.uint8)
-        K.rht_encode(y, p, signs, big_m, 30, bytes(solve_table(4, 30, "1/32").values), (77, 4096), fused, False,
+        K.rht_encode(y, p, signs, big_m, 30, bytes(solve_table(4, 30, "1/32").values), (77, 4096), fused, 0,
                      np.empty(p, np.float32), simd)
-        K.quantize_ef(rot, big_m, 30, bytes(solve_table(4, 30, "1/32").values), (77, 4096), alone, False, None, simd)
+        K.quantize_ef(rot, big_m, 30, bytes(solve_table(4, 30, "1/32").values), (77, 4096), alone, 0, None, simd)
         assert np.array_equal(fused, alone)
 
 
@@ -316,26 +322,32 @@ def test_kernel_argument_checks():
     tab = bytes(solve_table(4, 30, "1/32").values)
     u = np.zeros(128, np.float32)
     with pytest.raises(ValueError):      # output too small
-        K.rht_encode(x, 128, bytes(16), 1.0, 30, tab, u, np.empty(10, np.uint8), False, np.empty(128, np.float32))
+        K.rht_encode(x, 128, bytes(16), 1.0, 30, tab, u, np.empty(10, np.uint8), 0, np.empty(128, np.float32))
     with pytest.raises(ValueError):      # input longer than the block
-        K.rht_encode(np.zeros(200, np.float32), 128, bytes(16), 1.0, 30, tab, u, np.empty(128, np.uint8), False,
+        K.rht_encode(np.zeros(200, np.float32), 128, bytes(16), 1.0, 30, tab, u, np.empty(128, np.uint8), 0,
                      np.empty(128, np.float32))
     with pytest.raises(ValueError):      # table that does not end at g
-        K.rht_encode(x, 128, bytes(16), 1.0, 31, tab, u, np.empty(128, np.uint8), False, np.empty(128, np.float32))
+        K.rht_encode(x, 128, bytes(16), 1.0, 31, tab, u, np.empty(128, np.uint8), 0, np.empty(128, np.float32))
     with pytest.raises(ValueError):      # fewer outputs than p need a work buffer
         K.rht_decode(u, 0, 1.0, 0.0, 128, bytes(16), b"", np.empty(100, np.float32), None)
     with pytest.raises(ValueError):      # a carry shorter than the block
         K.rht_rotate(x, 128, bytes(16), np.zeros(64, np.float32), np.empty(128, np.float32))
     with pytest.raises(ValueError):      # a residual buffer shorter than the input
-        K.quantize_ef(u, 1.0, 30, tab, u, np.empty(128, np.uint8), False, np.empty(100, np.float32))
-    with pytest.raises(ValueError):      # packed needs an even count
-        K.quantize_ef(u[:3], 1.0, 30, tab, u, np.empty(2, np.uint8), True, None)
+        K.quantize_ef(u, 1.0, 30, tab, u, np.empty(128, np.uint8), 0, np.empty(100, np.float32))
+    with pytest.raises(ValueError):      # packed nibbles need an even count
+        K.quantize_ef(u[:3], 1.0, 30, tab, u, np.empty(2, np.uint8), 4, None)
+    with pytest.raises(ValueError):      # 5-bit indices must end on a byte
+        K.quantize_ef(u[:12], 1.0, 31, bytes(solve_table(5, 31, "1/32").values), u, np.empty(8, np.uint8), 5, None)
+    with pytest.raises(ValueError):      # 16 levels do not fit 3 bits
+        K.quantize_ef(u, 1.0, 30, tab, u, np.empty(48, np.uint8), 3, None)
+    with pytest.raises(ValueError):      # no 9-bit packing
+        K.rht_encode(x, 128, bytes(16), 1.0, 30, tab, u, np.empty(144, np.uint8), 9, np.empty(128, np.float32))
     assert K.simd() == (os.environ.get("THC_KERNELS") or BEST)
     if not K.has_avx512():
         with pytest.raises(RuntimeError, match="AVX-512"):
-            K.quantize_ef(u, 1.0, 30, tab, u, np.empty(128, np.uint8), False, None, 2)
+            K.quantize_ef(u, 1.0, 30, tab, u, np.empty(128, np.uint8), 0, None, 2)
     with pytest.raises(ValueError, match="simd=3"):
-        K.quantize_ef(u, 1.0, 30, tab, u, np.empty(128, np.uint8), False, None, 3)
+        K.quantize_ef(u, 1.0, 30, tab, u, np.empty(128, np.uint8), 0, None, 3)
 
 
 @pytest.mark.parametrize("dim,block_log2,bits,g", [(1, 23, 4, 30), (3, 23, 4, 30), (1000, 23, 4, 30),

@@ -46,6 +46,7 @@ def test_ddp_and_thc_ps_rows_under_a_cap(tmp_path):
     assert rows["thc-ps"]["steps_to_target"] == 3                # the first evaluation, after step 3
     row = next(line for line in path.read_text().splitlines() if line.startswith("| 100 Mbit/s | thc-ps | colocated |"))
     assert row.split(" | ")[-3:-1] == ["3", f"{rows['thc-ps']['time_to_target']:.1f}"]     # steps to, time to
-    from thc_ps.torch import P_WITHOUT_FEEDBACK
+    from thc_ps.torch import P_WITHOUT_FEEDBACK, TABLE_WITHOUT_FEEDBACK
     assert "warm-up steps (the first 1, float16" in path.read_text()          # TINY's, not the library's 10
-    assert f"g = 30, p = {P_WITHOUT_FEEDBACK}, no error feedback" in path.read_text()
+    b, g = TABLE_WITHOUT_FEEDBACK["bits"], TABLE_WITHOUT_FEEDBACK["granularity"]
+    assert f"b = {b}, g = {g}, p = {P_WITHOUT_FEEDBACK}, no error feedback" in path.read_text()

@@ -110,7 +110,8 @@ def run(engine, seq):
 
 @pytest.mark.parametrize("codec,quorum,lane_bits,bits,g", [
     ("thc", 1.0, 8, 4, 30), ("thc", 0.75, 8, 4, 30), ("thc", 1.0, 16, 3, 100),
-    ("thc", 0.5, 32, 2, 10), ("none", 1.0, 8, 4, 30), ("thc", 1.0, 16, 8, 300)])
+    ("thc", 0.5, 32, 2, 10), ("none", 1.0, 8, 4, 30), ("thc", 1.0, 16, 8, 300), ("thc", 1.0, 7, 5, 31),
+    ("thc", 0.75, 8, 6, 63), ("thc", 1.0, 16, 7, 200)])
 def test_c_engine_matches_reference(codec, quorum, lane_bits, bits, g):
     job = job_for(codec, quorum, lane_bits, bits, g)
     seed = stable_seed(codec, quorum, lane_bits, bits)
@@ -273,6 +274,28 @@ def test_kernel_simd_equals_scalar():
         c = rng.integers(0, 200, 301).astype(lane)
         lookup_accumulate(c, packed, tab, bits, False, True)
         assert c.tolist() == np.asarray(tab)[z].tolist()
+
+
+def test_wide_index_lookup_equals_the_table_on_every_path():
+    """Indices of b != 4 bits into byte lanes: widened tile by tile (512 indices: counts on
+    either side of a tile and of a 64-lane step), looked up by vpermb (b <= 6 on the VBMI path)
+    or byte by byte, on every lane-widening path this CPU has; set and add."""
+    from thc_ps.ps_server._fastpath import lanes_path, lookup_accumulate
+    rng = np.random.default_rng(8)
+    for bits in (1, 2, 3, 5, 6, 7, 8):
+        tab = rng.integers(0, 128, 1 << bits).tolist()       # any byte values: sums of two fit
+        for count in (1, 7, 8, 63, 64, 65, 511, 512, 513, 4097):
+            z = rng.integers(0, 1 << bits, count).astype(np.uint8)
+            packed = pack_indices(z, bits).tobytes()
+            want = np.asarray(tab)[z]
+            for path in range(lanes_path() + 1):
+                c = rng.integers(0, 256, count).astype(np.uint8)
+                lookup_accumulate(c, packed, tab, bits, False, True, path)
+                assert c.tolist() == want.tolist(), (bits, count, path)
+                lookup_accumulate(c, packed, tab, bits, False, False, path)
+                assert c.tolist() == (2 * want).tolist(), (bits, count, path)
+    with pytest.raises(ValueError, match="path"):
+        lookup_accumulate(np.zeros(8, np.uint8), bytes(5), list(range(32)), 5, False, False, lanes_path() + 1)
 
 
 @pytest.mark.parametrize("codec", ["thc", "none", "topk"])

@@ -40,7 +40,7 @@ def test_splitmix64_matches_its_published_first_output_and_a_sequential_referenc
 @pytest.mark.parametrize("simd", SIMD)
 @pytest.mark.parametrize("p,n,base", [(128, 128, 0), (1 << 14, 9000, 1 << 14), (1 << 15, 1 << 15, 3),
                                       (64, 5, 0), (2, 2, 1)])
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("packed", [0, 4])
 def test_c_encode_computes_the_counter_uniforms_bit_for_bit(simd, p, n, base, packed):
     """rht_encode given (key, base) == rht_encode given the materialized uniforms, on both
     paths, even and odd stream offsets (an odd offset takes the scalar lanes of the AVX2 sink)."""
@@ -124,10 +124,10 @@ def test_key_from_takes_one_draw_and_bad_keys_are_refused():
     out = np.empty(64, np.uint8)
     with pytest.raises(TypeError):
         K.rht_encode(np.zeros(64, np.float32), 64, bytes(8), 1.0, 30, bytes(solve_table(4, 30, 1 / 32).values),
-                     ("key", 0), out, False, np.empty(64, np.float32))
+                     ("key", 0), out, 0, np.empty(64, np.float32))
     with pytest.raises(ValueError, match="inconsistent"):
         K.rht_encode(np.zeros(64, np.float32), 64, bytes(8), 1.0, 30, bytes(solve_table(4, 30, 1 / 32).values),
-                     np.zeros(10, np.float32), out, False, np.empty(64, np.float32))
+                     np.zeros(10, np.float32), out, 0, np.empty(64, np.float32))
 
 
 def test_worker_rounds_of_changing_sizes_encode_the_one_stream_in_order():

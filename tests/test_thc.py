@@ -169,6 +169,37 @@ def test_the_library_support_without_error_feedback_leaves_almost_no_clamp_bias(
     assert Fraction(job_proposal(4, {"p": "1/64"}, error_feedback=False).p) == Fraction(1, 64)
 
 
+def test_the_library_table_without_error_feedback_is_five_bits_and_keeps_the_lanes():
+    """Without error feedback a launch proposes 5-bit indices at g = 31, whose sums take the
+    lanes 4 bits at g = 30 take for every rank count (the bytes down do not change), and its
+    rounding noise is below the 4-bit table's; with error feedback, or with b or g given, the
+    proposal is JobConfig's (a given b keeps g's default, and the reverse)."""
+    from thc_ps.proto.job import JobConfig
+    from thc_ps.torch import TABLE_WITHOUT_FEEDBACK, job_proposal
+    five = job_proposal(4, {}, error_feedback=False)
+    assert (five.bits, five.granularity) == (TABLE_WITHOUT_FEEDBACK["bits"], TABLE_WITHOUT_FEEDBACK["granularity"])
+    assert (five.bits, five.granularity) == (5, 31)
+    plain = JobConfig(num_workers=4)
+    assert (job_proposal(4, {}, error_feedback=True).bits, job_proposal(4, {}, True).granularity) == \
+        (plain.bits, plain.granularity) == (4, 30)
+    assert (job_proposal(4, {"bits": 4}, False).granularity, job_proposal(4, {"granularity": 60}, False).bits) == (30, 4)
+    for n in range(1, 33):
+        assert job_proposal(n, {}, False).lane_bits == JobConfig(num_workers=n).lane_bits, n
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(1 << 14) * rng.lognormal(0, 1, 1 << 14)).astype(np.float32)
+
+    def mse(b, g):
+        cfg = thc.ThcConfig(bits=b, granularity=g, p=Fraction(five.p))
+        errs = []
+        for r in range(8):
+            rnd = thc.WorkerRound(cfg, x, None, "k")
+            z = rnd.encode(rnd.norms(), np.random.default_rng(r), r)
+            errs.append(np.mean((rnd.decode(thc.lookup_sum([z], cfg.table.values)) - x) ** 2))
+        return float(np.mean(errs))
+    assert mse(5, 31) < 0.5 * mse(4, 30)         # 0.30 of it on this draw
+    assert mse(5, 31) < 0.6 * mse(4, 30)
+
+
 @pytest.mark.parametrize("rotation", ["round", "job"])
 def test_error_feedback_telescopes(rotation):
     cfg = thc.ThcConfig(seed=1, rotation=rotation)
@@ -220,12 +251,14 @@ def test_a_job_rotation_keeps_the_residual_rotated():
     assert np.array_equal(own, thc.decode_own(z, norms, cfg, layout, 0))        # D of round 0 in round 7
 
 
+@pytest.mark.parametrize("bits,g", [(4, 30), (5, 31)])
 @pytest.mark.parametrize("tail_log2", [10, 6])
-def test_a_job_rotation_round_block_by_block_equals_the_whole_round(tail_log2):
+def test_a_job_rotation_round_block_by_block_equals_the_whole_round(tail_log2, bits, g):
     """The pipelined calls (start_packed, encode_blocks, residual_blocks) of a rotated round
     make the bytes and the residual of encode(packed=True) + residual(), bit for bit (3500 in
-    blocks of 2^10: a rest of 428 in one block of 512, or in 256 + 128 + 64 with tail_log2 6)."""
-    cfg = thc.ThcConfig(seed=2, block_log2=10, rotation="job", tail_log2=tail_log2)
+    blocks of 2^10: a rest of 428 in one block of 512, or in 256 + 128 + 64 with tail_log2 6),
+    for nibbles and for 5-bit indices (5 bytes to 8 coordinates)."""
+    cfg = thc.ThcConfig(bits=bits, granularity=g, seed=2, block_log2=10, rotation="job", tail_log2=tail_log2)
     dim = 3500
     rng = np.random.default_rng(3)
     g = (rng.standard_normal(dim) * rng.lognormal(0, 1, dim)).astype(np.float32)
@@ -272,16 +305,23 @@ def test_a_span_outside_its_block_or_at_an_odd_offset_is_refused():
     rnd = thc.WorkerRound(cfg, g, ErrorFeedback(), "w")
     rnd.start_packed(rnd.norms(), np.random.default_rng(0), 0)
     for lo, hi in ((1, 8), (0, 1026), (8, 8)):
-        with pytest.raises(ValueError, match="even offsets"):
+        with pytest.raises(ValueError, match="on whole bytes of 4-bit"):
             rnd.encode_span(0, lo, hi)
+    five = thc.WorkerRound(thc.ThcConfig(bits=5, granularity=31, seed=3, block_log2=10, rotation="job"), g,
+                           ErrorFeedback(), "w")
+    five.start_packed(five.norms(), np.random.default_rng(0), 0)
+    five.encode_span(0, 8, 16)                  # 5 whole bytes
+    with pytest.raises(ValueError, match="on whole bytes of 5-bit"):
+        five.encode_span(0, 2, 16)              # even, but bit 10 of the stream
     per_round = thc.WorkerRound(thc.ThcConfig(seed=3, block_log2=10, rotation="round"), g, ErrorFeedback(), "w")
     with pytest.raises(ValueError, match="encodes whole blocks"):
         per_round.encode_span(0, 0, 8)
 
 
+@pytest.mark.parametrize("bits,g", [(4, 30), (5, 31)])
 @pytest.mark.parametrize("tail_log2", [11, 6])
-def test_a_job_rotation_numpy_reference_equals_the_kernels(monkeypatch, tail_log2):
-    cfg = thc.ThcConfig(seed=9, block_log2=11, rotation="job", bits=4, tail_log2=tail_log2)
+def test_a_job_rotation_numpy_reference_equals_the_kernels(monkeypatch, tail_log2, bits, g):
+    cfg = thc.ThcConfig(seed=9, block_log2=11, rotation="job", bits=bits, granularity=g, tail_log2=tail_log2)
     dim = 5000
     rng = np.random.default_rng(11)
     g = (rng.standard_normal(dim) * rng.lognormal(0, 2, dim)).astype(np.float32)
@@ -299,6 +339,40 @@ def test_a_job_rotation_numpy_reference_equals_the_kernels(monkeypatch, tail_log
     slow = run()
     for a, b in zip(fast, slow):
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@pytest.mark.parametrize("rotation", ["job", "round"])
+def test_five_bit_indices_go_block_by_block_and_equal_the_numpy_reference(monkeypatch, rotation):
+    """5-bit indices at g = 31 (every block a multiple of 8 coordinates: whole bytes): a round's
+    pipelined calls make the packed bytes and the residual of the whole round, and both equal
+    those of the numpy reference (thc.py without its C kernels) bit for bit: the C packing, the
+    32-level quantizer and, with a rotation per round, the own decode of widened indices."""
+    cfg = thc.ThcConfig(bits=5, granularity=31, p=Fraction(1, 512), seed=7, block_log2=10, rotation=rotation,
+                        tail_log2=6)
+    rng = np.random.default_rng(13)
+    g = (rng.standard_normal(3500) * rng.lognormal(0, 1, 3500)).astype(np.float32)
+
+    def run(piecewise):
+        rnd = thc.WorkerRound(cfg, g, ErrorFeedback(), "w")
+        norms = rnd.norms() * 0.8           # some coordinates clamped
+        if not piecewise:
+            z = rnd.encode(norms, np.random.default_rng(5), 3, packed=True)
+            return z.copy(), rnd.residual().copy()
+        assert rnd.can_pipeline()
+        buf = rnd.start_packed(norms, np.random.default_rng(5), 3)
+        blocks = len(rnd.layout.starts)
+        for j in reversed(range(blocks)):
+            rnd.encode_blocks(range(j, j + 1))
+        for j in range(blocks):
+            res = rnd.residual_blocks(range(j, j + 1))
+        return buf.copy(), res.copy()
+    whole, piece = run(False), run(True)
+    monkeypatch.setattr(thc, "_kernels", None)
+    slow = run(False)
+    assert whole[0].size == thc.packed_size(cfg.layout(3500).padded_dim, 5)
+    for a, b, c in zip(whole, piece, slow):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+        assert np.array_equal(a.view(np.uint8), c.view(np.uint8))
 
 
 @pytest.mark.parametrize("rotation", ["job", "round"])

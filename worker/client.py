@@ -97,8 +97,8 @@ START_IDLE, STAY_IDLE = 0.25, 0.10
 def send_spans(padded, first: int, cap: int) -> list[tuple[int, int, int]]:
     """The spans (block j, start, stop) a rotated round quantizes, in order, over blocks of
     `padded` coordinates: the first `first` long, each next one twice the last up to `cap`,
-    none across a block's end.  With `first` and `cap` even, as the blocks' sizes are, every
-    boundary is even: no 4-bit pair straddles two spans."""
+    none across a block's end.  With `first` and `cap` multiples of 8, every boundary is one or a
+    block's end: no byte of packed indices (b bits, blocks of whole bytes) straddles two spans."""
     spans, size = [], first
     for j, p in enumerate(padded):
         a = 0
