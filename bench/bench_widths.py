@@ -35,10 +35,10 @@ RANKS = 4
 
 
 def lm_sizes() -> list[int]:
-    """The example LM's tensor sizes, in its parameters' order."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    from char_lm import CharLM  # noqa: E402
-    return [p.numel() for p in CharLM(64, 128, 4, 4).parameters()]
+    """The example LM's tensor sizes (its defaults, as bench_tensor_error builds it), in its
+    parameters' order."""
+    from thc_ps.deploy import lm_experiment as lm
+    return [p.numel() for p in lm.example().CharLM(64, 128, 4, heads=4).parameters()]
 
 
 def parse_widths(text: str) -> list[tuple[int, int]]:

@@ -726,9 +726,9 @@ static void quant_ef_scalar(const float *x, size_t n, const qtab_t *q, const qef
 
 /* The sub-byte packing path of a kernel level: BMI2 from AVX2 up where the CPU has it, scalar
  * at level 0 (THC_KERNELS=scalar runs no instruction beyond the base ISA). */
+static int lanes_best = 0;   /* lanes_best_path(), taken once at import */
 static int pack_path(int simd) {
-    const int best = lanes_best_path();
-    return simd >= 2 ? best : (simd == 1 && best >= 1 ? 1 : 0);
+    return simd >= 2 ? lanes_best : (simd == 1 && lanes_best >= 1 ? 1 : 0);
 }
 
 static void quant_ef_run(int simd, const float *x, size_t n, const qtab_t *q, const qef_t *f);
@@ -1244,6 +1244,7 @@ PyMODINIT_FUNC PyInit__kernels(void) {
         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
         cpu_level = 2;
 #endif
+    lanes_best = lanes_best_path();
     /* THC_KERNELS=scalar|avx2|avx512 forces a path; one this CPU lacks, or another word, is an
      * error at import (not a silent fallback to the numpy code) */
     const char *env = getenv("THC_KERNELS");

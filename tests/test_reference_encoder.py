@@ -296,18 +296,21 @@ def _gradient(r: int, d: int) -> np.ndarray:
 @pytest.mark.parametrize("bits,per_round,rotation,tail_log2,tensors",
                          [(4, True, "round", 11, None), (2, False, "round", 6, None), (4, True, "job", 6, None),
                           (2, False, "job", 11, None), (4, False, "job", 6, (7, 0, 2100, 1000, 1893)),
-                          (4, True, "round", 11, (3000, 2000))])
+                          (4, True, "round", 11, (3000, 2000)), (5, True, "round", 11, None),
+                          (5, False, "job", 6, (7, 0, 2100, 1000, 1893))])
 def test_reference_encoder_sends_the_real_workers_packets(bits, per_round, rotation, tail_log2, tensors):
     """Under `rotation` `job` the worker keeps error feedback (§4 step 8): its residuals reach
     the later rounds' norms and indices, so the packets check them too.  d = 5000 in blocks of
     2^11 leaves a rest of 904: one block of 1024 with tail_log2 11, four of 512, 256, 128 and
     64 with tail_log2 6 (§4 step 1).  With `tensors` the worker is given the sizes of the
     tensors x holds, and each is cut on its own: (7, 0, 2100, 1000, 1893) in 8 | – | 2048 + 64
-    | 1024 | 1024 + 512 + 256 + 128 (5064 coordinates); (3000, 2000) in 2048 + 1024 | 2048."""
+    | 1024 | 1024 + 512 + 256 + 128 (5064 coordinates); (3000, 2000) in 2048 + 1024 | 2048.
+    5-bit indices (g = 31, the library's table without error feedback) are packed block by
+    block by the worker's C kernels, 8 indices to 5 bytes; here they meet §2's bit packing."""
     from thc_ps.worker.client import Worker
     from thc_ps.worker.transport import Transport
-    job = JobConfig(num_workers=2, bits=bits, seed=11, block_log2=11, tail_log2=tail_log2, slots=3, norm_slots=3,
-                    rotation=rotation)
+    job = JobConfig(num_workers=2, bits=bits, granularity=31 if bits == 5 else 30, seed=11, block_log2=11,
+                    tail_log2=tail_log2, slots=3, norm_slots=3, rotation=rotation)
     feedback = rotation == "job"
     rank, worker_seed, d, rounds = 1, 5, 5000, 3
     server = PSServer(job, ("127.0.0.1", 0), control_port=0).start()
